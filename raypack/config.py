@@ -1,0 +1,307 @@
+"""Typed run configuration: one frozen dataclass per component, loaded from YAML.
+
+    cfg = load("jobs/configs/tiny_cpu.yaml", ["train.lr=2e-5", "pack.strategy=bfd"])
+
+Every field has a type and a docstring. `load` checks the YAML against the dataclasses, so an
+unknown key, a wrong type or an out-of-range value fails before any Ray work starts, with an
+error that names the key, the expected form and the file. `to_dict()` turns a config back into
+plain data so that it can travel as Ray Train's `train_loop_config` and be logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+ASSETS = Path(__file__).parent / "assets"
+"""Bundled tiny tokenizer and sample data: the embedded default needs nothing from a hub."""
+
+
+class ConfigError(ValueError):
+    """A config value is unknown, of the wrong type or out of range."""
+
+
+def _check(ok: bool, name: str, expected: str, value: Any) -> None:
+    if not ok:
+        raise ConfigError(f"{name}: expected {expected}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataConfig:
+    paths: tuple[str, ...] = (str(ASSETS / "sample" / "chat.jsonl"),)
+    """JSONL, Parquet or `save_to_disk` folders; local paths or any URI Ray Data reads."""
+    format: Literal["auto", "chat", "instruction", "completion", "tokenized"] = "auto"
+    """Example format; `auto` detects it from the columns of each source."""
+    on_bad_rows: Literal["error", "skip"] = "error"
+    """`error` stops at the first bad row naming its file and line; `skip` counts and reports them."""
+    eval_fraction: float = 0.1
+    """Share of examples held out for eval loss, chosen by a seeded hash of `example_id`."""
+
+    def __post_init__(self) -> None:
+        _check(len(self.paths) > 0, "data.paths", "at least one path", self.paths)
+        _check(0.0 <= self.eval_fraction < 1.0, "data.eval_fraction", "a float in [0, 1)", self.eval_fraction)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TokenizeConfig:
+    tokenizer: str = str(ASSETS / "tokenizer")
+    """Hugging Face tokenizer name or local path."""
+    chat_template: str | None = None
+    """Jinja chat template that replaces (or supplies) the tokenizer's own."""
+    label_mask: Literal["auto", "assistant", "completion", "all"] = "auto"
+    """Which tokens carry loss. `auto`: assistant turns for chat, the output/completion otherwise."""
+    overlength: Literal["drop", "truncate", "split"] = "truncate"
+    """What happens to an example longer than `max_length` (default: the pack budget)."""
+    max_length: int | None = None
+    """Longest example kept whole; None means `pack.budget`."""
+    batch_size: int = 256
+    """Rows per `map_batches` call."""
+    num_actors: int = 1
+    """Tokenizer actors; each loads the tokenizer once."""
+    num_cpus: float = 0.5
+    """Logical CPUs per tokenizer actor. Fractional, so read tasks still get a core on small hosts."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_length is None or self.max_length > 0, "tokenize.max_length", "a positive int or null", self.max_length)
+        _check(self.batch_size > 0, "tokenize.batch_size", "a positive int", self.batch_size)
+        _check(self.num_actors > 0, "tokenize.num_actors", "a positive int", self.num_actors)
+        _check(self.num_cpus > 0, "tokenize.num_cpus", "a positive float", self.num_cpus)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PackConfig:
+    strategy: str = "balanced"
+    """Packing strategy by name: pad, pad_sorted, flatten, wrapped, wrapped_noreset, random, greedy, bfd, balanced."""
+    budget: int = 1024
+    """Tokens per packed row (the micro-batch for packed strategies)."""
+    batch_size: int = 8
+    """Examples per minibatch for pad, pad_sorted and flatten (the papers' B)."""
+    seed: int = 0
+    """Seed for every random choice of the plan; the same seed rebuilds the same plan on resume."""
+
+    def __post_init__(self) -> None:
+        _check(self.budget > 0, "pack.budget", "a positive int", self.budget)
+        _check(self.batch_size > 0, "pack.batch_size", "a positive int", self.batch_size)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    name: str = "tiny-llama"
+    """Hugging Face model name or path, or `tiny-<family>` for a small random model built from a config."""
+    attention: Literal["auto", "flash_attn", "torch_varlen", "sdpa_varlen", "sdpa"] = "auto"
+    """Attention backend for packed rows; `auto` picks flash-attn, then torch varlen on CUDA, then exact SDPA."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Parameter dtype; `auto` is bfloat16 on CUDA and float32 on the CPU."""
+    trust_remote_code: bool = False
+    """Allow model code from the hub; off unless you trust the source."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    num_workers: int = 2
+    """Ray Train workers, one data-parallel rank each."""
+    use_gpu: bool = False
+    """One GPU per worker when true; gloo on the CPU otherwise."""
+    cpus_per_worker: float = 1.0
+    """Logical CPUs each worker reserves."""
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    """DeepSpeed ZeRO stage."""
+    deepspeed_preset: str | None = None
+    """A DeepSpeed JSON under jobs/configs/deepspeed/ (or a path) that this config overlays."""
+    offload_optimizer: bool = False
+    """ZeRO optimizer state offload to CPU."""
+    offload_params: bool = False
+    """ZeRO-3 parameter offload to CPU."""
+    optimizer: Literal["torch", "deepspeed"] = "torch"
+    """`torch` passes torch AdamW (fused on CUDA) and skips DeepSpeed's JIT op builds."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay floor as a fraction of `lr`."""
+    warmup_steps: int = 2
+    """Linear warmup optimizer steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Gradient norm clip; 0 turns it off."""
+    grad_accum: int = 1
+    """Micro-batches (plan steps) per optimizer step."""
+    epochs: int = 1
+    """Passes over the training packs."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (None: run all epochs)."""
+    seed: int = 0
+    """Model init and dropout seed."""
+    report_every_steps: int = 10
+    """Optimizer steps between `ray.train.report` calls (it blocks, so never every step)."""
+    eval_every_steps: int = 0
+    """Optimizer steps between evals; 0 evaluates only at the end."""
+    checkpoint_every_steps: int = 0
+    """Optimizer steps between checkpoints; 0 checkpoints only at the end."""
+    max_failures: int = 1
+    """Worker-group restarts from the last checkpoint before the run fails."""
+    tensorboard: bool = True
+    """Write per-step TensorBoard events into the run directory."""
+    mlflow: bool = False
+    """Also log to MLflow (local file store under the storage path unless MLFLOW_TRACKING_URI is set)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_workers", "grad_accum", "epochs", "report_every_steps"):
+            _check(getattr(self, name) > 0, f"train.{name}", "a positive int", getattr(self, name))
+        for name in ("warmup_steps", "eval_every_steps", "checkpoint_every_steps", "max_failures"):
+            _check(getattr(self, name) >= 0, f"train.{name}", "an int >= 0", getattr(self, name))
+        _check(self.max_steps is None or self.max_steps > 0, "train.max_steps", "a positive int or null", self.max_steps)
+        _check(self.lr > 0, "train.lr", "a positive float", self.lr)
+        _check(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", "a float in [0, 1]", self.min_lr_ratio)
+        _check(self.cpus_per_worker > 0, "train.cpus_per_worker", "a positive float", self.cpus_per_worker)
+        _check(not self.offload_params or self.zero_stage == 3, "train.offload_params", "zero_stage 3", self.zero_stage)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    name: str = "raypack"
+    """Run name; Ray Train resumes a run whose name already exists under the storage path."""
+    storage_path: str = "~/raypack_results"
+    """Where results, checkpoints and TensorBoard logs go: a local folder or any URI Ray supports."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TuneConfig:
+    strategies: tuple[str, ...] = ("pad", "flatten", "bfd", "balanced")
+    """Packing strategies swept, one trial each (times budgets times lrs)."""
+    budgets: tuple[int, ...] = ()
+    """Pack budgets to sweep; empty keeps `pack.budget`."""
+    lrs: tuple[float, ...] = ()
+    """Learning rates to sweep; empty keeps `train.lr`."""
+    max_concurrent_trials: int = 1
+    """Trials run at once; each is a full Ray Train run."""
+
+    def __post_init__(self) -> None:
+        _check(len(self.strategies) > 0, "tune.strategies", "at least one strategy", self.strategies)
+        _check(self.max_concurrent_trials > 0, "tune.max_concurrent_trials", "a positive int", self.max_concurrent_trials)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
+    pack: PackConfig = field(default_factory=PackConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "<dict>") -> Config:
+        try:
+            return _build(cls, raw, "")
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+
+def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config (or the defaults when `path` is None) and apply `a.b=value` overrides."""
+    source = str(path) if path else "<defaults>"
+    raw: dict[str, Any] = {}
+    if path:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"{source}: config file not found") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{source}: not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: expected a mapping of sections at the top level")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or "." not in key:
+            raise ConfigError(f"override {item!r}: expected section.key=value, e.g. train.lr=2e-5")
+        section, _, name = key.partition(".")
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"{source}: {section}: expected a mapping")
+        raw[section][name] = yaml.safe_load(value)
+        source = f"{source} (with overrides)" if "overrides" not in source else source
+    return Config.from_dict(raw, source)
+
+
+# --- validation: YAML values against the dataclass annotations ---------------------------------
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "config"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown key; expected one of {', '.join(sorted(names))}")
+    kwargs = {}
+    for name, value in raw.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value if value is not None else {}, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(hint, value, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def _coerce(hint: Any, value: Any, name: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        errors = []
+        for option in options:
+            try:
+                return _coerce(option, value, name)
+            except ConfigError as e:
+                errors.append(e)
+        raise ConfigError(f"{name}: expected {_describe(hint)}, got {value!r}")
+    if origin is Literal:
+        _check(value in args, name, "one of " + ", ".join(map(repr, args)), value)
+        return value
+    if origin is tuple:
+        if isinstance(value, (str, int, float)):  # a single value where a list is allowed
+            value = [value]
+        _check(isinstance(value, (list, tuple)), name, _describe(hint), value)
+        return tuple(_coerce(args[0], v, f"{name}[{i}]") for i, v in enumerate(value))
+    if hint is bool:
+        _check(isinstance(value, bool), name, "true or false", value)
+    elif hint is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), name, "an integer", value)
+    elif hint is float:
+        if isinstance(value, str):  # PyYAML reads 2e-5 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool), name, "a number", value)
+        return float(value)
+    elif hint is str:
+        _check(isinstance(value, str), name, "a string", value)
+    return value
+
+
+def _describe(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _describe(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, args))
+    if origin is tuple:
+        return f"a list of {_describe(args[0])}"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))
