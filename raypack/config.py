@@ -112,6 +112,8 @@ class TrainConfig:
     """One GPU per worker when true; gloo on the CPU otherwise."""
     cpus_per_worker: float = 1.0
     """Logical CPUs each worker reserves."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
+    """How workers spread over nodes; SPREAD puts ranks on different nodes where it can."""
     zero_stage: Literal[0, 1, 2, 3] = 2
     """DeepSpeed ZeRO stage."""
     deepspeed_preset: str | None = None
@@ -201,6 +203,21 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def with_absolute_paths(self) -> Config:
+        """Relative local paths resolved against the current directory, which is the job's working
+        directory under `ray job submit`. Ray workers may run elsewhere, so they get absolute paths."""
+
+        def absolute(p: str) -> str:
+            return p if "://" in p or not Path(p).exists() else str(Path(p).resolve())
+
+        tokenizer = absolute(self.tokenize.tokenizer)
+        return dataclasses.replace(
+            self,
+            data=dataclasses.replace(self.data, paths=tuple(absolute(p) for p in self.data.paths)),
+            tokenize=dataclasses.replace(self.tokenize, tokenizer=tokenizer),
+            model=dataclasses.replace(self.model, name=absolute(self.model.name)),
+        )
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "<dict>") -> Config:

@@ -1,0 +1,155 @@
+"""Driver-side data preparation: tokenize, hold out eval, plan globally, write per-rank packs.
+
+    tokenize_dataset ──> split by example_id hash ──> make_plan (lengths only) ──> materialize
+                                                                                   └─ <root>/train/rank=R/
+                                                                                   └─ <root>/eval/rank=R/
+
+Gradient accumulation is folded into the plan: it is built for ranks × accum virtual ranks, and
+virtual rank v becomes (rank v mod R, micro-step step·accum + v div R). Every optimizer step then
+sees ranks × accum packs balanced together, and every rank gets the same multiple of accum
+micro-steps. The folder carries a fingerprint of everything that shaped it, so a resumed run or a
+restarted worker group reuses it instead of re-planning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from raypack.config import Config
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What the workers need to know about the packed data; travels in `train_loop_config`."""
+
+    root: str
+    train_dir: str
+    eval_dir: str | None
+    steps_per_rank: int
+    """Micro-steps (packs) per rank per epoch; a multiple of train.grad_accum."""
+    padded: bool
+    pad_token_id: int
+    vocab_size: int
+    mean_context: float
+    """Average causal attention context per trained token, for MFU (see metrics.flops_per_token)."""
+    stats: dict[str, Any]
+    """Tokenize counts and plan statistics (efficiency, padding, imbalance) for reports and logs."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Prepared:
+        return cls(**raw)
+
+    def report_stats(self) -> dict[str, float]:
+        keys = ("packing_efficiency", "padding_fraction", "token_imbalance", "attention_imbalance")
+        return {k: float(self.stats[k]) for k in keys if k in self.stats}
+
+
+def fingerprint(cfg: Config, num_ranks: int) -> str:
+    shaped_by = {
+        "version": FORMAT_VERSION,
+        "data": dataclasses.asdict(cfg.data),
+        "tokenize": dataclasses.asdict(cfg.tokenize),
+        "pack": dataclasses.asdict(cfg.pack),
+        "ranks": num_ranks,
+        "accum": cfg.train.grad_accum,
+    }
+    return hashlib.sha256(json.dumps(shaped_by, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def is_eval(example_ids: np.ndarray, fraction: float, seed: int) -> np.ndarray:
+    """A stable hash split: the same examples are held out on every run and resume."""
+    if fraction <= 0:
+        return np.zeros(len(example_ids), dtype=bool)
+    mixed = (example_ids.astype(np.uint64) + np.uint64(seed)) * np.uint64(0x9E3779B97F4A7C15)
+    return (mixed >> np.uint64(40)) % np.uint64(10_000) < np.uint64(round(fraction * 10_000))
+
+
+def fold_accumulation(plan, num_ranks: int, accum: int):
+    """Map a plan over ranks·accum virtual ranks onto `num_ranks` ranks with accum micro-steps each."""
+    if accum == 1:
+        return plan
+    return dataclasses.replace(
+        plan,
+        num_ranks=num_ranks,
+        num_steps=plan.num_steps * accum,
+        rank=plan.rank % num_ranks,
+        step=plan.step * accum + plan.rank // num_ranks,
+    )
+
+
+def _plan_split(ds, lengths, ids, cfg: Config, num_ranks: int, out_dir: Path) -> tuple[Any, dict]:
+    from raypack.data.pack import materialize
+    from raypack.data.plan import make_plan
+    from raypack.data.stats import plan_stats
+
+    plan = make_plan(lengths, cfg.pack, num_ranks * cfg.train.grad_accum)
+    plan = fold_accumulation(plan, num_ranks, cfg.train.grad_accum)
+    stats = plan_stats(plan, lengths)
+    materialize(ds, plan, ids, str(out_dir))
+    return plan, stats
+
+
+def prepare(cfg: Config, num_ranks: int, root: str | Path) -> Prepared:
+    """Tokenize, split, plan and pack `cfg`'s data into `root`, or reuse what is already there."""
+    from raypack.data.pack import lengths_and_ids
+    from raypack.data.tokenize import load_tokenizer, tokenize_dataset
+
+    root = Path(root).expanduser()
+    manifest = root / "manifest.json"
+    key = fingerprint(cfg, num_ranks)
+    if manifest.exists():
+        saved = json.loads(manifest.read_text())
+        if saved.get("fingerprint") == key:
+            print(f"[raypack] reusing packed data in {root}")
+            return Prepared.from_dict(saved["prepared"])
+
+    ds, tok_stats = tokenize_dataset(cfg)
+    lengths, ids = lengths_and_ids(ds)
+    held_out = is_eval(ids, cfg.data.eval_fraction, cfg.pack.seed)
+    if held_out.all():
+        held_out[:] = False  # too few examples to hold any out: train on all, report no eval loss
+    held_ids = np.sort(ids[held_out])
+
+    def keep(batch, want_eval: bool):
+        mask = np.isin(batch["example_id"], held_ids, assume_unique=True) == want_eval
+        return {k: v[mask] for k, v in batch.items()}
+
+    train_ds = ds.map_batches(keep, fn_kwargs={"want_eval": False}, batch_format="numpy") if len(held_ids) else ds
+    train_plan, stats = _plan_split(train_ds, lengths[~held_out], ids[~held_out], cfg, num_ranks, root / "train")
+    if train_plan.num_steps < cfg.train.grad_accum:
+        raise ValueError(f"{len(lengths)} examples make no full optimizer step for {num_ranks} ranks")
+    eval_dir = None
+    if len(held_ids):
+        eval_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum=1))
+        eval_ds = ds.map_batches(keep, fn_kwargs={"want_eval": True}, batch_format="numpy")
+        _plan_split(eval_ds, lengths[held_out], ids[held_out], eval_cfg, num_ranks, root / "eval")
+        eval_dir = str(root / "eval")
+
+    tokenizer = load_tokenizer(cfg.tokenize)
+    trained = lengths[~held_out].astype(np.float64)
+    prepared = Prepared(
+        root=str(root),
+        train_dir=str(root / "train"),
+        eval_dir=eval_dir,
+        steps_per_rank=int(train_plan.num_steps),
+        padded=bool(train_plan.padded),
+        pad_token_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id),
+        vocab_size=len(tokenizer),
+        mean_context=float((trained**2).sum() / max(trained.sum(), 1.0) / 2),
+        stats={**dataclasses.asdict(tok_stats), **stats, "train_examples": int((~held_out).sum()),
+               "eval_examples": int(held_out.sum())},
+    )
+    manifest.write_text(json.dumps({"fingerprint": key, "prepared": prepared.to_dict()}, indent=1))
+    return prepared

@@ -1,0 +1,135 @@
+"""Training metrics: tokens/s over real tokens, MFU, memory, and throttled reporting.
+
+`ray.train.report` blocks until the Train controller drains its one-slot queue on a health-check
+poll (2 s by default), so reporting every step costs seconds a step. `Reporter` therefore writes
+every step to TensorBoard (cheap, local) and calls `ray.train.report` only every N steps.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Dense bf16 peak FLOP/s per device, for MFU. Unknown devices (and the CPU) report no MFU.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+
+
+def peak_flops() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+def flops_per_token(model_config: Any, num_params: int, mean_context: float) -> float:
+    """Training FLOPs per token: 6·N for the weights, plus causal attention.
+
+    Attention per layer and token costs 2·2·d·c forward for QKᵀ and AV over an average causal
+    context c; backward doubles it again. With packed rows c is half the *example* length, so
+    `mean_context` is Σlen²/Σlen / 2 over the examples actually trained (not the row length).
+    """
+    layers = model_config.num_hidden_layers
+    heads = model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    return 6.0 * num_params + 12.0 * layers * heads * head_dim * mean_context
+
+
+def peak_memory_gb() -> float:
+    """Peak device memory on CUDA; the process's peak resident memory on the CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+@dataclass
+class Reporter:
+    """Aggregates per-step values between reports; rank 0 also logs TensorBoard and progress."""
+
+    rank: int
+    total_steps: int
+    report_every: int
+    static: dict[str, Any]
+    """Values fixed for the run (packing efficiency, padding fraction) added to every report."""
+    tb_dir: str | None = None
+    flops_per_token: float | None = None
+    _window: list[dict[str, float]] = field(default_factory=list)
+    _writer: Any = None
+    _start: float = field(default_factory=time.perf_counter)
+    _start_step: int = 0
+
+    def __post_init__(self) -> None:
+        if self.rank == 0 and self.tb_dir:
+            from tensorboardX import SummaryWriter
+
+            Path(self.tb_dir).mkdir(parents=True, exist_ok=True)
+            self._writer = SummaryWriter(self.tb_dir)
+
+    def resume_from(self, step: int) -> None:
+        self._start_step, self._start = step, time.perf_counter()
+
+    def log_step(self, step: int, values: dict[str, float]) -> None:
+        self._window.append(values)
+        if self._writer is not None:
+            for key, value in values.items():
+                self._writer.add_scalar(f"train/{key}", value, step)
+
+    def due(self, step: int) -> bool:
+        return step % self.report_every == 0 or step == self.total_steps
+
+    def summary(self, step: int, epoch: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Metrics for `ray.train.report`: the window's means, token-weighted where it matters."""
+        window, self._window = self._window, []
+        tokens = sum(w["tokens"] for w in window)
+        seconds = sum(w["step_time_s"] for w in window)
+        label_tokens = sum(w["label_tokens"] for w in window)
+        metrics: dict[str, Any] = {
+            "step": step,
+            "epoch": epoch,
+            "loss": sum(w["loss"] * w["label_tokens"] for w in window) / max(label_tokens, 1),
+            "tokens_per_s": tokens / seconds if seconds else 0.0,
+            "step_time_s": seconds / max(len(window), 1),
+            "data_wait_s": sum(w["data_wait_s"] for w in window) / max(len(window), 1),
+            "rank_imbalance": max((w["rank_imbalance"] for w in window), default=1.0),
+            "lr": window[-1]["lr"] if window else 0.0,
+            "peak_memory_gb": peak_memory_gb(),
+            "mfu": None,
+            "eval_loss": None,
+        }
+        peak = peak_flops()
+        if peak and self.flops_per_token:
+            # tokens_per_s is summed over ranks; MFU is per device.
+            world = window[-1].get("world_size", 1) if window else 1
+            metrics["mfu"] = metrics["tokens_per_s"] * self.flops_per_token / (peak * world)
+        metrics.update(self.static)
+        metrics.update(extra or {})
+        if self._writer is not None:
+            for key in ("eval_loss", "mfu", "peak_memory_gb"):
+                if metrics.get(key) is not None:
+                    self._writer.add_scalar(f"train/{key}", metrics[key], step)
+            self._writer.flush()
+        if self.rank == 0:
+            self._progress(metrics)
+        return metrics
+
+    def _progress(self, m: dict[str, Any]) -> None:
+        done = m["step"] - self._start_step
+        elapsed = time.perf_counter() - self._start
+        left = elapsed / done * (self.total_steps - m["step"]) if done > 0 else 0.0
+        eval_part = f" eval_loss {m['eval_loss']:.4f}" if m.get("eval_loss") is not None else ""
+        print(
+            f"[raypack] step {m['step']}/{self.total_steps} loss {m['loss']:.4f}{eval_part} "
+            f"tok/s {m['tokens_per_s']:,.0f} data-wait {m['data_wait_s'] * 1e3:.0f}ms "
+            f"mem {m['peak_memory_gb']:.2f}GiB left {left:,.0f}s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
