@@ -42,6 +42,14 @@ def ray_local():
         ray.shutdown()
     # More logical CPUs than cores: trainer workers and Ray Data actors would otherwise take every
     # CPU and leave read tasks none (the job hangs on 2 cores).
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    # Workers unpickle test-defined loop functions by module name, so they need the test folders.
+    paths = [str(REPO), *(str(p) for p in Path(__file__).parent.iterdir() if p.is_dir())]
+    ray.init(
+        address="local",
+        num_cpus=8,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(paths)}},
+    )
     yield ray
     ray.shutdown()

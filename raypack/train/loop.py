@@ -58,9 +58,13 @@ def setup(cfg: Config, data: Prepared, world_size: int):
     from raypack.model.build import load_model
 
     torch.manual_seed(cfg.train.seed)
+    m = cfg.model
     model = load_model(
-        cfg.model,
-        attention="sdpa" if data.padded else cfg.model.attention,
+        m.name,
+        attention="sdpa" if data.padded else m.attention,  # padded batches use the model's own SDPA
+        dtype=m.dtype,
+        trust_remote_code=m.trust_remote_code,
+        gradient_checkpointing=m.gradient_checkpointing,
         vocab_size=data.vocab_size,
     )
     steps_per_epoch = data.steps_per_rank // cfg.train.grad_accum
