@@ -96,7 +96,8 @@ def _plan_split(ds, lengths, ids, cfg: Config, num_ranks: int, out_dir: Path) ->
 
     plan = make_plan(lengths, cfg.pack, num_ranks * cfg.train.grad_accum)
     plan = fold_accumulation(plan, num_ranks, cfg.train.grad_accum)
-    stats = plan_stats(plan, lengths)
+    stats = plan_stats(plan)
+    stats["packing_efficiency"] = stats.pop("efficiency")
     materialize(ds, plan, ids, str(out_dir))
     return plan, stats
 
@@ -104,7 +105,8 @@ def _plan_split(ds, lengths, ids, cfg: Config, num_ranks: int, out_dir: Path) ->
 def prepare(cfg: Config, num_ranks: int, root: str | Path) -> Prepared:
     """Tokenize, split, plan and pack `cfg`'s data into `root`, or reuse what is already there."""
     from raypack.data.pack import lengths_and_ids
-    from raypack.data.tokenize import load_tokenizer, tokenize_dataset
+    from raypack.data.encode import load_tokenizer
+    from raypack.data.tokenize import tokenize_dataset
 
     root = Path(root).expanduser()
     manifest = root / "manifest.json"
@@ -137,7 +139,7 @@ def prepare(cfg: Config, num_ranks: int, root: str | Path) -> Prepared:
         _plan_split(eval_ds, lengths[held_out], ids[held_out], eval_cfg, num_ranks, root / "eval")
         eval_dir = str(root / "eval")
 
-    tokenizer = load_tokenizer(cfg.tokenize)
+    tokenizer = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template)
     trained = lengths[~held_out].astype(np.float64)
     prepared = Prepared(
         root=str(root),
@@ -148,8 +150,12 @@ def prepare(cfg: Config, num_ranks: int, root: str | Path) -> Prepared:
         pad_token_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id),
         vocab_size=len(tokenizer),
         mean_context=float((trained**2).sum() / max(trained.sum(), 1.0) / 2),
-        stats={**dataclasses.asdict(tok_stats), **stats, "train_examples": int((~held_out).sum()),
-               "eval_examples": int(held_out.sum())},
+        stats={
+            **{k: v for k, v in dataclasses.asdict(tok_stats).items() if k != "lengths"},
+            **stats,
+            "train_examples": int((~held_out).sum()),
+            "eval_examples": int(held_out.sum()),
+        },
     )
     manifest.write_text(json.dumps({"fingerprint": key, "prepared": prepared.to_dict()}, indent=1))
     return prepared
