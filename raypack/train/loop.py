@@ -211,6 +211,8 @@ def train_loop_per_worker(config: dict) -> None:
         report_every=cfg.train.report_every_steps,
         static=data.report_stats(),
         tb_dir=config.get("tensorboard_dir") if cfg.train.tensorboard else None,
+        mlflow_uri=config.get("mlflow_uri") if cfg.train.mlflow else None,
+        run_name=cfg.run.name,
         flops_per_token=flops_per_token(
             model_config, sum(p.numel() for p in engine.module.parameters()), data.mean_context
         ),

@@ -7,8 +7,8 @@ every step to TensorBoard (cheap, local) and calls `ray.train.report` only every
 
 from __future__ import annotations
 
+import os
 import resource
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,9 +57,13 @@ class Reporter:
     static: dict[str, Any]
     """Values fixed for the run (packing efficiency, padding fraction) added to every report."""
     tb_dir: str | None = None
+    mlflow_uri: str | None = None
+    """Log each report to MLflow too (rank 0); MLFLOW_TRACKING_URI overrides it."""
+    run_name: str = "raypack"
     flops_per_token: float | None = None
     _window: list[dict[str, float]] = field(default_factory=list)
     _writer: Any = None
+    _mlflow: Any = None
     _start: float = field(default_factory=time.perf_counter)
     _start_step: int = 0
 
@@ -69,6 +73,16 @@ class Reporter:
 
             Path(self.tb_dir).mkdir(parents=True, exist_ok=True)
             self._writer = SummaryWriter(self.tb_dir)
+        if self.rank == 0 and self.mlflow_uri:
+            try:
+                import mlflow
+            except ImportError:
+                raise RuntimeError("train.mlflow is on but mlflow is not installed: pip install 'raypack[tracking]'") from None
+            mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI", self.mlflow_uri))
+            mlflow.set_experiment("raypack")
+            mlflow.start_run(run_name=self.run_name)
+            mlflow.log_params({k: v for k, v in self.static.items()})
+            self._mlflow = mlflow
 
     def resume_from(self, step: int) -> None:
         self._start_step, self._start = step, time.perf_counter()
@@ -113,6 +127,8 @@ class Reporter:
                 if metrics.get(key) is not None:
                     self._writer.add_scalar(f"train/{key}", metrics[key], step)
             self._writer.flush()
+        if self._mlflow is not None:
+            self._mlflow.log_metrics({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
         if self.rank == 0:
             self._progress(metrics)
         return metrics
@@ -126,10 +142,11 @@ class Reporter:
             f"[raypack] step {m['step']}/{self.total_steps} loss {m['loss']:.4f}{eval_part} "
             f"tok/s {m['tokens_per_s']:,.0f} data-wait {m['data_wait_s'] * 1e3:.0f}ms "
             f"mem {m['peak_memory_gb']:.2f}GiB left {left:,.0f}s",
-            file=sys.stderr,
             flush=True,
         )
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+        if self._mlflow is not None:
+            self._mlflow.end_run()

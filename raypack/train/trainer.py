@@ -68,6 +68,7 @@ def build_trainer(
         "cfg": cfg.to_dict(),
         "data": prepared.to_dict(),
         "tensorboard_dir": f"{root}/tensorboard" if "://" not in root else None,
+        "mlflow_uri": f"file://{root}/mlruns" if "://" not in root else None,
         **(extra_loop_config or {}),
     }
     resources = {"CPU": t.cpus_per_worker, **({"GPU": 1} if t.use_gpu else {})}
@@ -112,6 +113,9 @@ def run_cli(args) -> int:
 
     cfg = resume_config(args.resume, args.overrides) if args.resume else load(args.config, args.overrides)
     root = run_dir(cfg)
+    if not args.resume and Path(root, "checkpoint_manager_snapshot.json").exists():
+        print(f"[raypack] run {cfg.run.name!r} exists in {root}: continuing from its last checkpoint "
+              "(set run.name to start a fresh run)")
     if "://" not in root:
         Path(root).mkdir(parents=True, exist_ok=True)
         Path(root, "raypack_config.yaml").write_text(yaml.safe_dump(_plain(cfg.to_dict()), sort_keys=False))
