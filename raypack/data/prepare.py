@@ -24,7 +24,7 @@ import numpy as np
 
 from raypack.config import Config
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,9 @@ class Prepared:
     padded: bool
     pad_token_id: int
     vocab_size: int
-    mean_context: float
-    """Average causal attention context per trained token, for MFU (see metrics.flops_per_token)."""
+    length_mean: float
+    length_sq_mean: float
+    """Mean and mean square of the trained examples' lengths: their attention cost, for MFU."""
     stats: dict[str, Any]
     """Tokenize counts and plan statistics (efficiency, padding, imbalance) for reports and logs."""
 
@@ -149,7 +150,8 @@ def prepare(cfg: Config, num_ranks: int, root: str | Path) -> Prepared:
         padded=bool(train_plan.padded),
         pad_token_id=int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id),
         vocab_size=len(tokenizer),
-        mean_context=float((trained**2).sum() / max(trained.sum(), 1.0) / 2),
+        length_mean=float(trained.mean()) if len(trained) else 0.0,
+        length_sq_mean=float((trained**2).mean()) if len(trained) else 0.0,
         stats={
             **{k: v for k, v in dataclasses.asdict(tok_stats).items() if k != "lengths"},
             **stats,

@@ -32,8 +32,9 @@ from raypack.config import Config
 from raypack.data.collate import collate_packed, count_label_tokens
 from raypack.data.pack import iter_rank_packs
 from raypack.data.prepare import Prepared
+from raypack.model.build import load_model, model_flops_per_token
 from raypack.train.engine import setup_engine
-from raypack.train.metrics import Reporter, flops_per_token
+from raypack.train.metrics import Reporter
 
 CKPT_TAG = "ds"  # one fixed DeepSpeed tag: every Ray checkpoint folder holds exactly one
 
@@ -55,8 +56,6 @@ class TrainState:
 
 
 def setup(cfg: Config, data: Prepared, world_size: int):
-    from raypack.model.build import load_model
-
     torch.manual_seed(cfg.train.seed)
     m = cfg.model
     model = load_model(
@@ -213,9 +212,8 @@ def train_loop_per_worker(config: dict) -> None:
         tb_dir=config.get("tensorboard_dir") if cfg.train.tensorboard else None,
         mlflow_uri=config.get("mlflow_uri") if cfg.train.mlflow else None,
         run_name=cfg.run.name,
-        flops_per_token=flops_per_token(
-            model_config, sum(p.numel() for p in engine.module.parameters()), data.mean_context
-        ),
+        # From the config, not the parameters: under ZeRO-3 each rank holds only a partition.
+        flops_per_token=model_flops_per_token(model_config, data.length_sq_mean, data.length_mean),
     )
     reporter.resume_from(state.step)
     accum = cfg.train.grad_accum

@@ -27,19 +27,6 @@ def peak_flops() -> float | None:
     return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
 
-def flops_per_token(model_config: Any, num_params: int, mean_context: float) -> float:
-    """Training FLOPs per token: 6·N for the weights, plus causal attention.
-
-    Attention per layer and token costs 2·2·d·c forward for QKᵀ and AV over an average causal
-    context c; backward doubles it again. With packed rows c is half the *example* length, so
-    `mean_context` is Σlen²/Σlen / 2 over the examples actually trained (not the row length).
-    """
-    layers = model_config.num_hidden_layers
-    heads = model_config.num_attention_heads
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
-    return 6.0 * num_params + 12.0 * layers * heads * head_dim * mean_context
-
-
 def peak_memory_gb() -> float:
     """Peak device memory on CUDA; the process's peak resident memory on the CPU."""
     if torch.cuda.is_available():
@@ -66,6 +53,7 @@ class Reporter:
     _mlflow: Any = None
     _start: float = field(default_factory=time.perf_counter)
     _start_step: int = 0
+    _last: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
         if self.rank == 0 and self.tb_dir:
@@ -86,6 +74,7 @@ class Reporter:
 
     def resume_from(self, step: int) -> None:
         self._start_step, self._start = step, time.perf_counter()
+        self._last = self._start
 
     def log_step(self, step: int, values: dict[str, float]) -> None:
         self._window.append(values)
@@ -100,14 +89,17 @@ class Reporter:
         """Metrics for `ray.train.report`: the window's means, token-weighted where it matters."""
         window, self._window = self._window, []
         tokens = sum(w["tokens"] for w in window)
-        seconds = sum(w["step_time_s"] for w in window)
+        # Wall time since the last report, so that blocking reports, checkpoints and data reads
+        # between steps count against throughput; step_time_s is the time inside train_step.
+        now = time.perf_counter()
+        seconds, self._last = now - self._last, now
         label_tokens = sum(w["label_tokens"] for w in window)
         metrics: dict[str, Any] = {
             "step": step,
             "epoch": epoch,
             "loss": sum(w["loss"] * w["label_tokens"] for w in window) / max(label_tokens, 1),
             "tokens_per_s": tokens / seconds if seconds else 0.0,
-            "step_time_s": seconds / max(len(window), 1),
+            "step_time_s": sum(w["step_time_s"] for w in window) / max(len(window), 1),
             "data_wait_s": sum(w["data_wait_s"] for w in window) / max(len(window), 1),
             "rank_imbalance": max((w["rank_imbalance"] for w in window), default=1.0),
             "lr": window[-1]["lr"] if window else 0.0,
