@@ -31,3 +31,103 @@ def sample_lengths(kind: str, n: int, seed: int = 0, max_length: int | None = No
     rng = np.random.default_rng(seed)
     lengths = rng.lognormal(np.log(median), sigma, size=n)
     return np.clip(np.rint(lengths), lo, hi).astype(np.int64)
+
+
+# --- synthetic examples --------------------------------------------------------------------------
+# Text is drawn from a small fixed word list, so the bundled tokenizer (trained on this same text)
+# turns roughly one word into one token; other tokenizers give somewhat more tokens a word. Lengths
+# are therefore targets in words, which track token lengths closely enough for packing work.
+
+_WORDS = (
+    "the of and to in is was for on that with as by at from it be are this an or which have not "
+    "they has but were had their one all can more other been also when there who some first time "
+    "into two new after would these many so only most over may such years its about then them "
+    "made where between each under while state three both through world used work during under "
+    "number part system water people day long city year old called high could well government "
+    "since group later found school area each known four found large small five number point "
+    "river north south east west data model train token pack batch rank step loss value answer "
+    "question solve total each cost price apples books minutes hours miles speed rate sum half "
+    "double twice remaining left right first second third last next every per percent equals"
+).split()
+_DEFAULT_KIND = {"chat": "wildchat", "instruction": "flan", "completion": "orcamath"}
+FORMATS = tuple(_DEFAULT_KIND)
+
+
+def _text(rng: np.random.Generator, n_words: int) -> str:
+    words = rng.choice(len(_WORDS), size=max(1, n_words))
+    out, since_stop = [], 0
+    for i in words:
+        out.append(_WORDS[i])
+        since_stop += 1
+        if since_stop > 6 and rng.random() < 0.12:  # sentences of a plausible size
+            out[-1] += "."
+            since_stop = 0
+    return " ".join(out) + "."
+
+
+def corpus_text(n: int, seed: int = 0) -> list[str]:
+    """`n` paragraphs of synthetic text (what tools/make_tokenizer.py trains on)."""
+    rng = np.random.default_rng(seed)
+    return [_text(rng, int(rng.integers(20, 200))) for _ in range(n)] + ["0 1 2 3 4 5 6 7 8 9 , . ? ! : ; ( ) ' \" - + = * /"]
+
+
+def make_examples(fmt: str, n: int, seed: int = 0, kind: str | None = None, max_length: int | None = None) -> list[dict]:
+    """`n` synthetic records in format `fmt` (chat, instruction or completion) whose total length
+    in words follows `sample_lengths(kind, ...)`; `kind` defaults per format (chat: wildchat,
+    instruction: flan, completion: orcamath)."""
+    if fmt not in _DEFAULT_KIND:
+        raise ValueError(f"unknown example format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    lengths = sample_lengths(kind or _DEFAULT_KIND[fmt], n, seed=seed, max_length=max_length)
+    rng = np.random.default_rng(seed + 1)
+    records = []
+    for total in lengths.tolist():
+        if fmt == "chat":
+            # Template markers cost ~3 tokens a turn; turns share what is left (about 1/3 prompts).
+            turns = int(rng.integers(1, 4)) if total > 60 else 1
+            budget = max(2 * turns, total - 3 * 2 * turns - 1)
+            shares = rng.dirichlet(np.ones(2 * turns)) * budget
+            messages = []
+            if rng.random() < 0.3:
+                messages.append({"role": "system", "content": _text(rng, 4)})
+            for t in range(turns):
+                messages.append({"role": "user", "content": _text(rng, int(shares[2 * t] * 0.5))})
+                messages.append({"role": "assistant", "content": _text(rng, int(shares[2 * t] * 0.5 + shares[2 * t + 1]))})
+            records.append({"messages": messages})
+        else:
+            prompt_words = max(1, int(total * rng.uniform(0.2, 0.6)))
+            answer_words = max(1, total - prompt_words - 8)
+            if fmt == "instruction":
+                has_input = rng.random() < 0.5
+                instr = prompt_words // 2 if has_input else prompt_words
+                records.append(
+                    {
+                        "instruction": _text(rng, instr),
+                        "input": _text(rng, prompt_words - instr) if has_input else "",
+                        "output": _text(rng, answer_words),
+                    }
+                )
+            else:
+                records.append({"prompt": _text(rng, prompt_words), "completion": " " + _text(rng, answer_words)})
+    return records
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description="write synthetic SFT examples as JSONL")
+    ap.add_argument("--format", choices=FORMATS, default="chat")
+    ap.add_argument("-n", type=int, default=1000)
+    ap.add_argument("--kind", choices=list(DISTRIBUTIONS), default=None, help="length distribution (default per format)")
+    ap.add_argument("--max-length", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    with open(args.out, "w") as f:
+        for rec in make_examples(args.format, args.n, args.seed, args.kind, args.max_length):
+            f.write(json.dumps(rec) + "\n")
+    print(f"wrote {args.n} {args.format} examples to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""Token ids and loss labels for one batch of raw examples: the pure-Python core of stage 2.
+
+`Encoder` is what each Ray Data tokenize actor holds (it loads the tokenizer once) and is usable
+without Ray, which the unit tests and the `datasets.map` benchmark baseline rely on.
+
+Per example (labels are NOT shifted: labels[i] is the target of token i, the model shifts):
+
+    chat         chat template rendered; loss on assistant turns (`assistant`), on the last
+                 assistant turn only (`completion`) or everywhere (`all`). A turn is what the
+                 template's {% generation %} block covers; a template without those markers
+                 falls back to "what rendering the turn adds after the generation prompt"
+                 (its closing markup included), and must render turns as prefixes of the chat
+    instruction  "### Instruction:\n{instruction}\n\n[### Input:\n{input}\n\n]### Response:\n"
+                 + output; loss on the output (`completion`/`assistant`) or everywhere (`all`)
+    completion   prompt + completion, tokenized apart so masking is exact at the seam
+    tokenized    passed through; labels default to input_ids
+
+EOS is appended once to text formats (not when the text already ends with it) and carries loss
+when the example ends with supervised text (always, unless a chat ends with a non-assistant turn).
+Masked positions are -100. An example longer than `max_length` is dropped, truncated (its EOS is
+then cut too), or split into pieces of at most `max_length` tokens with ids `parent_id + piece`
+(source ids leave 10 low bits free, see raypack.data.sources).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from transformers import AutoTokenizer
+from transformers.utils.chat_template_utils import render_jinja_template
+
+IGNORE = -100
+MAX_PIECES = 1 << 10
+# Row flags, kept in a column until tokenize's stats pass has counted them.
+OK, TRUNCATED, SPLIT, DROPPED = 0, 1, 2, 3
+COLUMNS = ["example_id", "input_ids", "labels", "length"]
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+OUT_SCHEMA = pa.schema(
+    [
+        ("example_id", pa.int64()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("labels", pa.list_(pa.int32())),
+        ("length", pa.int32()),
+        ("_flag", pa.int8()),
+        ("_label_tokens", pa.int32()),
+    ]
+)
+
+
+class TokenizeError(ValueError):
+    """The tokenizer can't encode this data as configured (e.g. chat data without a template)."""
+
+
+def load_tokenizer(name: str, chat_template: str | None = None):
+    tok = AutoTokenizer.from_pretrained(name)
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    if tok.eos_token_id is None:
+        raise TokenizeError(f"tokenize.tokenizer {name!r} has no EOS token; raypack appends EOS to every example")
+    if not getattr(tok, "is_fast", False):
+        raise TokenizeError(f"tokenize.tokenizer {name!r} is not a fast tokenizer; label masking needs character offsets")
+    return tok
+
+
+def check_chat_template(tok, name: str) -> None:
+    if not tok.chat_template:
+        raise TokenizeError(
+            f"tokenize.tokenizer {name!r} has no chat template but the data has chat examples; "
+            "set tokenize.chat_template to a Jinja template"
+        )
+
+
+class Encoder:
+    """Ray Data `map_batches` callable class: raw example rows (pyarrow) -> OUT_SCHEMA rows."""
+
+    def __init__(
+        self, tokenizer: str, chat_template: str | None, label_mask: str, overlength: str, max_length: int, report=None
+    ):
+        """`report(key, counts)`, when given, receives each batch's counts (see `counts`); tokenize
+        passes one that forwards them to a Ray actor, so no second pass over the rows is needed."""
+        self.report = report
+        if report is not None:
+            # Inside a Ray actor: parallelism comes from the actor pool (num_actors), so one
+            # tokenizer thread per actor keeps a small host from being oversubscribed.
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        self.tok = load_tokenizer(tokenizer, chat_template)
+        self.name, self.label_mask, self.overlength, self.max_length = tokenizer, label_mask, overlength, max_length
+        self.eos = self.tok.eos_token_id
+        # Whatever the tokenizer puts before a text (BOS, for most causal LMs), minus a trailing EOS.
+        self.prefix = [t for t in self.tok("")["input_ids"] if t != self.eos]
+
+    # --- per format: lists of (ids, labels) as int lists / arrays ---------------------------------
+
+    def _spans(self, convs: list[list[dict]], rendered: list[str], indices) -> list[list[tuple[int, int]]]:
+        """Character spans of each assistant turn in each rendered conversation."""
+        template = self.tok.chat_template
+        if indices is not None:
+            return [list(x) for x in indices]
+        # No {% generation %} markers: a turn is what rendering it adds after the generation prompt.
+        kw = self.tok.special_tokens_map
+        spans = []
+        for conv, full in zip(convs, rendered):
+            turns = [j for j, m in enumerate(conv) if m["role"] == "assistant"]
+            heads = render_jinja_template([conv[:j] or [] for j in turns], chat_template=template, add_generation_prompt=True, **kw)[0] if turns else []
+            ends = render_jinja_template([conv[: j + 1] for j in turns], chat_template=template, **kw)[0] if turns else []
+            out = []
+            for head, end in zip(heads, ends):
+                if not (end.startswith(head) and full.startswith(end)):
+                    raise TokenizeError(
+                        f"chat template of {self.name!r} does not render conversations as prefixes of each other, so "
+                        "assistant tokens can't be found; use a template with {% generation %} markers "
+                        "(tokenize.chat_template) or tokenize.label_mask=all"
+                    )
+                out.append((len(head), len(end)))
+            spans.append(out)
+        return spans
+
+    def encode_chat(self, convs: list[list[dict]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        check_chat_template(self.tok, self.name)
+        template = self.tok.chat_template
+        marked = bool(_GENERATION.search(template))
+        rendered, indices = render_jinja_template(
+            convs, chat_template=template, return_assistant_tokens_mask=marked, **self.tok.special_tokens_map
+        )
+        spans = self._spans(convs, rendered, indices if marked else None)
+        enc = self.tok(rendered, add_special_tokens=False, return_offsets_mapping=True)
+        out = []
+        for conv, ids, offsets, sp in zip(convs, enc["input_ids"], enc["offset_mapping"], spans):
+            ids = np.asarray(ids, dtype=np.int32)
+            mode = "assistant" if self.label_mask == "auto" else self.label_mask
+            if mode == "all":
+                keep = np.ones(len(ids), dtype=bool)
+            else:
+                starts = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
+                keep = np.zeros(len(ids), dtype=bool)
+                for s, e in sp[-1:] if mode == "completion" else sp:
+                    keep |= (starts >= s) & (starts < e)
+            out.append(self._finish(ids, keep, eos_loss=mode == "all" or conv[-1]["role"] == "assistant"))
+        return out
+
+    def encode_pairs(self, prompts: list[str], completions: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        p_ids = self.tok(prompts, add_special_tokens=False)["input_ids"]
+        c_ids = self.tok(completions, add_special_tokens=False)["input_ids"]
+        out = []
+        for p, c in zip(p_ids, c_ids):
+            ids = np.asarray(self.prefix + p + c, dtype=np.int32)
+            keep = np.ones(len(ids), dtype=bool)
+            if self.label_mask != "all":
+                keep[: len(self.prefix) + len(p)] = False
+            out.append(self._finish(ids, keep, eos_loss=True))
+        return out
+
+    def _finish(self, ids: np.ndarray, keep: np.ndarray, eos_loss: bool) -> tuple[np.ndarray, np.ndarray]:
+        if len(ids) == 0 or ids[-1] != self.eos:  # the template may already end with EOS
+            ids = np.append(ids, np.int32(self.eos))
+            keep = np.append(keep, eos_loss)
+        return ids, np.where(keep, ids, np.int32(IGNORE)).astype(np.int32)
+
+    # --- the batch callable -----------------------------------------------------------------------
+
+    def encode(self, batch: pa.Table) -> list[tuple[np.ndarray, np.ndarray]]:
+        formats = batch["format"].to_pylist()
+        results: list = [None] * len(formats)
+        for fmt in set(formats):
+            rows = [i for i, f in enumerate(formats) if f == fmt]
+            sub = batch.take(rows)
+            if fmt == "chat":
+                encoded = self.encode_chat(sub["messages"].to_pylist())
+            elif fmt == "completion":
+                encoded = self.encode_pairs(sub["prompt"].to_pylist(), sub["completion"].to_pylist())
+            elif fmt == "instruction":
+                prompts = [
+                    f"### Instruction:\n{ins}\n\n" + (f"### Input:\n{inp}\n\n" if inp else "") + "### Response:\n"
+                    for ins, inp in zip(sub["instruction"].to_pylist(), sub["input"].to_pylist())
+                ]
+                encoded = self.encode_pairs(prompts, sub["output"].to_pylist())
+            else:
+                encoded = []
+                for ids, labels in zip(sub["input_ids"].to_numpy(zero_copy_only=False), sub["labels"].to_pylist()):
+                    ids = np.asarray(ids, dtype=np.int32)
+                    given = labels is not None and self.label_mask != "all"
+                    encoded.append((ids, np.asarray(labels, dtype=np.int32) if given else ids.copy()))
+            for i, r in zip(rows, encoded):
+                results[i] = r
+        return results
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        table = self.encode_table(batch)
+        if self.report is not None and table.num_rows:
+            # Keyed by the batch's first id, so a retried batch is counted once.
+            self.report((batch["example_id"][0].as_py(), batch.num_rows), counts(table))
+        return table.filter(pc.not_equal(table["_flag"], DROPPED)).select(COLUMNS)
+
+    def encode_table(self, batch: pa.Table) -> pa.Table:
+        """Rows in OUT_SCHEMA: the output columns plus a flag and label-token count per row
+        (dropped examples stay, with no tokens, until __call__ removes them)."""
+        ids_out, labels_out, eids, flags = [], [], [], []
+        L = self.max_length
+        for eid, (ids, labels) in zip(batch["example_id"].to_pylist(), self.encode(batch)):
+            n = len(ids)
+            if n <= L:
+                pieces, flag = [(ids, labels)], OK
+            elif self.overlength == "drop":
+                pieces, flag = [(ids[:0], labels[:0])], DROPPED
+            elif self.overlength == "truncate":
+                pieces, flag = [(ids[:L], labels[:L])], TRUNCATED
+            else:
+                count = -(-n // L)
+                if count > MAX_PIECES:
+                    raise TokenizeError(f"example {eid}: {n} tokens split into {count} pieces; at most {MAX_PIECES}")
+                pieces, flag = [(ids[k * L : (k + 1) * L], labels[k * L : (k + 1) * L]) for k in range(count)], SPLIT
+            for k, (i, lab) in enumerate(pieces):
+                ids_out.append(i)
+                labels_out.append(lab)
+                eids.append(eid + k)
+                flags.append(flag)
+        return _table(eids, ids_out, labels_out, flags)
+
+
+def counts(table: pa.Table) -> dict:
+    """What tokenize reports for one encoded batch (lengths exclude dropped examples)."""
+    flag = table["_flag"].to_numpy()
+    first_piece = (table["example_id"].to_numpy() & (MAX_PIECES - 1)) == 0
+    return {
+        "dropped": int((flag == DROPPED).sum()),
+        "truncated": int((flag == TRUNCATED).sum()),
+        "split": int(((flag == SPLIT) & first_piece).sum()),
+        "pieces": int((flag == SPLIT).sum()),
+        "label_tokens": int(table["_label_tokens"].to_numpy().sum()),
+        "lengths": table["length"].to_numpy()[flag != DROPPED],
+    }
+
+
+def _table(eids, ids_out, labels_out, flags) -> pa.Table:
+    lengths = np.fromiter((len(x) for x in ids_out), dtype=np.int32, count=len(ids_out))
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    cat = (lambda xs: np.concatenate(xs).astype(np.int32, copy=False)) if ids_out else (lambda xs: np.zeros(0, np.int32))
+    labels = cat(labels_out)
+    supervised = np.concatenate([[0], np.cumsum(labels != IGNORE)])
+    label_tokens = supervised[offsets[1:]] - supervised[offsets[:-1]]
+    return pa.Table.from_arrays(
+        [
+            pa.array(eids, pa.int64()),
+            pa.ListArray.from_arrays(pa.array(offsets), pa.array(cat(ids_out))),
+            pa.ListArray.from_arrays(pa.array(offsets), pa.array(labels)),
+            pa.array(lengths),
+            pa.array(np.asarray(flags, dtype=np.int8)),
+            pa.array(label_tokens.astype(np.int32)),
+        ],
+        schema=OUT_SCHEMA,
+    )

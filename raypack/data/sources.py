@@ -1,0 +1,344 @@
+"""Stage 1: read JSONL, Parquet and `save_to_disk` datasets into one Ray Dataset of raw examples.
+
+    ds = read_sources(cfg.data)                      # prints a line if rows were skipped
+    ds, report = read_sources_with_report(cfg.data)  # report.bad_rows, report.formats, ...
+
+Each input file is one or more read units (a JSONL file, a Parquet row group, an Arrow file of a
+`save_to_disk` folder) that a Ray task parses and validates, so every row keeps its file and its
+line or row number. That gives every example a stable identity and every bad row an error that
+says where it is:
+
+    example_id = file_index << 42 | row << 10 | piece
+
+`file_index` is the file's position in the expanded, sorted list of `data.paths` (< 2**21),
+`row` the 0-based line (JSONL) or row (Parquet, Arrow) in that file (< 2**32), and `piece` is 0
+here; tokenize's `split` policy numbers the pieces of a long example 0, 1, 2, ... (< 2**10). Ids
+are the same on every run over the same files; they are unique but not dense.
+
+Output rows share one schema (`SCHEMA`): `example_id`, `format` and the fields of that format,
+the others null. Bad rows (malformed JSON, a missing field, an empty conversation, an unknown role,
+non-string content) stop the read under `on_bad_rows: error`, naming the first one in file order;
+under `skip` they are counted and reported. An empty or unreadable file is always an error.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import ray
+
+from raypack.config import DataConfig
+
+FILE_SHIFT, ROW_SHIFT = 42, 10
+MAX_FILES, MAX_ROWS = 1 << 21, 1 << 32
+ROLES = ("system", "user", "assistant")
+FIELDS = {
+    "chat": ("messages",),
+    "instruction": ("instruction", "output"),  # `input` is optional
+    "completion": ("prompt", "completion"),
+    "tokenized": ("input_ids",),  # `labels` is optional
+}
+SCHEMA = pa.schema(
+    [
+        ("example_id", pa.int64()),
+        ("format", pa.string()),
+        ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("instruction", pa.string()),
+        ("input", pa.string()),
+        ("output", pa.string()),
+        ("prompt", pa.string()),
+        ("completion", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("labels", pa.list_(pa.int32())),
+        ("error", pa.string()),
+        ("fatal", pa.bool_()),
+    ]
+)
+
+
+class SourceError(ValueError):
+    """A source file or row is unreadable or invalid; the message names the file and the row."""
+
+
+class _Bad(Exception):
+    """A row-level problem; the reader adds the file and line."""
+
+
+@dataclass
+class SourceReport:
+    files: int = 0
+    rows: int = 0
+    """Good rows passed on to tokenize."""
+    bad_rows: int = 0
+    """Rows skipped under `on_bad_rows: skip` (always 0 under `error`, which raises instead)."""
+    bad_examples: list[str] = field(default_factory=list)
+    """The first few bad rows' messages, in file order."""
+    formats: dict[str, int] = field(default_factory=dict)
+    """Good rows per format."""
+
+
+def example_id(file_index: int, row: int, piece: int = 0) -> int:
+    return (file_index << FILE_SHIFT) | (row << ROW_SHIFT) | piece
+
+
+def locate(eid: int) -> tuple[int, int, int]:
+    """(file_index, row, piece) of an example id."""
+    return eid >> FILE_SHIFT, (eid >> ROW_SHIFT) & (MAX_ROWS - 1), eid & ((1 << ROW_SHIFT) - 1)
+
+
+# --- listing: paths -> read units -----------------------------------------------------------------
+
+
+def _fs(path: str) -> tuple[pafs.FileSystem, str]:
+    # pyarrow's filesystems are what Ray Data's readers use, so local paths and s3://, gs://, ...
+    # URIs behave the same here.
+    return pafs.FileSystem.from_uri(path) if "://" in path else (pafs.LocalFileSystem(), str(path))
+
+
+def _kind(path: str) -> str | None:
+    for suffix, kind in ((".jsonl", "jsonl"), (".json", "jsonl"), (".parquet", "parquet"), (".arrow", "arrow")):
+        if path.endswith(suffix):
+            return kind
+    return None
+
+
+def _expand(path: str) -> list[tuple[str, str]]:
+    """(path, kind) of every file a configured path stands for."""
+    fs, p = _fs(path)
+    info = fs.get_file_info(p)
+    prefix = path[: len(path) - len(p)] if "://" in path else ""
+    if info.type == pafs.FileType.NotFound:
+        raise SourceError(f"{path}: no such file or folder")
+    if info.type == pafs.FileType.File:
+        if _kind(p) is None:
+            raise SourceError(f"{path}: unknown file type; expected .jsonl, .json, .parquet or a save_to_disk folder")
+        return [(path, _kind(p))]
+    names = {i.base_name for i in fs.get_file_info(pafs.FileSelector(p))}
+    if "dataset_dict.json" in names:  # a DatasetDict: read its train split
+        if "train" not in names:
+            raise SourceError(f"{path}: a saved DatasetDict without a `train` split; point data.paths at a split folder")
+        return _expand(f"{path.rstrip('/')}/train")
+    if "state.json" in names:  # Dataset.save_to_disk: Arrow stream files listed in state.json
+        with fs.open_input_stream(f"{p}/state.json") as f:
+            state = json.loads(f.read())
+        return [(f"{prefix}{p}/{d['filename']}", "arrow") for d in state["_data_files"]]
+    files = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(p)) if i.is_file and _kind(i.path))
+    if not files:
+        raise SourceError(f"{path}: folder holds no .jsonl, .json or .parquet files")
+    return [(prefix + f, _kind(f)) for f in files]
+
+
+def _units(paths: tuple[str, ...]) -> tuple[list[dict], int]:
+    files = [f for p in paths for f in _expand(p)]
+    if len(files) >= MAX_FILES:
+        raise SourceError(f"data.paths: {len(files)} files; at most {MAX_FILES - 1} are supported")
+    units = []
+    for i, (path, kind) in enumerate(files):
+        if kind == "parquet":  # one unit per row group, so one large file still reads in parallel
+            fs, p = _fs(path)
+            meta = pq.ParquetFile(p, filesystem=fs).metadata
+            if meta.num_rows == 0:
+                raise SourceError(f"{path}: empty file (no rows)")
+            if meta.num_rows > MAX_ROWS:
+                raise SourceError(f"{path}: more than {MAX_ROWS} rows in one file; split the file")
+            offset = 0
+            for g in range(meta.num_row_groups):
+                units.append({"file_index": i, "path": path, "kind": kind, "row_group": g, "row_offset": offset})
+                offset += meta.row_group(g).num_rows
+        else:
+            units.append({"file_index": i, "path": path, "kind": kind, "row_group": -1, "row_offset": 0})
+    return units, len(files)
+
+
+# --- reading and validating one unit --------------------------------------------------------------
+
+
+def _detect(keys, declared: str, where: str) -> str:
+    if declared != "auto":
+        return declared
+    if "messages" in keys:
+        return "chat"
+    if "input_ids" in keys:
+        return "tokenized"
+    if "instruction" in keys and "output" in keys:
+        return "instruction"
+    if "prompt" in keys and "completion" in keys:
+        return "completion"
+    raise SourceError(
+        f"{where}: can't tell the format from the fields {sorted(keys)}; expected `messages` (chat), "
+        "`instruction`/`input`/`output`, `prompt`/`completion` or `input_ids` (+ `labels`), or set data.format"
+    )
+
+
+def _string(rec: dict, key: str, fmt: str, optional: bool = False) -> str:
+    value = rec.get(key)
+    if value is None:
+        if optional:
+            return ""
+        raise _Bad(f"missing field `{key}` ({fmt} format)")
+    if not isinstance(value, str):
+        raise _Bad(f"field `{key}` must be a string, got {type(value).__name__}")
+    return value
+
+
+def _validate(rec, fmt: str) -> dict:
+    """The row normalized to SCHEMA's fields for `fmt`, or _Bad naming the problem."""
+    if not isinstance(rec, dict):
+        raise _Bad(f"expected a JSON object, got {type(rec).__name__}")
+    if fmt == "chat":
+        messages = rec.get("messages")
+        if messages is None:
+            raise _Bad("missing field `messages` (chat format)")
+        if not isinstance(messages, (list, tuple)):
+            raise _Bad(f"`messages` must be a list, got {type(messages).__name__}")
+        if len(messages) == 0:
+            raise _Bad("empty conversation (`messages` is [])")
+        out = []
+        for j, m in enumerate(messages):
+            if not isinstance(m, dict):
+                raise _Bad(f"messages[{j}] must be an object with role and content, got {type(m).__name__}")
+            role = m.get("role")
+            if role not in ROLES:
+                raise _Bad(f"messages[{j}]: unknown role {role!r}; expected one of {', '.join(ROLES)}")
+            content = m.get("content")
+            if not isinstance(content, str):
+                raise _Bad(f"messages[{j}]: content must be a string, got {type(content).__name__}")
+            out.append({"role": role, "content": content})
+        return {"messages": out}
+    if fmt == "instruction":
+        return {
+            "instruction": _string(rec, "instruction", fmt),
+            "input": _string(rec, "input", fmt, optional=True),
+            "output": _string(rec, "output", fmt),
+        }
+    if fmt == "completion":
+        return {"prompt": _string(rec, "prompt", fmt), "completion": _string(rec, "completion", fmt)}
+    ids, labels = rec.get("input_ids"), rec.get("labels")
+    if ids is None:
+        raise _Bad("missing field `input_ids` (tokenized format)")
+    if not isinstance(ids, (list, tuple)) or not ids or not all(type(t) is int and t >= 0 for t in ids):
+        raise _Bad("`input_ids` must be a non-empty list of non-negative ints")
+    if labels is not None:
+        if not isinstance(labels, (list, tuple)) or not all(type(t) is int for t in labels):
+            raise _Bad("`labels` must be a list of ints")
+        if len(labels) != len(ids):
+            raise _Bad(f"`labels` has {len(labels)} entries but `input_ids` has {len(ids)}")
+    return {"input_ids": list(ids), "labels": None if labels is None else list(labels)}
+
+
+def _records(unit: dict):
+    """(row, where, record-or-_Bad) for every row of a unit, plus the column names for detection."""
+    fs, p = _fs(unit["path"])
+    path = unit["path"]
+    if unit["kind"] == "jsonl":
+        with fs.open_input_stream(p) as f:
+            lines = f.read().split(b"\n")
+        rows = []
+        for i, line in enumerate(lines):
+            if not line.strip():  # blank lines (a trailing newline) are not examples
+                continue
+            try:
+                rows.append((i, f"{path}:{i + 1}", json.loads(line)))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                rows.append((i, f"{path}:{i + 1}", _Bad(f"malformed JSON ({e})")))
+        if not rows:
+            raise SourceError(f"{path}: empty file (no JSON lines)")
+        if len(lines) > MAX_ROWS:
+            raise SourceError(f"{path}: more than {MAX_ROWS} lines in one file; split the file")
+        first = next((r for _, _, r in rows if isinstance(r, dict)), {})
+        return rows, first.keys()
+    if unit["kind"] == "parquet":
+        table = pq.ParquetFile(p, filesystem=fs).read_row_group(unit["row_group"])
+    else:
+        with fs.open_input_file(p) as f:
+            table = pa.ipc.open_stream(f).read_all()
+        if table.num_rows == 0:
+            raise SourceError(f"{path}: empty file (no rows)")
+    start = unit["row_offset"]
+    rows = [(start + i, f"{path} row {start + i}", rec) for i, rec in enumerate(table.to_pylist())]
+    return rows, table.column_names
+
+
+def read_unit(batch: dict[str, np.ndarray], declared: str) -> pa.Table:
+    """Ray Data map_batches function: the units in `batch` -> rows in SCHEMA (errors in `error`)."""
+    out = {name: [] for name in SCHEMA.names}
+    for k in range(len(batch["path"])):
+        unit = {key: batch[key][k] for key in batch}
+        unit["row_offset"] = int(unit["row_offset"])
+        try:
+            rows, keys = _records(unit)
+            fmt = _detect(keys, declared, unit["path"])
+        except SourceError as e:
+            # A file-level problem travels as a row: an exception raised in a Ray task reaches the
+            # driver wrapped, with its type and message buried in a traceback dump.
+            for name in SCHEMA.names:
+                out[name].append(None)
+            out["example_id"][-1], out["error"][-1], out["fatal"][-1] = example_id(int(unit["file_index"]), 0), str(e), True
+            continue
+        for row, where, rec in rows:
+            try:
+                if isinstance(rec, _Bad):
+                    raise rec
+                fields = _validate(rec, fmt)
+                error = None
+            except _Bad as e:
+                fields, error = {}, f"{where}: {e}"
+            for name in SCHEMA.names:
+                out[name].append(fields.get(name))
+            out["example_id"][-1] = example_id(int(unit["file_index"]), row)
+            out["format"][-1] = fmt
+            out["error"][-1] = error
+            out["fatal"][-1] = False
+    return pa.Table.from_pydict(out, schema=SCHEMA)
+
+
+def _drop_bad(batch: pa.Table) -> pa.Table:
+    return batch.filter(pc.is_null(batch["error"])).drop_columns(["error", "fatal"])
+
+
+def read_sources_with_report(cfg: DataConfig) -> tuple[ray.data.Dataset, SourceReport]:
+    """Read and validate every source; the dataset holds only good rows, materialized."""
+    units, n_files = _units(cfg.paths)
+    ds = ray.data.from_items(units, override_num_blocks=len(units)).map_batches(
+        read_unit, batch_size=1, fn_kwargs={"declared": cfg.format}, num_cpus=0.5
+    )
+    ds = ds.materialize()
+    report = SourceReport(files=n_files)
+    errors, fatal = [], []
+    for batch in ds.select_columns(["format", "error", "fatal", "example_id"]).iter_batches(batch_format="pyarrow", batch_size=65536):
+        bad = pc.is_valid(batch["error"])
+        good = batch.filter(pc.invert(bad))
+        for item in pc.value_counts(good["format"]).to_pylist():
+            report.formats[item["values"]] = report.formats.get(item["values"], 0) + item["counts"]
+        report.rows += good.num_rows
+        if pc.any(bad).as_py():
+            b = batch.filter(bad)
+            for eid, msg, is_fatal in zip(b["example_id"].to_pylist(), b["error"].to_pylist(), b["fatal"].to_pylist()):
+                (fatal if is_fatal else errors).append((eid, msg))
+    if fatal:  # unreadable or empty files stop the run whatever on_bad_rows says
+        raise SourceError(min(fatal)[1])
+    errors.sort()  # file order, whatever order the read tasks finished in
+    report.bad_rows = len(errors)
+    report.bad_examples = [msg for _, msg in errors[:5]]
+    if errors and cfg.on_bad_rows == "error":
+        more = f" ({len(errors) - 1} more bad rows; data.on_bad_rows=skip skips them)" if len(errors) > 1 else ""
+        raise SourceError(errors[0][1] + more)
+    if errors:
+        ds = ds.map_batches(_drop_bad, batch_format="pyarrow", batch_size=None).materialize()
+    else:
+        ds = ds.drop_columns(["error", "fatal"])
+    return ds, report
+
+
+def read_sources(cfg: DataConfig) -> ray.data.Dataset:
+    """Stage 1: every example of `cfg.paths`, validated, with a stable `example_id` (see module doc)."""
+    ds, report = read_sources_with_report(cfg)
+    if report.bad_rows:
+        print(f"raypack: skipped {report.bad_rows} bad rows; first: {report.bad_examples[0]}")
+    return ds

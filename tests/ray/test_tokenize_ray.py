@@ -1,0 +1,92 @@
+"""Stages 1-2 on a local Ray cluster: every source kind, bad-row policies, the output contract."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from raypack.config import ASSETS, Config, DataConfig, TokenizeConfig, load
+from raypack.data.encode import TokenizeError
+from raypack.data.sources import SourceError, locate, read_sources, read_sources_with_report
+from raypack.data.tokenize import tokenize_dataset
+
+pytestmark = pytest.mark.ray
+SAMPLE = ASSETS / "sample"
+
+
+def test_reads_all_source_kinds_with_stable_ids(ray_local, tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"prompt": ["p0", "p1", "p2"], "completion": ["c0", "c1", "c2"]}).save_to_disk(tmp_path / "hf")
+    paths = (str(SAMPLE / "chat.jsonl"), str(SAMPLE / "tokenized.parquet"), str(tmp_path / "hf"))
+    cfg = DataConfig(paths=paths)
+    ds, report = read_sources_with_report(cfg)
+    assert report.files == 3 and report.bad_rows == 0
+    assert report.formats == {"chat": 300, "tokenized": 300, "completion": 3} and report.rows == 603
+    ids = np.sort(ds.to_pandas()["example_id"].to_numpy())
+    assert len(np.unique(ids)) == len(ids)
+    assert sorted({locate(int(i))[0] for i in ids}) == [0, 1, 2]
+    again = np.sort(read_sources(cfg).to_pandas()["example_id"].to_numpy())
+    assert np.array_equal(ids, again)
+
+
+def test_bad_rows_error_or_skip(ray_local, tmp_path, capsys):
+    path = tmp_path / "chat.jsonl"
+    good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+    path.write_text("\n".join([good, "{oops", good, json.dumps({"messages": []}), good]) + "\n")
+    with pytest.raises(SourceError) as e:
+        read_sources(DataConfig(paths=(str(path),)))
+    assert str(e.value).startswith(f"{path}:2: malformed JSON") and "1 more bad rows" in str(e.value)
+
+    cfg = load(None, [f"data.paths=['{path}']", "data.on_bad_rows=skip"])
+    ds, stats = tokenize_dataset(cfg)
+    assert stats.bad_rows == 2 and stats.examples_in == 3 and ds.count() == 3
+    assert stats.bad_examples == [f"{path}:2: malformed JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))", f"{path}:4: empty conversation (`messages` is [])"]
+    assert "bad rows   2 skipped" in stats.summary()
+    # a file-level error raised inside a read task reaches the caller as our message
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(SourceError, match=r"empty\.jsonl: empty file"):
+        read_sources(DataConfig(paths=(str(tmp_path / "empty.jsonl"),)))
+
+
+def test_tokenize_contract_and_overlength_counts(ray_local):
+    base = Config(
+        data=DataConfig(paths=(str(SAMPLE / "chat.jsonl"), str(SAMPLE / "completion.jsonl"))),
+        tokenize=TokenizeConfig(max_length=200, overlength="split", batch_size=64, num_actors=2),
+    )
+    ds, stats = tokenize_dataset(base)
+    table = pa.concat_tables(ds.to_arrow_refs() and [ray_local.get(r) for r in ds.to_arrow_refs()])
+    assert table.schema.names == ["example_id", "input_ids", "labels", "length"]
+    assert str(table.schema.field("example_id").type) == "int64" and str(table.schema.field("length").type) == "int32"
+    assert str(table.schema.field("input_ids").type) == str(table.schema.field("labels").type) == "list<item: int32>"
+    rows = table.to_pydict()
+    assert len(set(rows["example_id"])) == len(rows["example_id"]) == stats.examples_out
+    assert all(n == len(i) == len(l) and 1 <= n <= 200 for n, i, l in zip(rows["length"], rows["input_ids"], rows["labels"]))
+    assert all(all(x == -100 or x == t for x, t in zip(l, i)) for i, l in zip(rows["input_ids"], rows["labels"]))
+    assert stats.split > 0 and stats.pieces > stats.split and stats.examples_out == 600 - stats.split + stats.pieces
+    assert stats.tokens == sum(rows["length"]) and stats.label_tokens == sum(x != -100 for l in rows["labels"] for x in l)
+    assert sorted(stats.lengths.tolist()) == sorted(rows["length"])
+    whole_tokens = stats.tokens
+
+    drop = dataclasses.replace(base, tokenize=dataclasses.replace(base.tokenize, overlength="drop", num_actors=1))
+    _, s = tokenize_dataset(drop)
+    assert s.dropped == stats.split and s.examples_out == 600 - s.dropped and s.truncated == 0
+    trunc = dataclasses.replace(base, tokenize=dataclasses.replace(base.tokenize, overlength="truncate", num_actors=1))
+    _, s = tokenize_dataset(trunc)
+    assert s.truncated == stats.split and s.examples_out == 600 and s.tokens < whole_tokens
+
+
+def test_missing_chat_template_fails_on_driver(ray_local, tmp_path):
+    from transformers import AutoTokenizer
+
+    bare = AutoTokenizer.from_pretrained(str(ASSETS / "tokenizer"))
+    bare.chat_template = None
+    bare.save_pretrained(tmp_path / "bare")
+    (tmp_path / "bare" / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = load(None, [f"tokenize.tokenizer={tmp_path / 'bare'}"])
+    with pytest.raises(TokenizeError, match="no chat template"):
+        tokenize_dataset(cfg)

@@ -1,0 +1,112 @@
+"""Config loading: errors name the key, the expected form and the file; overrides round-trip."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from raypack.config import Config, ConfigError, load
+
+
+def write(tmp_path, data) -> str:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_defaults_load():
+    cfg = load()
+    assert cfg.pack.budget == 1024 and cfg.data.on_bad_rows == "error"
+
+
+def test_unknown_key_names_key_choices_and_file(tmp_path):
+    path = write(tmp_path, {"tokenize": {"max_lenght": 10}})
+    with pytest.raises(ConfigError) as e:
+        load(path)
+    msg = str(e.value)
+    assert path in msg and "tokenize.max_lenght" in msg and "unknown key" in msg and "max_length" in msg
+
+
+def test_unknown_section(tmp_path):
+    path = write(tmp_path, {"tokenise": {}})
+    with pytest.raises(ConfigError, match=r"tokenise: unknown key; expected one of .*tokenize"):
+        load(path)
+
+
+@pytest.mark.parametrize(
+    "section,key,value,expected",
+    [
+        ("pack", "budget", "big", "an integer"),
+        ("pack", "budget", True, "an integer"),
+        ("train", "lr", "fast", "a number"),
+        ("model", "trust_remote_code", "yes", "true or false"),
+        ("data", "on_bad_rows", "ignore", "one of 'error', 'skip'"),
+        ("tokenize", "max_length", "long", "an integer or null"),
+        ("data", "paths", {"a": 1}, "a list of a string"),
+    ],
+)
+def test_wrong_type_names_key_expected_form_and_file(tmp_path, section, key, value, expected):
+    path = write(tmp_path, {section: {key: value}})
+    with pytest.raises(ConfigError) as e:
+        load(path)
+    msg = str(e.value)
+    assert path in msg and f"{section}.{key}" in msg and expected in msg and repr(value) in msg
+
+
+@pytest.mark.parametrize(
+    "section,key,value,expected",
+    [
+        ("pack", "budget", 0, "a positive int"),
+        ("tokenize", "num_cpus", -1, "a positive float"),
+        ("tokenize", "max_length", 0, "a positive int or null"),
+        ("data", "eval_fraction", 1.0, "a float in [0, 1)"),
+        ("train", "min_lr_ratio", 2, "a float in [0, 1]"),
+    ],
+)
+def test_out_of_range_names_key_expected_range_and_file(tmp_path, section, key, value, expected):
+    path = write(tmp_path, {section: {key: value}})
+    with pytest.raises(ConfigError) as e:
+        load(path)
+    msg = str(e.value)
+    assert path in msg and f"{section}.{key}" in msg and expected in msg
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pack: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load(bad)
+
+
+def test_malformed_override():
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        load(None, ["budget=3"])
+
+
+def test_override_round_trip(tmp_path):
+    path = write(tmp_path, {"pack": {"budget": 512}, "data": {"paths": ["a.jsonl", "b.parquet"]}})
+    cfg = load(path, ["train.lr=2e-5", "pack.strategy=bfd", "tokenize.max_length=null", "tune.budgets=[256, 512]", "data.on_bad_rows=skip"])
+    assert cfg.train.lr == 2e-5 and isinstance(cfg.train.lr, float)
+    assert cfg.pack.strategy == "bfd" and cfg.pack.budget == 512
+    assert cfg.tokenize.max_length is None and cfg.tune.budgets == (256, 512) and cfg.data.on_bad_rows == "skip"
+    assert cfg.data.paths == ("a.jsonl", "b.parquet")
+    again = Config.from_dict(cfg.to_dict())
+    assert again == cfg
+    # and through YAML, as a logged config would be reloaded
+    path2 = tmp_path / "dumped.yaml"
+    path2.write_text(yaml.safe_dump(yaml.safe_load(yaml.safe_dump(_lists(cfg.to_dict())))))
+    assert load(path2) == cfg
+
+
+def test_override_error_names_override_source():
+    with pytest.raises(ConfigError) as e:
+        load(None, ["pack.budget=-3"])
+    assert "overrides" in str(e.value) and "pack.budget" in str(e.value)
+
+
+def _lists(d):
+    if isinstance(d, dict):
+        return {k: _lists(v) for k, v in d.items()}
+    return list(d) if isinstance(d, tuple) else d

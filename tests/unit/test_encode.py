@@ -1,0 +1,195 @@
+"""Tokenization rules without Ray: label masks token by token, EOS once, over-length policies."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from transformers import AutoTokenizer
+
+from raypack.config import ASSETS
+from raypack.data import sources
+from raypack.data.encode import DROPPED, IGNORE, OK, SPLIT, TRUNCATED, Encoder, TokenizeError
+
+TOK = str(ASSETS / "tokenizer")
+CONV = [
+    {"role": "system", "content": "be brief."},
+    {"role": "user", "content": "what is the sum of two and three?"},
+    {"role": "assistant", "content": "the sum is five."},
+    {"role": "user", "content": "and double that?"},
+    {"role": "assistant", "content": "ten minutes, twice the rate."},
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(TOK)
+
+
+def batch(records, fmt):
+    rows = {n: [] for n in sources.SCHEMA.names}
+    for i, rec in enumerate(records):
+        fields = sources._validate(rec, fmt)
+        for n in sources.SCHEMA.names:
+            rows[n].append(fields.get(n))
+        rows["example_id"][-1], rows["format"][-1] = sources.example_id(0, i), fmt
+    return pa.Table.from_pydict(rows, schema=sources.SCHEMA)
+
+
+def encode(records, fmt, label_mask="auto", overlength="truncate", max_length=4096, template=None):
+    enc = Encoder(TOK, template, label_mask, overlength, max_length)
+    out = enc.encode_table(batch(records, fmt)).to_pylist()
+    return out
+
+
+def expected_chat(tok, conv, trained):
+    """Build the chat piece by piece from the template's known layout: (ids, labels)."""
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    ids, labels = [tok.bos_token_id], [IGNORE]
+    last_assistant = max(j for j, m in enumerate(conv) if m["role"] == "assistant")
+    for j, m in enumerate(conv):
+        if m["role"] == "assistant":
+            pieces = [(enc("<|assistant|>\n"), False), (enc(m["content"] + "<|end|>"), trained(j, last_assistant)), (enc("\n"), False)]
+        else:
+            pieces = [(enc(f"<|{m['role']}|>\n"), False), (enc(m["content"]), False), (enc("<|end|>\n"), False)]
+        for piece, on in pieces:
+            ids += piece
+            labels += piece if on else [IGNORE] * len(piece)
+    eos_on = conv[-1]["role"] == "assistant"
+    return ids + [tok.eos_token_id], labels + [tok.eos_token_id if eos_on else IGNORE]
+
+
+@pytest.mark.parametrize("mode", ["auto", "assistant", "completion", "all"])
+def test_chat_label_masks_token_by_token(tok, mode):
+    (row,) = encode([{"messages": CONV}], "chat", label_mask=mode)
+    if mode == "all":
+        ids, _ = expected_chat(tok, CONV, lambda j, last: True)
+        labels = ids
+    elif mode == "completion":
+        ids, labels = expected_chat(tok, CONV, lambda j, last: j == last)
+    else:
+        ids, labels = expected_chat(tok, CONV, lambda j, last: True)
+    assert row["input_ids"] == ids
+    assert row["labels"] == labels
+    assert row["length"] == len(ids) and row["_label_tokens"] == sum(l != IGNORE for l in labels)
+
+
+def test_chat_mask_agrees_with_transformers_assistant_mask(tok):
+    (row,) = encode([{"messages": CONV}], "chat")
+    hf = tok.apply_chat_template(CONV, return_dict=True, return_assistant_tokens_mask=True)
+    assert row["input_ids"][:-1] == hf["input_ids"]
+    assert [int(l != IGNORE) for l in row["labels"][:-1]] == hf["assistant_masks"]
+
+
+def test_template_without_generation_markers_gives_same_mask(tok):
+    plain = tok.chat_template.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    convs = [{"messages": CONV}, {"messages": CONV[1:3]}, {"messages": CONV[:2]}]
+    nl = tok("\n", add_special_tokens=False)["input_ids"]
+    # Without markers a turn is everything its rendering adds, so the "\n" after <|end|> trains too.
+    for fallback, marked in zip(encode(convs, "chat", template=plain), encode(convs, "chat")):
+        assert fallback["input_ids"] == marked["input_ids"]
+        want = list(marked["labels"])
+        for i in range(1, len(want)):
+            if want[i] == IGNORE and marked["labels"][i - 1] != IGNORE and [marked["input_ids"][i]] == nl:
+                want[i] = marked["input_ids"][i]
+        assert fallback["labels"] == want
+
+
+def test_chat_ending_with_user_turn_has_no_loss_on_eos(tok):
+    (row,) = encode([{"messages": CONV[:4]}], "chat")
+    assert row["input_ids"][-1] == tok.eos_token_id and row["labels"][-1] == IGNORE
+
+
+def test_eos_appended_once_even_when_template_ends_with_it(tok):
+    with_eos = tok.chat_template + "{{ eos_token }}"
+    for template in (None, with_eos):
+        (row,) = encode([{"messages": CONV}], "chat", template=template)
+        assert row["input_ids"][-1] == tok.eos_token_id and row["input_ids"][-2] != tok.eos_token_id
+        assert row["input_ids"].count(tok.eos_token_id) == 1
+    (row,) = encode([{"prompt": "a b", "completion": " c d"}], "completion")
+    assert row["input_ids"].count(tok.eos_token_id) == 1 and row["input_ids"][-1] == tok.eos_token_id
+
+
+@pytest.mark.parametrize("mode", ["auto", "completion", "assistant", "all"])
+def test_instruction_and_completion_masks(tok, mode):
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    rec = {"instruction": "add the numbers", "input": "two and three", "output": "five."}
+    prompt = "### Instruction:\nadd the numbers\n\n### Input:\ntwo and three\n\n### Response:\n"
+    rows = encode([rec], "instruction", label_mask=mode)
+    rows += encode([{"prompt": "the river", "completion": " runs north."}], "completion", label_mask=mode)
+    for row, (p, c) in zip(rows, [(prompt, "five."), ("the river", " runs north.")]):
+        ids = [tok.bos_token_id] + enc(p) + enc(c) + [tok.eos_token_id]
+        n_prompt = 1 + len(enc(p))
+        labels = ids if mode == "all" else [IGNORE] * n_prompt + ids[n_prompt:]
+        assert row["input_ids"] == ids and row["labels"] == labels
+
+
+def test_instruction_without_input_skips_input_section(tok):
+    (row,) = encode([{"instruction": "say hi", "output": "hi"}], "instruction")
+    assert "### Input" not in tok.decode(row["input_ids"])
+
+
+def test_tokenized_passes_through():
+    rows = encode([{"input_ids": [5, 6, 7]}, {"input_ids": [5, 6, 7], "labels": [IGNORE, 6, 7]}], "tokenized")
+    assert [r["input_ids"] for r in rows] == [[5, 6, 7], [5, 6, 7]]
+    assert [r["labels"] for r in rows] == [[5, 6, 7], [IGNORE, 6, 7]]
+
+
+def test_overlength_policies(tok):
+    recs = [{"prompt": "a " * n, "completion": "b " * n} for n in (3, 40, 100)]
+    (full_short, full_mid, full_long) = encode(recs, "completion")
+    L = 32
+    assert full_short["length"] <= L < full_mid["length"] < full_long["length"]
+
+    dropped = encode(recs, "completion", overlength="drop", max_length=L)
+    assert [r["_flag"] for r in dropped] == [OK, DROPPED, DROPPED] and [r["length"] for r in dropped][1:] == [0, 0]
+
+    trunc = encode(recs, "completion", overlength="truncate", max_length=L)
+    assert [r["_flag"] for r in trunc] == [OK, TRUNCATED, TRUNCATED]
+    assert trunc[1]["input_ids"] == full_mid["input_ids"][:L] and trunc[2]["labels"] == full_long["labels"][:L]
+
+    split = encode(recs, "completion", overlength="split", max_length=L)
+    parents = {r["example_id"] >> 10 for r in split}
+    assert len(parents) == 3 and all(r["length"] <= L for r in split)
+    for full in (full_mid, full_long):
+        pieces = [r for r in split if r["example_id"] >> 10 == full["example_id"] >> 10]
+        assert [r["example_id"] & 1023 for r in pieces] == list(range(-(-full["length"] // L)))
+        assert all(r["_flag"] == SPLIT for r in pieces)
+        assert sum((r["input_ids"] for r in pieces), []) == full["input_ids"]
+        assert sum((r["labels"] for r in pieces), []) == full["labels"]
+    assert len({r["example_id"] for r in split}) == len(split)
+
+
+def test_chat_without_template_is_a_clear_error(tmp_path, tok):
+    bare = AutoTokenizer.from_pretrained(TOK)
+    template = bare.chat_template
+    bare.chat_template = None
+    bare.save_pretrained(tmp_path / "bare")
+    (tmp_path / "bare" / "chat_template.jinja").unlink(missing_ok=True)
+    enc = Encoder(str(tmp_path / "bare"), None, "auto", "truncate", 4096)
+    with pytest.raises(TokenizeError, match="has no chat template .* set tokenize.chat_template"):
+        enc.encode_table(batch([{"messages": CONV}], "chat"))
+    # completion data needs no template; and a configured template fixes chat
+    assert enc(batch([{"prompt": "a", "completion": "b"}], "completion")).num_rows == 1
+    with_template = Encoder(str(tmp_path / "bare"), template, "auto", "truncate", 4096)
+    assert with_template.encode_table(batch([{"messages": CONV}], "chat")).to_pylist() == encode([{"messages": CONV}], "chat")
+
+
+def test_mixed_formats_in_one_batch_keep_row_order():
+    chat = batch([{"messages": CONV}], "chat")
+    comp = batch([{"prompt": "x", "completion": "y"}], "completion")
+    mixed = pa.concat_tables([comp, chat, comp])
+    out = Encoder(TOK, None, "auto", "truncate", 4096).encode_table(mixed).to_pylist()
+    assert out[0] == out[2] and out[1]["input_ids"] == encode([{"messages": CONV}], "chat")[0]["input_ids"]
+    assert np.all([r["length"] == len(r["input_ids"]) for r in out])
+
+
+def test_call_drops_internal_columns_and_reports_counts():
+    seen = {}
+    enc = Encoder(TOK, None, "auto", "drop", 32, report=lambda key, c: seen.update({key: c}))
+    recs = [{"prompt": "a " * n, "completion": "b " * n} for n in (3, 40, 5)]
+    out = enc(batch(recs, "completion"))
+    assert out.schema.names == ["example_id", "input_ids", "labels", "length"] and out.num_rows == 2
+    ((key, c),) = seen.items()
+    assert key == (0, 3) and c["dropped"] == 1 and c["lengths"].tolist() == out["length"].to_pylist()
+    assert c["label_tokens"] == sum(x != IGNORE for l in out["labels"].to_pylist() for x in l)
