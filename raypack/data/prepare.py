@@ -126,17 +126,18 @@ def prepare(cfg: Config, num_ranks: int, root: str | Path) -> Prepared:
     held_ids = np.sort(ids[held_out])
 
     def keep(batch, want_eval: bool):
-        mask = np.isin(batch["example_id"], held_ids, assume_unique=True) == want_eval
-        return {k: v[mask] for k, v in batch.items()}
+        # pyarrow in and out: the numpy format would turn the token lists into tensor columns.
+        mask = np.isin(batch["example_id"].to_numpy(), held_ids, assume_unique=True) == want_eval
+        return batch.filter(mask)
 
-    train_ds = ds.map_batches(keep, fn_kwargs={"want_eval": False}, batch_format="numpy") if len(held_ids) else ds
+    train_ds = ds.map_batches(keep, fn_kwargs={"want_eval": False}, batch_format="pyarrow") if len(held_ids) else ds
     train_plan, stats = _plan_split(train_ds, lengths[~held_out], ids[~held_out], cfg, num_ranks, root / "train")
     if train_plan.num_steps < cfg.train.grad_accum:
         raise ValueError(f"{len(lengths)} examples make no full optimizer step for {num_ranks} ranks")
     eval_dir = None
     if len(held_ids):
         eval_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum=1))
-        eval_ds = ds.map_batches(keep, fn_kwargs={"want_eval": True}, batch_format="numpy")
+        eval_ds = ds.map_batches(keep, fn_kwargs={"want_eval": True}, batch_format="pyarrow")
         _plan_split(eval_ds, lengths[held_out], ids[held_out], eval_cfg, num_ranks, root / "eval")
         eval_dir = str(root / "eval")
 

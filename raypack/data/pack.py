@@ -1,0 +1,298 @@
+"""Pack stage: build the packed rows a `Plan` describes from the tokenized dataset, with Ray Data.
+
+Input rows: `example_id` (int64, unique, not dense), `input_ids` / `labels` (list<int32>,
+labels unshifted with -100 masking) and `length`. Plan index i is the i-th smallest example_id
+(`lengths_and_ids` builds both arrays in that order).
+
+Output: Parquet under `out_dir/rank=<r>/`, one row per (rank, step), read back in step order by
+`iter_rank_packs`. A packed row, for pieces a (3 tokens) and b (2 tokens):
+
+    input_ids     a0 a1 a2 b0 b1
+    labels        l0 l1 l2 m0 m1     raw labels; collate puts -100 at each example start
+    position_ids  0  1  2  0  1      restart per piece (0 1 2 3 4 for wrapped_noreset)
+    example_ids   [id_a, id_b]       real ids of the pieces, in order
+    pack, rank, step, num_tokens
+
+A piece of a split example (wrapped) also restarts its positions at 0, as TRL's wrapped does.
+An empty pack becomes input_ids [0], labels [-100], position_ids [0], example_ids [].
+
+How rows are built (`method`):
+
+- `routed` (default): the plan's `example -> (pack, position)` routing is broadcast once
+  (`ray.put`). One task per block cuts every example into its pieces, tags them with rank, step and
+  position, and returns one table per rank (`num_returns=num_ranks`); one task per rank then sorts
+  its pieces on the small (step, position) keys and concatenates them into rows with vectorized
+  Arrow operations. Tokens move once, block -> rank, through the object store; no shuffle.
+- `routed_files`: the same pieces from a Ray Data `map_batches`, written once partitioned by rank
+  (`write_parquet(partition_cols=["rank"])`), then the same per-rank assembly from those files.
+- `shuffle`: the same pieces grouped by pack through Ray Data's `groupby("pack").map_groups()`,
+  a global shuffle of every token. The baseline.
+
+benchmarks/pack_materialize.py measures the three on the same data and plan; `routed` is the
+default because it is the fastest there (see benchmarks/results/pack_materialize_*.md).
+Both follow the global plan exactly.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+ROWS_PER_FILE = 4096
+"""Packed rows per output Parquet file (files are named in step order)."""
+
+
+def lengths_and_ids(ds) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths, example_ids) of a tokenized dataset, both ordered by example_id."""
+    ids, lengths = [], []
+    for batch in ds.select_columns(["example_id", "length"]).iter_batches(batch_size=65536, batch_format="numpy"):
+        ids.append(np.asarray(batch["example_id"], dtype=np.int64))
+        lengths.append(np.asarray(batch["length"], dtype=np.int64))
+    ids_arr = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+    len_arr = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    order = np.argsort(ids_arr, kind="stable")
+    ids_arr, len_arr = ids_arr[order], len_arr[order]
+    if len(ids_arr) > 1 and (np.diff(ids_arr) == 0).any():
+        raise ValueError("example_id is not unique in the tokenized dataset")
+    return len_arr, ids_arr
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(s, s + c) for every (s, c), without a Python loop."""
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    ends = np.cumsum(counts)
+    return np.repeat(starts - (ends - counts), counts) + np.arange(total)
+
+
+def _list_array(offsets: np.ndarray, values: np.ndarray, type_: pa.DataType) -> pa.Array:
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, type_))
+
+
+def _as_lists(column) -> pa.ListArray:
+    lists = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if not (pa.types.is_list(lists.type) or pa.types.is_large_list(lists.type)):  # e.g. a tensor column
+        lists = pa.array([np.asarray(v) for v in lists.to_numpy(zero_copy_only=False)], pa.list_(pa.int32()))
+    return lists
+
+
+class _Router:
+    """map_batches callable: cut each example into the pieces the plan places, tag each piece."""
+
+    def __init__(self, routing: dict[str, np.ndarray]):
+        self.r = routing
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        r = self.r
+        ids = batch["example_id"].to_numpy().astype(np.int64)
+        idx = np.searchsorted(r["ids"], ids)
+        if (idx >= len(r["ids"])).any() or (r["ids"][np.minimum(idx, len(r["ids"]) - 1)] != ids).any():
+            raise ValueError("the dataset holds example_ids that the plan's id array does not")
+        entry = _ranges(r["first"][idx], r["count"][idx])  # plan entries of this batch's examples
+        row = np.repeat(np.arange(len(ids)), r["count"][idx])
+        out: dict[str, Any] = {
+            "pack": r["pack"][entry],
+            "pos": r["pos"][entry].astype(np.int32),
+            "step": r["step"][entry].astype(np.int32),
+            "rank": r["rank"][entry].astype(np.int32),
+            "example_id": ids[row],
+        }
+        start, end = r["start"][entry], r["end"][entry]
+        piece_offsets = np.concatenate(([0], np.cumsum(end - start)))
+        for col in ("input_ids", "labels"):
+            lists = _as_lists(batch[col])
+            base = lists.offsets.to_numpy()[:-1].astype(np.int64) - lists.offsets[0].as_py()
+            values = lists.values.to_numpy(zero_copy_only=False)
+            gather = _ranges(base[row] + start, end - start)
+            out[col] = _list_array(piece_offsets, values[gather].astype(np.int32), pa.int32())
+        return pa.table(out)
+
+
+def _routing(plan, example_ids: np.ndarray) -> dict[str, np.ndarray]:
+    n = len(example_ids)
+    pack_first = np.searchsorted(plan.pack, plan.pack)  # entries are ordered by pack
+    by_example = np.argsort(plan.example, kind="stable")
+    count = np.bincount(plan.example, minlength=n)
+    return {
+        "ids": np.asarray(example_ids, dtype=np.int64),
+        "first": np.concatenate(([0], np.cumsum(count)[:-1])).astype(np.int64),
+        "count": count.astype(np.int64),
+        "start": plan.start[by_example],
+        "end": plan.end[by_example],
+        "pack": plan.pack[by_example],
+        "pos": (np.arange(len(plan.pack)) - pack_first)[by_example],
+        "step": plan.step[by_example],
+        "rank": plan.rank[by_example],
+    }
+
+
+def assemble_rows(pieces: pa.Table, reset_positions: bool) -> pa.Table:
+    """Packed rows from routed pieces (any order): sort on (pack, pos) and concatenate."""
+    pieces = pieces.sort_by([("pack", "ascending"), ("pos", "ascending")]).combine_chunks()
+    pack = pieces["pack"].to_numpy()
+    new_row = np.concatenate(([True], pack[1:] != pack[:-1])) if len(pack) else np.zeros(0, bool)
+    heads = np.flatnonzero(new_row)
+    piece_len = pc.list_value_length(pieces["input_ids"]).to_numpy().astype(np.int64)
+    pieces_per_row = np.diff(np.append(heads, len(pack)))
+    row_tokens = np.add.reduceat(piece_len, heads) if len(heads) else np.zeros(0, np.int64)
+    row_offsets = np.concatenate(([0], np.cumsum(row_tokens)))
+    piece_offsets = np.concatenate(([0], np.cumsum(piece_len)))
+    total = int(row_offsets[-1])
+    restart = piece_offsets[:-1] if reset_positions else np.repeat(row_offsets[:-1], pieces_per_row)
+    positions = np.arange(total) - np.repeat(restart, piece_len)
+    cols = {}
+    for col in ("input_ids", "labels"):
+        values = pc.list_flatten(pieces[col]).to_numpy(zero_copy_only=False)
+        cols[col] = _list_array(row_offsets, values.astype(np.int32), pa.int32())
+    return pa.table(
+        {
+            **cols,
+            "position_ids": _list_array(row_offsets, positions.astype(np.int32), pa.int32()),
+            "example_ids": _list_array(np.concatenate(([0], np.cumsum(pieces_per_row))),
+                                       pieces["example_id"].to_numpy(), pa.int64()),
+            "pack": pa.array(pack[heads], pa.int64()),
+            "rank": pa.array(pieces["rank"].to_numpy()[heads], pa.int32()),
+            "step": pa.array(pieces["step"].to_numpy()[heads], pa.int32()),
+            "num_tokens": pa.array(row_tokens, pa.int32()),
+        }
+    )
+
+
+def _empty_rows(rank: int, steps: np.ndarray, num_ranks: int) -> pa.Table:
+    k = len(steps)
+    ones = np.arange(k + 1, dtype=np.int32)
+    return pa.table(
+        {
+            "input_ids": _list_array(ones, np.zeros(k, np.int32), pa.int32()),
+            "labels": _list_array(ones, np.full(k, -100, np.int32), pa.int32()),
+            "position_ids": _list_array(ones, np.zeros(k, np.int32), pa.int32()),
+            "example_ids": _list_array(np.zeros(k + 1, np.int32), np.zeros(0, np.int64), pa.int64()),
+            "pack": pa.array(steps.astype(np.int64) * num_ranks + rank, pa.int64()),
+            "rank": pa.array(np.full(k, rank), pa.int32()),
+            "step": pa.array(steps, pa.int32()),
+            "num_tokens": pa.array(np.ones(k), pa.int32()),
+        }
+    )
+
+
+def _write_rank(rows: pa.Table, out: Path, rank: int, num_steps: int, num_ranks: int) -> int:
+    """Add the rank's empty packs, sort by step, write files whose names sort in step order."""
+    have = np.zeros(num_steps, dtype=bool)
+    have[rows["step"].to_numpy()] = True
+    rows = pa.concat_tables([rows, _empty_rows(rank, np.flatnonzero(~have), num_ranks)])
+    rows = rows.sort_by("step")
+    out.mkdir(parents=True, exist_ok=True)
+    for i in range(0, max(rows.num_rows, 1), ROWS_PER_FILE):
+        pq.write_table(rows.slice(i, ROWS_PER_FILE), out / f"part-{i // ROWS_PER_FILE:06d}.parquet")
+    return rows.num_rows
+
+
+def _route_block(block: pa.Table, routing: dict[str, np.ndarray], num_ranks: int):
+    """One block's pieces, split by rank (a task with num_returns=num_ranks)."""
+    pieces = _Router(routing)(block)
+    rank = pieces["rank"].to_numpy()
+    order = np.argsort(rank, kind="stable")
+    bounds = np.searchsorted(rank[order], np.arange(num_ranks + 1))
+    pieces = pieces.take(pa.array(order))
+    parts = tuple(pieces.slice(bounds[r], bounds[r + 1] - bounds[r]) for r in range(num_ranks))
+    return parts if num_ranks > 1 else parts[0]
+
+
+def _finish_rank_tables(out: str, rank: int, num_steps: int, num_ranks: int, reset: bool, *parts) -> int:
+    parts = [t for t in parts if t.num_rows]
+    rows = assemble_rows(pa.concat_tables(parts), reset) if parts else _empty_rows(rank, np.zeros(0, np.int64), num_ranks)
+    return _write_rank(rows, Path(out), rank, num_steps, num_ranks)
+
+
+def materialize(ds, plan, example_ids: np.ndarray, out_dir: str, method: str = "routed") -> dict[str, Any]:
+    """Write the packed rows of `plan` under `out_dir/rank=<r>/` (replacing what was there).
+    Returns counts and seconds."""
+    import ray
+
+    t0 = time.perf_counter()
+    out = Path(out_dir)
+    if out.exists():
+        shutil.rmtree(out)  # write_parquet appends by default; a stale shard would corrupt a rank
+    routing = ray.put(_routing(plan, example_ids))
+    args = (plan.num_steps, plan.num_ranks, plan.reset_positions)
+    if method == "routed":
+        route = ray.remote(num_cpus=0.5, num_returns=plan.num_ranks)(_route_block)
+        parts = [route.remote(block, routing, plan.num_ranks) for block in ds.to_arrow_refs()]
+        if plan.num_ranks == 1:
+            parts = [[p] for p in parts]
+        finish = ray.remote(num_cpus=0.5)(_finish_rank_tables)
+        rows = sum(ray.get([finish.remote(str(out / f"rank={r}"), r, *args, *[p[r] for p in parts])
+                            for r in range(plan.num_ranks)]))
+        return {"rows": rows, "method": method, "seconds": time.perf_counter() - t0}
+    pieces = ds.map_batches(
+        _route_with_ref, fn_kwargs={"routing": routing}, batch_format="pyarrow", num_cpus=0.5
+    )
+    if method == "routed_files":
+        tmp = out / "_pieces"
+        pieces.write_parquet(str(tmp), partition_cols=["rank"])
+        finish = ray.remote(num_cpus=0.5)(_finish_rank)
+        refs = [finish.remote(str(tmp / f"rank={r}"), str(out / f"rank={r}"), r, *args) for r in range(plan.num_ranks)]
+        rows = sum(ray.get(refs))
+        shutil.rmtree(tmp)
+    elif method == "shuffle":
+        reset = plan.reset_positions
+        packed = pieces.groupby("pack").map_groups(lambda t: assemble_rows(t, reset), batch_format="pyarrow")
+        by_rank: dict[int, list[pa.Table]] = {r: [] for r in range(plan.num_ranks)}
+        for ref in packed.to_arrow_refs():
+            table = ray.get(ref)
+            ranks = table["rank"].to_numpy()
+            for r in np.unique(ranks).tolist():
+                by_rank[r].append(table.filter(pa.array(ranks == r)))
+        rows = 0
+        for r, tables in by_rank.items():
+            t = pa.concat_tables(tables) if tables else _empty_rows(r, np.zeros(0, np.int64), plan.num_ranks)
+            rows += _write_rank(t, out / f"rank={r}", r, plan.num_steps, plan.num_ranks)
+    else:
+        raise ValueError(f"unknown materialize method {method!r}; expected routed, routed_files or shuffle")
+    return {"rows": rows, "method": method, "seconds": time.perf_counter() - t0}
+
+
+def _finish_rank(pieces_dir: str, out: str, rank: int, num_steps: int, num_ranks: int, reset: bool) -> int:
+    files = sorted(Path(pieces_dir).glob("*.parquet")) if os.path.isdir(pieces_dir) else []
+    tables = [pq.read_table(f) for f in files]
+    tables = [t if "rank" in t.column_names else t.append_column("rank", pa.array(np.full(t.num_rows, rank), pa.int32()))
+              for t in tables]
+    return _finish_rank_tables(out, rank, num_steps, num_ranks, reset, *tables)
+
+
+def _route_with_ref(batch: pa.Table, routing) -> pa.Table:
+    # An ObjectRef inside fn_kwargs arrives as a ref (Ray Data does not dereference it); fetch
+    # once per worker process and keep it.
+    global _ROUTER_CACHE
+    key = routing.hex() if hasattr(routing, "hex") else id(routing)
+    if _ROUTER_CACHE is None or _ROUTER_CACHE[0] != key:
+        import ray
+
+        _ROUTER_CACHE = (key, _Router(ray.get(routing) if hasattr(routing, "hex") else routing))
+    return _ROUTER_CACHE[1](batch)
+
+
+_ROUTER_CACHE: tuple[Any, _Router] | None = None
+
+
+def iter_rank_packs(out_dir: str, rank: int, start_step: int = 0) -> Iterator[dict[str, Any]]:
+    """The packed rows of `rank` in step order, from `start_step` on (resume skips the rest)."""
+    files = sorted((Path(out_dir) / f"rank={rank}").glob("*.parquet"))
+    for f in files:
+        table = pq.read_table(f)
+        if "rank" not in table.column_names:
+            table = table.append_column("rank", pa.array(np.full(table.num_rows, rank), pa.int32()))
+        steps = table["step"].to_numpy()
+        if len(steps) and steps[-1] < start_step:
+            continue
+        for row in table.filter(pa.array(steps >= start_step)).to_pylist():
+            yield row

@@ -1,0 +1,70 @@
+"""`raypack plan`: dry-run the packing strategies on a lengths file or a configured dataset.
+
+    raypack plan (--config FILE | --lengths FILE.npy) --budget N --ranks R [--strategy NAME ...]
+                 [--seed S] [--json] [--out PLAN.parquet]
+
+Prints one row per strategy (packs, steps, efficiency, padding fraction, token and attention
+imbalance, planning seconds; see raypack/data/stats.py for the definitions). `--out` writes the
+first strategy's assignment as Parquet, one row per example (per piece for wrapped): example_id
+(index into the lengths), pack, rank, step, start, end.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+
+from raypack.config import PackConfig
+from raypack.data.plan import STRATEGIES, make_plan
+
+COLUMNS = ("strategy", "packs", "steps", "efficiency", "padding_fraction", "token_imbalance",
+           "attention_imbalance", "seconds")
+
+
+def _lengths_from_config(args) -> np.ndarray:
+    """Tokenize the configured data; lengths ordered by example_id, as the pack stage orders them."""
+    import os
+
+    import ray
+
+    from raypack.config import load
+    from raypack.data.pack import lengths_and_ids
+    from raypack.data.tokenize import tokenize_dataset
+
+    cfg = load(args.config, args.overrides)
+    if not ray.is_initialized():
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init()  # join the cluster the environment names
+        else:  # more logical CPUs than cores, so tokenizer actors never starve the read tasks
+            ray.init(address="local", num_cpus=max(4, (os.cpu_count() or 1) * 2))
+    cfg = replace(cfg, pack=replace(cfg.pack, budget=args.budget))
+    ds, _ = tokenize_dataset(cfg)
+    lengths, _ = lengths_and_ids(ds)
+    return lengths
+
+
+def run_cli(args) -> int:
+    lengths = np.load(args.lengths) if args.lengths else _lengths_from_config(args)
+    names = args.strategy or list(STRATEGIES)
+    rows = []
+    for i, name in enumerate(names):
+        cfg = PackConfig(strategy=name, budget=args.budget, batch_size=args.batch_size, seed=args.seed)
+        plan = make_plan(lengths, cfg, args.ranks)
+        stats = plan.stats()
+        rows.append({k: stats[k] for k in COLUMNS})
+        if i == 0 and args.out:
+            plan.write_parquet(args.out)
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print(f"{len(lengths)} examples, {int(np.sum(lengths))} tokens, budget {args.budget}, {args.ranks} ranks")
+    header = f"{'strategy':<16}{'packs':>10}{'steps':>10}{'effic.':>9}{'padding':>9}{'tok.imb':>9}{'attn.imb':>9}{'seconds':>9}"
+    print(header)
+    for r in rows:
+        print(f"{r['strategy']:<16}{r['packs']:>10}{r['steps']:>10}{r['efficiency']:>9.4f}{r['padding_fraction']:>9.4f}"
+              f"{r['token_imbalance']:>9.4f}{r['attention_imbalance']:>9.4f}{r['seconds']:>9.3f}")
+    if args.out:
+        print(f"wrote the {names[0]} assignment to {args.out}")
+    return 0
