@@ -1,0 +1,19 @@
+"""Packing dry run on a Ray cluster: compare strategies before paying for GPUs.
+
+    ray job submit --address http://127.0.0.1:8265 --working-dir . \
+        --runtime-env-json '{"excludes": [".venv", ".git", ".cache", "results"]}' \
+        -- python jobs/plan.py --config jobs/configs/qwen7b.yaml --budget 8192 --ranks 16
+
+Arguments are `raypack plan`'s: --config FILE (tokenizes the configured data on the cluster) or
+--lengths FILE.npy, then --budget, --ranks and optionally --strategy NAME ..., --json, --out.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # import raypack from the working dir
+
+from raypack.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main(["plan", *sys.argv[1:]]))

@@ -1,0 +1,19 @@
+"""Sweep packing strategies on a Ray cluster: the entrypoint of `ray job submit`.
+
+    ray job submit --address http://127.0.0.1:8265 --working-dir . \
+        --runtime-env-json '{"excludes": [".venv", ".git", ".cache", "results"]}' \
+        -- python jobs/sweep.py --config jobs/configs/sweeps/packing.yaml
+
+Arguments are `raypack sweep`'s: --config FILE, then dotted overrides. Each trial is a full Ray
+Train run; the table and plot land in `<run.storage_path>/<run.name>/`.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # import raypack from the working dir
+
+from raypack.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main(["sweep", *sys.argv[1:]]))

@@ -1,0 +1,247 @@
+"""Ray Tune sweep over packing strategies: one Ray Train run per trial, then a table and a plot.
+
+    raypack sweep --config jobs/configs/sweeps/packing_cpu.yaml run.storage_path=/tmp/sweeps
+
+    Tuner ──> trial (a small driver function, ~no resources)
+                └─> raypack.train.trainer.fit(trial cfg, callbacks=[TuneReportCallback()])
+                      └─> its own Ray Train workers (train.num_workers of them)
+
+The grid is `tune.strategies` x `tune.budgets` x `tune.lrs` (empty budgets or lrs keep the
+config's `pack.budget` / `train.lr`). Ray Train V2 refuses `Tuner(trainer)`, hence the driver
+function. A failed trial is a row with status ERROR, never the end of the sweep.
+
+Everything lands in the experiment directory `<run.storage_path>/<run.name>/`: Tune's trial
+folders, each trial's Train run under `runs/`, and `sweep_results.md`, `sweep_results.csv` and
+`sweep_throughput_vs_loss.png`. The table and plot writers are pure functions of a list of row
+dicts, so they are tested without Ray.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import itertools
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from raypack.config import Config, load
+
+TABLE = "sweep_results.md"
+CSV = "sweep_results.csv"
+PLOT = "sweep_throughput_vs_loss.png"
+COLUMNS = (
+    "strategy", "budget", "lr", "tokens_per_s", "peak_memory_gb", "loss", "eval_loss",
+    "packing_efficiency", "steps", "status",
+)
+
+
+# --- the grid and each trial's config ------------------------------------------------------------
+
+
+def grid(cfg: Config) -> list[dict[str, Any]]:
+    """One dict per trial: strategy x budget x lr."""
+    budgets = cfg.tune.budgets or (cfg.pack.budget,)
+    lrs = cfg.tune.lrs or (cfg.train.lr,)
+    return [
+        {"strategy": s, "budget": b, "lr": lr}
+        for s, b, lr in itertools.product(cfg.tune.strategies, budgets, lrs)
+    ]
+
+
+def trial_name(params: dict[str, Any]) -> str:
+    return f"{params['strategy']}-b{params['budget']}-lr{params['lr']:g}"
+
+
+def trial_config(base: Config, params: dict[str, Any], storage: str, suffix: str = "") -> Config:
+    """The base config with the trial's strategy, budget and lr, its Train run under `storage`
+    with a name no other trial (or earlier sweep) uses: a reused name would resume that run."""
+    name = trial_name(params) + (f"-{suffix}" if suffix else "")
+    return dataclasses.replace(
+        base,
+        pack=dataclasses.replace(base.pack, strategy=params["strategy"], budget=params["budget"]),
+        train=dataclasses.replace(base.train, lr=params["lr"]),
+        run=dataclasses.replace(base.run, name=name, storage_path=storage),
+    )
+
+
+def _run_trial(config: dict[str, Any], base: Config, storage: str) -> None:
+    """The Tune trainable: a driver that fits one Ray Train run and forwards its reports."""
+    import ray
+    import ray.tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    cfg = trial_config(base, config["trial"], storage, ray.tune.get_context().get_trial_id())
+    callback = TuneReportCallback()  # made here: it needs the trial's Tune session
+    # Tune puts every task a trial starts into the trial's (tiny) placement group; the data
+    # preparation's tasks and actors would not fit there. The fit runs outside it.
+    outside = PlacementGroupSchedulingStrategy(placement_group=None)
+    fit_task = ray.remote(num_cpus=0, max_retries=0)(_fit_task).options(scheduling_strategy=outside)
+    metrics, error = ray.get(fit_task.remote(cfg, callback))
+    if error:
+        raise RuntimeError(error)  # Tune records it as the trial's error
+    if metrics:
+        # The callback's last report can still be in flight when this function returns, and Tune
+        # then drops it; reporting the run's final metrics here makes them the trial's result.
+        ray.tune.report(metrics)
+
+
+def _fit_task(cfg: Config, callback) -> tuple[dict | None, str | None]:
+    from raypack.train.trainer import fit
+
+    result = fit(cfg, callbacks=[callback])
+    if result.error is not None:
+        return None, f"{type(result.error).__name__}: {result.error}"
+    return dict(result.metrics or {}), None
+
+
+# --- running the sweep ---------------------------------------------------------------------------
+
+
+def sweep(cfg: Config) -> list[dict[str, Any]]:
+    """Run every trial of the grid; returns the table rows (also written to the experiment dir)."""
+    import ray.tune
+
+    from raypack.train.trainer import init_ray, storage_path
+
+    init_ray()
+    base = cfg.with_absolute_paths()  # trials run in actors whose working dir is not ours
+    storage = storage_path(base)
+    experiment_dir = f"{storage}/{cfg.run.name}"
+    trials = grid(cfg)
+    trainable = ray.tune.with_parameters(_run_trial, base=base, storage=f"{experiment_dir}/runs")
+    # The driver only waits on its Train run; the run's workers hold the real resources.
+    trainable = ray.tune.with_resources(trainable, {"CPU": 0.01})
+    tuner = ray.tune.Tuner(
+        trainable,
+        param_space={"trial": ray.tune.grid_search(trials)},
+        tune_config=ray.tune.TuneConfig(max_concurrent_trials=cfg.tune.max_concurrent_trials),
+        run_config=ray.tune.RunConfig(
+            name=cfg.run.name,
+            storage_path=storage,
+            failure_config=ray.tune.FailureConfig(max_failures=0, fail_fast=False),
+            verbose=1,
+        ),
+    )
+    results = tuner.fit()
+    rows = [result_row(r.config["trial"], r.metrics or {}, r.error) for r in results]
+    order = {trial_name(t): i for i, t in enumerate(trials)}
+    rows.sort(key=lambda r: order.get(trial_name(r), len(order)))
+    write_report(rows, experiment_dir)
+    return rows
+
+
+def result_row(params: dict[str, Any], metrics: dict[str, Any], error: BaseException | None) -> dict[str, Any]:
+    """One table row from a trial's parameters and its last reported metrics."""
+    row = {**params, "status": "ERROR" if error is not None else "OK"}
+    for key in ("tokens_per_s", "peak_memory_gb", "loss", "eval_loss", "packing_efficiency"):
+        row[key] = metrics.get(key)
+    row["steps"] = metrics.get("step")
+    if error is not None:
+        # A trial's error is a RayTaskError whose last line is the exception that ended the run.
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        row["error"] = (lines[-1] if len(lines) > 1 else f"{type(error).__name__}: {''.join(lines)}")[:300]
+    return row
+
+
+# --- the report: pure functions of rows ----------------------------------------------------------
+
+
+def _fmt(value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return str(value)
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """A Markdown table, one line per trial, failed trials included (with their error below)."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_fmt(row.get(c)) for c in COLUMNS) + " |" for row in rows]
+    errors = [f"- {trial_name(r)}: {r['error']}" for r in rows if r.get("error")]
+    if errors:
+        lines += ["", "Failed trials:", *errors]
+    return "\n".join(lines) + "\n"
+
+
+def format_csv(rows: Sequence[dict[str, Any]]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=[*COLUMNS, "error"], extrasaction="ignore")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in writer.fieldnames})
+    return out.getvalue()
+
+
+def plot(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
+    """Throughput against final train loss, one marker per trial, one colour per strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    for i, strategy in enumerate(strategies):
+        points = [r for r in rows if r["strategy"] == strategy and r.get("tokens_per_s") is not None
+                  and r.get("loss") is not None]
+        if not points:
+            continue
+        ax.scatter([p["loss"] for p in points], [p["tokens_per_s"] for p in points],
+                   color=f"C{i % 10}", label=strategy, s=50)
+        for p in points:
+            ax.annotate(f"b{p['budget']} lr{p['lr']:g}", (p["loss"], p["tokens_per_s"]),
+                        fontsize=7, xytext=(4, 3), textcoords="offset points")
+    failed = [trial_name(r) for r in rows if r.get("status") != "OK"]
+    title = "Packing sweep: throughput vs final loss"
+    ax.set_title(title + (f"\n(failed: {', '.join(failed)})" if failed else ""), fontsize=9)
+    ax.set_xlabel("final train loss")
+    ax.set_ylabel("tokens/s (real tokens)")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(title="strategy", fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_report(rows: Sequence[dict[str, Any]], directory: str) -> dict[str, str]:
+    """Write the table, the CSV and the plot into `directory` (a local folder or a URI)."""
+    import tempfile
+
+    files = {TABLE: format_table(rows), CSV: format_csv(rows)}
+    if "://" not in directory:
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (out / name).write_text(text)
+        plot(rows, out / PLOT)
+        return {name: str(out / name) for name in (TABLE, CSV, PLOT)}
+    import pyarrow.fs  # object storage: write locally, then copy up
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, text in files.items():
+            Path(tmp, name).write_text(text)
+        plot(rows, Path(tmp) / PLOT)
+        fs, root = pyarrow.fs.FileSystem.from_uri(directory)
+        for name in (TABLE, CSV, PLOT):
+            pyarrow.fs.copy_files(str(Path(tmp, name)), f"{root}/{name}", destination_filesystem=fs)
+    return {name: f"{directory}/{name}" for name in (TABLE, CSV, PLOT)}
+
+
+def run_cli(args) -> int:
+    cfg = load(args.config, args.overrides)
+    rows = sweep(cfg)
+    from raypack.train.trainer import storage_path
+
+    directory = f"{storage_path(cfg)}/{cfg.run.name}"
+    print("\n" + format_table(rows))
+    print(f"[raypack] sweep results in {directory}/: {TABLE}, {CSV}, {PLOT}", file=sys.stderr)
+    return 0 if all(r["status"] == "OK" for r in rows) else 1
