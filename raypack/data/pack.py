@@ -35,16 +35,15 @@ Both follow the global plan exactly.
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+
+from raypack import storage
 
 ROWS_PER_FILE = 4096
 """Packed rows per output Parquet file (files are named in step order)."""
@@ -184,15 +183,17 @@ def _empty_rows(rank: int, steps: np.ndarray, num_ranks: int) -> pa.Table:
     )
 
 
-def _write_rank(rows: pa.Table, out: Path, rank: int, num_steps: int, num_ranks: int) -> int:
+def _write_rank(rows: pa.Table, out: str, rank: int, num_steps: int, num_ranks: int) -> int:
     """Add the rank's empty packs, sort by step, write files whose names sort in step order."""
     have = np.zeros(num_steps, dtype=bool)
     have[rows["step"].to_numpy()] = True
     rows = pa.concat_tables([rows, _empty_rows(rank, np.flatnonzero(~have), num_ranks)])
     rows = rows.sort_by("step")
-    out.mkdir(parents=True, exist_ok=True)
+    fs, path = storage.resolve(out)  # a local folder or object storage shared by every node
+    fs.create_dir(path, recursive=True)
     for i in range(0, max(rows.num_rows, 1), ROWS_PER_FILE):
-        pq.write_table(rows.slice(i, ROWS_PER_FILE), out / f"part-{i // ROWS_PER_FILE:06d}.parquet")
+        name = f"{path}/part-{i // ROWS_PER_FILE:06d}.parquet"
+        pq.write_table(rows.slice(i, ROWS_PER_FILE), name, filesystem=fs)
     return rows.num_rows
 
 
@@ -210,7 +211,7 @@ def _route_block(block: pa.Table, routing: dict[str, np.ndarray], num_ranks: int
 def _finish_rank_tables(out: str, rank: int, num_steps: int, num_ranks: int, reset: bool, *parts) -> int:
     parts = [t for t in parts if t.num_rows]
     rows = assemble_rows(pa.concat_tables(parts), reset) if parts else _empty_rows(rank, np.zeros(0, np.int64), num_ranks)
-    return _write_rank(rows, Path(out), rank, num_steps, num_ranks)
+    return _write_rank(rows, out, rank, num_steps, num_ranks)
 
 
 def materialize(ds, plan, example_ids: np.ndarray, out_dir: str, method: str = "routed") -> dict[str, Any]:
@@ -219,9 +220,8 @@ def materialize(ds, plan, example_ids: np.ndarray, out_dir: str, method: str = "
     import ray
 
     t0 = time.perf_counter()
-    out = Path(out_dir)
-    if out.exists():
-        shutil.rmtree(out)  # write_parquet appends by default; a stale shard would corrupt a rank
+    out = out_dir.rstrip("/")
+    storage.remove_dir(out)  # write_parquet appends by default; a stale shard would corrupt a rank
     routing = ray.put(_routing(plan, example_ids))
     args = (plan.num_steps, plan.num_ranks, plan.reset_positions)
     if method == "routed":
@@ -230,19 +230,19 @@ def materialize(ds, plan, example_ids: np.ndarray, out_dir: str, method: str = "
         if plan.num_ranks == 1:
             parts = [[p] for p in parts]
         finish = ray.remote(num_cpus=0.5)(_finish_rank_tables)
-        rows = sum(ray.get([finish.remote(str(out / f"rank={r}"), r, *args, *[p[r] for p in parts])
+        rows = sum(ray.get([finish.remote(f"{out}/rank={r}", r, *args, *[p[r] for p in parts])
                             for r in range(plan.num_ranks)]))
         return {"rows": rows, "method": method, "seconds": time.perf_counter() - t0}
     pieces = ds.map_batches(
         _route_with_ref, fn_kwargs={"routing": routing}, batch_format="pyarrow", num_cpus=0.5
     )
     if method == "routed_files":
-        tmp = out / "_pieces"
-        pieces.write_parquet(str(tmp), partition_cols=["rank"])
+        tmp = f"{out}/_pieces"
+        pieces.write_parquet(tmp, partition_cols=["rank"])
         finish = ray.remote(num_cpus=0.5)(_finish_rank)
-        refs = [finish.remote(str(tmp / f"rank={r}"), str(out / f"rank={r}"), r, *args) for r in range(plan.num_ranks)]
+        refs = [finish.remote(f"{tmp}/rank={r}", f"{out}/rank={r}", r, *args) for r in range(plan.num_ranks)]
         rows = sum(ray.get(refs))
-        shutil.rmtree(tmp)
+        storage.remove_dir(tmp)
     elif method == "shuffle":
         reset = plan.reset_positions
         packed = pieces.groupby("pack").map_groups(lambda t: assemble_rows(t, reset), batch_format="pyarrow")
@@ -255,15 +255,15 @@ def materialize(ds, plan, example_ids: np.ndarray, out_dir: str, method: str = "
         rows = 0
         for r, tables in by_rank.items():
             t = pa.concat_tables(tables) if tables else _empty_rows(r, np.zeros(0, np.int64), plan.num_ranks)
-            rows += _write_rank(t, out / f"rank={r}", r, plan.num_steps, plan.num_ranks)
+            rows += _write_rank(t, f"{out}/rank={r}", r, plan.num_steps, plan.num_ranks)
     else:
         raise ValueError(f"unknown materialize method {method!r}; expected routed, routed_files or shuffle")
     return {"rows": rows, "method": method, "seconds": time.perf_counter() - t0}
 
 
 def _finish_rank(pieces_dir: str, out: str, rank: int, num_steps: int, num_ranks: int, reset: bool) -> int:
-    files = sorted(Path(pieces_dir).glob("*.parquet")) if os.path.isdir(pieces_dir) else []
-    tables = [pq.read_table(f) for f in files]
+    fs, _ = storage.resolve(pieces_dir)
+    tables = [pq.read_table(f, filesystem=fs) for f in storage.list_files(pieces_dir, ".parquet")]
     tables = [t if "rank" in t.column_names else t.append_column("rank", pa.array(np.full(t.num_rows, rank), pa.int32()))
               for t in tables]
     return _finish_rank_tables(out, rank, num_steps, num_ranks, reset, *tables)
@@ -286,9 +286,10 @@ _ROUTER_CACHE: tuple[Any, _Router] | None = None
 
 def iter_rank_packs(out_dir: str, rank: int, start_step: int = 0) -> Iterator[dict[str, Any]]:
     """The packed rows of `rank` in step order, from `start_step` on (resume skips the rest)."""
-    files = sorted((Path(out_dir) / f"rank={rank}").glob("*.parquet"))
-    for f in files:
-        table = pq.read_table(f)
+    folder = f"{out_dir.rstrip('/')}/rank={rank}"
+    fs, _ = storage.resolve(folder)
+    for f in storage.list_files(folder, ".parquet"):
+        table = pq.read_table(f, filesystem=fs)
         if "rank" not in table.column_names:
             table = table.append_column("rank", pa.array(np.full(table.num_rows, rank), pa.int32()))
         steps = table["step"].to_numpy()

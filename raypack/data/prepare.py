@@ -17,11 +17,11 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from raypack import storage
 from raypack.config import Config
 
 FORMAT_VERSION = 2
@@ -90,7 +90,7 @@ def fold_accumulation(plan, num_ranks: int, accum: int):
     )
 
 
-def _plan_split(ds, lengths, ids, cfg: Config, num_ranks: int, out_dir: Path) -> tuple[Any, dict]:
+def _plan_split(ds, lengths, ids, cfg: Config, num_ranks: int, out_dir: str) -> tuple[Any, dict]:
     from raypack.data.pack import materialize
     from raypack.data.plan import make_plan
     from raypack.data.stats import plan_stats
@@ -99,21 +99,22 @@ def _plan_split(ds, lengths, ids, cfg: Config, num_ranks: int, out_dir: Path) ->
     plan = fold_accumulation(plan, num_ranks, cfg.train.grad_accum)
     stats = plan_stats(plan)
     stats["packing_efficiency"] = stats.pop("efficiency")
-    materialize(ds, plan, ids, str(out_dir))
+    materialize(ds, plan, ids, out_dir)
     return plan, stats
 
 
-def prepare(cfg: Config, num_ranks: int, root: str | Path) -> Prepared:
-    """Tokenize, split, plan and pack `cfg`'s data into `root`, or reuse what is already there."""
+def prepare(cfg: Config, num_ranks: int, root: str) -> Prepared:
+    """Tokenize, split, plan and pack `cfg`'s data into `root` (a folder or URI every node can
+    read), or reuse what is already there."""
     from raypack.data.pack import lengths_and_ids
     from raypack.data.encode import load_tokenizer
     from raypack.data.tokenize import tokenize_dataset
 
-    root = Path(root).expanduser()
-    manifest = root / "manifest.json"
+    root = root.rstrip("/") if storage.is_uri(root) else storage.resolve(root)[1]
+    manifest = f"{root}/manifest.json"
     key = fingerprint(cfg, num_ranks)
-    if manifest.exists():
-        saved = json.loads(manifest.read_text())
+    if storage.exists(manifest):
+        saved = json.loads(storage.read_text(manifest))
         if saved.get("fingerprint") == key:
             print(f"[raypack] reusing packed data in {root}")
             return Prepared.from_dict(saved["prepared"])
@@ -131,21 +132,21 @@ def prepare(cfg: Config, num_ranks: int, root: str | Path) -> Prepared:
         return batch.filter(mask)
 
     train_ds = ds.map_batches(keep, fn_kwargs={"want_eval": False}, batch_format="pyarrow") if len(held_ids) else ds
-    train_plan, stats = _plan_split(train_ds, lengths[~held_out], ids[~held_out], cfg, num_ranks, root / "train")
+    train_plan, stats = _plan_split(train_ds, lengths[~held_out], ids[~held_out], cfg, num_ranks, f"{root}/train")
     if train_plan.num_steps < cfg.train.grad_accum:
         raise ValueError(f"{len(lengths)} examples make no full optimizer step for {num_ranks} ranks")
     eval_dir = None
     if len(held_ids):
         eval_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum=1))
         eval_ds = ds.map_batches(keep, fn_kwargs={"want_eval": True}, batch_format="pyarrow")
-        _plan_split(eval_ds, lengths[held_out], ids[held_out], eval_cfg, num_ranks, root / "eval")
-        eval_dir = str(root / "eval")
+        _plan_split(eval_ds, lengths[held_out], ids[held_out], eval_cfg, num_ranks, f"{root}/eval")
+        eval_dir = str(f"{root}/eval")
 
     tokenizer = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template)
     trained = lengths[~held_out].astype(np.float64)
     prepared = Prepared(
         root=str(root),
-        train_dir=str(root / "train"),
+        train_dir=str(f"{root}/train"),
         eval_dir=eval_dir,
         steps_per_rank=int(train_plan.num_steps),
         padded=bool(train_plan.padded),
@@ -160,5 +161,5 @@ def prepare(cfg: Config, num_ranks: int, root: str | Path) -> Prepared:
             "eval_examples": int(held_out.sum()),
         },
     )
-    manifest.write_text(json.dumps({"fingerprint": key, "prepared": prepared.to_dict()}, indent=1))
+    storage.write_text(manifest, json.dumps({"fingerprint": key, "prepared": prepared.to_dict()}, indent=1))
     return prepared

@@ -210,7 +210,7 @@ def train_loop_per_worker(config: dict) -> None:
         report_every=cfg.train.report_every_steps,
         static=data.report_stats(),
         tb_dir=config.get("tensorboard_dir") if cfg.train.tensorboard else None,
-        mlflow_uri=config.get("mlflow_uri") if cfg.train.mlflow else None,
+        mlflow_uri=(os.environ.get("MLFLOW_TRACKING_URI") or config.get("mlflow_uri")) if cfg.train.mlflow else None,
         run_name=cfg.run.name,
         # From the config, not the parameters: under ZeRO-3 each rank holds only a partition.
         flops_per_token=model_flops_per_token(model_config, data.length_sq_mean, data.length_mean),

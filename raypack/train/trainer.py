@@ -15,7 +15,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from raypack.config import Config, load
+from raypack import storage
+from raypack.config import Config, ConfigError, load
 
 # ray.train.report blocks until the controller's health-check poll drains it (every 2 s by
 # default); a short interval keeps a report near 0.07 s. It must be set before Ray starts.
@@ -63,16 +64,20 @@ def build_trainer(
     cfg = cfg.with_absolute_paths()
     t = cfg.train
     root = run_dir(cfg)
+    if t.mlflow and storage.is_uri(root) and not os.environ.get("MLFLOW_TRACKING_URI"):
+        raise ConfigError("train.mlflow: with a URI run.storage_path, set MLFLOW_TRACKING_URI to a tracking server")
     prepared = prepare(cfg, t.num_workers, f"{root}/packed")
     loop_config = {
         "cfg": cfg.to_dict(),
         "data": prepared.to_dict(),
-        "tensorboard_dir": f"{root}/tensorboard" if "://" not in root else None,
-        "mlflow_uri": f"file://{root}/mlruns" if "://" not in root else None,
+        # Event files and MLflow's file store need a local folder; with object storage, point
+        # MLFLOW_TRACKING_URI at a tracking server instead.
+        "tensorboard_dir": None if storage.is_uri(root) else f"{root}/tensorboard",
+        "mlflow_uri": None if storage.is_uri(root) else f"file://{root}/mlruns",
         **(extra_loop_config or {}),
     }
     resources = {"CPU": t.cpus_per_worker, **({"GPU": 1} if t.use_gpu else {})}
-    env = {k: os.environ[k] for k in ("TORCH_EXTENSIONS_DIR", "HF_HOME") if k in os.environ}
+    env = {k: os.environ[k] for k in ("TORCH_EXTENSIONS_DIR", "HF_HOME", "MLFLOW_TRACKING_URI") if k in os.environ}
     return TorchTrainer(
         loop or train_loop_per_worker,
         train_loop_config=loop_config,
@@ -101,11 +106,16 @@ def fit(cfg: Config, *, callbacks: Sequence = (), **kwargs):
 
 
 def resume_config(path: str, overrides: Sequence[str] = ()) -> Config:
-    """The config a stopped run was started with (saved as run_config.yaml), for --resume."""
-    saved = Path(path).expanduser() / "raypack_config.yaml"
-    if not saved.exists():
-        raise FileNotFoundError(f"--resume {path}: no raypack_config.yaml there; is it a raypack run folder?")
-    return load(saved, list(overrides))
+    """The config a stopped run was started with (saved as raypack_config.yaml), for --resume."""
+    import tempfile
+
+    saved = f"{path.rstrip('/')}/raypack_config.yaml"
+    if not storage.exists(saved):
+        raise ConfigError(f"--resume {path}: no raypack_config.yaml there; is it a raypack run folder?")
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        f.write(storage.read_text(saved))
+        f.flush()
+        return load(f.name, list(overrides))
 
 
 def run_cli(args) -> int:
@@ -113,12 +123,10 @@ def run_cli(args) -> int:
 
     cfg = resume_config(args.resume, args.overrides) if args.resume else load(args.config, args.overrides)
     root = run_dir(cfg)
-    if not args.resume and Path(root, "checkpoint_manager_snapshot.json").exists():
+    if not args.resume and storage.exists(f"{root}/checkpoint_manager_snapshot.json"):
         print(f"[raypack] run {cfg.run.name!r} exists in {root}: continuing from its last checkpoint "
               "(set run.name to start a fresh run)")
-    if "://" not in root:
-        Path(root).mkdir(parents=True, exist_ok=True)
-        Path(root, "raypack_config.yaml").write_text(yaml.safe_dump(_plain(cfg.to_dict()), sort_keys=False))
+    storage.write_text(f"{root}/raypack_config.yaml", yaml.safe_dump(_plain(cfg.to_dict()), sort_keys=False))
     result = fit(cfg)
     metrics = result.metrics or {}
     print("\n[raypack] training finished", file=sys.stderr)
@@ -129,7 +137,8 @@ def run_cli(args) -> int:
     print(f"  results             {result.path}")
     if result.checkpoint:
         print(f"  checkpoint          {result.checkpoint.path}  (Hugging Face model in model/)")
-    print(f"  tensorboard         tensorboard --logdir {root}/tensorboard")
+    if cfg.train.tensorboard and not storage.is_uri(root):
+        print(f"  tensorboard         tensorboard --logdir {root}/tensorboard")
     return 0 if result.error is None else 1
 
 
