@@ -151,7 +151,7 @@ class TrainConfig:
     max_failures: int = 1
     """Worker-group restarts from the last checkpoint before the run fails."""
     tensorboard: bool = True
-    """Write per-step TensorBoard events into the run directory."""
+    """Write per-step TensorBoard events into <run>/tensorboard (local storage paths only)."""
     mlflow: bool = False
     """Also log to MLflow (local file store under the storage path unless MLFLOW_TRACKING_URI is set)."""
 

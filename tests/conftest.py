@@ -24,6 +24,10 @@ def has_cuda() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # Everything under tests/ray/ starts Ray: `pytest -m "not ray"` is the fast tier.
+    for item in items:
+        if "ray" in Path(str(item.fspath)).parent.parts[-1:]:
+            item.add_marker(pytest.mark.ray)
     if has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -284,16 +284,24 @@ def _route_with_ref(batch: pa.Table, routing) -> pa.Table:
 _ROUTER_CACHE: tuple[Any, _Router] | None = None
 
 
-def iter_rank_packs(out_dir: str, rank: int, start_step: int = 0) -> Iterator[dict[str, Any]]:
-    """The packed rows of `rank` in step order, from `start_step` on (resume skips the rest)."""
+def iter_rank_packs(out_dir: str, rank: int, start_step: int = 0, batch_rows: int = 16) -> Iterator[dict[str, Any]]:
+    """The packed rows of `rank` in step order, from `start_step` on (resume skips the rest).
+
+    Streams `batch_rows` rows at a time: a whole file of long packs as Python lists would cost
+    gigabytes per rank."""
     folder = f"{out_dir.rstrip('/')}/rank={rank}"
     fs, _ = storage.resolve(folder)
     for f in storage.list_files(folder, ".parquet"):
-        table = pq.read_table(f, filesystem=fs)
-        if "rank" not in table.column_names:
-            table = table.append_column("rank", pa.array(np.full(table.num_rows, rank), pa.int32()))
-        steps = table["step"].to_numpy()
-        if len(steps) and steps[-1] < start_step:
-            continue
-        for row in table.filter(pa.array(steps >= start_step)).to_pylist():
-            yield row
+        with fs.open_input_file(f) as handle:
+            parquet = pq.ParquetFile(handle)
+            last_step = parquet.metadata.row_group(parquet.metadata.num_row_groups - 1)
+            steps_stats = last_step.column(parquet.schema_arrow.get_field_index("step")).statistics
+            if steps_stats is not None and steps_stats.has_min_max and steps_stats.max < start_step:
+                continue  # the whole file lies before the resume point
+            for batch in parquet.iter_batches(batch_size=batch_rows):
+                steps = batch.column("step").to_numpy()
+                if len(steps) and steps[-1] < start_step:
+                    continue
+                if "rank" not in batch.schema.names:
+                    batch = batch.append_column("rank", pa.array(np.full(batch.num_rows, rank), pa.int32()))
+                yield from batch.filter(pa.array(steps >= start_step)).to_pylist()

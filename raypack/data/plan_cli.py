@@ -7,6 +7,10 @@ Prints one row per strategy (packs, steps, efficiency, padding fraction, token a
 imbalance, planning seconds; see raypack/data/stats.py for the definitions). `--out` writes the
 first strategy's assignment as Parquet, one row per example (per piece for wrapped): example_id
 (index into the lengths), pack, rank, step, start, end.
+
+It plans every example over `--ranks` ranks. A training run first holds out `data.eval_fraction`
+and plans over ranks x `train.grad_accum` virtual ranks (raypack/data/prepare.py), so its step
+count differs by those factors; efficiency and balance carry over.
 """
 
 from __future__ import annotations
@@ -25,20 +29,13 @@ COLUMNS = ("strategy", "packs", "steps", "efficiency", "padding_fraction", "toke
 
 def _lengths_from_config(args) -> np.ndarray:
     """Tokenize the configured data; lengths ordered by example_id, as the pack stage orders them."""
-    import os
-
-    import ray
-
     from raypack.config import load
     from raypack.data.pack import lengths_and_ids
     from raypack.data.tokenize import tokenize_dataset
+    from raypack.train.trainer import init_ray
 
-    cfg = load(args.config, args.overrides)
-    if not ray.is_initialized():
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init()  # join the cluster the environment names
-        else:  # more logical CPUs than cores, so tokenizer actors never starve the read tasks
-            ray.init(address="local", num_cpus=max(4, (os.cpu_count() or 1) * 2))
+    cfg = load(args.config, args.overrides).with_absolute_paths()
+    init_ray()
     cfg = replace(cfg, pack=replace(cfg.pack, budget=args.budget))
     ds, _ = tokenize_dataset(cfg)
     lengths, _ = lengths_and_ids(ds)

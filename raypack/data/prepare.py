@@ -24,7 +24,7 @@ import numpy as np
 from raypack import storage
 from raypack.config import Config
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,8 @@ class Prepared:
     """What the workers need to know about the packed data; travels in `train_loop_config`."""
 
     root: str
+    fingerprint: str
+    """Hash of everything that shaped the packs; checkpoints record it (see loop.restore)."""
     train_dir: str
     eval_dir: str | None
     steps_per_rank: int
@@ -58,10 +60,12 @@ class Prepared:
 
 
 def fingerprint(cfg: Config, num_ranks: int) -> str:
+    # Only what changes the packed rows: actor counts and batch sizes of tokenize do not.
+    tokenize = {k: v for k, v in dataclasses.asdict(cfg.tokenize).items() if k not in ("batch_size", "num_actors", "num_cpus")}
     shaped_by = {
         "version": FORMAT_VERSION,
         "data": dataclasses.asdict(cfg.data),
-        "tokenize": dataclasses.asdict(cfg.tokenize),
+        "tokenize": tokenize,
         "pack": dataclasses.asdict(cfg.pack),
         "ranks": num_ranks,
         "accum": cfg.train.grad_accum,
@@ -70,10 +74,14 @@ def fingerprint(cfg: Config, num_ranks: int) -> str:
 
 
 def is_eval(example_ids: np.ndarray, fraction: float, seed: int) -> np.ndarray:
-    """A stable hash split: the same examples are held out on every run and resume."""
+    """A stable hash split: the same examples are held out on every run and resume. It hashes the
+    source row, not the piece, so the pieces of a split example never straddle train and eval."""
+    from raypack.data.sources import ROW_SHIFT
+
     if fraction <= 0:
         return np.zeros(len(example_ids), dtype=bool)
-    mixed = (example_ids.astype(np.uint64) + np.uint64(seed)) * np.uint64(0x9E3779B97F4A7C15)
+    rows = example_ids.astype(np.uint64) >> np.uint64(ROW_SHIFT)
+    mixed = (rows + np.uint64(seed)) * np.uint64(0x9E3779B97F4A7C15)
     return (mixed >> np.uint64(40)) % np.uint64(10_000) < np.uint64(round(fraction * 10_000))
 
 
@@ -137,16 +145,21 @@ def prepare(cfg: Config, num_ranks: int, root: str) -> Prepared:
         raise ValueError(f"{len(lengths)} examples make no full optimizer step for {num_ranks} ranks")
     eval_dir = None
     if len(held_ids):
-        eval_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum=1))
+        # Eval packs with one exact strategy whatever trains: whole examples, positions reset
+        # (pad for padded runs, whose model attends with a padding mask), so eval loss compares
+        # across strategies in a sweep.
+        eval_pack = dataclasses.replace(cfg.pack, strategy="pad" if train_plan.padded else "bfd")
+        eval_cfg = dataclasses.replace(cfg, pack=eval_pack, train=dataclasses.replace(cfg.train, grad_accum=1))
         eval_ds = ds.map_batches(keep, fn_kwargs={"want_eval": True}, batch_format="pyarrow")
         _plan_split(eval_ds, lengths[held_out], ids[held_out], eval_cfg, num_ranks, f"{root}/eval")
-        eval_dir = str(f"{root}/eval")
+        eval_dir = f"{root}/eval"
 
     tokenizer = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template)
     trained = lengths[~held_out].astype(np.float64)
     prepared = Prepared(
-        root=str(root),
-        train_dir=str(f"{root}/train"),
+        root=root,
+        fingerprint=key,
+        train_dir=f"{root}/train",
         eval_dir=eval_dir,
         steps_per_rank=int(train_plan.num_steps),
         padded=bool(train_plan.padded),

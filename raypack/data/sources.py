@@ -3,9 +3,9 @@
     ds = read_sources(cfg.data)                      # prints a line if rows were skipped
     ds, report = read_sources_with_report(cfg.data)  # report.bad_rows, report.formats, ...
 
-Each input file is one or more read units (a JSONL file, a Parquet row group, an Arrow file of a
-`save_to_disk` folder) that a Ray task parses and validates, so every row keeps its file and its
-line or row number. That gives every example a stable identity and every bad row an error that
+Each input file is one or more read units (a JSONL file or a newline-aligned byte range of a large
+one, a Parquet row group, an Arrow file of a `save_to_disk` folder) that a Ray task parses and
+validates, so every row keeps its file and its line or row number. That gives every example a stable identity and every bad row an error that
 says where it is:
 
     example_id = file_index << 42 | row << 10 | piece
@@ -36,14 +36,11 @@ import ray
 from raypack.config import DataConfig
 
 FILE_SHIFT, ROW_SHIFT = 42, 10
+CHUNK_BYTES = 4 << 20
+"""A JSONL file larger than this is read as several units of about this size, so that one large
+file still reads on every core and its first rows reach tokenize before its last are parsed."""
 MAX_FILES, MAX_ROWS = 1 << 21, 1 << 32
 ROLES = ("system", "user", "assistant")
-FIELDS = {
-    "chat": ("messages",),
-    "instruction": ("instruction", "output"),  # `input` is optional
-    "completion": ("prompt", "completion"),
-    "tokenized": ("input_ids",),  # `labels` is optional
-}
 SCHEMA = pa.schema(
     [
         ("example_id", pa.int64()),
@@ -149,11 +146,56 @@ def _units(paths: tuple[str, ...]) -> tuple[list[dict], int]:
                 raise SourceError(f"{path}: more than {MAX_ROWS} rows in one file; split the file")
             offset = 0
             for g in range(meta.num_row_groups):
-                units.append({"file_index": i, "path": path, "kind": kind, "row_group": g, "row_offset": offset})
+                units.append(_unit(i, path, kind, row_group=g, row_offset=offset))
                 offset += meta.row_group(g).num_rows
+        elif kind == "jsonl":
+            units += _jsonl_units(i, path)
         else:
-            units.append({"file_index": i, "path": path, "kind": kind, "row_group": -1, "row_offset": 0})
+            units.append(_unit(i, path, kind))
     return units, len(files)
+
+
+def _unit(file_index: int, path: str, kind: str, row_group=-1, row_offset=0, start=0, stop=-1, keys="") -> dict:
+    # Every unit has every field: Ray Data wants one schema across the units' blocks.
+    return dict(file_index=file_index, path=path, kind=kind, row_group=row_group, row_offset=row_offset, start=start, stop=stop, keys=keys)
+
+
+def _jsonl_units(i: int, path: str) -> list[dict]:
+    """The whole file, or byte ranges of about CHUNK_BYTES cut after a newline. The driver reads the
+    file once to count the newlines before each cut (each unit's first line number, for ids and
+    error messages) and to find the first JSON object, whose fields pick every unit's format."""
+    whole = _unit(i, path, "jsonl")
+    fs, p = _fs(path)
+    size = fs.get_file_info(p).size
+    if size <= CHUNK_BYTES:
+        return [whole]
+    units, start, line, keys, nonblank = [], 0, 0, None, False
+    with fs.open_input_file(p) as f:
+        while start < size:
+            n = CHUNK_BYTES
+            while True:
+                data = f.read_at(n, start)
+                cut = len(data) if start + len(data) >= size else data.rfind(b"\n") + 1
+                if cut:
+                    break
+                n *= 2  # one line longer than a chunk
+            data = data[:cut]
+            nonblank = nonblank or bool(data.strip())
+            for raw in data.split(b"\n") if keys is None else ():
+                try:
+                    rec = json.loads(raw)
+                except ValueError:  # malformed or blank; the read task reports it
+                    continue
+                if isinstance(rec, dict):
+                    keys = sorted(rec)
+                    break
+            units.append({**whole, "row_offset": line, "start": start, "stop": start + cut})
+            line, start = line + data.count(b"\n"), start + cut
+    if not nonblank:
+        return [whole]  # the read task reports the empty file
+    if line >= MAX_ROWS:
+        raise SourceError(f"{path}: more than {MAX_ROWS} lines in one file; split the file")
+    return [{**u, "keys": json.dumps(keys or [])} for u in units]
 
 
 # --- reading and validating one unit --------------------------------------------------------------
@@ -237,20 +279,27 @@ def _records(unit: dict):
     fs, p = _fs(unit["path"])
     path = unit["path"]
     if unit["kind"] == "jsonl":
-        with fs.open_input_stream(p) as f:
-            lines = f.read().split(b"\n")
+        start, stop, first_line = int(unit["start"]), int(unit["stop"]), unit["row_offset"]
+        if stop < 0:
+            with fs.open_input_stream(p) as f:
+                lines = f.read().split(b"\n")
+        else:
+            with fs.open_input_file(p) as f:
+                lines = f.read_at(stop - start, start).split(b"\n")
         rows = []
-        for i, line in enumerate(lines):
+        for i, line in enumerate(lines, start=first_line):
             if not line.strip():  # blank lines (a trailing newline) are not examples
                 continue
             try:
                 rows.append((i, f"{path}:{i + 1}", json.loads(line)))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 rows.append((i, f"{path}:{i + 1}", _Bad(f"malformed JSON ({e})")))
-        if not rows:
+        if stop < 0 and not rows:
             raise SourceError(f"{path}: empty file (no JSON lines)")
         if len(lines) > MAX_ROWS:
             raise SourceError(f"{path}: more than {MAX_ROWS} lines in one file; split the file")
+        if unit["keys"]:  # a chunk: the fields of the file's first object (see _jsonl_units)
+            return rows, json.loads(unit["keys"])
         first = next((r for _, _, r in rows if isinstance(r, dict)), {})
         return rows, first.keys()
     if unit["kind"] == "parquet":
@@ -285,16 +334,12 @@ def read_unit(batch: dict[str, np.ndarray], declared: str) -> pa.Table:
             try:
                 if isinstance(rec, _Bad):
                     raise rec
-                fields = _validate(rec, fmt)
-                error = None
+                fields, error = _validate(rec, fmt), None
             except _Bad as e:
                 fields, error = {}, f"{where}: {e}"
+            fields.update(example_id=example_id(int(unit["file_index"]), row), format=fmt, error=error, fatal=False)
             for name in SCHEMA.names:
                 out[name].append(fields.get(name))
-            out["example_id"][-1] = example_id(int(unit["file_index"]), row)
-            out["format"][-1] = fmt
-            out["error"][-1] = error
-            out["fatal"][-1] = False
     return pa.Table.from_pydict(out, schema=SCHEMA)
 
 
@@ -302,12 +347,19 @@ def _drop_bad(batch: pa.Table) -> pa.Table:
     return batch.filter(pc.is_null(batch["error"])).drop_columns(["error", "fatal"])
 
 
-def read_sources_with_report(cfg: DataConfig) -> tuple[ray.data.Dataset, SourceReport]:
-    """Read and validate every source; the dataset holds only good rows, materialized."""
+def read_rows(cfg: DataConfig) -> tuple[ray.data.Dataset, int]:
+    """Every row of `cfg.paths` in SCHEMA, bad ones carrying `error` (and `fatal` for a file-level
+    problem), as a lazy dataset that streams into the next stage; and the number of files."""
     units, n_files = _units(cfg.paths)
     ds = ray.data.from_items(units, override_num_blocks=len(units)).map_batches(
         read_unit, batch_size=1, fn_kwargs={"declared": cfg.format}, num_cpus=0.5
     )
+    return ds, n_files
+
+
+def read_sources_with_report(cfg: DataConfig) -> tuple[ray.data.Dataset, SourceReport]:
+    """Read and validate every source; the dataset holds only good rows, materialized."""
+    ds, n_files = read_rows(cfg)
     ds = ds.materialize()
     report = SourceReport(files=n_files)
     errors, fatal = [], []

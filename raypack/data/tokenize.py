@@ -13,7 +13,11 @@ Output contract (the planner and packer depend on it):
     length      int32         len(input_ids), 1 <= length <= max_length
 
 The encoding rules (templates, label masks, EOS, over-length policies) live in raypack.data.encode.
-The dataset comes back materialized: counting needs every row anyway, and so does the planner.
+Reading streams into tokenization (no pass over the read rows first): the tokenizer actors count
+good and bad source rows as they go, and a bad row under `on_bad_rows: error` (or an unreadable
+file) stops the pipeline, after which the driver re-reads the sources, in parallel and without
+tokenizing, to name the first bad row in file order exactly as `read_sources` does. The dataset
+comes back materialized: counting needs every row anyway, and so does the planner.
 """
 
 from __future__ import annotations
@@ -23,11 +27,14 @@ import os
 from dataclasses import dataclass, field
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 import ray
 
 from raypack.config import Config
-from raypack.data.encode import Encoder, check_chat_template, load_tokenizer
-from raypack.data.sources import read_sources_with_report
+from raypack.data.encode import COLUMNS, DROPPED, Encoder, check_chat_template, counts, load_tokenizer
+from raypack.data.sources import SourceError, read_rows, read_sources_with_report
+
 
 @dataclass
 class TokenizeStats:
@@ -83,41 +90,73 @@ def _send(counter, key, counts) -> None:
     ray.get(counter.add.remote(key, counts))
 
 
+class _SourceEncoder(Encoder):
+    """The Encoder fed straight from stage 1's rows, flagged bad ones included (see module doc)."""
+
+    def __init__(self, on_bad_rows: str, **kwargs):
+        super().__init__(**kwargs)
+        self.on_bad_rows = on_bad_rows
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        bad = pc.is_valid(batch["error"])
+        if pc.any(bad).as_py() and (self.on_bad_rows == "error" or pc.any(batch["fatal"]).as_py()):
+            raise SourceError("bad source rows")  # the driver re-reads to say which (module doc)
+        good = batch.filter(pc.invert(bad)).drop_columns(["error", "fatal"])
+        table = self.encode_table(good)
+        c = counts(table)
+        c["formats"] = {v["values"]: v["counts"] for v in pc.value_counts(good["format"]).to_pylist()}
+        b = batch.filter(bad)
+        c["bad_rows"] = b.num_rows
+        c["bad_examples"] = sorted(zip(b["example_id"].to_pylist(), b["error"].to_pylist()))[:5]
+        # Keyed by the batch's first id, so a retried batch is counted once.
+        if batch.num_rows:
+            self.report((batch["example_id"][0].as_py(), batch.num_rows), c)
+        return table.filter(pc.not_equal(table["_flag"], DROPPED)).select(COLUMNS)
+
+
 def tokenize_dataset(cfg: Config) -> tuple[ray.data.Dataset, TokenizeStats]:
     """Stages 1 and 2: read `cfg.data`, tokenize by `cfg.tokenize`; max_length defaults to `pack.budget`."""
     t = cfg.tokenize
     max_length = t.max_length or cfg.pack.budget
-    src, report = read_sources_with_report(cfg.data)
     # Fail on the driver, with a config-level message, before any actor starts.
     tok = load_tokenizer(t.tokenizer, t.chat_template)
-    if report.formats.get("chat"):
-        check_chat_template(tok, t.tokenizer)
-    # A single file reads into one block; smaller blocks let every tokenizer actor take a share.
-    rows_per_block = max(t.batch_size, -(-report.rows // (4 * t.num_actors)))
+    src, _ = read_rows(cfg.data)
     counter = _Counts.remote()
-    # A single file reads into one block; smaller blocks let every tokenizer actor take a share.
-    rows_per_block = max(t.batch_size, -(-report.rows // (4 * t.num_actors)))
-    out = src.repartition(target_num_rows_per_block=rows_per_block).map_batches(
-        Encoder,
-        fn_constructor_kwargs=dict(
-            tokenizer=t.tokenizer, chat_template=t.chat_template, label_mask=t.label_mask,
-            overlength=t.overlength, max_length=max_length, report=functools.partial(_send, counter),
-        ),
-        batch_size=t.batch_size,
-        batch_format="pyarrow",
-        # The non-deprecated form of concurrency=N; fractional CPUs leave the read tasks room.
-        compute=ray.data.ActorPoolStrategy(size=t.num_actors),
-        num_cpus=t.num_cpus,
-    ).materialize()
-    batches = ray.get(counter.get.remote())
-    ray.kill(counter)
+    try:
+        # Blocks of a few batches let every actor take a share of a large read unit, and the
+        # streaming repartition keeps reading and tokenizing overlapped.
+        out = src.repartition(target_num_rows_per_block=4 * t.batch_size).map_batches(
+            _SourceEncoder,
+            fn_constructor_kwargs=dict(
+                on_bad_rows=cfg.data.on_bad_rows, tokenizer=t.tokenizer, chat_template=t.chat_template,
+                label_mask=t.label_mask, overlength=t.overlength, max_length=max_length,
+                report=functools.partial(_send, counter),
+            ),
+            batch_size=t.batch_size,
+            batch_format="pyarrow",
+            # The non-deprecated form of concurrency=N; fractional CPUs leave the read tasks room.
+            compute=ray.data.ActorPoolStrategy(size=t.num_actors),
+            num_cpus=t.num_cpus,
+        ).materialize()
+        batches = ray.get(counter.get.remote())
+    except Exception:
+        # A bad row or chat data without a template stopped the pipeline inside an actor, where
+        # Ray wraps the error. Raise ours instead, in the order the checks used to run.
+        _, report = read_sources_with_report(cfg.data)
+        if report.formats.get("chat"):
+            check_chat_template(tok, t.tokenizer)
+        raise
+    finally:
+        ray.kill(counter)
 
-    stats = TokenizeStats(
-        examples_in=report.rows, bad_rows=report.bad_rows, bad_examples=report.bad_examples,
-        formats=dict(report.formats), max_length=max_length,
-    )
-    for key in ("dropped", "truncated", "split", "pieces", "label_tokens"):
+    stats = TokenizeStats(max_length=max_length)
+    for key in ("dropped", "truncated", "split", "pieces", "label_tokens", "bad_rows"):
         setattr(stats, key, sum(b[key] for b in batches))
+    for b in batches:
+        for fmt, n in b["formats"].items():
+            stats.formats[fmt] = stats.formats.get(fmt, 0) + n
+    stats.examples_in = sum(stats.formats.values())
+    stats.bad_examples = [msg for _, msg in sorted(e for b in batches for e in b["bad_examples"])[:5]]
     stats.lengths = np.concatenate([b["lengths"] for b in batches]) if batches else np.zeros(0, np.int32)
     stats.examples_out, stats.tokens = len(stats.lengths), int(stats.lengths.sum())
     if stats.examples_out != out.count():  # cheap on a materialized dataset; guards the counting

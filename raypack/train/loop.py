@@ -15,25 +15,25 @@ gradients over ranks, so each micro-batch's summed loss is scaled by world·accu
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import ray.train
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from raypack.config import Config
-from raypack.data.collate import collate_packed, count_label_tokens
+from raypack.data.collate import collate_packed, count_label_tokens, move_batch
 from raypack.data.pack import iter_rank_packs
 from raypack.data.prepare import Prepared
-from raypack.model.build import load_model, model_flops_per_token
-from raypack.train.engine import setup_engine
+from raypack.model.build import attention_for_strategy, load_model, model_flops_per_token, resolve_dtype
+from raypack.train.engine import deepspeed_config, setup_engine
 from raypack.train.metrics import Reporter
 
 CKPT_TAG = "ds"  # one fixed DeepSpeed tag: every Ray checkpoint folder holds exactly one
@@ -48,8 +48,10 @@ class TrainState:
     """Next plan step to run in this epoch (a multiple of grad_accum)."""
     step: int = 0
     """Optimizer steps taken so far."""
-    steps_log: list[list[Any]] = field(default_factory=list)
-    """[optimizer step, epoch, example_ids] per step this rank took; what the final model trained on."""
+    plan: str = ""
+    """Fingerprint of the packed data this position indexes; a resume onto another plan is refused."""
+    steps_log: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    """(optimizer step, epoch, example_ids) per step this rank took: what the final model trained on."""
 
 
 # --- setup --------------------------------------------------------------------------------------
@@ -58,10 +60,20 @@ class TrainState:
 def setup(cfg: Config, data: Prepared, world_size: int):
     torch.manual_seed(cfg.train.seed)
     m = cfg.model
+    dtype = resolve_dtype(m.dtype)
+    zero3 = None
+    if cfg.train.zero_stage == 3:
+        # While this object lives, transformers builds the model under deepspeed.zero.Init, so
+        # each rank materializes only its partition instead of the whole model (8 x 140 GB for 70B).
+        import deepspeed
+        from transformers.integrations import HfDeepSpeedConfig
+
+        deepspeed.init_distributed()  # joins Ray Train's process group; the config checks world size
+        zero3 = HfDeepSpeedConfig(deepspeed_config(cfg.train, dtype=dtype, world_size=world_size))
     model = load_model(
         m.name,
-        attention="sdpa" if data.padded else m.attention,  # padded batches use the model's own SDPA
-        dtype=m.dtype,
+        attention=attention_for_strategy(cfg.pack.strategy, m.attention),  # padded: the model's own SDPA
+        dtype=dtype,
         trust_remote_code=m.trust_remote_code,
         gradient_checkpointing=m.gradient_checkpointing,
         vocab_size=data.vocab_size,
@@ -71,19 +83,27 @@ def setup(cfg: Config, data: Prepared, world_size: int):
     if cfg.train.max_steps:
         total = min(total, cfg.train.max_steps)
     engine, scheduler = setup_engine(model, cfg.train, dtype=model.dtype, world_size=world_size, total_steps=total)
+    del zero3
     return engine, scheduler, total
 
 
-def restore(engine, rank: int) -> TrainState:
+def restore(engine, rank: int, plan: str) -> TrainState:
     """Load the last reported checkpoint, if any: weights, optimizer, schedule and data position."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        return TrainState()
+        return TrainState(plan=plan)
     with checkpoint.as_directory() as path:
         _, client = engine.load_checkpoint(path, tag=CKPT_TAG)
         state = TrainState(**{k: v for k, v in client["train_state"].items() if k != "steps_log"})
-        log_file = Path(path) / f"steps_rank{rank}.json"
-        state.steps_log = json.loads(log_file.read_text()) if log_file.exists() else []
+        state.steps_log = read_steps_log(Path(path) / f"steps_rank{rank}.npz")
+    if state.plan != plan:
+        # The position is an index into one plan's packs; on another plan it would skip or
+        # repeat examples. Changing data, tokenize, pack, ranks or grad_accum needs a new run.
+        raise RuntimeError(
+            f"checkpoint {checkpoint.path} was taken on packed data {state.plan or '<unknown>'}, but this run's "
+            f"data is {plan}: the data, tokenize or pack config, num_workers or grad_accum changed. "
+            "Resume with the original config, or start a new run.name."
+        )
     return state
 
 
@@ -113,7 +133,9 @@ def forward_backward(engine, batches: list[dict], scale: float) -> torch.Tensor:
     """Backward every micro-batch of one optimizer step; the caller runs the final engine.step()."""
     total = torch.zeros((), device=engine.device)
     for i, batch in enumerate(batches):
-        batch = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        # move_batch keeps cu_seq_lens_q and _k one tensor; two copies would cost a device
+        # comparison (a sync) in every attention layer.
+        batch = move_batch(batch, engine.device)
         labels = batch.pop("labels")
         loss_sum = token_loss_sum(engine(**batch).logits, labels)
         engine.backward(loss_sum * scale)
@@ -123,12 +145,12 @@ def forward_backward(engine, batches: list[dict], scale: float) -> torch.Tensor:
     return total
 
 
-def train_step(engine, group: list[dict], padded: bool, pad_token_id: int) -> dict[str, float]:
+def train_step(engine, group: list[dict], padded: bool, pad_token_id: int, read_s: float = 0.0) -> dict[str, float]:
     t0 = time.perf_counter()
     batches = [collate_packed([row], padded=padded, pad_token_id=pad_token_id) for row in group]
     labels = sum(count_label_tokens(b) for b in batches)
     tokens = sum(int(row["num_tokens"]) for row in group)
-    wait = time.perf_counter() - t0
+    wait = read_s + time.perf_counter() - t0
     world = dist.get_world_size()
     # The one host sync before compute: every rank needs N, the step's global label count.
     n_global = float(global_count([labels], engine.device)[:, 0].sum())
@@ -136,13 +158,14 @@ def train_step(engine, group: list[dict], padded: bool, pad_token_id: int) -> di
     t1 = time.perf_counter()
     loss_sum = forward_backward(engine, batches, scale)
     engine.step()
+    loss_value = float(loss_sum)  # waits for the device, so `busy` covers the real compute
     busy = time.perf_counter() - t1
-    stats = global_count([float(loss_sum), tokens, busy], engine.device)
+    stats = global_count([loss_value, tokens, busy], engine.device)
     return {
         "loss": float(stats[:, 0].sum()) / max(n_global, 1.0),
         "label_tokens": n_global,
         "tokens": float(stats[:, 1].sum()),
-        "step_time_s": time.perf_counter() - t0,
+        "step_time_s": read_s + time.perf_counter() - t0,
         "data_wait_s": wait,
         "rank_imbalance": float(stats[:, 2].max() / stats[:, 2].mean().clamp_min(1e-9)),
         "world_size": world,
@@ -155,15 +178,15 @@ def evaluate(engine, data: Prepared, rank: int) -> float | None:
     if not data.eval_dir:
         return None
     engine.eval()
-    loss, labels = 0.0, 0
+    loss, labels = torch.zeros((), dtype=torch.float64, device=engine.device), 0
     for row in iter_rank_packs(data.eval_dir, rank):
         batch = collate_packed([row], padded=data.padded, pad_token_id=data.pad_token_id)
         labels += count_label_tokens(batch)
-        batch = {k: v.to(engine.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        batch = move_batch(batch, engine.device)
         target = batch.pop("labels")
-        loss += float(token_loss_sum(engine(**batch).logits, target))
+        loss += token_loss_sum(engine(**batch).logits, target)  # no sync per batch
     engine.train()
-    total = global_count([loss, labels], engine.device).sum(0)
+    total = global_count([float(loss), labels], engine.device).sum(0)
     return float(total[0] / total[1].clamp_min(1))
 
 
@@ -177,10 +200,30 @@ def report_and_checkpoint(engine, state: TrainState, metrics: dict, rank: int, c
     with tempfile.TemporaryDirectory(prefix="raypack-ckpt-") as path:
         client = {"train_state": {k: v for k, v in asdict(state).items() if k != "steps_log"}}
         engine.save_checkpoint(path, tag=CKPT_TAG, client_state=client)
-        Path(path, f"steps_rank{rank}.json").write_text(json.dumps(state.steps_log))
+        write_steps_log(Path(path) / f"steps_rank{rank}.npz", state.steps_log)
         if final:
             save_hf_model(engine, Path(path) / "model", rank)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(path))
+
+
+def write_steps_log(path: Path, log: list[tuple[int, int, list[int]]]) -> None:
+    """The step log as flat arrays (8 bytes an example), not JSON: it is rewritten every checkpoint."""
+    ids = [np.asarray(example_ids, dtype=np.int64) for _, _, example_ids in log]
+    np.savez(
+        path,
+        step=np.array([s for s, _, _ in log], dtype=np.int64),
+        epoch=np.array([e for _, e, _ in log], dtype=np.int64),
+        offsets=np.cumsum([0] + [len(i) for i in ids]),
+        example_ids=np.concatenate(ids) if ids else np.zeros(0, np.int64),
+    )
+
+
+def read_steps_log(path: Path) -> list[tuple[int, int, list[int]]]:
+    if not path.exists():
+        return []
+    z = np.load(path)
+    o = z["offsets"]
+    return [(int(s), int(e), z["example_ids"][o[i]:o[i + 1]].tolist()) for i, (s, e) in enumerate(zip(z["step"], z["epoch"]))]
 
 
 def save_hf_model(engine, path: Path, rank: int) -> None:
@@ -202,7 +245,7 @@ def train_loop_per_worker(config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     engine, scheduler, total_steps = setup(cfg, data, world)
-    state = restore(engine, rank)
+    state = restore(engine, rank, data.fingerprint)
     model_config = engine.module.config
     reporter = Reporter(
         rank=rank,
@@ -224,12 +267,15 @@ def train_loop_per_worker(config: dict) -> None:
             state.epoch, state.micro_step = epoch, 0
         rows = iter_rank_packs(data.train_dir, rank, start_step=state.micro_step)
         # The plan gives every rank the same multiple of `accum` steps, so a short group is the epoch end.
-        while state.step < total_steps and len(group := next_group(rows, accum)) == accum:
-            values = train_step(engine, group, data.padded, data.pad_token_id)
+        while state.step < total_steps:
+            t0 = time.perf_counter()
+            if len(group := next_group(rows, accum)) < accum:
+                break
+            values = train_step(engine, group, data.padded, data.pad_token_id, read_s=time.perf_counter() - t0)
             values["lr"] = scheduler.get_last_lr()[0]
             state.step += 1
             state.micro_step += accum
-            state.steps_log.append([state.step, epoch, [i for row in group for i in row["example_ids"]]])
+            state.steps_log.append((state.step, epoch, [i for row in group for i in row["example_ids"]]))
             reporter.log_step(state.step, values)
             _maybe_inject_fault(fault, rank, state.step)
 
@@ -242,6 +288,13 @@ def train_loop_per_worker(config: dict) -> None:
                 report_and_checkpoint(engine, state, metrics, rank, checkpoint=ckpt_due, final=final)
         if state.step >= total_steps:
             break
+        if state.micro_step != data.steps_per_rank:
+            # Every rank must run the plan's steps; fewer means a shard is missing or unreadable
+            # from this node (e.g. a node-local storage_path on a multi-node cluster).
+            raise RuntimeError(
+                f"rank {rank} read {state.micro_step} of {data.steps_per_rank} packs from "
+                f"{data.train_dir}/rank={rank}; is run.storage_path shared by every node?"
+            )
     reporter.close()
 
 

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import json
 import uuid
 from pathlib import Path
 
@@ -39,9 +38,11 @@ def tiny_cfg(tmp_path: Path, *overrides: str, name: str | None = None):
 
 def trained_ids(checkpoint_dir: Path) -> tuple[list[int], list[int]]:
     """Example ids and optimizer steps the final model took, from every rank's step log."""
+    from raypack.train.loop import read_steps_log
+
     ids, steps = [], []
-    for log in sorted(checkpoint_dir.glob("steps_rank*.json")):
-        entries = json.loads(log.read_text())
+    for log in sorted(checkpoint_dir.glob("steps_rank*.npz")):
+        entries = read_steps_log(log)
         steps.append([step for step, _, _ in entries])
         ids += [i for _, _, example_ids in entries for i in example_ids]
     return ids, steps
