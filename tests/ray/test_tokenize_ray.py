@@ -90,3 +90,28 @@ def test_missing_chat_template_fails_on_driver(ray_local, tmp_path):
     cfg = load(None, [f"tokenize.tokenizer={tmp_path / 'bare'}"])
     with pytest.raises(TokenizeError, match="no chat template"):
         tokenize_dataset(cfg)
+
+
+def test_chunked_jsonl_streams_with_the_same_ids_and_errors(ray_local, tmp_path, monkeypatch):
+    from raypack.data import sources
+
+    recs = [json.loads(line) for line in (SAMPLE / "chat.jsonl").read_text().splitlines() if line.strip()]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    cfg = Config(data=DataConfig(paths=(str(path),)), tokenize=TokenizeConfig(max_length=200, batch_size=16, num_actors=2))
+    whole, whole_stats = tokenize_dataset(cfg)
+    monkeypatch.setattr(sources, "CHUNK_BYTES", 16384)  # about 20 chunks
+    assert len(sources._units((str(path),))[0]) > 10
+    chunked, stats = tokenize_dataset(cfg)
+    key = lambda t: sorted(zip(t["example_id"], t["length"]))  # noqa: E731
+    assert key(chunked.to_pandas()) == key(whole.to_pandas()) and stats.examples_in == len(recs)
+    assert stats.tokens == whole_stats.tokens and stats.truncated == whole_stats.truncated
+
+    lines = [json.dumps(r) for r in recs]
+    lines[250] = json.dumps({"messages": [{"role": "robot", "content": "x"}]})
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(SourceError, match=r"chat\.jsonl:251: messages\[0\]: unknown role 'robot'"):
+        tokenize_dataset(cfg)
+    skip = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, on_bad_rows="skip"))
+    _, s = tokenize_dataset(skip)
+    assert s.bad_rows == 1 and s.examples_in == len(recs) - 1 and s.bad_examples[0].startswith(f"{path}:251: ")

@@ -144,3 +144,23 @@ def test_bundled_samples_are_valid():
     for name, fmt in [("chat.jsonl", "chat"), ("instruction.jsonl", "instruction"), ("completion.jsonl", "completion"), ("tokenized.parquet", "tokenized")]:
         rows = read(ASSETS / "sample" / name)
         assert len(rows) >= 200 and all(r["error"] is None and r["format"] == fmt for r in rows)
+
+
+def test_large_jsonl_reads_in_chunks_with_exact_lines_and_ids(tmp_path, monkeypatch):
+    recs = [{"prompt": f"p{i}" * (i % 7 + 1), "completion": f"c{i}"} for i in range(200)]
+    lines = [recs[i] if i not in (150, 151) else "" for i in range(200)]  # blank lines keep their numbers
+    lines[173] = "{broken"
+    lines[10] = {"prompt": "x" * 300, "completion": "a line longer than a chunk"}
+    path = jsonl(tmp_path / "big.jsonl", lines)
+    whole = read(path)
+    monkeypatch.setattr(sources, "CHUNK_BYTES", 64)  # about 3 lines a chunk
+    units, _ = sources._units((str(path),))
+    assert len(units) > 20 and [u["row_offset"] for u in units] == sorted(u["row_offset"] for u in units)
+    # each unit on its own, in reverse order, gives the same rows as the file read whole
+    tables = [sources.read_unit({k: [u[k]] for k in u}, "auto") for u in reversed(units)]
+    chunked = sorted(pa.concat_tables(tables).to_pylist(), key=lambda r: r["example_id"])
+    assert chunked == whole and len(whole) == 198
+    assert [locate(r["example_id"])[1] for r in chunked] == [i for i in range(200) if i not in (150, 151)]
+    assert [r["error"] for r in chunked if r["error"]] == [f"{path}:174: malformed JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"]
+    # a later chunk that starts with a bad line still takes the file's format
+    assert {r["format"] for r in chunked} == {"completion"}
