@@ -3,12 +3,19 @@
     raypack sweep --config jobs/configs/sweeps/packing_cpu.yaml run.storage_path=/tmp/sweeps
 
     Tuner ──> trial (a small driver function, ~no resources)
-                └─> raypack.train.trainer.fit(trial cfg, callbacks=[TuneReportCallback()])
+                └─> raypack.train.trainer.fit(trial cfg)   (in a task outside the trial's reservation)
                       └─> its own Ray Train workers (train.num_workers of them)
+              <── one ray.tune.report of the run's final metrics
 
 The grid is `tune.strategies` x `tune.budgets` x `tune.lrs` (empty budgets or lrs keep the
 config's `pack.budget` / `train.lr`). Ray Train V2 refuses `Tuner(trainer)`, hence the driver
 function. A failed trial is a row with status ERROR, never the end of the sweep.
+
+Each trial reports once, at the end. Ray's `TuneReportCallback` would stream every Train report
+to Tune, but its results travel through a one-slot queue that Tune's main thread drains into
+another one-slot queue; any report of the trial's own (needed, since the callback's last one
+can arrive after the trial returns and be dropped) can then deadlock the trial. A grid sweep
+needs only the final numbers; live progress is in each run's own logs and TensorBoard.
 
 Everything lands in the experiment directory `<run.storage_path>/<run.name>/`: Tune's trial
 folders, each trial's Train run under `runs/`, and `sweep_results.md`, `sweep_results.csv` and
@@ -69,31 +76,26 @@ def trial_config(base: Config, params: dict[str, Any], storage: str, suffix: str
 
 
 def _run_trial(config: dict[str, Any], base: Config, storage: str) -> None:
-    """The Tune trainable: a driver that fits one Ray Train run and forwards its reports."""
+    """The Tune trainable: a driver that fits one Ray Train run and reports its final metrics."""
     import ray
     import ray.tune
-    from ray.tune.integration.ray_train import TuneReportCallback
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     cfg = trial_config(base, config["trial"], storage, ray.tune.get_context().get_trial_id())
-    callback = TuneReportCallback()  # made here: it needs the trial's Tune session
     # Tune puts every task a trial starts into the trial's (tiny) placement group; the data
     # preparation's tasks and actors would not fit there. The fit runs outside it.
     outside = PlacementGroupSchedulingStrategy(placement_group=None)
     fit_task = ray.remote(num_cpus=0, max_retries=0)(_fit_task).options(scheduling_strategy=outside)
-    metrics, error = ray.get(fit_task.remote(cfg, callback))
+    metrics, error = ray.get(fit_task.remote(cfg))
     if error:
         raise RuntimeError(error)  # Tune records it as the trial's error
-    if metrics:
-        # The callback's last report can still be in flight when this function returns, and Tune
-        # then drops it; reporting the run's final metrics here makes them the trial's result.
-        ray.tune.report(metrics)
+    ray.tune.report(metrics or {})
 
 
-def _fit_task(cfg: Config, callback) -> tuple[dict | None, str | None]:
+def _fit_task(cfg: Config) -> tuple[dict | None, str | None]:
     from raypack.train.trainer import fit
 
-    result = fit(cfg, callbacks=[callback])
+    result = fit(cfg)
     if result.error is not None:
         return None, f"{type(result.error).__name__}: {result.error}"
     return dict(result.metrics or {}), None
