@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 import ray
 
 from raypack.config import DataConfig
+from raypack.storage import resolve  # local paths and s3://, gs:// URIs through one pyarrow filesystem
 
 FILE_SHIFT, ROW_SHIFT = 42, 10
 CHUNK_BYTES = 4 << 20
@@ -92,12 +93,6 @@ def locate(eid: int) -> tuple[int, int, int]:
 # --- listing: paths -> read units -----------------------------------------------------------------
 
 
-def _fs(path: str) -> tuple[pafs.FileSystem, str]:
-    # pyarrow's filesystems are what Ray Data's readers use, so local paths and s3://, gs://, ...
-    # URIs behave the same here.
-    return pafs.FileSystem.from_uri(path) if "://" in path else (pafs.LocalFileSystem(), str(path))
-
-
 def _kind(path: str) -> str | None:
     for suffix, kind in ((".jsonl", "jsonl"), (".json", "jsonl"), (".parquet", "parquet"), (".arrow", "arrow")):
         if path.endswith(suffix):
@@ -107,7 +102,7 @@ def _kind(path: str) -> str | None:
 
 def _expand(path: str) -> list[tuple[str, str]]:
     """(path, kind) of every file a configured path stands for."""
-    fs, p = _fs(path)
+    fs, p = resolve(path)
     info = fs.get_file_info(p)
     prefix = path[: len(path) - len(p)] if "://" in path else ""
     if info.type == pafs.FileType.NotFound:
@@ -138,7 +133,7 @@ def _units(paths: tuple[str, ...]) -> tuple[list[dict], int]:
     units = []
     for i, (path, kind) in enumerate(files):
         if kind == "parquet":  # one unit per row group, so one large file still reads in parallel
-            fs, p = _fs(path)
+            fs, p = resolve(path)
             meta = pq.ParquetFile(p, filesystem=fs).metadata
             if meta.num_rows == 0:
                 raise SourceError(f"{path}: empty file (no rows)")
@@ -165,7 +160,7 @@ def _jsonl_units(i: int, path: str) -> list[dict]:
     file once to count the newlines before each cut (each unit's first line number, for ids and
     error messages) and to find the first JSON object, whose fields pick every unit's format."""
     whole = _unit(i, path, "jsonl")
-    fs, p = _fs(path)
+    fs, p = resolve(path)
     size = fs.get_file_info(p).size
     if size <= CHUNK_BYTES:
         return [whole]
@@ -276,7 +271,7 @@ def _validate(rec, fmt: str) -> dict:
 
 def _records(unit: dict):
     """(row, where, record-or-_Bad) for every row of a unit, plus the column names for detection."""
-    fs, p = _fs(unit["path"])
+    fs, p = resolve(unit["path"])
     path = unit["path"]
     if unit["kind"] == "jsonl":
         start, stop, first_line = int(unit["start"]), int(unit["stop"]), unit["row_offset"]

@@ -115,7 +115,7 @@ def next_group(rows: Iterator[dict], accum: int) -> list[dict]:
 
 
 def global_count(values: list[float], device: torch.device) -> torch.Tensor:
-    """All ranks' values, summed and maxed, in one collective: returns [world, len(values)]."""
+    """Every rank's `values` in one all_gather: a [world, len(values)] tensor to sum or max."""
     local = torch.tensor(values, dtype=torch.float64, device=device)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
