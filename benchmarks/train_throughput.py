@@ -49,7 +49,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # Before Ray starts (the raylet and its workers inherit the driver's environment):
-# ray.train.report blocks ~2 s per call at the default health-check interval (DESIGN.md).
+# ray.train.report blocks ~2 s per call at the default health-check interval (raypack/runtime.py).
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 # DeepSpeed's op_builder fails to parse "9.0a"; raypack passes a torch optimizer so nothing
 # should build on CUDA, but a stray JIT build must not die on it.

@@ -1,4 +1,5 @@
-"""The optimizer step's loss is Σ token losses / N over all micro-batches and ranks (DESIGN §8).
+"""The optimizer step's loss is Σ token losses / N over all micro-batches and ranks
+(raypack/train/loop.py's docstring says why and how).
 
 2 ranks × 2 micro-batches of unequal packs under ZeRO-2: the loss and the full gradients after
 one step's backward equal a single-process computation over the same examples, run one at a time.
