@@ -23,7 +23,8 @@ import pyarrow as pa
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from raypack.config import PackConfig  # noqa: E402
-from raypack.data.pack import _Router, _routing, assemble_rows, iter_rank_packs, lengths_and_ids, materialize  # noqa: E402
+from raypack.data.pack import _Router, _routing, assemble_rows, iter_rank_packs, materialize  # noqa: E402
+from raypack.data.tokenize import lengths_and_ids  # noqa: E402
 from raypack.data.plan import make_plan  # noqa: E402
 from raypack.data.synthetic import sample_lengths  # noqa: E402
 

@@ -155,7 +155,8 @@ def window(step_tokens: list[float], step_times: list[float], start: float, end:
 
 
 def run_full_stack(cfg: Config, warmup: int, steps: int) -> dict:
-    from raypack.train.trainer import build_trainer, run_dir
+    from raypack.runtime import run_dir
+    from raypack.train.trainer import build_trainer
 
     trainer = build_trainer(cfg)
     t0 = time.perf_counter()
@@ -267,7 +268,7 @@ def main(argv=None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     try:
         from raypack.data.prepare import prepare
-        from raypack.train.trainer import init_ray, run_dir
+        from raypack.runtime import absolute_paths, init_ray, run_dir
 
         # Model: tiny-llama (vocab sized to the bundled tokenizer), or a random-init ~1B Llama saved
         # once so that the Ray worker and this process load identical weights by path.
@@ -278,7 +279,7 @@ def main(argv=None) -> int:
             save_random_model(model_name, args.seed)
         data = write_examples(workdir / "data" / "examples.parquet", total_steps, args.budget, vocab, args.seed)
         cfg = make_config(args, workdir, workdir / "data" / "examples.parquet", model_name, cuda, total_steps)
-        cfg = cfg.with_absolute_paths()
+        cfg = absolute_paths(cfg)
 
         init_ray()
         # The same call build_trainer makes; build_trainer then reuses this folder (same fingerprint).

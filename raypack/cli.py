@@ -4,12 +4,18 @@
     raypack plan --lengths lengths.npy --budget 4096 --ranks 8 --strategy bfd balanced
     raypack sweep --config jobs/configs/sweeps/packing_cpu.yaml
     raypack data --config jobs/configs/quickstart.yaml      # tokenize only, print a summary
+
+Each command's handler is `raypack.commands.<command>.run(args)`; this module and those are the
+only ones that see an argparse namespace. A config error prints one line and exits with 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+from raypack.config import ConfigError
 
 
 def _add_config(p: argparse.ArgumentParser, required: bool = False) -> None:
@@ -48,18 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from raypack.config import ConfigError
-
+    # Only the command that runs is imported: `raypack --help` takes 0.1 s, while the command
+    # modules bring in Ray, torch, transformers and DeepSpeed (3 to 6 s on 2 cores).
+    command = importlib.import_module(f"raypack.commands.{args.command}")
     try:
-        if args.command == "train":
-            from raypack.train.trainer import run_cli
-        elif args.command == "sweep":
-            from raypack.tune.sweep import run_cli
-        elif args.command == "data":
-            from raypack.data.tokenize import run_cli
-        else:
-            from raypack.data.plan_cli import run_cli
-        return run_cli(args) or 0
+        return command.run(args) or 0
     except ConfigError as e:
         print(f"raypack: config error: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
 """Typed run configuration: one frozen dataclass per component, loaded from YAML.
 
     cfg = load("jobs/configs/tiny_cpu.yaml", ["train.lr=2e-5", "pack.strategy=bfd"])
+    cfg = loads(dumps(cfg))                 # a run saves its config as YAML and resumes from it
 
 Every field has a type and a docstring. `load` checks the YAML against the dataclasses, so an
 unknown key, a wrong type or an out-of-range value fails before any Ray work starts, with an
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -204,21 +206,6 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def with_absolute_paths(self) -> Config:
-        """Relative local paths resolved against the current directory, which is the job's working
-        directory under `ray job submit`. Ray workers may run elsewhere, so they get absolute paths."""
-
-        def absolute(p: str) -> str:
-            return p if "://" in p or not Path(p).exists() else str(Path(p).resolve())
-
-        tokenizer = absolute(self.tokenize.tokenizer)
-        return dataclasses.replace(
-            self,
-            data=dataclasses.replace(self.data, paths=tuple(absolute(p) for p in self.data.paths)),
-            tokenize=dataclasses.replace(self.tokenize, tokenizer=tokenizer),
-            model=dataclasses.replace(self.model, name=absolute(self.model.name)),
-        )
-
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "<dict>") -> Config:
         try:
@@ -227,19 +214,25 @@ class Config:
             raise ConfigError(f"{source}: {e}") from None
 
 
-def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a YAML config (or the defaults when `path` is None) and apply `a.b=value` overrides."""
-    source = str(path) if path else "<defaults>"
-    raw: dict[str, Any] = {}
-    if path:
-        try:
-            raw = yaml.safe_load(Path(path).read_text()) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"{source}: config file not found") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{source}: not valid YAML: {e}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{source}: expected a mapping of sections at the top level")
+def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Read a YAML config file (or the defaults when `path` is None) and apply `a.b=value` overrides."""
+    if not path:
+        return loads("", overrides, "<defaults>")
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    return loads(text, overrides, str(path))
+
+
+def loads(text: str, overrides: Sequence[str] = (), source: str = "<string>") -> Config:
+    """A config from YAML text (e.g. a run's saved raypack_config.yaml); `source` names it in errors."""
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a mapping of sections at the top level")
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or "." not in key:
@@ -251,6 +244,11 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
         raw[section][name] = yaml.safe_load(value)
         source = f"{source} (with overrides)" if "overrides" not in source else source
     return Config.from_dict(raw, source)
+
+
+def dumps(cfg: Config) -> str:
+    """YAML that `loads` reads back into an equal config (safe_dump writes tuples as lists)."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
 # --- validation: YAML values against the dataclass annotations ---------------------------------

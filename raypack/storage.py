@@ -1,7 +1,8 @@
 """Paths that may be local folders or URIs (s3://, gs://, ...): one pyarrow filesystem for both.
 
 Multi-node runs keep their packed data and run files under a shared `run.storage_path`, usually
-object storage, so every file raypack writes outside Ray's own checkpoints goes through here.
+object storage, so every file raypack reads or writes outside Ray's own checkpoints goes through
+here, and so does every "is this a URI?" question.
 """
 
 from __future__ import annotations
@@ -15,11 +16,17 @@ def is_uri(path: str) -> bool:
     return "://" in path
 
 
+def absolute(path: str) -> str:
+    """A URI as it is (less a trailing slash), a local path made absolute: the form Ray Train
+    requires for a storage path and every process can use, whatever its working directory."""
+    return path.rstrip("/") if is_uri(path) else str(Path(path).expanduser().resolve())
+
+
 def resolve(path: str) -> tuple[pafs.FileSystem, str]:
     """(filesystem, path inside it); local paths become absolute."""
     if is_uri(path):
         return pafs.FileSystem.from_uri(path)
-    return pafs.LocalFileSystem(), str(Path(path).expanduser().resolve())
+    return pafs.LocalFileSystem(), absolute(path)
 
 
 def exists(path: str) -> bool:
@@ -33,11 +40,16 @@ def read_text(path: str) -> str:
         return f.read().decode()
 
 
-def write_text(path: str, text: str) -> None:
+def write_bytes(path: str, data: bytes) -> None:
+    """Write a file, creating its folder."""
     fs, p = resolve(path)
     fs.create_dir(p.rsplit("/", 1)[0], recursive=True)
     with fs.open_output_stream(p) as f:
-        f.write(text.encode())
+        f.write(data)
+
+
+def write_text(path: str, text: str) -> None:
+    write_bytes(path, text.encode())
 
 
 def remove_dir(path: str) -> None:

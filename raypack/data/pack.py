@@ -2,7 +2,7 @@
 
 Input rows: `example_id` (int64, unique, not dense), `input_ids` / `labels` (list<int32>,
 labels unshifted with -100 masking) and `length`. Plan index i is the i-th smallest example_id
-(`lengths_and_ids` builds both arrays in that order).
+(`raypack.data.tokenize.lengths_and_ids` builds both arrays in that order).
 
 Output: Parquet under `out_dir/rank=<r>/`, one row per (rank, step), read back in step order by
 `iter_rank_packs`. A packed row, for pieces a (3 tokens) and b (2 tokens):
@@ -47,21 +47,6 @@ from raypack import storage
 
 ROWS_PER_FILE = 4096
 """Packed rows per output Parquet file (files are named in step order)."""
-
-
-def lengths_and_ids(ds) -> tuple[np.ndarray, np.ndarray]:
-    """(lengths, example_ids) of a tokenized dataset, both ordered by example_id."""
-    ids, lengths = [], []
-    for batch in ds.select_columns(["example_id", "length"]).iter_batches(batch_size=65536, batch_format="numpy"):
-        ids.append(np.asarray(batch["example_id"], dtype=np.int64))
-        lengths.append(np.asarray(batch["length"], dtype=np.int64))
-    ids_arr = np.concatenate(ids) if ids else np.zeros(0, np.int64)
-    len_arr = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
-    order = np.argsort(ids_arr, kind="stable")
-    ids_arr, len_arr = ids_arr[order], len_arr[order]
-    if len(ids_arr) > 1 and (np.diff(ids_arr) == 0).any():
-        raise ValueError("example_id is not unique in the tokenized dataset")
-    return len_arr, ids_arr
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -114,11 +114,10 @@ def _plan_split(ds, lengths, ids, cfg: Config, num_ranks: int, out_dir: str) -> 
 def prepare(cfg: Config, num_ranks: int, root: str) -> Prepared:
     """Tokenize, split, plan and pack `cfg`'s data into `root` (a folder or URI every node can
     read), or reuse what is already there."""
-    from raypack.data.pack import lengths_and_ids
     from raypack.data.encode import load_tokenizer
-    from raypack.data.tokenize import tokenize_dataset
+    from raypack.data.tokenize import lengths_and_ids, tokenize_dataset
 
-    root = root.rstrip("/") if storage.is_uri(root) else storage.resolve(root)[1]
+    root = storage.absolute(root)
     manifest = f"{root}/manifest.json"
     key = fingerprint(cfg, num_ranks)
     if storage.exists(manifest):

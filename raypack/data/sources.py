@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 import ray
 
 from raypack.config import DataConfig
-from raypack.storage import resolve  # local paths and s3://, gs:// URIs through one pyarrow filesystem
+from raypack.storage import is_uri, resolve  # local paths and s3://, gs:// URIs through one pyarrow filesystem
 
 FILE_SHIFT, ROW_SHIFT = 42, 10
 CHUNK_BYTES = 4 << 20
@@ -104,7 +104,7 @@ def _expand(path: str) -> list[tuple[str, str]]:
     """(path, kind) of every file a configured path stands for."""
     fs, p = resolve(path)
     info = fs.get_file_info(p)
-    prefix = path[: len(path) - len(p)] if "://" in path else ""
+    prefix = path[: len(path) - len(p)] if is_uri(path) else ""
     if info.type == pafs.FileType.NotFound:
         raise SourceError(f"{path}: no such file or folder")
     if info.type == pafs.FileType.File:

@@ -1,9 +1,8 @@
 """Stage 2: tokenize the raw examples with Ray Data, one tokenizer per actor, and count what happened.
 
     ds, stats = tokenize_dataset(cfg)     # ds: example_id, input_ids, labels, length
-    print(stats.summary())
-
-    raypack data --config jobs/configs/quickstart.yaml tokenize.overlength=split
+    print(stats.summary())                # what `raypack data` prints
+    lengths, ids = lengths_and_ids(ds)    # the planner's input, ordered by example_id
 
 Output contract (the planner and packer depend on it):
 
@@ -16,14 +15,13 @@ The encoding rules (templates, label masks, EOS, over-length policies) live in r
 Reading streams into tokenization (no pass over the read rows first): the tokenizer actors count
 good and bad source rows as they go, and a bad row under `on_bad_rows: error` (or an unreadable
 file) stops the pipeline, after which the driver re-reads the sources, in parallel and without
-tokenizing, to name the first bad row in file order exactly as `read_sources` does. The dataset
+tokenizing, to name the first bad row in file order exactly as `read_sources_with_report` does. The dataset
 comes back materialized: counting needs every row anyway, and so does the planner.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -164,17 +162,16 @@ def tokenize_dataset(cfg: Config) -> tuple[ray.data.Dataset, TokenizeStats]:
     return out, stats
 
 
-def run_cli(args) -> int:
-    """`raypack data --config FILE [overrides]`: tokenize and print a summary."""
-    from raypack.config import load
-
-    cfg = load(args.config, args.overrides)
-    if not ray.is_initialized():
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init()  # join the cluster the environment names
-        else:
-            # More logical CPUs than cores, so tokenizer actors never starve the read tasks.
-            ray.init(address="local", num_cpus=max(4, (os.cpu_count() or 1) * 2))
-    _, stats = tokenize_dataset(cfg)
-    print(stats.summary())
-    return 0
+def lengths_and_ids(ds) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths, example_ids) of a tokenized dataset, both ordered by example_id."""
+    ids, lengths = [], []
+    for batch in ds.select_columns(["example_id", "length"]).iter_batches(batch_size=65536, batch_format="numpy"):
+        ids.append(np.asarray(batch["example_id"], dtype=np.int64))
+        lengths.append(np.asarray(batch["length"], dtype=np.int64))
+    ids_arr = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+    len_arr = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    order = np.argsort(ids_arr, kind="stable")
+    ids_arr, len_arr = ids_arr[order], len_arr[order]
+    if len(ids_arr) > 1 and (np.diff(ids_arr) == 0).any():
+        raise ValueError("example_id is not unique in the tokenized dataset")
+    return len_arr, ids_arr

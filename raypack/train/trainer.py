@@ -11,40 +11,16 @@ resumes from that run's last checkpoint; that is what `raypack train --resume PA
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
+
+import ray.train
+from ray.train.torch import TorchConfig, TorchTrainer
 
 from raypack import storage
-from raypack.config import Config, ConfigError, load
-
-# ray.train.report blocks until the controller's health-check poll drains it (every 2 s by
-# default); a short interval keeps a report near 0.07 s. It must be set before Ray starts.
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
-
-
-def init_ray() -> None:
-    """Join the cluster named by RAY_ADDRESS (as under `ray job submit`), else start a local one."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init()
-    else:
-        # More logical CPUs than cores: workers and Ray Data actors that took every CPU would
-        # leave the read tasks none, and the job would hang on a small machine.
-        ray.init(address="local", num_cpus=max(8, 2 * (os.cpu_count() or 2)), include_dashboard=False)
-
-
-def storage_path(cfg: Config) -> str:
-    """`run.storage_path`, absolute when local (Ray Train requires it), a URI left as it is."""
-    path = cfg.run.storage_path
-    return path.rstrip("/") if "://" in path else str(Path(path).expanduser().resolve())
-
-
-def run_dir(cfg: Config) -> str:
-    return f"{storage_path(cfg)}/{cfg.run.name}"
+from raypack.config import Config, ConfigError
+from raypack.data.prepare import prepare
+from raypack.runtime import absolute_paths, init_ray, run_dir, storage_path
+from raypack.train.loop import train_loop_per_worker
 
 
 def build_trainer(
@@ -54,14 +30,9 @@ def build_trainer(
     loop: Callable[[dict], None] | None = None,
     extra_loop_config: dict | None = None,
 ):
-    """The `TorchTrainer` for `cfg`, with its packed data prepared (or reused) under the run dir."""
-    import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
-
-    from raypack.data.prepare import prepare
-    from raypack.train.loop import train_loop_per_worker
-
-    cfg = cfg.with_absolute_paths()
+    """The `TorchTrainer` for `cfg`, with its packed data prepared (or reused) under the run dir.
+    `loop` replaces the per-worker function (tests wrap it); `extra_loop_config` adds to its config."""
+    cfg = absolute_paths(cfg)
     t = cfg.train
     root = run_dir(cfg)
     if t.mlflow and storage.is_uri(root) and not os.environ.get("MLFLOW_TRACKING_URI"):
@@ -103,49 +74,3 @@ def fit(cfg: Config, *, callbacks: Sequence = (), **kwargs):
     """Prepare and train; returns Ray Train's `Result` (metrics, checkpoint, path)."""
     init_ray()
     return build_trainer(cfg, callbacks=callbacks, **kwargs).fit()
-
-
-def resume_config(path: str, overrides: Sequence[str] = ()) -> Config:
-    """The config a stopped run was started with (saved as raypack_config.yaml), for --resume."""
-    import tempfile
-
-    saved = f"{path.rstrip('/')}/raypack_config.yaml"
-    if not storage.exists(saved):
-        raise ConfigError(f"--resume {path}: no raypack_config.yaml there; is it a raypack run folder?")
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
-        f.write(storage.read_text(saved))
-        f.flush()
-        return load(f.name, list(overrides))
-
-
-def run_cli(args) -> int:
-    import yaml
-
-    cfg = resume_config(args.resume, args.overrides) if args.resume else load(args.config, args.overrides)
-    root = run_dir(cfg)
-    if not args.resume and storage.exists(f"{root}/checkpoint_manager_snapshot.json"):
-        print(f"[raypack] run {cfg.run.name!r} exists in {root}: continuing from its last checkpoint "
-              "(set run.name to start a fresh run)")
-    storage.write_text(f"{root}/raypack_config.yaml", yaml.safe_dump(_plain(cfg.to_dict()), sort_keys=False))
-    result = fit(cfg)
-    metrics = result.metrics or {}
-    print("\n[raypack] training finished", file=sys.stderr)
-    for key in ("step", "loss", "eval_loss", "tokens_per_s", "packing_efficiency", "peak_memory_gb"):
-        if metrics.get(key) is not None:
-            value = metrics[key]
-            print(f"  {key:<20} {value:.4f}" if isinstance(value, float) else f"  {key:<20} {value}")
-    print(f"  results             {result.path}")
-    if result.checkpoint:
-        print(f"  checkpoint          {result.checkpoint.path}  (Hugging Face model in model/)")
-    if cfg.train.tensorboard and not storage.is_uri(root):
-        print(f"  tensorboard         tensorboard --logdir {root}/tensorboard")
-    return 0 if result.error is None else 1
-
-
-def _plain(value):
-    """Tuples to lists, so that the saved YAML loads back through the config schema."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value

@@ -30,12 +30,18 @@ import dataclasses
 import io
 import itertools
 import math
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from raypack.config import Config, load
+import ray
+import ray.tune
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raypack import storage
+from raypack.config import Config
+from raypack.runtime import absolute_paths, init_ray, run_dir, storage_path
+from raypack.train.trainer import fit
 
 TABLE = "sweep_results.md"
 CSV = "sweep_results.csv"
@@ -63,25 +69,21 @@ def trial_name(params: dict[str, Any]) -> str:
     return f"{params['strategy']}-b{params['budget']}-lr{params['lr']:g}"
 
 
-def trial_config(base: Config, params: dict[str, Any], storage: str, suffix: str = "") -> Config:
-    """The base config with the trial's strategy, budget and lr, its Train run under `storage`
+def trial_config(base: Config, params: dict[str, Any], runs_dir: str, suffix: str = "") -> Config:
+    """The base config with the trial's strategy, budget and lr, its Train run under `runs_dir`
     with a name no other trial (or earlier sweep) uses: a reused name would resume that run."""
     name = trial_name(params) + (f"-{suffix}" if suffix else "")
     return dataclasses.replace(
         base,
         pack=dataclasses.replace(base.pack, strategy=params["strategy"], budget=params["budget"]),
         train=dataclasses.replace(base.train, lr=params["lr"]),
-        run=dataclasses.replace(base.run, name=name, storage_path=storage),
+        run=dataclasses.replace(base.run, name=name, storage_path=runs_dir),
     )
 
 
-def _run_trial(config: dict[str, Any], base: Config, storage: str) -> None:
+def _run_trial(config: dict[str, Any], base: Config, runs_dir: str) -> None:
     """The Tune trainable: a driver that fits one Ray Train run and reports its final metrics."""
-    import ray
-    import ray.tune
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    cfg = trial_config(base, config["trial"], storage, ray.tune.get_context().get_trial_id())
+    cfg = trial_config(base, config["trial"], runs_dir, ray.tune.get_context().get_trial_id())
     # Tune puts every task a trial starts into the trial's (tiny) placement group; the data
     # preparation's tasks and actors would not fit there. The fit runs outside it.
     outside = PlacementGroupSchedulingStrategy(placement_group=None)
@@ -93,8 +95,6 @@ def _run_trial(config: dict[str, Any], base: Config, storage: str) -> None:
 
 
 def _fit_task(cfg: Config) -> tuple[dict | None, str | None]:
-    from raypack.train.trainer import fit
-
     result = fit(cfg)
     if result.error is not None:
         return None, f"{type(result.error).__name__}: {result.error}"
@@ -106,16 +106,11 @@ def _fit_task(cfg: Config) -> tuple[dict | None, str | None]:
 
 def sweep(cfg: Config) -> list[dict[str, Any]]:
     """Run every trial of the grid; returns the table rows (also written to the experiment dir)."""
-    import ray.tune
-
-    from raypack.train.trainer import init_ray, storage_path
-
     init_ray()
-    base = cfg.with_absolute_paths()  # trials run in actors whose working dir is not ours
-    storage = storage_path(base)
-    experiment_dir = f"{storage}/{cfg.run.name}"
+    base = absolute_paths(cfg)  # trials run in actors whose working dir is not ours
+    experiment_dir = run_dir(base)
     trials = grid(cfg)
-    trainable = ray.tune.with_parameters(_run_trial, base=base, storage=f"{experiment_dir}/runs")
+    trainable = ray.tune.with_parameters(_run_trial, base=base, runs_dir=f"{experiment_dir}/runs")
     # The driver only waits on its Train run; the run's workers hold the real resources.
     trainable = ray.tune.with_resources(trainable, {"CPU": 0.01})
     tuner = ray.tune.Tuner(
@@ -124,7 +119,7 @@ def sweep(cfg: Config) -> list[dict[str, Any]]:
         tune_config=ray.tune.TuneConfig(max_concurrent_trials=cfg.tune.max_concurrent_trials),
         run_config=ray.tune.RunConfig(
             name=cfg.run.name,
-            storage_path=storage,
+            storage_path=storage_path(base),
             failure_config=ray.tune.FailureConfig(max_failures=0, fail_fast=False),
             verbose=1,
         ),
@@ -180,8 +175,11 @@ def format_csv(rows: Sequence[dict[str, Any]]) -> str:
     return out.getvalue()
 
 
-def plot(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
-    """Throughput against final train loss, one marker per trial, one colour per strategy."""
+def plot(rows: Sequence[dict[str, Any]], path: str | Path) -> str | Path:
+    """Throughput against final train loss, one marker per trial, one colour per strategy, as a
+    PNG at `path` (a local file or a URI)."""
+    # Imported here: pyplot takes ~0.9 s to import, and every trial's process imports this module
+    # to run `_run_trial` but never draws; only the sweep's driver does, once, at the end.
     import matplotlib
 
     matplotlib.use("Agg")
@@ -208,42 +206,16 @@ def plot(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(title="strategy", fontsize=8)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
+    storage.write_bytes(str(path), png.getvalue())
     return path
 
 
 def write_report(rows: Sequence[dict[str, Any]], directory: str) -> dict[str, str]:
     """Write the table, the CSV and the plot into `directory` (a local folder or a URI)."""
-    import tempfile
-
-    files = {TABLE: format_table(rows), CSV: format_csv(rows)}
-    if "://" not in directory:
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
-        for name, text in files.items():
-            (out / name).write_text(text)
-        plot(rows, out / PLOT)
-        return {name: str(out / name) for name in (TABLE, CSV, PLOT)}
-    import pyarrow.fs  # object storage: write locally, then copy up
-
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, text in files.items():
-            Path(tmp, name).write_text(text)
-        plot(rows, Path(tmp) / PLOT)
-        fs, root = pyarrow.fs.FileSystem.from_uri(directory)
-        for name in (TABLE, CSV, PLOT):
-            pyarrow.fs.copy_files(str(Path(tmp, name)), f"{root}/{name}", destination_filesystem=fs)
+    storage.write_text(f"{directory}/{TABLE}", format_table(rows))
+    storage.write_text(f"{directory}/{CSV}", format_csv(rows))
+    plot(rows, f"{directory}/{PLOT}")
     return {name: f"{directory}/{name}" for name in (TABLE, CSV, PLOT)}
-
-
-def run_cli(args) -> int:
-    cfg = load(args.config, args.overrides)
-    rows = sweep(cfg)
-    from raypack.train.trainer import storage_path
-
-    directory = f"{storage_path(cfg)}/{cfg.run.name}"
-    print("\n" + format_table(rows))
-    print(f"[raypack] sweep results in {directory}/: {TABLE}, {CSV}, {PLOT}", file=sys.stderr)
-    return 0 if all(r["status"] == "OK" for r in rows) else 1

@@ -6,7 +6,8 @@ import pyarrow as pa
 import pytest
 
 from raypack.config import PackConfig
-from raypack.data.pack import lengths_and_ids, materialize
+from raypack.data.pack import materialize
+from raypack.data.tokenize import lengths_and_ids
 from raypack.data.plan import make_plan
 
 from packcheck import check_rows, make_examples

@@ -50,11 +50,11 @@ def trained_ids(checkpoint_dir: Path) -> tuple[list[int], list[int]]:
 
 def planned_train_ids(cfg) -> list[int]:
     """Every example the data pipeline kept for training, read back independently of the run."""
-    from raypack.data.pack import lengths_and_ids
     from raypack.data.prepare import is_eval
-    from raypack.data.tokenize import tokenize_dataset
+    from raypack.data.tokenize import lengths_and_ids, tokenize_dataset
+    from raypack.runtime import absolute_paths
 
-    ds, _ = tokenize_dataset(cfg.with_absolute_paths())
+    ds, _ = tokenize_dataset(absolute_paths(cfg))
     _, ids = lengths_and_ids(ds)
     return sorted(ids[~is_eval(ids, cfg.data.eval_fraction, cfg.pack.seed)].tolist())
 
