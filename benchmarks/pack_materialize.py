@@ -3,8 +3,9 @@
     python benchmarks/pack_materialize.py                        # 20k FLAN-like examples, budget 2048, 8 ranks
     python benchmarks/pack_materialize.py --n 100000 --out benchmarks/results/pack_materialize_cpu_20261122.md
 
-Both methods build the rows of one global `balanced` plan (raypack/data/pack.py describes them);
-the script checks that they wrote identical rows, then reports wall time and tokens/s.
+Every method builds the rows of one global `balanced` plan: raypack's routed pack stage
+(raypack/data/pack.py) and the two baselines in benchmarks/pack_baselines.py. The script checks
+that they wrote identical rows, then reports wall time and tokens/s.
 """
 
 from __future__ import annotations
@@ -19,14 +20,18 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import ray
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
+from benchmarks.pack_baselines import METHODS, materialize  # noqa: E402
 from raypack.config import PackConfig  # noqa: E402
-from raypack.data.pack import _Router, _routing, assemble_rows, iter_rank_packs, materialize  # noqa: E402
-from raypack.data.tokenize import lengths_and_ids  # noqa: E402
-from raypack.data.plan import make_plan  # noqa: E402
+from raypack.data.pack import _Router, _routing, assemble_rows  # noqa: E402
+from raypack.data.shards import iter_rank_packs  # noqa: E402
+from raypack.data.strategies import make_plan  # noqa: E402
 from raypack.data.synthetic import sample_lengths  # noqa: E402
+from raypack.data.tokenize import lengths_and_ids  # noqa: E402
 
 
 def tokenized(n: int, budget: int, blocks: int) -> list[pa.Table]:
@@ -64,14 +69,14 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--blocks", type=int, default=16)
-    p.add_argument("--methods", nargs="+", default=["routed", "routed_files", "shuffle"])
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--repeat", type=int, default=2, help="timed runs per method (after one warm-up pass)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
-    import ray
-
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # Workers import benchmarks.pack_baselines by name to run the baselines' map_batches function.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     ray.data.DataContext.get_current().enable_progress_bars = False
     blocks = tokenized(args.n, args.budget, args.blocks)
     ds = ray.data.from_arrow(blocks).materialize()

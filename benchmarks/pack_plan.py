@@ -36,7 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from raypack.config import PackConfig  # noqa: E402
-from raypack.data.plan import STRATEGIES, get_strategy, make_plan  # noqa: E402
+from raypack.data.strategies import STRATEGIES, get_strategy, make_plan  # noqa: E402
 from raypack.data.synthetic import sample_lengths  # noqa: E402
 
 RANKS = 8

@@ -194,7 +194,7 @@ def free_port() -> int:
 def run_standalone(cfg: Config, prepared, warmup: int, steps: int) -> dict:
     import torch.distributed as dist
 
-    from raypack.data.pack import iter_rank_packs
+    from raypack.data.shards import iter_rank_packs
     from raypack.train.loop import setup, train_step
 
     cuda = torch.cuda.is_available()

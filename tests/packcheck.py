@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from raypack.data.pack import iter_rank_packs
+from raypack.data.shards import iter_rank_packs
 
 
 def make_examples(n: int, budget: int, seed: int = 0) -> list[dict]:

@@ -22,7 +22,7 @@ from dataclasses import replace
 import numpy as np
 
 from raypack.config import PackConfig, load
-from raypack.data.plan import STRATEGIES, make_plan
+from raypack.data.strategies import STRATEGIES, make_plan
 
 COLUMNS = ("strategy", "packs", "steps", "efficiency", "padding_fraction", "token_imbalance",
            "attention_imbalance", "seconds")

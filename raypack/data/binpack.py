@@ -1,8 +1,8 @@
 """Bin-packing kernels over a numpy array of lengths: the pure functions behind the strategies.
 
 Each kernel returns `bins`, an int64 array with the bin of every item (bins numbered 0..n_bins-1
-in the order they were opened). Nothing here knows about ranks, steps or configs; `plan.py`
-wraps these kernels in strategies.
+in the order they were opened). Nothing here knows about ranks, steps or configs;
+`strategies.py` wraps these kernels in strategies.
 
 Speed comes from one observation: lengths are integers no larger than the budget and are
 heavily repeated (10M lengths hold at most `budget` distinct values). The decreasing kernels

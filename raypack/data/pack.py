@@ -5,7 +5,7 @@ labels unshifted with -100 masking) and `length`. Plan index i is the i-th small
 (`raypack.data.tokenize.lengths_and_ids` builds both arrays in that order).
 
 Output: Parquet under `out_dir/rank=<r>/`, one row per (rank, step), read back in step order by
-`iter_rank_packs`. A packed row, for pieces a (3 tokens) and b (2 tokens):
+`raypack.data.shards.iter_rank_packs`. A packed row, for pieces a (3 tokens) and b (2 tokens):
 
     input_ids     a0 a1 a2 b0 b1
     labels        l0 l1 l2 m0 m1     raw labels; collate puts -100 at each example start
@@ -16,34 +16,30 @@ Output: Parquet under `out_dir/rank=<r>/`, one row per (rank, step), read back i
 A piece of a split example (wrapped) also restarts its positions at 0, as TRL's wrapped does.
 An empty pack becomes input_ids [0], labels [-100], position_ids [0], example_ids [].
 
-How rows are built (`method`):
+How rows are built: the plan's `example -> (pack, position)` routing is broadcast once
+(`ray.put`). One task per block cuts every example into its pieces, tags them with rank, step and
+position, and returns one table per rank (`num_returns=num_ranks`); one task per rank then sorts
+its pieces on the small (step, position) keys and concatenates them into rows with vectorized
+Arrow operations. Tokens move once, block -> rank, through the object store; no shuffle.
 
-- `routed` (default): the plan's `example -> (pack, position)` routing is broadcast once
-  (`ray.put`). One task per block cuts every example into its pieces, tags them with rank, step and
-  position, and returns one table per rank (`num_returns=num_ranks`); one task per rank then sorts
-  its pieces on the small (step, position) keys and concatenates them into rows with vectorized
-  Arrow operations. Tokens move once, block -> rank, through the object store; no shuffle.
-- `routed_files`: the same pieces from a Ray Data `map_batches`, written once partitioned by rank
-  (`write_parquet(partition_cols=["rank"])`), then the same per-rank assembly from those files.
-- `shuffle`: the same pieces grouped by pack through Ray Data's `groupby("pack").map_groups()`,
-  a global shuffle of every token. The baseline.
-
-benchmarks/pack_materialize.py measures the three on the same data and plan; `routed` is the
-default because it is the fastest there (see benchmarks/results/pack_materialize_*.md).
-Both follow the global plan exactly.
+benchmarks/pack_materialize.py measures this against two baselines built from the same pieces
+(benchmarks/pack_baselines.py: a rank-partitioned Parquet write, and a global shuffle by pack)
+on the same data and plan; routed is the fastest there (benchmarks/results/pack_materialize_*.md).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+import ray
 
 from raypack import storage
+from raypack.data.plan import Plan
 
 ROWS_PER_FILE = 4096
 """Packed rows per output Parquet file (files are named in step order)."""
@@ -199,94 +195,19 @@ def _finish_rank_tables(out: str, rank: int, num_steps: int, num_ranks: int, res
     return _write_rank(rows, out, rank, num_steps, num_ranks)
 
 
-def materialize(ds, plan, example_ids: np.ndarray, out_dir: str, method: str = "routed") -> dict[str, Any]:
+def materialize(ds: ray.data.Dataset, plan: Plan, example_ids: np.ndarray, out_dir: str) -> dict[str, Any]:
     """Write the packed rows of `plan` under `out_dir/rank=<r>/` (replacing what was there).
     Returns counts and seconds."""
-    import ray
-
     t0 = time.perf_counter()
     out = out_dir.rstrip("/")
     storage.remove_dir(out)  # write_parquet appends by default; a stale shard would corrupt a rank
     routing = ray.put(_routing(plan, example_ids))
     args = (plan.num_steps, plan.num_ranks, plan.reset_positions)
-    if method == "routed":
-        route = ray.remote(num_cpus=0.5, num_returns=plan.num_ranks)(_route_block)
-        parts = [route.remote(block, routing, plan.num_ranks) for block in ds.to_arrow_refs()]
-        if plan.num_ranks == 1:
-            parts = [[p] for p in parts]
-        finish = ray.remote(num_cpus=0.5)(_finish_rank_tables)
-        rows = sum(ray.get([finish.remote(f"{out}/rank={r}", r, *args, *[p[r] for p in parts])
-                            for r in range(plan.num_ranks)]))
-        return {"rows": rows, "method": method, "seconds": time.perf_counter() - t0}
-    pieces = ds.map_batches(
-        _route_with_ref, fn_kwargs={"routing": routing}, batch_format="pyarrow", num_cpus=0.5
-    )
-    if method == "routed_files":
-        tmp = f"{out}/_pieces"
-        pieces.write_parquet(tmp, partition_cols=["rank"])
-        finish = ray.remote(num_cpus=0.5)(_finish_rank)
-        refs = [finish.remote(f"{tmp}/rank={r}", f"{out}/rank={r}", r, *args) for r in range(plan.num_ranks)]
-        rows = sum(ray.get(refs))
-        storage.remove_dir(tmp)
-    elif method == "shuffle":
-        reset = plan.reset_positions
-        packed = pieces.groupby("pack").map_groups(lambda t: assemble_rows(t, reset), batch_format="pyarrow")
-        by_rank: dict[int, list[pa.Table]] = {r: [] for r in range(plan.num_ranks)}
-        for ref in packed.to_arrow_refs():
-            table = ray.get(ref)
-            ranks = table["rank"].to_numpy()
-            for r in np.unique(ranks).tolist():
-                by_rank[r].append(table.filter(pa.array(ranks == r)))
-        rows = 0
-        for r, tables in by_rank.items():
-            t = pa.concat_tables(tables) if tables else _empty_rows(r, np.zeros(0, np.int64), plan.num_ranks)
-            rows += _write_rank(t, f"{out}/rank={r}", r, plan.num_steps, plan.num_ranks)
-    else:
-        raise ValueError(f"unknown materialize method {method!r}; expected routed, routed_files or shuffle")
-    return {"rows": rows, "method": method, "seconds": time.perf_counter() - t0}
-
-
-def _finish_rank(pieces_dir: str, out: str, rank: int, num_steps: int, num_ranks: int, reset: bool) -> int:
-    fs, _ = storage.resolve(pieces_dir)
-    tables = [pq.read_table(f, filesystem=fs) for f in storage.list_files(pieces_dir, ".parquet")]
-    tables = [t if "rank" in t.column_names else t.append_column("rank", pa.array(np.full(t.num_rows, rank), pa.int32()))
-              for t in tables]
-    return _finish_rank_tables(out, rank, num_steps, num_ranks, reset, *tables)
-
-
-def _route_with_ref(batch: pa.Table, routing) -> pa.Table:
-    # An ObjectRef inside fn_kwargs arrives as a ref (Ray Data does not dereference it); fetch
-    # once per worker process and keep it.
-    global _ROUTER_CACHE
-    key = routing.hex() if hasattr(routing, "hex") else id(routing)
-    if _ROUTER_CACHE is None or _ROUTER_CACHE[0] != key:
-        import ray
-
-        _ROUTER_CACHE = (key, _Router(ray.get(routing) if hasattr(routing, "hex") else routing))
-    return _ROUTER_CACHE[1](batch)
-
-
-_ROUTER_CACHE: tuple[Any, _Router] | None = None
-
-
-def iter_rank_packs(out_dir: str, rank: int, start_step: int = 0, batch_rows: int = 16) -> Iterator[dict[str, Any]]:
-    """The packed rows of `rank` in step order, from `start_step` on (resume skips the rest).
-
-    Streams `batch_rows` rows at a time: a whole file of long packs as Python lists would cost
-    gigabytes per rank."""
-    folder = f"{out_dir.rstrip('/')}/rank={rank}"
-    fs, _ = storage.resolve(folder)
-    for f in storage.list_files(folder, ".parquet"):
-        with fs.open_input_file(f) as handle:
-            parquet = pq.ParquetFile(handle)
-            last_step = parquet.metadata.row_group(parquet.metadata.num_row_groups - 1)
-            steps_stats = last_step.column(parquet.schema_arrow.get_field_index("step")).statistics
-            if steps_stats is not None and steps_stats.has_min_max and steps_stats.max < start_step:
-                continue  # the whole file lies before the resume point
-            for batch in parquet.iter_batches(batch_size=batch_rows):
-                steps = batch.column("step").to_numpy()
-                if len(steps) and steps[-1] < start_step:
-                    continue
-                if "rank" not in batch.schema.names:
-                    batch = batch.append_column("rank", pa.array(np.full(batch.num_rows, rank), pa.int32()))
-                yield from batch.filter(pa.array(steps >= start_step)).to_pylist()
+    route = ray.remote(num_cpus=0.5, num_returns=plan.num_ranks)(_route_block)
+    parts = [route.remote(block, routing, plan.num_ranks) for block in ds.to_arrow_refs()]
+    if plan.num_ranks == 1:
+        parts = [[p] for p in parts]
+    finish = ray.remote(num_cpus=0.5)(_finish_rank_tables)
+    rows = sum(ray.get([finish.remote(f"{out}/rank={r}", r, *args, *[p[r] for p in parts])
+                        for r in range(plan.num_ranks)]))
+    return {"rows": rows, "method": "routed", "seconds": time.perf_counter() - t0}

@@ -4,11 +4,11 @@
                                                                                    └─ <root>/train/rank=R/
                                                                                    └─ <root>/eval/rank=R/
 
-Gradient accumulation is folded into the plan: it is built for ranks × accum virtual ranks, and
-virtual rank v becomes (rank v mod R, micro-step step·accum + v div R). Every optimizer step then
-sees ranks × accum packs balanced together, and every rank gets the same multiple of accum
-micro-steps. The folder carries a fingerprint of everything that shaped it, so a resumed run or a
-restarted worker group reuses it instead of re-planning.
+Gradient accumulation is folded into the plan: it is built for ranks × accum virtual ranks, then
+`plan.fold_accumulation` gives each rank accum micro-steps per optimizer step, so every optimizer
+step sees ranks × accum packs balanced together. The folder carries a fingerprint of everything
+that shaped it, so a resumed run or a restarted worker group reuses it instead of re-planning.
+What the workers get is a `shards.Prepared` record; they read their rows with `shards.py` alone.
 """
 
 from __future__ import annotations
@@ -16,47 +16,21 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from raypack import storage
 from raypack.config import Config
+from raypack.data.encode import load_tokenizer
+from raypack.data.pack import materialize
+from raypack.data.plan import Plan, fold_accumulation
+from raypack.data.shards import Prepared
+from raypack.data.sources import ROW_SHIFT
+from raypack.data.strategies import make_plan
+from raypack.data.tokenize import lengths_and_ids, tokenize_dataset
 
 FORMAT_VERSION = 3
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """What the workers need to know about the packed data; travels in `train_loop_config`."""
-
-    root: str
-    fingerprint: str
-    """Hash of everything that shaped the packs; checkpoints record it (see loop.restore)."""
-    train_dir: str
-    eval_dir: str | None
-    steps_per_rank: int
-    """Micro-steps (packs) per rank per epoch; a multiple of train.grad_accum."""
-    padded: bool
-    pad_token_id: int
-    vocab_size: int
-    length_mean: float
-    length_sq_mean: float
-    """Mean and mean square of the trained examples' lengths: their attention cost, for MFU."""
-    stats: dict[str, Any]
-    """Tokenize counts and plan statistics (efficiency, padding, imbalance) for reports and logs."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Prepared:
-        return cls(**raw)
-
-    def report_stats(self) -> dict[str, float]:
-        keys = ("packing_efficiency", "padding_fraction", "token_imbalance", "attention_imbalance")
-        return {k: float(self.stats[k]) for k in keys if k in self.stats}
 
 
 def fingerprint(cfg: Config, num_ranks: int) -> str:
@@ -76,8 +50,6 @@ def fingerprint(cfg: Config, num_ranks: int) -> str:
 def is_eval(example_ids: np.ndarray, fraction: float, seed: int) -> np.ndarray:
     """A stable hash split: the same examples are held out on every run and resume. It hashes the
     source row, not the piece, so the pieces of a split example never straddle train and eval."""
-    from raypack.data.sources import ROW_SHIFT
-
     if fraction <= 0:
         return np.zeros(len(example_ids), dtype=bool)
     rows = example_ids.astype(np.uint64) >> np.uint64(ROW_SHIFT)
@@ -85,27 +57,10 @@ def is_eval(example_ids: np.ndarray, fraction: float, seed: int) -> np.ndarray:
     return (mixed >> np.uint64(40)) % np.uint64(10_000) < np.uint64(round(fraction * 10_000))
 
 
-def fold_accumulation(plan, num_ranks: int, accum: int):
-    """Map a plan over ranks·accum virtual ranks onto `num_ranks` ranks with accum micro-steps each."""
-    if accum == 1:
-        return plan
-    return dataclasses.replace(
-        plan,
-        num_ranks=num_ranks,
-        num_steps=plan.num_steps * accum,
-        rank=plan.rank % num_ranks,
-        step=plan.step * accum + plan.rank // num_ranks,
-    )
-
-
-def _plan_split(ds, lengths, ids, cfg: Config, num_ranks: int, out_dir: str) -> tuple[Any, dict]:
-    from raypack.data.pack import materialize
-    from raypack.data.plan import make_plan
-    from raypack.data.stats import plan_stats
-
+def _plan_split(ds, lengths, ids, cfg: Config, num_ranks: int, out_dir: str) -> tuple[Plan, dict[str, Any]]:
     plan = make_plan(lengths, cfg.pack, num_ranks * cfg.train.grad_accum)
     plan = fold_accumulation(plan, num_ranks, cfg.train.grad_accum)
-    stats = plan_stats(plan)
+    stats = plan.stats()
     stats["packing_efficiency"] = stats.pop("efficiency")
     materialize(ds, plan, ids, out_dir)
     return plan, stats
@@ -114,9 +69,6 @@ def _plan_split(ds, lengths, ids, cfg: Config, num_ranks: int, out_dir: str) -> 
 def prepare(cfg: Config, num_ranks: int, root: str) -> Prepared:
     """Tokenize, split, plan and pack `cfg`'s data into `root` (a folder or URI every node can
     read), or reuse what is already there."""
-    from raypack.data.encode import load_tokenizer
-    from raypack.data.tokenize import lengths_and_ids, tokenize_dataset
-
     root = storage.absolute(root)
     manifest = f"{root}/manifest.json"
     key = fingerprint(cfg, num_ranks)

@@ -30,8 +30,7 @@ import torch.nn.functional as F
 
 from raypack.config import Config
 from raypack.data.collate import collate_packed, count_label_tokens, move_batch
-from raypack.data.pack import iter_rank_packs
-from raypack.data.prepare import Prepared
+from raypack.data.shards import Prepared, iter_rank_packs
 from raypack.model.build import attention_for_strategy, load_model, model_flops_per_token, resolve_dtype
 from raypack.train.engine import deepspeed_config, setup_engine
 from raypack.train.metrics import Reporter

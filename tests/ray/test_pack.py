@@ -7,17 +7,17 @@ import pytest
 
 from raypack.config import PackConfig
 from raypack.data.pack import materialize
+from raypack.data.strategies import make_plan
 from raypack.data.tokenize import lengths_and_ids
-from raypack.data.plan import make_plan
 
 from packcheck import check_rows, make_examples
 
 
 @pytest.mark.parametrize(
-    "strategy,n,ranks,method",
-    [("balanced", 120, 3, "routed"), ("wrapped_noreset", 20, 2, "shuffle"), ("bfd", 3, 8, "routed")],
+    "strategy,n,ranks",
+    [("balanced", 120, 3), ("wrapped_noreset", 20, 2), ("bfd", 3, 8)],
 )
-def test_materialize_follows_plan(ray_local, tmp_path, strategy, n, ranks, method):
+def test_materialize_follows_plan(ray_local, tmp_path, strategy, n, ranks):
     import ray
 
     budget = 64
@@ -34,6 +34,6 @@ def test_materialize_follows_plan(ray_local, tmp_path, strategy, n, ranks, metho
     lengths, ids = lengths_and_ids(ds)
     assert list(ids) == sorted(r["example_id"] for r in source)
     plan = make_plan(lengths, PackConfig(strategy=strategy, budget=budget, seed=1), ranks)
-    info = materialize(ds, plan, ids, str(tmp_path / "packed"), method=method)
+    info = materialize(ds, plan, ids, str(tmp_path / "packed"))
     assert info["rows"] == plan.num_packs
     check_rows(str(tmp_path / "packed"), plan, ids, source)

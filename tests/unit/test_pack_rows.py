@@ -8,7 +8,7 @@ import pytest
 
 from raypack.config import PackConfig
 from raypack.data.pack import _finish_rank_tables, _route_block, _routing
-from raypack.data.plan import make_plan
+from raypack.data.strategies import make_plan
 
 from packcheck import check_rows, make_examples
 

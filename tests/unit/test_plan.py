@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from raypack.config import PackConfig
 from raypack.data import binpack
-from raypack.data.plan import STRATEGIES, get_strategy, make_plan
+from raypack.data.strategies import STRATEGIES, get_strategy, make_plan
 from raypack.data.synthetic import sample_lengths
 
 PACKED = ("wrapped", "wrapped_noreset", "random", "greedy", "bfd", "balanced")

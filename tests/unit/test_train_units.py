@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from raypack.config import TrainConfig
-from raypack.data.prepare import fold_accumulation, is_eval
+from raypack.data.plan import fold_accumulation
+from raypack.data.prepare import is_eval
 from raypack.train.engine import deepspeed_config, lr_lambda
 from raypack.train.metrics import Reporter
 
@@ -59,7 +60,7 @@ def test_fold_accumulation_gives_each_rank_accum_microsteps_per_virtual_step():
     import numpy as np
 
     from raypack.config import PackConfig
-    from raypack.data.plan import make_plan
+    from raypack.data.strategies import make_plan
 
     lengths = np.random.default_rng(0).integers(1, 64, 500)
     plan = fold_accumulation(make_plan(lengths, PackConfig(strategy="balanced", budget=64), 2 * 3), 2, 3)

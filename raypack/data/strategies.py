@@ -1,0 +1,216 @@
+"""Packing strategies: small frozen dataclasses, each a pure function from lengths to packs.
+
+    plan = make_plan(lengths, cfg.pack, num_ranks)           # the strategy cfg.pack names
+    plan = get_strategy("bfd", budget=4096).plan(lengths, 8)  # or one picked by name
+
+A strategy's `pack` turns the lengths into a `Packing`; its `arrange` picks the grid cell of every
+pack; raypack/data/plan.py does the rest (remainder, placement). The same picklable objects are
+what the `raypack plan` dry run compares and what a Tune sweep varies.
+
+Semantics. For the packed strategies (wrapped, wrapped_noreset, random, greedy, bfd, balanced)
+a pack is one row of at most `budget` tokens: one micro-batch for one rank at one step. For
+pad / pad_sorted / flatten a pack is one minibatch of `batch_size` examples; pad pads it to its
+longest example, flatten concatenates the same minibatch into one row, so both have the same
+packs and steps. Only `wrapped*` splits examples (into rows of exactly `budget`, the last row
+may be short); every other strategy places each example whole, once. `Strategy.padded` is the
+one answer to "does this strategy pad?"; it reaches the workers as `Plan.padded` and
+`Prepared.padded`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from raypack.config import PackConfig
+from raypack.data import binpack
+from raypack.data.balance import balanced_cells
+from raypack.data.plan import Packing, Plan, check_lengths, even_out, place
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A named, picklable packing strategy: a pure function from lengths to packs."""
+
+    name: ClassVar[str]
+    padded: ClassVar[bool] = False
+    reset_positions: ClassVar[bool] = True
+    splits_examples: ClassVar[bool] = False
+
+    budget: int = 1024
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.budget <= 0:
+            raise ValueError(f"{self.name}: budget must be positive, got {self.budget}")
+
+    def pack(self, lengths: np.ndarray) -> Packing:
+        raise NotImplementedError
+
+    def arrange(self, packing: Packing, lengths: np.ndarray, num_ranks: int) -> np.ndarray:
+        """Cell (step * num_ranks + rank) of every pack; the default is a seeded shuffle."""
+        rng = np.random.default_rng([self.seed, 1])
+        return rng.permutation(packing.num_packs)
+
+    def plan(self, lengths: np.ndarray, num_ranks: int) -> Plan:
+        """Pack `lengths`, even the packs out over `num_ranks` and place them (see plan.py)."""
+        t0 = time.perf_counter()
+        lengths = check_lengths(lengths, self.budget, self.splits_examples, self.name)
+        if num_ranks <= 0:
+            raise ValueError(f"num_ranks must be positive, got {num_ranks}")
+        packing = even_out(self.pack(lengths), num_ranks)
+        plan = place(packing, self.arrange(packing, lengths, num_ranks), num_ranks, strategy=self.name,
+                     budget=self.budget, padded=self.padded, reset_positions=self.reset_positions)
+        return dataclasses.replace(plan, seconds=time.perf_counter() - t0)
+
+
+def _whole(bins: np.ndarray, lengths: np.ndarray, order: np.ndarray | None = None) -> Packing:
+    """Packing of whole examples; `order` (default: index order) fixes the order inside packs."""
+    example = np.arange(len(lengths), dtype=np.int64) if order is None else order.astype(np.int64)
+    pack = bins[example]
+    return Packing(example, np.zeros(len(example), np.int64), lengths[example], pack, int(bins.max(initial=-1)) + 1)
+
+
+@dataclass(frozen=True)
+class Pad(Strategy):
+    """Minibatches of `batch_size` examples in seeded random order, padded to their longest."""
+
+    name: ClassVar[str] = "pad"
+    padded: ClassVar[bool] = True
+    batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.batch_size <= 0:
+            raise ValueError(f"{self.name}: batch_size must be positive, got {self.batch_size}")
+
+    def _order(self, lengths: np.ndarray) -> np.ndarray:
+        return np.random.default_rng([self.seed, 0]).permutation(len(lengths))
+
+    def pack(self, lengths: np.ndarray) -> Packing:
+        order = self._order(lengths)
+        bins = np.empty(len(lengths), dtype=np.int64)
+        bins[order] = np.arange(len(lengths)) // self.batch_size
+        return _whole(bins, lengths, order)
+
+
+@dataclass(frozen=True)
+class PadSorted(Pad):
+    """`pad` over examples grouped by length (minibatch order is still shuffled)."""
+
+    name: ClassVar[str] = "pad_sorted"
+
+    def _order(self, lengths: np.ndarray) -> np.ndarray:
+        return binpack.descending_order(lengths, self.budget)
+
+
+@dataclass(frozen=True)
+class Flatten(Pad):
+    """`pad`'s minibatches concatenated into one row each (HF DataCollatorWithFlattening)."""
+
+    name: ClassVar[str] = "flatten"
+    padded: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class Wrapped(Strategy):
+    """Concatenate the shuffled stream and cut rows of exactly `budget`, splitting examples."""
+
+    name: ClassVar[str] = "wrapped"
+    splits_examples: ClassVar[bool] = True
+
+    def pack(self, lengths: np.ndarray) -> Packing:
+        order = np.random.default_rng([self.seed, 0]).permutation(len(lengths))
+        ex_start = np.concatenate(([0], np.cumsum(lengths[order])))
+        total = int(ex_start[-1])
+        rows = np.arange(0, total + 1, self.budget)
+        at = np.searchsorted(ex_start, rows)
+        inner = ex_start[np.minimum(at, len(ex_start) - 1)] != rows  # row cuts inside an example
+        cuts = np.insert(ex_start, at[inner], rows[inner])  # a merge, not a sort
+        is_example_start = np.insert(np.ones(len(ex_start), bool), at[inner], False)
+        lo, hi = cuts[:-1], cuts[1:]
+        k = np.cumsum(is_example_start[:-1]) - 1  # position in the stream of each piece's example
+        return Packing(order[k].astype(np.int64), lo - ex_start[k], hi - ex_start[k], lo // self.budget,
+                       -(-total // self.budget))
+
+
+@dataclass(frozen=True)
+class WrappedNoReset(Wrapped):
+    """`wrapped` with positions running on across examples: the cross-contamination baseline."""
+
+    name: ClassVar[str] = "wrapped_noreset"
+    reset_positions: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class Random(Strategy):
+    """Random order, next fit into the budget (2410.08081's random packing)."""
+
+    name: ClassVar[str] = "random"
+
+    def pack(self, lengths: np.ndarray) -> Packing:
+        order = np.random.default_rng([self.seed, 0]).permutation(len(lengths))
+        bins = np.empty(len(lengths), dtype=np.int64)
+        bins[order] = binpack.next_fit(lengths[order], self.budget)
+        return _whole(bins, lengths, order)
+
+
+@dataclass(frozen=True)
+class Greedy(Strategy):
+    """Longest first, first fit (2410.08081's greedy packing)."""
+
+    name: ClassVar[str] = "greedy"
+
+    def pack(self, lengths: np.ndarray) -> Packing:
+        return _whole(binpack.first_fit_decreasing(lengths, self.budget), lengths,
+                      binpack.descending_order(lengths, self.budget))
+
+
+@dataclass(frozen=True)
+class BFD(Strategy):
+    """Best-fit decreasing over the whole dataset (bucketed by remaining capacity)."""
+
+    name: ClassVar[str] = "bfd"
+
+    def pack(self, lengths: np.ndarray) -> Packing:
+        return _whole(binpack.best_fit_decreasing(lengths, self.budget), lengths,
+                      binpack.descending_order(lengths, self.budget))
+
+
+@dataclass(frozen=True)
+class Balanced(BFD):
+    """`bfd` packs laid on the grid so each step's ranks get near-equal tokens and attention cost."""
+
+    name: ClassVar[str] = "balanced"
+
+    def arrange(self, packing: Packing, lengths: np.ndarray, num_ranks: int) -> np.ndarray:
+        return balanced_cells(packing, num_ranks, self.budget, self.seed)
+
+
+STRATEGIES: dict[str, type[Strategy]] = {
+    s.name: s for s in (Pad, PadSorted, Flatten, Wrapped, WrappedNoReset, Random, Greedy, BFD, Balanced)
+}
+
+
+def get_strategy(name: str, **params: Any) -> Strategy:
+    """Strategy by name. Params it does not take (e.g. `batch_size` for bfd) are ignored, so one
+    set of params (a PackConfig's) serves every strategy in a sweep."""
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown packing strategy {name!r}; expected one of {', '.join(STRATEGIES)}")
+    cls = STRATEGIES[name]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in params.items() if k in fields})
+
+
+def from_config(cfg: PackConfig, name: str | None = None) -> Strategy:
+    """The strategy a PackConfig names (or `name`, e.g. a Tune trial's choice) with its params."""
+    return get_strategy(name or cfg.strategy, budget=cfg.budget, batch_size=cfg.batch_size, seed=cfg.seed)
+
+
+def make_plan(lengths: np.ndarray, cfg: PackConfig, num_ranks: int) -> Plan:
+    """The plan for `cfg` (a PackConfig: strategy, budget, batch_size, seed) over `lengths`."""
+    return from_config(cfg).plan(np.asarray(lengths), num_ranks)
