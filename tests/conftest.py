@@ -1,4 +1,11 @@
-"""Shared fixtures. One local Ray cluster serves every test that needs Ray (ray.init costs ~8 s)."""
+"""Shared fixtures. One local Ray cluster serves every test that needs Ray (ray.init costs ~8 s).
+
+Tests live in tests/<tier>/<package>/test_<module>.py: tier `unit` (no Ray), `ray` (a local Ray
+cluster; marked `ray` here) or `gpu` (marked `gpu`, skipped without CUDA). pytest imports them in
+importlib mode (pyproject.toml), so two tiers can each hold a test_<module>.py, and a test module
+is importable as `tests.<tier>.<package>.test_<module>`, which is how Ray workers find a loop
+function that a test defines.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +14,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-ASSETS = REPO / "raypack" / "assets"
-TEST_ASSETS = Path(__file__).parent / "assets"
+from paths import REPO, TESTS
 
 # DeepSpeed JIT-builds ops on first use; keep them in one place that CI can cache.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
@@ -26,7 +31,7 @@ def has_cuda() -> bool:
 def pytest_collection_modifyitems(config, items):
     # Everything under tests/ray/ starts Ray: `pytest -m "not ray"` is the fast tier.
     for item in items:
-        if "ray" in Path(str(item.fspath)).parent.parts[-1:]:
+        if Path(str(item.fspath)).resolve().relative_to(TESTS).parts[0] == "ray":
             item.add_marker(pytest.mark.ray)
     if has_cuda():
         return
@@ -46,8 +51,9 @@ def ray_local():
         ray.shutdown()
     # More logical CPUs than cores: trainer workers and Ray Data actors would otherwise take every
     # CPU and leave read tasks none (the job hangs on 2 cores).
-    # Workers unpickle test-defined loop functions by module name, so they need the test folders.
-    paths = [str(REPO), *(str(p) for p in Path(__file__).parent.iterdir() if p.is_dir())]
+    # Workers unpickle test-defined functions by module name (tests.ray.<package>.test_<module>,
+    # benchmarks.pack_baselines), so they need the repository root; tests/ holds the helpers.
+    paths = [str(REPO), str(TESTS)]
     ray.init(
         address="local",
         num_cpus=8,

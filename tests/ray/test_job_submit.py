@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from paths import REPO
+
 BIN = Path(sys.executable).parent
 EXCLUDES = [".venv", ".git", ".cache", "results", "__pycache__", ".pytest_cache", ".hypothesis", "benchmarks/results"]
 

@@ -13,7 +13,8 @@ import yaml
 
 from raypack.config import load
 
-REPO = Path(__file__).resolve().parents[2]
+from paths import REPO
+
 CONFIGS = REPO / "jobs" / "configs"
 CLUSTER = REPO / "cluster"
 

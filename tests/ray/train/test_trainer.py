@@ -16,9 +16,11 @@ import pytest
 
 from raypack.config import load
 
+from paths import REPO
+
 pytestmark = pytest.mark.ray
 
-CONFIG = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "tiny_cpu.yaml"
+CONFIG = REPO / "jobs" / "configs" / "tiny_cpu.yaml"
 
 
 def tiny_cfg(tmp_path: Path, *overrides: str, name: str | None = None):

@@ -8,14 +8,13 @@ import os
 import subprocess
 import sys
 import uuid
-from pathlib import Path
-
 import pytest
 
 from raypack.config import load
 from raypack.tune.sweep import CSV, PLOT, TABLE
 
-REPO = Path(__file__).resolve().parents[2]
+from paths import REPO
+
 CONFIG = REPO / "jobs" / "configs" / "sweeps" / "packing_cpu.yaml"
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

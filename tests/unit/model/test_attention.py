@@ -222,7 +222,9 @@ def test_benchmark_smoke(tmp_path):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "attention_throughput.py"
+    from paths import REPO
+
+    path = REPO / "benchmarks" / "attention_throughput.py"
     spec = importlib.util.spec_from_file_location("attention_throughput", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -12,12 +12,11 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
-
 import pytest
 
+from paths import REPO
+
 pytestmark = pytest.mark.ray
-REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent(
     """
