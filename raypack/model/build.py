@@ -2,11 +2,13 @@
 
     model = load_model("tiny-qwen3")                       # random init, CPU tests
     model = load_model("meta-llama/Llama-3.2-1B", dtype="bfloat16")
-    model = load_model(cfg.model)                          # a raypack.config.ModelConfig
+    model = load_model(name, attention="sdpa")             # for padded batches
 
 Every model comes back with a raypack varlen attention (see `attention.py`) unless `attention`
-is `sdpa`/`eager` (the padded strategies), and with `use_cache=False`: with the cache on,
-transformers stops finding example boundaries in position_ids and examples leak into each other.
+is `sdpa`/`eager`, which the caller picks for padded batches (the training loop asks the packed
+data, `Prepared.padded`; this module knows no packing strategy), and with `use_cache=False`:
+with the cache on, transformers stops finding example boundaries in position_ids and examples
+leak into each other.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ import inspect
 from typing import Any
 
 import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from raypack.model import attention as attn
-
-PADDED_STRATEGIES = ("pad", "pad_sorted")
-"""Strategies that feed right-padded [B, L] batches with an attention_mask (plain sdpa)."""
 
 _TINY_COMMON = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -47,11 +49,6 @@ class UnsupportedModelError(ValueError):
     """The model cannot run packed (varlen) attention; padded strategies still work."""
 
 
-def attention_for_strategy(strategy: str, attention: str = "auto") -> str:
-    """The `attention` argument of `load_model` for a packing strategy: `sdpa` for padded ones."""
-    return "sdpa" if strategy in PADDED_STRATEGIES else attention
-
-
 def resolve_dtype(dtype: str | torch.dtype = "auto") -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -64,8 +61,6 @@ def resolve_dtype(dtype: str | torch.dtype = "auto") -> torch.dtype:
 
 def tiny_config(family: str, vocab_size: int = 1024, **overrides: Any):
     """A small random-init config of `family` (hidden 64, 2 layers, 4 heads, 2 kv heads)."""
-    import transformers
-
     if family not in TINY_FAMILIES:
         raise ValueError(f"unknown tiny model family {family!r}; expected one of {', '.join(TINY_FAMILIES)}")
     cls_name, extra = TINY_FAMILIES[family]
@@ -82,7 +77,7 @@ def check_packable(model_cls: type, name: str) -> None:
     if reasons:
         raise UnsupportedModelError(
             f"{name} ({model_cls.__name__}) can't train on packed rows: {'; '.join(reasons)}. "
-            f"Use a padded strategy instead: {' or '.join(PADDED_STRATEGIES)} (attention='sdpa')."
+            "Use a padded strategy instead (pad or pad_sorted), whose batches load it with attention='sdpa'."
         )
 
 
@@ -91,7 +86,7 @@ def _attn_implementation(attention: str) -> str:
 
 
 def load_model(
-    name_or_path_or_config: Any,
+    name_or_config: str | PretrainedConfig,
     attention: str = "auto",
     dtype: str | torch.dtype = "auto",
     trust_remote_code: bool = False,
@@ -99,19 +94,11 @@ def load_model(
     vocab_size: int = 1024,
     **config_overrides: Any,
 ):
-    """A causal LM for packed training. Accepts a hub name or local path, `tiny-<family>`, a
-    transformers config (random init) or a `raypack.config.ModelConfig`. `attention` is `auto`,
-    one of `attention.BACKENDS`, or `sdpa`/`eager` for padded batches. `vocab_size` only sizes
-    tiny models; `config_overrides` are set on the config before the model is built."""
-    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    source = name_or_path_or_config
-    if hasattr(source, "name") and hasattr(source, "attention") and not isinstance(source, PretrainedConfig):
-        # a raypack.config.ModelConfig (not imported: keeps this module free of config's yaml import)
-        attention, dtype = source.attention, source.dtype
-        trust_remote_code, gradient_checkpointing = source.trust_remote_code, source.gradient_checkpointing
-        source = source.name
+    """A causal LM for packed training. Accepts a hub name or local path, `tiny-<family>` or a
+    transformers config (random init). `attention` is `auto`, one of `attention.BACKENDS`, or
+    `sdpa`/`eager` for padded batches. `vocab_size` only sizes tiny models; `config_overrides` are
+    set on the config before the model is built."""
+    source = name_or_config
     torch_dtype = resolve_dtype(dtype)
     impl = _attn_implementation(attention)
 
@@ -125,7 +112,7 @@ def load_model(
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
         name, pretrained = source, True
     else:
-        raise TypeError(f"load_model: expected a name, path, config or ModelConfig, got {type(source).__name__}")
+        raise TypeError(f"load_model: expected a name, path or transformers config, got {type(source).__name__}")
     for key, value in config_overrides.items():
         setattr(config, key, value)
     config.use_cache = False
@@ -152,29 +139,3 @@ def load_model(
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model
-
-
-def model_flops_per_token(model_config, seq_len_sq_mean: float, seq_len_mean: float | None = None) -> float:
-    """Training FLOPs per token (forward + backward), for MFU:
-
-        6 * N  +  12 * L * H * D * ctx
-
-    N counts the non-embedding parameters (matmul weights, tied or not, plus the LM head); L is
-    the number of layers, H * D the attention width, and ctx the mean causal context a token sees.
-    For packed examples of lengths l_i, a token attends to (l+1)/2 keys on average, weighted by
-    tokens: ctx = sum(l_i^2) / (2 * sum(l_i)) = seq_len_sq_mean / (2 * seq_len_mean). Pass
-    `seq_len_mean` when you have it; without it ctx = sqrt(seq_len_sq_mean) / 2, exact for equal
-    lengths. Windowed layers are not discounted (an upper bound for sliding-window models).
-    """
-    c = model_config
-    hidden, layers = c.hidden_size, c.num_hidden_layers
-    heads = c.num_attention_heads
-    kv_heads = getattr(c, "num_key_value_heads", None) or heads
-    head_dim = getattr(c, "head_dim", None) or hidden // heads
-    inter = getattr(c, "intermediate_size", None) or 4 * hidden
-    attn_params = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o, k, v
-    mlp_params = 3 * hidden * inter  # gate, up, down (SwiGLU families)
-    n = layers * (attn_params + mlp_params) + hidden * c.vocab_size  # + LM head
-    mean = seq_len_mean if seq_len_mean else seq_len_sq_mean**0.5
-    ctx = seq_len_sq_mean / (2.0 * mean)
-    return 6.0 * n + 12.0 * layers * heads * head_dim * ctx

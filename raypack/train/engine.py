@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import deepspeed
 import torch
 
 from raypack.config import TrainConfig
@@ -91,8 +92,6 @@ def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
 
 def setup_engine(model: torch.nn.Module, cfg: TrainConfig, *, dtype: torch.dtype, world_size: int, total_steps: int):
     """`deepspeed.initialize` with raypack's optimizer and schedule. Returns (engine, scheduler)."""
-    import deepspeed
-
     ds_config = deepspeed_config(cfg, dtype=dtype, world_size=world_size)
     optimizer = None
     if "optimizer" not in ds_config:

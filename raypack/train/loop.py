@@ -18,22 +18,24 @@ import itertools
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
 
-import ray.train
+import deepspeed
 import numpy as np
+import ray.train
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from transformers.integrations import HfDeepSpeedConfig
 
 from raypack.config import Config
 from raypack.data.collate import collate_packed, count_label_tokens, move_batch
 from raypack.data.shards import Prepared, iter_rank_packs
-from raypack.model.build import attention_for_strategy, load_model, model_flops_per_token, resolve_dtype
+from raypack.model.build import load_model, resolve_dtype
 from raypack.train.engine import deepspeed_config, setup_engine
-from raypack.train.metrics import Reporter
+from raypack.train.metrics import Reporter, model_flops_per_token
 
 CKPT_TAG = "ds"  # one fixed DeepSpeed tag: every Ray checkpoint folder holds exactly one
 
@@ -64,14 +66,13 @@ def setup(cfg: Config, data: Prepared, world_size: int):
     if cfg.train.zero_stage == 3:
         # While this object lives, transformers builds the model under deepspeed.zero.Init, so
         # each rank materializes only its partition instead of the whole model (8 x 140 GB for 70B).
-        import deepspeed
-        from transformers.integrations import HfDeepSpeedConfig
-
         deepspeed.init_distributed()  # joins Ray Train's process group; the config checks world size
         zero3 = HfDeepSpeedConfig(deepspeed_config(cfg.train, dtype=dtype, world_size=world_size))
     model = load_model(
         m.name,
-        attention=attention_for_strategy(cfg.pack.strategy, m.attention),  # padded: the model's own SDPA
+        # Padded batches carry an attention_mask, which the model's own SDPA handles; packed rows
+        # need a varlen attention. The packed data knows which it is.
+        attention="sdpa" if data.padded else m.attention,
         dtype=dtype,
         trust_remote_code=m.trust_remote_code,
         gradient_checkpointing=m.gradient_checkpointing,
@@ -259,7 +260,6 @@ def train_loop_per_worker(config: dict) -> None:
     )
     reporter.resume_from(state.step)
     accum = cfg.train.grad_accum
-    fault = config.get("test_fault")  # tests only: kill one worker once, see _maybe_inject_fault
 
     for epoch in range(state.epoch, cfg.train.epochs):
         if epoch != state.epoch:
@@ -276,7 +276,6 @@ def train_loop_per_worker(config: dict) -> None:
             state.micro_step += accum
             state.steps_log.append((state.step, epoch, [i for row in group for i in row["example_ids"]]))
             reporter.log_step(state.step, values)
-            _maybe_inject_fault(fault, rank, state.step)
 
             final = state.step == total_steps
             ckpt_due = final or _every(state.step, cfg.train.checkpoint_every_steps)
@@ -299,13 +298,3 @@ def train_loop_per_worker(config: dict) -> None:
 
 def _every(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
-
-
-def _maybe_inject_fault(spec: dict | None, rank: int, step: int) -> None:
-    """Kill this worker once ({"rank", "step", "marker"}) so that tests can check recovery."""
-    if not spec:
-        return
-    marker = spec["marker"]
-    if rank == spec["rank"] and step == spec["step"] and not os.path.exists(marker):
-        Path(marker).touch()
-        os._exit(1)

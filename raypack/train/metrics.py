@@ -1,4 +1,5 @@
-"""Training metrics: tokens/s over real tokens, MFU, memory, and throttled reporting.
+"""Training metrics: tokens/s over real tokens, MFU (and the FLOP count behind it), memory, and
+throttled reporting.
 
 `ray.train.report` blocks until the Train controller drains its one-slot queue on a health-check
 poll (2 s by default), so reporting every step costs seconds a step. `Reporter` therefore writes
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tensorboardX import SummaryWriter
 
 # Dense bf16 peak FLOP/s per device, for MFU. Unknown devices (and the CPU) report no MFU.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
@@ -32,6 +34,32 @@ def peak_memory_gb() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def model_flops_per_token(model_config: Any, seq_len_sq_mean: float, seq_len_mean: float | None = None) -> float:
+    """Training FLOPs per token (forward + backward), for MFU:
+
+        6 * N  +  12 * L * H * D * ctx
+
+    N counts the non-embedding parameters (matmul weights, tied or not, plus the LM head); L is
+    the number of layers, H * D the attention width, and ctx the mean causal context a token sees.
+    For packed examples of lengths l_i, a token attends to (l+1)/2 keys on average, weighted by
+    tokens: ctx = sum(l_i^2) / (2 * sum(l_i)) = seq_len_sq_mean / (2 * seq_len_mean). Pass
+    `seq_len_mean` when you have it; without it ctx = sqrt(seq_len_sq_mean) / 2, exact for equal
+    lengths. Windowed layers are not discounted (an upper bound for sliding-window models).
+    """
+    c = model_config
+    hidden, layers = c.hidden_size, c.num_hidden_layers
+    heads = c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or hidden // heads
+    inter = getattr(c, "intermediate_size", None) or 4 * hidden
+    attn_params = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o, k, v
+    mlp_params = 3 * hidden * inter  # gate, up, down (SwiGLU families)
+    n = layers * (attn_params + mlp_params) + hidden * c.vocab_size  # + LM head
+    mean = seq_len_mean if seq_len_mean else seq_len_sq_mean**0.5
+    ctx = seq_len_sq_mean / (2.0 * mean)
+    return 6.0 * n + 12.0 * layers * heads * head_dim * ctx
 
 
 @dataclass
@@ -57,12 +85,10 @@ class Reporter:
 
     def __post_init__(self) -> None:
         if self.rank == 0 and self.tb_dir:
-            from tensorboardX import SummaryWriter
-
             Path(self.tb_dir).mkdir(parents=True, exist_ok=True)
             self._writer = SummaryWriter(self.tb_dir)
         if self.rank == 0 and self.mlflow_uri:
-            try:
+            try:  # optional (raypack[tracking]): imported only when a run asks for it
                 import mlflow
             except ImportError:
                 raise RuntimeError("train.mlflow is on but mlflow is not installed: pip install 'raypack[tracking]'") from None

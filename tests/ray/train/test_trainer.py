@@ -8,13 +8,16 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
+import ray.train
 
 from raypack.config import load
+from raypack.train import loop
 
 from paths import REPO
 
@@ -61,12 +64,30 @@ def planned_train_ids(cfg) -> list[int]:
     return sorted(ids[~is_eval(ids, cfg.data.eval_fraction, cfg.pack.seed)].tolist())
 
 
+def loop_killed_once(config: dict) -> None:
+    """The production loop, but worker `rank` exits right after logging optimizer step `step`,
+    once (a marker file remembers it), so the run must recover from its last checkpoint. Ray
+    Train runs this in its own worker processes, so the patched step hook dies with them."""
+    fault = config["fault"]
+    rank = ray.train.get_context().get_world_rank()
+    log_step = loop.Reporter.log_step
+
+    def log_step_then_die(self, step: int, values: dict) -> None:
+        log_step(self, step, values)
+        if rank == fault["rank"] and step == fault["step"] and not os.path.exists(fault["marker"]):
+            Path(fault["marker"]).touch()
+            os._exit(1)
+
+    loop.Reporter.log_step = log_step_then_die
+    loop.train_loop_per_worker(config)
+
+
 def test_worker_killed_midrun_resumes_from_checkpoint_exactly_once(ray_local, tmp_path):
     from raypack.train.trainer import fit
 
     cfg = tiny_cfg(tmp_path, "train.max_failures=1")
     marker = tmp_path / "fault-fired"
-    result = fit(cfg, extra_loop_config={"test_fault": {"rank": 1, "step": 3, "marker": str(marker)}})
+    result = fit(cfg, loop=loop_killed_once, extra_loop_config={"fault": {"rank": 1, "step": 3, "marker": str(marker)}})
 
     assert marker.exists(), "the injected worker failure never fired"
     assert result.error is None

@@ -1,19 +1,14 @@
-"""Trainer pieces that need no Ray: the DeepSpeed config overlay, the LR schedule, the reporter."""
+"""The DeepSpeed config (a JSON preset overlaid by the typed config) and the LR schedule, without Ray."""
 
 from __future__ import annotations
 
 import json
-import sys
-import types
 
 import pytest
 import torch
 
 from raypack.config import TrainConfig
-from raypack.data.plan import fold_accumulation
-from raypack.data.prepare import is_eval
 from raypack.train.engine import deepspeed_config, lr_lambda
-from raypack.train.metrics import Reporter
 
 
 def test_typed_config_overlays_preset_and_leaves_no_auto():
@@ -46,51 +41,3 @@ def test_warmup_then_cosine():
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
     assert lrs[4] == pytest.approx(1.0) and lrs[20] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
-
-
-def test_eval_split_is_stable_and_near_the_fraction():
-    ids = torch.arange(0, 200_000, 7).numpy()
-    held = is_eval(ids, 0.1, seed=0)
-    assert 0.09 < held.mean() < 0.11
-    assert (held == is_eval(ids, 0.1, seed=0)).all()
-    assert not is_eval(ids, 0.0, seed=0).any()
-
-
-def test_fold_accumulation_gives_each_rank_accum_microsteps_per_virtual_step():
-    import numpy as np
-
-    from raypack.config import PackConfig
-    from raypack.data.strategies import make_plan
-
-    lengths = np.random.default_rng(0).integers(1, 64, 500)
-    plan = fold_accumulation(make_plan(lengths, PackConfig(strategy="balanced", budget=64), 2 * 3), 2, 3)
-    assert plan.num_ranks == 2 and plan.num_steps % 3 == 0
-    cells = set(zip(plan.rank.tolist(), plan.step.tolist()))
-    assert len(cells) == len(set(plan.pack.tolist()))  # still one pack per (rank, step)
-    assert max(plan.step) < plan.num_steps and set(plan.rank.tolist()) <= {0, 1}
-
-
-def test_reporter_weights_loss_by_label_tokens_and_logs(tmp_path, monkeypatch):
-    logged = []
-    fake = types.SimpleNamespace(
-        set_tracking_uri=lambda uri: logged.append(("uri", uri)),
-        set_experiment=lambda name: None,
-        start_run=lambda run_name: logged.append(("run", run_name)),
-        log_params=lambda params: None,
-        log_metrics=lambda metrics, step: logged.append(("metrics", step, metrics["loss"])),
-        end_run=lambda: logged.append(("end",)),
-    )
-    monkeypatch.setitem(sys.modules, "mlflow", fake)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    r = Reporter(rank=0, total_steps=2, report_every=2, static={"packing_efficiency": 0.9},
-                 tb_dir=str(tmp_path / "tb"), mlflow_uri=f"file://{tmp_path}/mlruns", run_name="t")
-    step = {"tokens": 100.0, "step_time_s": 0.1, "data_wait_s": 0.0, "rank_imbalance": 1.0, "lr": 1e-3}
-    r.log_step(1, {**step, "loss": 2.0, "label_tokens": 10.0})
-    r.log_step(2, {**step, "loss": 5.0, "label_tokens": 30.0})
-    m = r.summary(2, 0)
-    r.close()
-    assert m["loss"] == pytest.approx((2.0 * 10 + 5.0 * 30) / 40)
-    assert m["packing_efficiency"] == 0.9 and m["mfu"] is None  # no known peak FLOP/s on the CPU
-    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
-    assert ("uri", f"file://{tmp_path}/mlruns") in logged and ("metrics", 2, m["loss"]) in logged
-    assert logged[-1] == ("end",)
