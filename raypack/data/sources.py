@@ -1,7 +1,6 @@
 """Stage 1: read JSONL, Parquet and `save_to_disk` datasets into one Ray Dataset of raw examples.
 
-    ds = read_sources(cfg.data)                      # prints a line if rows were skipped
-    ds, report = read_sources_with_report(cfg.data)  # report.bad_rows, report.formats, ...
+    ds, report = read_sources_with_report(cfg.data)  # good rows; report.bad_rows, report.formats, ...
 
 Each input file is one or more read units (a JSONL file or a newline-aligned byte range of a large
 one, a Parquet row group, an Arrow file of a `save_to_disk` folder) that a Ray task parses and
@@ -15,8 +14,8 @@ says where it is:
 here; tokenize's `split` policy numbers the pieces of a long example 0, 1, 2, ... (< 2**10). Ids
 are the same on every run over the same files; they are unique but not dense.
 
-Output rows share one schema (`SCHEMA`): `example_id`, `format` and the fields of that format,
-the others null. Bad rows (malformed JSON, a missing field, an empty conversation, an unknown role,
+Output rows share one schema (`SCHEMA`): `example_id`, `format` and the fields of that format
+(raypack/data/formats.py says what each format holds), the others null. Bad rows (malformed JSON, a missing field, an empty conversation, an unknown role,
 non-string content) stop the read under `on_bad_rows: error`, naming the first one in file order;
 under `skip` they are counted and reported. An empty or unreadable file is always an error.
 """
@@ -34,6 +33,7 @@ import pyarrow.parquet as pq
 import ray
 
 from raypack.config import DataConfig
+from raypack.data.formats import FormatError, detect, validate
 from raypack.storage import is_uri, resolve  # local paths and s3://, gs:// URIs through one pyarrow filesystem
 
 FILE_SHIFT, ROW_SHIFT = 42, 10
@@ -41,7 +41,6 @@ CHUNK_BYTES = 4 << 20
 """A JSONL file larger than this is read as several units of about this size, so that one large
 file still reads on every core and its first rows reach tokenize before its last are parsed."""
 MAX_FILES, MAX_ROWS = 1 << 21, 1 << 32
-ROLES = ("system", "user", "assistant")
 SCHEMA = pa.schema(
     [
         ("example_id", pa.int64()),
@@ -62,10 +61,6 @@ SCHEMA = pa.schema(
 
 class SourceError(ValueError):
     """A source file or row is unreadable or invalid; the message names the file and the row."""
-
-
-class _Bad(Exception):
-    """A row-level problem; the reader adds the file and line."""
 
 
 @dataclass
@@ -196,81 +191,8 @@ def _jsonl_units(i: int, path: str) -> list[dict]:
 # --- reading and validating one unit --------------------------------------------------------------
 
 
-def _detect(keys, declared: str, where: str) -> str:
-    if declared != "auto":
-        return declared
-    if "messages" in keys:
-        return "chat"
-    if "input_ids" in keys:
-        return "tokenized"
-    if "instruction" in keys and "output" in keys:
-        return "instruction"
-    if "prompt" in keys and "completion" in keys:
-        return "completion"
-    raise SourceError(
-        f"{where}: can't tell the format from the fields {sorted(keys)}; expected `messages` (chat), "
-        "`instruction`/`input`/`output`, `prompt`/`completion` or `input_ids` (+ `labels`), or set data.format"
-    )
-
-
-def _string(rec: dict, key: str, fmt: str, optional: bool = False) -> str:
-    value = rec.get(key)
-    if value is None:
-        if optional:
-            return ""
-        raise _Bad(f"missing field `{key}` ({fmt} format)")
-    if not isinstance(value, str):
-        raise _Bad(f"field `{key}` must be a string, got {type(value).__name__}")
-    return value
-
-
-def _validate(rec, fmt: str) -> dict:
-    """The row normalized to SCHEMA's fields for `fmt`, or _Bad naming the problem."""
-    if not isinstance(rec, dict):
-        raise _Bad(f"expected a JSON object, got {type(rec).__name__}")
-    if fmt == "chat":
-        messages = rec.get("messages")
-        if messages is None:
-            raise _Bad("missing field `messages` (chat format)")
-        if not isinstance(messages, (list, tuple)):
-            raise _Bad(f"`messages` must be a list, got {type(messages).__name__}")
-        if len(messages) == 0:
-            raise _Bad("empty conversation (`messages` is [])")
-        out = []
-        for j, m in enumerate(messages):
-            if not isinstance(m, dict):
-                raise _Bad(f"messages[{j}] must be an object with role and content, got {type(m).__name__}")
-            role = m.get("role")
-            if role not in ROLES:
-                raise _Bad(f"messages[{j}]: unknown role {role!r}; expected one of {', '.join(ROLES)}")
-            content = m.get("content")
-            if not isinstance(content, str):
-                raise _Bad(f"messages[{j}]: content must be a string, got {type(content).__name__}")
-            out.append({"role": role, "content": content})
-        return {"messages": out}
-    if fmt == "instruction":
-        return {
-            "instruction": _string(rec, "instruction", fmt),
-            "input": _string(rec, "input", fmt, optional=True),
-            "output": _string(rec, "output", fmt),
-        }
-    if fmt == "completion":
-        return {"prompt": _string(rec, "prompt", fmt), "completion": _string(rec, "completion", fmt)}
-    ids, labels = rec.get("input_ids"), rec.get("labels")
-    if ids is None:
-        raise _Bad("missing field `input_ids` (tokenized format)")
-    if not isinstance(ids, (list, tuple)) or not ids or not all(type(t) is int and t >= 0 for t in ids):
-        raise _Bad("`input_ids` must be a non-empty list of non-negative ints")
-    if labels is not None:
-        if not isinstance(labels, (list, tuple)) or not all(type(t) is int for t in labels):
-            raise _Bad("`labels` must be a list of ints")
-        if len(labels) != len(ids):
-            raise _Bad(f"`labels` has {len(labels)} entries but `input_ids` has {len(ids)}")
-    return {"input_ids": list(ids), "labels": None if labels is None else list(labels)}
-
-
 def _records(unit: dict):
-    """(row, where, record-or-_Bad) for every row of a unit, plus the column names for detection."""
+    """(row, where, record-or-FormatError) for every row of a unit, plus the column names for detection."""
     fs, p = resolve(unit["path"])
     path = unit["path"]
     if unit["kind"] == "jsonl":
@@ -288,7 +210,7 @@ def _records(unit: dict):
             try:
                 rows.append((i, f"{path}:{i + 1}", json.loads(line)))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                rows.append((i, f"{path}:{i + 1}", _Bad(f"malformed JSON ({e})")))
+                rows.append((i, f"{path}:{i + 1}", FormatError(f"malformed JSON ({e})")))
         if stop < 0 and not rows:
             raise SourceError(f"{path}: empty file (no JSON lines)")
         if len(lines) > MAX_ROWS:
@@ -317,8 +239,8 @@ def read_unit(batch: dict[str, np.ndarray], declared: str) -> pa.Table:
         unit["row_offset"] = int(unit["row_offset"])
         try:
             rows, keys = _records(unit)
-            fmt = _detect(keys, declared, unit["path"])
-        except SourceError as e:
+            fmt = detect(keys, declared, unit["path"])
+        except (SourceError, FormatError) as e:
             # A file-level problem travels as a row: an exception raised in a Ray task reaches the
             # driver wrapped, with its type and message buried in a traceback dump.
             for name in SCHEMA.names:
@@ -327,10 +249,10 @@ def read_unit(batch: dict[str, np.ndarray], declared: str) -> pa.Table:
             continue
         for row, where, rec in rows:
             try:
-                if isinstance(rec, _Bad):
+                if isinstance(rec, FormatError):
                     raise rec
-                fields, error = _validate(rec, fmt), None
-            except _Bad as e:
+                fields, error = validate(rec, fmt), None
+            except FormatError as e:
                 fields, error = {}, f"{where}: {e}"
             fields.update(example_id=example_id(int(unit["file_index"]), row), format=fmt, error=error, fatal=False)
             for name in SCHEMA.names:
@@ -381,11 +303,3 @@ def read_sources_with_report(cfg: DataConfig) -> tuple[ray.data.Dataset, SourceR
     else:
         ds = ds.drop_columns(["error", "fatal"])
     return ds, report
-
-
-def read_sources(cfg: DataConfig) -> ray.data.Dataset:
-    """Stage 1: every example of `cfg.paths`, validated, with a stable `example_id` (see module doc)."""
-    ds, report = read_sources_with_report(cfg)
-    if report.bad_rows:
-        print(f"raypack: skipped {report.bad_rows} bad rows; first: {report.bad_examples[0]}")
-    return ds

@@ -109,25 +109,3 @@ def make_examples(fmt: str, n: int, seed: int = 0, kind: str | None = None, max_
             else:
                 records.append({"prompt": _text(rng, prompt_words), "completion": " " + _text(rng, answer_words)})
     return records
-
-
-def main(argv: list[str] | None = None) -> None:
-    import argparse
-    import json
-
-    ap = argparse.ArgumentParser(description="write synthetic SFT examples as JSONL")
-    ap.add_argument("--format", choices=FORMATS, default="chat")
-    ap.add_argument("-n", type=int, default=1000)
-    ap.add_argument("--kind", choices=list(DISTRIBUTIONS), default=None, help="length distribution (default per format)")
-    ap.add_argument("--max-length", type=int, default=None)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args(argv)
-    with open(args.out, "w") as f:
-        for rec in make_examples(args.format, args.n, args.seed, args.kind, args.max_length):
-            f.write(json.dumps(rec) + "\n")
-    print(f"wrote {args.n} {args.format} examples to {args.out}")
-
-
-if __name__ == "__main__":
-    main()

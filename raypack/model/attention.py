@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
 
 BACKENDS = ("flash_attn", "torch_varlen", "sdpa_varlen")
 """Explicit backend names accepted by `attn_implementation_name`; plus `auto`."""
@@ -48,10 +50,6 @@ def attn_implementation_name(attention: str = "auto") -> str:
 
 def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
-
-
-def torch_varlen_available() -> bool:
-    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
 
 
 # --- metadata -------------------------------------------------------------------------------------
@@ -142,7 +140,7 @@ def _check_half(query: torch.Tensor, backend: str) -> None:
 
 
 def _flash(module, query, key, value, cu, max_len, dropout, scaling, window, softcap) -> torch.Tensor:
-    from flash_attn import flash_attn_varlen_func
+    from flash_attn import flash_attn_varlen_func  # optional package (raypack[flash]): only here
 
     _check_half(query, "flash_attn")
     out = flash_attn_varlen_func(
@@ -157,6 +155,8 @@ _VARLEN_PARAMS: set[str] | None = None
 
 
 def _torch_varlen(module, query, key, value, cu, max_len, dropout, scaling, window, softcap) -> torch.Tensor:
+    # Imported on first use: it pulls in torch._dynamo, 1.7 s on 2 cores, which the CPU path and
+    # flash-attn never need (Python caches it after the first call).
     from torch.nn.attention.varlen import varlen_attn
 
     global _VARLEN_PARAMS
@@ -273,9 +273,6 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
     for backend in (None, *BACKENDS):
         name = _PREFIX + (backend or "varlen")
         AttentionInterface.register(name, _make_forward(backend))

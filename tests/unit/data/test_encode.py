@@ -9,6 +9,7 @@ from transformers import AutoTokenizer
 
 from raypack.config import ASSETS
 from raypack.data import sources
+from raypack.data.formats import validate
 from raypack.data.encode import DROPPED, IGNORE, OK, SPLIT, TRUNCATED, Encoder, TokenizeError
 
 TOK = str(ASSETS / "tokenizer")
@@ -29,7 +30,7 @@ def tok():
 def batch(records, fmt):
     rows = {n: [] for n in sources.SCHEMA.names}
     for i, rec in enumerate(records):
-        fields = sources._validate(rec, fmt)
+        fields = validate(rec, fmt)
         for n in sources.SCHEMA.names:
             rows[n].append(fields.get(n))
         rows["example_id"][-1], rows["format"][-1] = sources.example_id(0, i), fmt

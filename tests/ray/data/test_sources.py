@@ -1,0 +1,43 @@
+"""Stage 1 on a local Ray cluster: every source kind with stable ids, and bad rows named in file order."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from raypack.config import ASSETS, DataConfig
+from raypack.data.sources import SourceError, locate, read_sources_with_report
+
+pytestmark = pytest.mark.ray
+SAMPLE = ASSETS / "sample"
+
+
+def test_reads_all_source_kinds_with_stable_ids(ray_local, tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"prompt": ["p0", "p1", "p2"], "completion": ["c0", "c1", "c2"]}).save_to_disk(tmp_path / "hf")
+    paths = (str(SAMPLE / "chat.jsonl"), str(SAMPLE / "tokenized.parquet"), str(tmp_path / "hf"))
+    cfg = DataConfig(paths=paths)
+    ds, report = read_sources_with_report(cfg)
+    assert report.files == 3 and report.bad_rows == 0
+    assert report.formats == {"chat": 300, "tokenized": 300, "completion": 3} and report.rows == 603
+    ids = np.sort(ds.to_pandas()["example_id"].to_numpy())
+    assert len(np.unique(ids)) == len(ids)
+    assert sorted({locate(int(i))[0] for i in ids}) == [0, 1, 2]
+    again = np.sort(read_sources_with_report(cfg)[0].to_pandas()["example_id"].to_numpy())
+    assert np.array_equal(ids, again)
+
+
+def test_bad_rows_error(ray_local, tmp_path):
+    path = tmp_path / "chat.jsonl"
+    good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+    path.write_text("\n".join([good, "{oops", good, json.dumps({"messages": []}), good]) + "\n")
+    with pytest.raises(SourceError) as e:
+        read_sources_with_report(DataConfig(paths=(str(path),)))
+    assert str(e.value).startswith(f"{path}:2: malformed JSON") and "1 more bad rows" in str(e.value)
+    # a file-level error raised inside a read task reaches the caller as our message
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(SourceError, match=r"empty\.jsonl: empty file"):
+        read_sources_with_report(DataConfig(paths=(str(tmp_path / "empty.jsonl"),)))
