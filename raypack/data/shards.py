@@ -36,6 +36,8 @@ class Prepared:
     steps_per_rank: int
     """Micro-steps (packs) per rank per epoch; a multiple of train.grad_accum."""
     padded: bool
+    """The plan's `Plan.padded` (its strategy's `padded`): rows are collated into padded batches
+    and the model attends with its own SDPA instead of a varlen attention."""
     pad_token_id: int
     vocab_size: int
     length_mean: float

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from raypack.config import Config, ConfigError, load
+from raypack.config import Config, ConfigError, dumps, load, loads
 
 
 def write(tmp_path, data) -> str:
@@ -110,3 +110,16 @@ def _lists(d):
     if isinstance(d, dict):
         return {k: _lists(v) for k, v in d.items()}
     return list(d) if isinstance(d, tuple) else d
+
+
+def test_loads_and_dumps_round_trip():
+    cfg = load(None, ["tune.strategies=[pad, bfd]", "train.lr=2e-5", "data.paths=[a.jsonl]"])
+    assert loads(dumps(cfg)) == cfg
+    assert loads("") == load()
+
+
+def test_loads_names_its_source():
+    with pytest.raises(ConfigError, match=r"^saved\.yaml: train\.lr: expected a number"):
+        loads("train:\n  lr: fast\n", source="saved.yaml")
+    with pytest.raises(ConfigError, match=r"^saved\.yaml: not valid YAML"):
+        loads("train: [", source="saved.yaml")

@@ -16,7 +16,7 @@ def read(path, declared="auto"):
     units, _ = sources._units((str(path),))
     tables = [sources.read_unit({k: [u[k]] for k in u}, declared) for u in units]
     rows = pa.concat_tables(tables).to_pylist()
-    for r in rows:  # what read_sources does with a file-level problem
+    for r in rows:  # what read_sources_with_report does with a file-level problem
         if r["fatal"]:
             raise SourceError(r["error"])
     return rows

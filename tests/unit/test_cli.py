@@ -1,0 +1,27 @@
+"""The command line: a config error is one line and exit code 2; --help imports no command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from raypack.cli import main
+
+
+def test_config_error_is_one_line_and_exit_2(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  lr: fast\n")
+    assert main(["data", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"raypack: config error: {bad}: train.lr: expected a number") and err.count("\n") == 1
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    assert "no raypack_config.yaml there" in capsys.readouterr().err
+
+
+def test_help_imports_no_command_module():
+    code = (
+        "import sys\nfrom raypack.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "loaded = [m for m in sys.modules if m.startswith('raypack.commands.') or m in ('ray', 'torch')]\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)

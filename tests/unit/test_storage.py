@@ -1,0 +1,30 @@
+"""One way to name, read and write a run's files, local or URI (here: local)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from raypack import storage
+
+
+def test_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert storage.absolute("runs") == str(tmp_path / "runs")
+    assert storage.absolute("~/runs") == str(Path.home() / "runs")
+    assert storage.absolute("s3://bucket/runs/") == "s3://bucket/runs"
+    assert storage.is_uri("gs://b/x") and not storage.is_uri("/tmp/x")
+    assert storage.resolve("runs")[1] == str(tmp_path / "runs")
+
+
+def test_write_read_list_remove(tmp_path):
+    root = f"{tmp_path}/run"
+    storage.write_bytes(f"{root}/plots/p.png", b"\x89PNG")  # creates the folders
+    storage.write_text(f"{root}/b.yaml", "b")
+    storage.write_text(f"{root}/a.yaml", "a")
+    assert (tmp_path / "run" / "plots" / "p.png").read_bytes() == b"\x89PNG"
+    assert storage.read_text(f"{root}/a.yaml") == "a" and storage.exists(f"{root}/b.yaml")
+    assert storage.list_files(root, ".yaml") == [f"{root}/a.yaml", f"{root}/b.yaml"]
+    assert storage.list_files(f"{root}/missing") == []
+    storage.remove_dir(root)
+    assert not storage.exists(root)
+    storage.remove_dir(root)  # removing what is gone is fine
