@@ -12,13 +12,14 @@ import pytest
 import yaml
 
 from raypack.config import load
+from raypack.train.engine import PRESETS as PRESET_DIR
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "jobs" / "configs"
 CLUSTER = REPO / "cluster"
 
 RUN_CONFIGS = sorted(CONFIGS.rglob("*.yaml"))
-PRESETS = sorted((CONFIGS / "deepspeed").glob("*.json"))
+PRESETS = sorted(PRESET_DIR.glob("*.json"))
 LAUNCHERS = sorted(CLUSTER.glob("*-gpu.yaml"))
 KUBERAY = sorted(CLUSTER.glob("ray-*.yaml"))
 SHIPPED = sorted(p for p in [*CLUSTER.iterdir(), *CONFIGS.rglob("*"), *(REPO / "jobs").glob("*.py")] if p.is_file())
@@ -46,7 +47,7 @@ def test_run_config_loads(path):
     assert "storage_path" in raw["run"] and "name" in raw["run"]
     assert "#" in path.read_text()  # sizing comments
     if cfg.train.deepspeed_preset:
-        assert (CONFIGS / "deepspeed" / f"{cfg.train.deepspeed_preset}.json").exists()
+        assert (PRESET_DIR / f"{cfg.train.deepspeed_preset}.json").exists()
     if cfg.train.use_gpu:
         # Multi-GPU runs: shared storage every node can write, and a real model.
         assert cfg.run.storage_path.startswith(("s3://", "gs://", "/mnt/")), cfg.run.storage_path
