@@ -101,14 +101,18 @@ def _containers(spec: dict) -> list[dict]:
 def _check_raycluster_spec(spec: dict, where: str) -> None:
     assert "headGroupSpec" in spec and spec["workerGroupSpecs"], where
     assert spec["headGroupSpec"].get("serviceType", "ClusterIP") == "ClusterIP", f"{where}: head exposed"
+    # KubeRay >= 1.5.1 keeps the token in its own Secret and gives it to the Ray containers, the
+    # autoscaler and the job submitter (spec.authOptions); a token set by hand would differ.
+    assert spec["authOptions"]["mode"] == "token", f"{where}: token auth off"
     for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
         for c in _containers(group):
             env = {e["name"]: e for e in c.get("env", [])}
-            assert env["RAY_AUTH_MODE"]["value"] == "token", f"{where}: token auth off"
-            assert "secretKeyRef" in env["RAY_AUTH_TOKEN"]["valueFrom"], f"{where}: token not from a Secret"
+            assert "RAY_AUTH_TOKEN" not in env, f"{where}: token set by hand, not the operator's"
+            if c["name"].startswith("ray-"):
+                assert env["RAY_AUTH_MODE"]["value"] == "token", f"{where}: token auth off"
     for group in spec["workerGroupSpecs"]:
         limits = _containers(group)[0]["resources"]["limits"]
-        assert int(limits["nvidia.com/gpu"]) == 8, f"{where}: worker group without 8 GPUs"
+        assert int(limits.get("nvidia.com/gpu", 0)) in (0, 8), f"{where}: GPU group without 8 GPUs"
 
 
 def test_kuberay_raycluster():
