@@ -7,6 +7,7 @@ resources of its cloud on every GPU group."""
 from __future__ import annotations
 
 import copy
+import json
 import re
 from functools import cache
 from pathlib import Path
@@ -238,8 +239,6 @@ def test_tcpx_groups_have_multi_networking_and_the_receive_daemon():
     manifest = yaml.safe_load((CLUSTER / "ray-cluster.gke-tcpx.yaml").read_text())
     (gpu,) = [g for g in manifest["spec"]["workerGroupSpecs"] if gpus(g)]
     annotations = gpu["template"]["metadata"]["annotations"]
-    import json
-
     nics = json.loads(annotations["networking.gke.io/interfaces"])
     assert [n["interfaceName"] for n in nics] == ["eth0", "eth1", "eth2", "eth3", "eth4"]
     pod = gpu["template"]["spec"]
