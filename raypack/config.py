@@ -119,7 +119,7 @@ class TrainConfig:
     zero_stage: Literal[0, 1, 2, 3] = 2
     """DeepSpeed ZeRO stage."""
     deepspeed_preset: str | None = None
-    """A DeepSpeed JSON under jobs/configs/deepspeed/ (or a path) that this config overlays."""
+    """A DeepSpeed JSON preset by name (raypack/configs/deepspeed/<name>.json) or a path, overlaid by this config."""
     offload_optimizer: bool = False
     """ZeRO optimizer state offload to CPU."""
     offload_params: bool = False

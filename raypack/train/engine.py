@@ -1,8 +1,10 @@
 """DeepSpeed config and engine: one place where the JSON presets meet the typed config.
 
-A preset under jobs/configs/deepspeed/ holds what a cluster operator tunes (bucket sizes, overlap,
+A preset under raypack/configs/deepspeed/ holds what a cluster operator tunes (bucket sizes, overlap,
 offload devices). The typed `TrainConfig` then overwrites every key it owns, so no value is left
-as "auto" for DeepSpeed and Ray to resolve differently.
+as "auto" for DeepSpeed and Ray to resolve differently. The presets are package data: a name such
+as `zero3` resolves the same from a checkout, an uploaded working dir or an installed wheel (the
+cluster image).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch
 
 from raypack.config import TrainConfig
 
-PRESETS = Path(__file__).resolve().parents[2] / "jobs" / "configs" / "deepspeed"
+PRESETS = Path(__file__).resolve().parents[1] / "configs" / "deepspeed"
+"""The shipped presets, inside the package: found wherever raypack is installed."""
 
 
 def _find_auto(node: Any, path: str = "") -> str | None:
@@ -31,7 +34,7 @@ def _find_auto(node: Any, path: str = "") -> str | None:
 
 
 def load_preset(name: str | None) -> dict[str, Any]:
-    """Read a DeepSpeed JSON preset by name (jobs/configs/deepspeed/<name>.json) or path."""
+    """Read a DeepSpeed JSON preset by name (raypack/configs/deepspeed/<name>.json) or path."""
     if not name:
         return {}
     path = Path(name)

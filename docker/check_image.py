@@ -1,0 +1,88 @@
+"""Check an environment against docker/constraints.txt: the last step of the image build.
+
+    python docker/check_image.py                     # versions only (any venv, e.g. the dev one)
+    python docker/check_image.py --image             # in the image: also prebuilt DeepSpeed ops,
+                                                     # presets from the installed package, EFA plugin
+
+Exits non-zero naming every mismatch, so a build that drifted from the pins fails instead of
+shipping. A local version label (torch 2.13.0+cu128, +cpu) matches its pin (2.13.0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.metadata as md
+import re
+import sys
+from pathlib import Path
+
+CONSTRAINTS = Path(__file__).with_name("constraints.txt")
+PREBUILT_OPS = ("cpu_adam", "fused_adam")
+"""DeepSpeed ops raypack can use on GPUs: CPU Adam for optimizer offload, fused Adam otherwise."""
+
+
+def pins(path: Path = CONSTRAINTS) -> dict[str, str]:
+    """`name -> version` for every `name[extras]==version` line (comments and blanks skipped)."""
+    out = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = re.fullmatch(r"([A-Za-z0-9_.-]+)(\[[^\]]*\])?==([^\s;]+)", line)
+        if not m:
+            raise ValueError(f"{path}: not an exact pin: {line!r}")
+        out[normalize(m[1])] = m[3]
+    return out
+
+
+def normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def version_mismatches(expected: dict[str, str]) -> list[str]:
+    errors = []
+    for name, want in expected.items():
+        try:
+            have = md.version(name)
+        except md.PackageNotFoundError:
+            errors.append(f"{name}: not installed, pinned {want}")
+            continue
+        if have.split("+", 1)[0] != want:
+            errors.append(f"{name}: installed {have}, pinned {want}")
+    return errors
+
+
+def image_mismatches() -> list[str]:
+    errors = []
+    from deepspeed.git_version_info import installed_ops
+
+    errors += [f"deepspeed op {op} is not prebuilt" for op in PREBUILT_OPS if not installed_ops.get(op)]
+    import raypack
+    from raypack.train.engine import PRESETS, load_preset
+
+    if "site-packages" not in raypack.__file__:
+        errors.append(f"raypack is imported from {raypack.__file__}, not the installed package")
+    if not load_preset("zero3") or not PRESETS.is_dir():
+        errors.append(f"DeepSpeed presets not found under {PRESETS}")
+    if not glob.glob("/opt/amazon/**/libnccl-net*.so*", recursive=True):
+        errors.append("no aws-ofi-nccl plugin (libnccl-net*.so) under /opt/amazon: EFA would fall back to TCP")
+    return errors
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--image", action="store_true", help="also check what only the built image has")
+    args = parser.parse_args(argv)
+    errors = version_mismatches(pins())
+    if args.image:
+        errors += image_mismatches()
+    for e in errors:
+        print(f"check_image: {e}", file=sys.stderr)
+    if not errors:
+        print(f"check_image: {len(pins())} pins match" + ("; ops, presets and EFA plugin present" if args.image else ""))
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""The memory, disk and interconnect tables in cluster/README.md are what cluster/memory.py
+computes from the shipped configs, and the shipped configs and manifests fit within them."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[3]
+_spec = importlib.util.spec_from_file_location("cluster_memory", REPO / "cluster" / "memory.py")
+memory = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = memory  # dataclasses look their module up there
+_spec.loader.exec_module(memory)
+
+GiB = 2**30
+OVERHEAD_GB = 5  # CUDA context, NCCL buffers, fragmentation: not in the totals
+
+
+def quantity(q: str) -> float:
+    number, unit = re.fullmatch(r"(\d+)(Gi|Ti)", q).groups()
+    return int(number) * {"Gi": GiB, "Ti": 2**40}[unit]
+
+
+def test_readme_tables_are_the_scripts_output():
+    readme = (REPO / "cluster" / "README.md").read_text()
+    assert memory.markdown() in readme, "regenerate with: python cluster/memory.py"
+
+
+def test_every_shipped_gpu_config_is_in_the_table():
+    from raypack.config import load
+
+    shipped = {str(p.relative_to(REPO / "jobs" / "configs")) for p in (REPO / "jobs" / "configs").rglob("*.yaml")
+               if load(p).train.use_gpu}
+    assert shipped == set(memory.CONFIGS)
+
+
+@pytest.mark.parametrize(("name", "published"), [("meta-llama/Llama-3.1-8B", 8.03e9),
+                                                 ("meta-llama/Llama-3.1-70B", 70.6e9),
+                                                 ("Qwen/Qwen2.5-7B", 7.62e9)])
+def test_parameter_counts_match_the_published_sizes(name, published):
+    assert abs(memory.ARCHS[name].params / published - 1) < 0.01
+
+
+@pytest.mark.parametrize("row", memory.rows(), ids=lambda r: r.name)
+def test_every_config_fits_an_h100(row):
+    assert row.total() / memory.GB + OVERHEAD_GB <= memory.HBM_GB, row.name
+    assert row.host_per_node() < 0.5 * 2000 * memory.GB  # p5 / a3 hosts: ~2 TB
+
+
+def test_the_logits_term_is_the_one_the_review_found():
+    (qwen,) = [r for r in memory.rows() if r.name == "qwen7b.yaml"]
+    assert 29 < qwen.loss() / memory.GB < 31  # 16k tokens x 152k vocabulary
+
+
+def test_gpu_pods_request_the_disk_their_configs_need():
+    need = {r.name: 1.2 * (r.checkpoint() + 2 * r.arch.params) for r in memory.rows()}
+    for path in sorted((REPO / "cluster").glob("ray-*.yaml")):
+        manifest = yaml.safe_load(path.read_text())
+        spec = manifest["spec"] if manifest["kind"] == "RayCluster" else manifest["spec"].get("rayClusterSpec")
+        if spec is None:
+            continue
+        entry = manifest["spec"].get("entrypoint", "")
+        config = re.search(r"jobs/configs/(\S+\.yaml)", entry)
+        wanted = need[config[1]] if config and config[1] in need else max(need.values())
+        for group in spec["workerGroupSpecs"]:
+            limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+            if "nvidia.com/gpu" in limits:
+                assert quantity(limits["ephemeral-storage"]) >= wanted, f"{path.name}: {group['groupName']}"
