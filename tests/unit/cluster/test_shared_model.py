@@ -44,7 +44,7 @@ from raypack.data.encode import load_tokenizer
 from raypack.model.build import load_model
 cfg = load({str(REPO / 'jobs/configs/tiny_cpu.yaml')!r}, ["model.name={shared_model}", "tokenize.tokenizer={shared_model}"])
 tok = load_tokenizer(cfg.tokenize.tokenizer)
-model = load_model(cfg.model)
+model = load_model(cfg.model.name, attention=cfg.model.attention, dtype=cfg.model.dtype)
 ids = tok.apply_chat_template([{{"role": "user", "content": "hi"}}], tokenize=True)
 ids = ids["input_ids"] if hasattr(ids, "keys") else ids
 import torch
