@@ -1,7 +1,8 @@
 """`raypack` command line: train, sweep, plan and data. Parses arguments and hands off.
 
     raypack train --config jobs/configs/tiny_cpu.yaml train.lr=2e-5
-    raypack plan --lengths lengths.npy --budget 4096 --ranks 8 --strategy bfd balanced
+    raypack plan --config jobs/configs/qwen7b.yaml pack.budget=4096 train.num_workers=64
+    raypack plan --lengths lengths.npy pack.budget=4096 train.num_workers=8 --strategy bfd balanced
     raypack sweep --config jobs/configs/sweeps/packing_cpu.yaml
     raypack data --config jobs/configs/quickstart.yaml      # tokenize only, print a summary
 
@@ -37,18 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("data", help="read and tokenize the configured data, print a summary")
     _add_config(p)
 
-    p = sub.add_parser("plan", help="dry run: compare packing strategies on a dataset or a lengths file")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--config", help="YAML run config whose data is tokenized to get lengths")
-    src.add_argument("--lengths", help=".npy file of example lengths")
-    p.add_argument("--budget", type=int, required=True, help="tokens per pack")
-    p.add_argument("--ranks", type=int, required=True, help="data-parallel ranks")
-    p.add_argument("--strategy", nargs="+", default=None, help="strategies to compare (default: all)")
-    p.add_argument("--batch-size", type=int, default=8, help="examples per minibatch for pad/pad_sorted/flatten")
-    p.add_argument("--seed", type=int, default=0)
+    p = sub.add_parser("plan", help="dry run: the packing plan a run would train, on its data or a lengths file")
+    _add_config(p)
+    p.add_argument("--lengths", help=".npy file of example lengths to plan instead of the configured data")
+    p.add_argument("--strategy", nargs="+", default=None,
+                   help="strategies to compare under the same config, or `all` (default: pack.strategy)")
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     p.add_argument("--out", help="write the (first strategy's) assignment as Parquet")
-    p.add_argument("overrides", nargs="*", help="dotted config overrides (with --config)")
     return parser
 
 

@@ -79,17 +79,30 @@ class TokenizeConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PackConfig:
     strategy: str = "balanced"
-    """Packing strategy by name: pad, pad_sorted, flatten, wrapped, wrapped_noreset, random, greedy, bfd, balanced."""
+    """Packing strategy by name: pad, pad_sorted, flatten, wrapped, wrapped_noreset, random, greedy, bfd, balanced
+    (the registry is raypack.data.strategies.STRATEGIES; a name not in it fails at load)."""
     budget: int = 1024
     """Tokens per packed row (the micro-batch for packed strategies)."""
     batch_size: int = 8
     """Examples per minibatch for pad, pad_sorted and flatten (the papers' B)."""
     seed: int = 0
-    """Seed for every random choice of the plan; the same seed rebuilds the same plan on resume."""
+    """Seed for every random choice of the plan and of each epoch's step order (seeded by
+    (seed, epoch)); the same seed rebuilds the same plan and orders on resume."""
+    repack_each_epoch: bool = False
+    """A new plan (new packs) every epoch, seeded by (seed, epoch), for the strategies whose packs
+    depend on the seed (pad, flatten, wrapped, wrapped_noreset, random); refused for the others,
+    whose epochs differ in step order only. Writes one set of packed rows per epoch."""
 
     def __post_init__(self) -> None:
         _check(self.budget > 0, "pack.budget", "a positive int", self.budget)
         _check(self.batch_size > 0, "pack.batch_size", "a positive int", self.batch_size)
+        # The one strategy registry lives with the strategies; imported here, at check time, so
+        # that loading this module needs nothing else from raypack (the strategies import it).
+        from raypack.data.strategies import check_repack, check_strategy_name
+
+        check_strategy_name(self.strategy, "pack.strategy")
+        if self.repack_each_epoch:
+            check_repack(self.strategy, "pack.repack_each_epoch")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

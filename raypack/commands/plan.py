@@ -1,16 +1,21 @@
-"""`raypack plan`: dry-run the packing strategies on a lengths file or a configured dataset.
+"""`raypack plan`: dry-run the packing plan a run would train, on its data or on a lengths file.
 
-    raypack plan (--config FILE | --lengths FILE.npy) --budget N --ranks R [--strategy NAME ...]
-                 [--seed S] [--json] [--out PLAN.parquet]
+    raypack plan --config FILE [overrides]                 # the configured data, tokenized
+    raypack plan --lengths FILE.npy [--config FILE] [overrides]   # what-if over given lengths
+                 [--strategy NAME ... | --strategy all] [--json] [--out PLAN.parquet]
 
-Prints one row per strategy (packs, steps, efficiency, padding fraction, token and attention
-imbalance, planning seconds; see raypack/data/stats.py for the definitions). `--out` writes the
-first strategy's assignment as Parquet, one row per example (per piece for wrapped): example_id
-(index into the lengths), pack, rank, step, start, end.
+The config and dotted overrides are every other command's (`pack.budget=4096 train.num_workers=64`);
+the plan is `strategies.make_plan(lengths, cfg.pack, train.num_workers, train.grad_accum)`, the
+call data preparation makes, so with --config (which holds out `data.eval_fraction` exactly as
+training does) the printed plan is the plan training uses. --lengths plans every given length
+(no eval hold-out). --strategy compares other strategies under the same config (default: the
+configured `pack.strategy`).
 
-It plans every example over `--ranks` ranks. A training run first holds out `data.eval_fraction`
-and plans over ranks x `train.grad_accum` virtual ranks (raypack/data/prepare.py), so its step
-count differs by those factors; efficiency and balance carry over.
+One row per strategy: packs, micro-steps per rank, optimizer steps per epoch, real tokens per
+optimizer step, efficiency, padding fraction, and the wall-time overhead of imbalance for tokens
+and attention (Σ busiest rank / Σ mean rank over steps) with the worst single step; see
+raypack/data/stats.py. `--out` writes the first strategy's assignment as Parquet, one row per
+example (per piece for wrapped): example_id, pack, rank, step, start, end.
 """
 
 from __future__ import annotations
@@ -20,49 +25,87 @@ import json
 from dataclasses import replace
 
 import numpy as np
+import pyarrow.parquet as pq
 
-from raypack.config import PackConfig, load
-from raypack.data.strategies import STRATEGIES, make_plan
+from raypack.config import Config, ConfigError, load
+from raypack.data.strategies import STRATEGIES, check_strategy_name, make_plan
 
-COLUMNS = ("strategy", "packs", "steps", "efficiency", "padding_fraction", "token_imbalance",
-           "attention_imbalance", "seconds")
+COLUMNS = ("strategy", "packs", "steps", "optimizer_steps", "tokens_per_optimizer_step", "efficiency",
+           "padding_fraction", "token_imbalance", "attention_imbalance", "token_imbalance_worst",
+           "attention_imbalance_worst", "seconds")
 
 
-def _lengths_from_config(args: argparse.Namespace) -> np.ndarray:
-    """Tokenize the configured data; lengths ordered by example_id, as the pack stage orders them."""
-    # Imported here, not at the top: these two take 3.1 s to import on 2 cores (Ray Data and the
+def _from_config(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
+    """Lengths and example ids of the examples a training run plans over (eval held out)."""
+    # Imported here, not at the top: these take 3 s to import on 2 cores (Ray Data and the
     # tokenizer stack), which a dry run over a --lengths file, 0.2 s in all, never needs.
+    from raypack.data.prepare import held_out_mask
     from raypack.data.tokenize import lengths_and_ids, tokenize_dataset
     from raypack.runtime import absolute_paths, init_ray
 
-    cfg = absolute_paths(load(args.config, args.overrides))
+    cfg = absolute_paths(cfg)
     init_ray()
-    cfg = replace(cfg, pack=replace(cfg.pack, budget=args.budget))
     ds, _ = tokenize_dataset(cfg)
-    lengths, _ = lengths_and_ids(ds)
+    lengths, ids = lengths_and_ids(ds)
+    train = ~held_out_mask(ids, cfg)
+    return lengths[train], ids[train]
+
+
+def _load_lengths(path: str) -> np.ndarray:
+    try:
+        lengths = np.load(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--lengths {path}: not a readable .npy file ({e})") from None
+    if lengths.ndim != 1 or not np.issubdtype(lengths.dtype, np.integer):
+        raise ConfigError(f"--lengths {path}: expected a 1-d integer array, got {lengths.dtype} of shape {lengths.shape}")
     return lengths
 
 
 def run(args: argparse.Namespace) -> int:
-    lengths = np.load(args.lengths) if args.lengths else _lengths_from_config(args)
-    names = args.strategy or list(STRATEGIES)
+    cfg = load(args.config, args.overrides)
+    names = args.strategy or [cfg.pack.strategy]
+    if names == ["all"]:
+        names = list(STRATEGIES)
+    for name in names:
+        check_strategy_name(name, "--strategy")
+    if args.lengths:
+        lengths = _load_lengths(args.lengths)
+        ids = np.arange(len(lengths), dtype=np.int64)
+    else:
+        lengths, ids = _from_config(cfg)
+    ranks, accum = cfg.train.num_workers, cfg.train.grad_accum
     rows = []
     for i, name in enumerate(names):
-        cfg = PackConfig(strategy=name, budget=args.budget, batch_size=args.batch_size, seed=args.seed)
-        plan = make_plan(lengths, cfg, args.ranks)
+        pack = cfg.pack if name == cfg.pack.strategy else _with_strategy(cfg, name)
+        plan = make_plan(lengths, pack, ranks, accum)
         stats = plan.stats()
+        optimizer_steps = plan.num_steps // accum
+        stats["optimizer_steps"] = optimizer_steps
+        stats["tokens_per_optimizer_step"] = float(plan.pack_tokens().sum()) / max(optimizer_steps, 1)
         rows.append({k: stats[k] for k in COLUMNS})
         if i == 0 and args.out:
-            plan.write_parquet(args.out)
+            table = plan.to_table()
+            pq.write_table(table.set_column(0, "example_id", [ids[plan.example]]), args.out)
     if args.json:
         print(json.dumps(rows))
         return 0
-    print(f"{len(lengths)} examples, {int(np.sum(lengths))} tokens, budget {args.budget}, {args.ranks} ranks")
-    header = f"{'strategy':<16}{'packs':>10}{'steps':>10}{'effic.':>9}{'padding':>9}{'tok.imb':>9}{'attn.imb':>9}{'seconds':>9}"
+    print(f"{len(lengths)} examples, {int(np.sum(lengths))} tokens, budget {cfg.pack.budget}, {ranks} ranks x "
+          f"{accum} micro-steps per optimizer step, {cfg.train.epochs} epoch(s)"
+          + (", a new plan per epoch" if cfg.pack.repack_each_epoch else ", a new step order per epoch"))
+    header = (f"{'strategy':<16}{'packs':>9}{'steps':>8}{'opt.steps':>10}{'tok/opt.step':>13}{'effic.':>8}"
+              f"{'padding':>8}{'tok.imb':>8}{'attn.imb':>9}{'worst tok/attn':>15}{'seconds':>8}")
     print(header)
     for r in rows:
-        print(f"{r['strategy']:<16}{r['packs']:>10}{r['steps']:>10}{r['efficiency']:>9.4f}{r['padding_fraction']:>9.4f}"
-              f"{r['token_imbalance']:>9.4f}{r['attention_imbalance']:>9.4f}{r['seconds']:>9.3f}")
+        worst = f"{r['token_imbalance_worst']:.2f}/{r['attention_imbalance_worst']:.2f}"
+        print(f"{r['strategy']:<16}{r['packs']:>9}{r['steps']:>8}{r['optimizer_steps']:>10}"
+              f"{r['tokens_per_optimizer_step']:>13,.0f}{r['efficiency']:>8.4f}{r['padding_fraction']:>8.4f}"
+              f"{r['token_imbalance']:>8.4f}{r['attention_imbalance']:>9.4f}{worst:>15}{r['seconds']:>8.2f}")
+    print("imbalance = wall-time overhead: sum over steps of the busiest rank / of the mean rank (1.0 = none)")
     if args.out:
         print(f"wrote the {names[0]} assignment to {args.out}")
     return 0
+
+
+def _with_strategy(cfg: Config, name: str):
+    # repack_each_epoch is a per-strategy choice; the comparison shows each strategy's epoch-1 plan.
+    return replace(cfg.pack, strategy=name, repack_each_epoch=False)

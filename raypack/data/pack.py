@@ -4,8 +4,9 @@ Input rows: `example_id` (int64, unique, not dense), `input_ids` / `labels` (lis
 labels unshifted with -100 masking) and `length`. Plan index i is the i-th smallest example_id
 (`raypack.data.tokenize.lengths_and_ids` builds both arrays in that order).
 
-Output: Parquet under `out_dir/rank=<r>/`, one row per (rank, step), read back in step order by
-`raypack.data.shards.iter_rank_packs`. A packed row, for pieces a (3 tokens) and b (2 tokens):
+Output: Parquet under `out_dir/rank=<r>/`, one row per (rank, step), in row groups of
+`group_rows` rows (whole optimizer steps; see raypack/data/shards.py for why), read back in step
+order by `raypack.data.shards.iter_rank_packs` and in each epoch's order by `iter_epoch_packs`. A packed row, for pieces a (3 tokens) and b (2 tokens):
 
     input_ids     a0 a1 a2 b0 b1
     labels        l0 l1 l2 m0 m1     raw labels; collate puts -100 at each example start
@@ -42,7 +43,7 @@ from raypack import storage
 from raypack.data.plan import Plan
 
 ROWS_PER_FILE = 4096
-"""Packed rows per output Parquet file (files are named in step order)."""
+"""Packed rows per output Parquet file, rounded down to whole row groups (files are named in step order)."""
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -164,17 +165,19 @@ def _empty_rows(rank: int, steps: np.ndarray, num_ranks: int) -> pa.Table:
     )
 
 
-def _write_rank(rows: pa.Table, out: str, rank: int, num_steps: int, num_ranks: int) -> int:
-    """Add the rank's empty packs, sort by step, write files whose names sort in step order."""
+def _write_rank(rows: pa.Table, out: str, rank: int, num_steps: int, num_ranks: int, group_rows: int = 1) -> int:
+    """Add the rank's empty packs, sort by step, write files whose names sort in step order, in
+    row groups of `group_rows` rows."""
     have = np.zeros(num_steps, dtype=bool)
     have[rows["step"].to_numpy()] = True
     rows = pa.concat_tables([rows, _empty_rows(rank, np.flatnonzero(~have), num_ranks)])
     rows = rows.sort_by("step")
     fs, path = storage.resolve(out)  # a local folder or object storage shared by every node
     fs.create_dir(path, recursive=True)
-    for i in range(0, max(rows.num_rows, 1), ROWS_PER_FILE):
-        name = f"{path}/part-{i // ROWS_PER_FILE:06d}.parquet"
-        pq.write_table(rows.slice(i, ROWS_PER_FILE), name, filesystem=fs)
+    per_file = max(1, ROWS_PER_FILE // group_rows) * group_rows
+    for i in range(0, max(rows.num_rows, 1), per_file):
+        name = f"{path}/part-{i // per_file:06d}.parquet"
+        pq.write_table(rows.slice(i, per_file), name, filesystem=fs, row_group_size=group_rows)
     return rows.num_rows
 
 
@@ -189,15 +192,17 @@ def _route_block(block: pa.Table, routing: dict[str, np.ndarray], num_ranks: int
     return parts if num_ranks > 1 else parts[0]
 
 
-def _finish_rank_tables(out: str, rank: int, num_steps: int, num_ranks: int, reset: bool, *parts) -> int:
+def _finish_rank_tables(out: str, rank: int, num_steps: int, num_ranks: int, reset: bool, *parts,
+                        group_rows: int = 1) -> int:
     parts = [t for t in parts if t.num_rows]
     rows = assemble_rows(pa.concat_tables(parts), reset) if parts else _empty_rows(rank, np.zeros(0, np.int64), num_ranks)
-    return _write_rank(rows, out, rank, num_steps, num_ranks)
+    return _write_rank(rows, out, rank, num_steps, num_ranks, group_rows)
 
 
-def materialize(ds: ray.data.Dataset, plan: Plan, example_ids: np.ndarray, out_dir: str) -> dict[str, Any]:
-    """Write the packed rows of `plan` under `out_dir/rank=<r>/` (replacing what was there).
-    Returns counts and seconds."""
+def materialize(ds: ray.data.Dataset, plan: Plan, example_ids: np.ndarray, out_dir: str,
+                group_rows: int = 1) -> dict[str, Any]:
+    """Write the packed rows of `plan` under `out_dir/rank=<r>/` (replacing what was there), in
+    Parquet row groups of `group_rows` rows. Returns counts and seconds."""
     t0 = time.perf_counter()
     out = out_dir.rstrip("/")
     storage.remove_dir(out)  # write_parquet appends by default; a stale shard would corrupt a rank
@@ -208,6 +213,6 @@ def materialize(ds: ray.data.Dataset, plan: Plan, example_ids: np.ndarray, out_d
     if plan.num_ranks == 1:
         parts = [[p] for p in parts]
     finish = ray.remote(num_cpus=0.5)(_finish_rank_tables)
-    rows = sum(ray.get([finish.remote(f"{out}/rank={r}", r, *args, *[p[r] for p in parts])
+    rows = sum(ray.get([finish.remote(f"{out}/rank={r}", r, *args, *[p[r] for p in parts], group_rows=group_rows)
                         for r in range(plan.num_ranks)]))
     return {"rows": rows, "method": "routed", "seconds": time.perf_counter() - t0}

@@ -147,8 +147,12 @@ def even_out(packing: Packing, num_ranks: int) -> Packing:
         take = min(need, len(candidates))
         chosen = candidates[np.argsort(-tokens[candidates], kind="stable")[:take]]
         pack = pack.copy()
+        # Members of every pack, in index order, from one sort: a scan of the whole array per
+        # chosen pack took 8 s for 511 splits of 10M pieces (512 ranks).
+        by_pack = stable_argsort(pack)
+        first = np.concatenate(([0], np.cumsum(sizes)))
         for p in chosen.tolist():
-            (idx,) = np.nonzero(pack == p)
+            idx = by_pack[first[p] : first[p + 1]]
             run = np.cumsum(end[idx] - start[idx])
             cut = int(np.clip(np.searchsorted(run, run[-1] / 2), 1, len(idx) - 1))
             pack[idx[cut:]] = num_packs

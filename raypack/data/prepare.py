@@ -4,11 +4,13 @@
                                                                                    └─ <root>/train/rank=R/
                                                                                    └─ <root>/eval/rank=R/
 
-Gradient accumulation is folded into the plan: it is built for ranks × accum virtual ranks, then
-`plan.fold_accumulation` gives each rank accum micro-steps per optimizer step, so every optimizer
-step sees ranks × accum packs balanced together. The folder carries a fingerprint of everything
-that shaped it, so a resumed run or a restarted worker group reuses it instead of re-planning.
-What the workers get is a `shards.Prepared` record; they read their rows with `shards.py` alone.
+The plan is `strategies.make_plan(lengths, cfg.pack, ranks, grad_accum)`, the same call `raypack
+plan` makes: built for ranks × accum virtual ranks and folded, so every optimizer step sees
+ranks × accum packs balanced together. One set of rows serves every epoch (each epoch reads it in
+its own order, see shards.py); under `pack.repack_each_epoch` each epoch gets its own plan and rows
+under `<root>/train_epoch=E/` instead. The folder carries a fingerprint of everything that shaped
+it, so a resumed run or a restarted worker group reuses it instead of re-planning. What the
+workers get is a `shards.Prepared` record; they read their rows with `shards.py` alone.
 """
 
 from __future__ import annotations
@@ -24,13 +26,13 @@ from raypack import storage
 from raypack.config import Config
 from raypack.data.encode import load_tokenizer
 from raypack.data.pack import materialize
-from raypack.data.plan import Plan, fold_accumulation
-from raypack.data.shards import Prepared
+from raypack.data.plan import Plan
+from raypack.data.shards import Prepared, group_steps_for
 from raypack.data.sources import ROW_SHIFT
 from raypack.data.strategies import make_plan
 from raypack.data.tokenize import lengths_and_ids, tokenize_dataset
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4  # 4: row groups of whole optimizer steps; epoch orders; per-epoch plans
 
 
 def fingerprint(cfg: Config, num_ranks: int) -> str:
@@ -43,6 +45,8 @@ def fingerprint(cfg: Config, num_ranks: int) -> str:
         "pack": dataclasses.asdict(cfg.pack),
         "ranks": num_ranks,
         "accum": cfg.train.grad_accum,
+        # how many per-epoch plans exist; without repacking every epoch reads the same rows
+        "epochs": [cfg.train.epochs, cfg.train.max_steps] if cfg.pack.repack_each_epoch else None,
     }
     return hashlib.sha256(json.dumps(shaped_by, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -57,13 +61,39 @@ def is_eval(example_ids: np.ndarray, fraction: float, seed: int) -> np.ndarray:
     return (mixed >> np.uint64(40)) % np.uint64(10_000) < np.uint64(round(fraction * 10_000))
 
 
-def _plan_split(ds, lengths, ids, cfg: Config, num_ranks: int, out_dir: str) -> tuple[Plan, dict[str, Any]]:
-    plan = make_plan(lengths, cfg.pack, num_ranks * cfg.train.grad_accum)
-    plan = fold_accumulation(plan, num_ranks, cfg.train.grad_accum)
+def held_out_mask(ids: np.ndarray, cfg: Config) -> np.ndarray:
+    """Which examples (by example_id) are held out for eval; the rest are what the train plan
+    covers (`raypack plan --config` asks this too, so it shows the plan training uses)."""
+    held_out = is_eval(ids, cfg.data.eval_fraction, cfg.pack.seed)
+    if held_out.all():
+        held_out[:] = False  # too few examples to hold any out: train on all, report no eval loss
+    return held_out
+
+
+def _plan_split(ds, lengths, ids, cfg: Config, num_ranks: int, out_dir: str, epoch: int = 0) -> tuple[Plan, dict[str, Any]]:
+    accum = cfg.train.grad_accum
+    plan = make_plan(lengths, cfg.pack, num_ranks, accum, epoch=epoch)
     stats = plan.stats()
     stats["packing_efficiency"] = stats.pop("efficiency")
-    materialize(ds, plan, ids, out_dir)
+    materialize(ds, plan, ids, out_dir, group_rows=group_steps_for(cfg.pack.budget, accum) * accum)
     return plan, stats
+
+
+def _repacked_epochs(ds, lengths, ids, cfg: Config, num_ranks: int, root: str, first: Plan,
+                     first_stats: dict[str, Any]) -> list[dict[str, Any]]:
+    """pack.repack_each_epoch: a plan and rows per epoch (epoch 0's are `first`), as many as the
+    run's epochs or max_steps can use."""
+    accum, t = cfg.train.grad_accum, cfg.train
+    epochs = [{"dir": f"{root}/train", "steps_per_rank": int(first.num_steps), "stats": first_stats}]
+    steps = first.num_steps // accum
+    for e in range(1, t.epochs):
+        if t.max_steps and steps >= t.max_steps:
+            break
+        print(f"[raypack] packing epoch {e + 1}/{t.epochs} (pack.repack_each_epoch)", flush=True)
+        plan, stats = _plan_split(ds, lengths, ids, cfg, num_ranks, f"{root}/train_epoch={e}", epoch=e)
+        epochs.append({"dir": f"{root}/train_epoch={e}", "steps_per_rank": int(plan.num_steps), "stats": stats})
+        steps += plan.num_steps // accum
+    return epochs
 
 
 def prepare(cfg: Config, num_ranks: int, root: str) -> Prepared:
@@ -80,9 +110,7 @@ def prepare(cfg: Config, num_ranks: int, root: str) -> Prepared:
 
     ds, tok_stats = tokenize_dataset(cfg)
     lengths, ids = lengths_and_ids(ds)
-    held_out = is_eval(ids, cfg.data.eval_fraction, cfg.pack.seed)
-    if held_out.all():
-        held_out[:] = False  # too few examples to hold any out: train on all, report no eval loss
+    held_out = held_out_mask(ids, cfg)
     held_ids = np.sort(ids[held_out])
 
     def keep(batch, want_eval: bool):
@@ -99,7 +127,7 @@ def prepare(cfg: Config, num_ranks: int, root: str) -> Prepared:
         # Eval packs with one exact strategy whatever trains: whole examples, positions reset
         # (pad for padded runs, whose model attends with a padding mask), so eval loss compares
         # across strategies in a sweep.
-        eval_pack = dataclasses.replace(cfg.pack, strategy="pad" if train_plan.padded else "bfd")
+        eval_pack = dataclasses.replace(cfg.pack, strategy="pad" if train_plan.padded else "bfd", repack_each_epoch=False)
         eval_cfg = dataclasses.replace(cfg, pack=eval_pack, train=dataclasses.replace(cfg.train, grad_accum=1))
         eval_ds = ds.map_batches(keep, fn_kwargs={"want_eval": True}, batch_format="pyarrow")
         _plan_split(eval_ds, lengths[held_out], ids[held_out], eval_cfg, num_ranks, f"{root}/eval")
@@ -118,6 +146,11 @@ def prepare(cfg: Config, num_ranks: int, root: str) -> Prepared:
         vocab_size=len(tokenizer),
         length_mean=float(trained.mean()) if len(trained) else 0.0,
         length_sq_mean=float((trained**2).mean()) if len(trained) else 0.0,
+        grad_accum=cfg.train.grad_accum,
+        group_steps=group_steps_for(cfg.pack.budget, cfg.train.grad_accum),
+        order_seed=cfg.pack.seed,
+        epochs=(_repacked_epochs(train_ds, lengths[~held_out], ids[~held_out], cfg, num_ranks, root, train_plan, stats)
+                if cfg.pack.repack_each_epoch else []),
         stats={
             **{k: v for k, v in dataclasses.asdict(tok_stats).items() if k != "lengths"},
             **stats,

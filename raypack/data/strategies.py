@@ -1,11 +1,13 @@
 """Packing strategies: small frozen dataclasses, each a pure function from lengths to packs.
 
-    plan = make_plan(lengths, cfg.pack, num_ranks)           # the strategy cfg.pack names
+    plan = make_plan(lengths, cfg.pack, num_ranks, accum)    # the plan training uses
     plan = get_strategy("bfd", budget=4096).plan(lengths, 8)  # or one picked by name
 
-A strategy's `pack` turns the lengths into a `Packing`; its `arrange` picks the grid cell of every
-pack; raypack/data/plan.py does the rest (remainder, placement). The same picklable objects are
-what the `raypack plan` dry run compares and what a Tune sweep varies.
+A strategy's `pack` turns the lengths into a `Packing`; its `layout` evens the pack count out
+over the ranks and picks the grid cell of every pack; raypack/data/plan.py places them. The same
+picklable objects are what the `raypack plan` dry run compares and what a Tune sweep varies.
+`make_plan` is the one way from a PackConfig to a plan: `raypack plan` and data preparation both
+call it, with the gradient accumulation folded in, so the plan shown is the plan trained.
 
 Semantics. For the packed strategies (wrapped, wrapped_noreset, random, greedy, bfd, balanced)
 a pack is one row of at most `budget` tokens: one micro-batch for one rank at one step. For
@@ -14,7 +16,12 @@ longest example, flatten concatenates the same minibatch into one row, so both h
 packs and steps. Only `wrapped*` splits examples (into rows of exactly `budget`, the last row
 may be short); every other strategy places each example whole, once. `Strategy.padded` is the
 one answer to "does this strategy pad?"; it reaches the workers as `Plan.padded` and
-`Prepared.padded`.
+`Prepared.padded`. `Strategy.random_packs` is the one answer to "does the seed change which
+examples share a pack?" (what `pack.repack_each_epoch` needs).
+
+Strategy names are checked when a config loads: raypack/config.py calls `check_strategy_name`
+and `check_repack` (imported inside PackConfig's check, so config.py needs nothing from here
+at import time; this module imports config as usual).
 """
 
 from __future__ import annotations
@@ -26,10 +33,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from raypack.config import PackConfig
+from raypack.config import ConfigError, PackConfig
 from raypack.data import binpack
-from raypack.data.balance import balanced_cells
-from raypack.data.plan import Packing, Plan, check_lengths, even_out, place
+from raypack.data.balance import balanced_layout
+from raypack.data.plan import Packing, Plan, check_lengths, even_out, fold_accumulation, place
 
 
 @dataclass(frozen=True)
@@ -40,9 +47,13 @@ class Strategy:
     padded: ClassVar[bool] = False
     reset_positions: ClassVar[bool] = True
     splits_examples: ClassVar[bool] = False
+    random_packs: ClassVar[bool] = False
+    """True when the seed decides which examples share a pack (not only where packs go)."""
 
     budget: int = 1024
     seed: int = 0
+    epoch: int = 0
+    """Epoch of a per-epoch plan (`pack.repack_each_epoch`); 0 gives the same plan as ever."""
 
     def __post_init__(self) -> None:
         if self.budget <= 0:
@@ -51,10 +62,15 @@ class Strategy:
     def pack(self, lengths: np.ndarray) -> Packing:
         raise NotImplementedError
 
-    def arrange(self, packing: Packing, lengths: np.ndarray, num_ranks: int) -> np.ndarray:
-        """Cell (step * num_ranks + rank) of every pack; the default is a seeded shuffle."""
-        rng = np.random.default_rng([self.seed, 1])
-        return rng.permutation(packing.num_packs)
+    def rng(self, stream: int) -> np.random.Generator:
+        """The generator of one random choice (`stream`), seeded by (seed, stream[, epoch])."""
+        return np.random.default_rng([self.seed, stream] + ([self.epoch] if self.epoch else []))
+
+    def layout(self, packing: Packing, num_ranks: int) -> tuple[Packing, np.ndarray]:
+        """Even the pack count out over the ranks (plan.even_out) and give every pack its cell
+        (step * num_ranks + rank); the default cell order is a seeded shuffle."""
+        packing = even_out(packing, num_ranks)
+        return packing, self.rng(1).permutation(packing.num_packs)
 
     def plan(self, lengths: np.ndarray, num_ranks: int) -> Plan:
         """Pack `lengths`, even the packs out over `num_ranks` and place them (see plan.py)."""
@@ -62,8 +78,8 @@ class Strategy:
         lengths = check_lengths(lengths, self.budget, self.splits_examples, self.name)
         if num_ranks <= 0:
             raise ValueError(f"num_ranks must be positive, got {num_ranks}")
-        packing = even_out(self.pack(lengths), num_ranks)
-        plan = place(packing, self.arrange(packing, lengths, num_ranks), num_ranks, strategy=self.name,
+        packing, cell = self.layout(self.pack(lengths), num_ranks)
+        plan = place(packing, cell, num_ranks, strategy=self.name,
                      budget=self.budget, padded=self.padded, reset_positions=self.reset_positions)
         return dataclasses.replace(plan, seconds=time.perf_counter() - t0)
 
@@ -81,6 +97,7 @@ class Pad(Strategy):
 
     name: ClassVar[str] = "pad"
     padded: ClassVar[bool] = True
+    random_packs: ClassVar[bool] = True
     batch_size: int = 8
 
     def __post_init__(self) -> None:
@@ -89,7 +106,7 @@ class Pad(Strategy):
             raise ValueError(f"{self.name}: batch_size must be positive, got {self.batch_size}")
 
     def _order(self, lengths: np.ndarray) -> np.ndarray:
-        return np.random.default_rng([self.seed, 0]).permutation(len(lengths))
+        return self.rng(0).permutation(len(lengths))
 
     def pack(self, lengths: np.ndarray) -> Packing:
         order = self._order(lengths)
@@ -103,6 +120,7 @@ class PadSorted(Pad):
     """`pad` over examples grouped by length (minibatch order is still shuffled)."""
 
     name: ClassVar[str] = "pad_sorted"
+    random_packs: ClassVar[bool] = False
 
     def _order(self, lengths: np.ndarray) -> np.ndarray:
         return binpack.descending_order(lengths, self.budget)
@@ -122,9 +140,10 @@ class Wrapped(Strategy):
 
     name: ClassVar[str] = "wrapped"
     splits_examples: ClassVar[bool] = True
+    random_packs: ClassVar[bool] = True
 
     def pack(self, lengths: np.ndarray) -> Packing:
-        order = np.random.default_rng([self.seed, 0]).permutation(len(lengths))
+        order = self.rng(0).permutation(len(lengths))
         ex_start = np.concatenate(([0], np.cumsum(lengths[order])))
         total = int(ex_start[-1])
         rows = np.arange(0, total + 1, self.budget)
@@ -151,9 +170,10 @@ class Random(Strategy):
     """Random order, next fit into the budget (2410.08081's random packing)."""
 
     name: ClassVar[str] = "random"
+    random_packs: ClassVar[bool] = True
 
     def pack(self, lengths: np.ndarray) -> Packing:
-        order = np.random.default_rng([self.seed, 0]).permutation(len(lengths))
+        order = self.rng(0).permutation(len(lengths))
         bins = np.empty(len(lengths), dtype=np.int64)
         bins[order] = binpack.next_fit(lengths[order], self.budget)
         return _whole(bins, lengths, order)
@@ -183,12 +203,13 @@ class BFD(Strategy):
 
 @dataclass(frozen=True)
 class Balanced(BFD):
-    """`bfd` packs laid on the grid so each step's ranks get near-equal tokens and attention cost."""
+    """`bfd` packs laid on the grid so each step's ranks get near-equal tokens and attention cost
+    (raypack/data/balance.py); the remainder is dealt into one even step instead of split."""
 
     name: ClassVar[str] = "balanced"
 
-    def arrange(self, packing: Packing, lengths: np.ndarray, num_ranks: int) -> np.ndarray:
-        return balanced_cells(packing, num_ranks, self.budget, self.seed)
+    def layout(self, packing: Packing, num_ranks: int) -> tuple[Packing, np.ndarray]:
+        return balanced_layout(packing, num_ranks, self.budget, self.seed)
 
 
 STRATEGIES: dict[str, type[Strategy]] = {
@@ -196,21 +217,47 @@ STRATEGIES: dict[str, type[Strategy]] = {
 }
 
 
+def check_strategy_name(name: str, field: str = "pack.strategy") -> None:
+    """ConfigError naming `field` unless `name` is a registered strategy (config loading calls it)."""
+    if name not in STRATEGIES:
+        raise ConfigError(f"{field}: unknown packing strategy {name!r}; expected one of {', '.join(STRATEGIES)}")
+
+
+def check_repack(name: str, field: str = "pack.repack_each_epoch") -> None:
+    """ConfigError unless strategy `name` packs differently with another seed: for the others a
+    per-epoch plan would repeat the same packs, and every epoch already gets a new step order."""
+    if not STRATEGIES[name].random_packs:
+        takes = ", ".join(n for n, s in STRATEGIES.items() if s.random_packs)
+        raise ConfigError(
+            f"{field}: {name} packs the same examples together whatever the seed, so a new plan per "
+            f"epoch would only repeat its packs; every epoch already trains them in a new step order. "
+            f"Set it to false, or use a strategy with random packs ({takes})."
+        )
+
+
 def get_strategy(name: str, **params: Any) -> Strategy:
     """Strategy by name. Params it does not take (e.g. `batch_size` for bfd) are ignored, so one
     set of params (a PackConfig's) serves every strategy in a sweep."""
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown packing strategy {name!r}; expected one of {', '.join(STRATEGIES)}")
+    check_strategy_name(name, "strategy")
     cls = STRATEGIES[name]
     fields = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in params.items() if k in fields})
 
 
-def from_config(cfg: PackConfig, name: str | None = None) -> Strategy:
-    """The strategy a PackConfig names (or `name`, e.g. a Tune trial's choice) with its params."""
-    return get_strategy(name or cfg.strategy, budget=cfg.budget, batch_size=cfg.batch_size, seed=cfg.seed)
+def from_config(cfg: PackConfig, name: str | None = None, epoch: int = 0) -> Strategy:
+    """The strategy a PackConfig names (or `name`, e.g. a Tune trial's choice) with its params;
+    `epoch` > 0 gives that epoch's plan under `pack.repack_each_epoch`."""
+    return get_strategy(name or cfg.strategy, budget=cfg.budget, batch_size=cfg.batch_size, seed=cfg.seed,
+                        epoch=epoch)
 
 
-def make_plan(lengths: np.ndarray, cfg: PackConfig, num_ranks: int) -> Plan:
-    """The plan for `cfg` (a PackConfig: strategy, budget, batch_size, seed) over `lengths`."""
-    return from_config(cfg).plan(np.asarray(lengths), num_ranks)
+def make_plan(lengths: np.ndarray, cfg: PackConfig, num_ranks: int, accum: int = 1, epoch: int = 0) -> Plan:
+    """The plan training uses for `cfg` over `lengths` on `num_ranks` ranks with `accum` micro-steps
+    per optimizer step: planned over num_ranks x accum virtual ranks, so every optimizer step's
+    packs are balanced together, then folded (plan.fold_accumulation). `epoch` as in from_config."""
+    if accum <= 0:
+        raise ValueError(f"accum must be positive, got {accum}")
+    t0 = time.perf_counter()
+    plan = from_config(cfg, epoch=epoch).plan(np.asarray(lengths), num_ranks * accum)
+    plan = fold_accumulation(plan, num_ranks, accum)
+    return dataclasses.replace(plan, seconds=time.perf_counter() - t0)

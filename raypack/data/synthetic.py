@@ -8,6 +8,13 @@ download. Three shapes cover the cases the papers study:
 - `wildchat`: long-tailed multi-turn conversations
 
 The parameters are lognormal fits chosen to match the shapes above, not measured corpora.
+
+Three more shapes are held out for the balance targets (raypack/data/balance.py), chosen because
+they are hard for it, not fitted to any corpus:
+
+- `pareto`:  heavy-tailed, 24 * (1 + Pareto(1.1)): mostly short, a long tail up to the budget
+- `bimodal`: 70% short answers (median 60) and 30% long documents (median 2500, narrow)
+- `tiny`:    90% tiny examples (median 12 tokens) mixed with 10% flan-like ones
 """
 
 from __future__ import annotations
@@ -22,14 +29,34 @@ DISTRIBUTIONS: dict[str, tuple[float, float, int, int]] = {
 }
 
 
+HELD_OUT: dict[str, tuple[int, int]] = {"pareto": (24, 16384), "bimodal": (8, 16384), "tiny": (2, 4096)}
+"""(min, max) of the held-out shapes, drawn in `_held_out`."""
+KINDS = (*DISTRIBUTIONS, *HELD_OUT)
+
+
+def _held_out(kind: str, rng: np.random.Generator, n: int) -> np.ndarray:
+    if kind == "pareto":
+        return 24.0 * (1.0 + rng.pareto(1.1, n))
+    if kind == "bimodal":
+        short = rng.random(n) < 0.7
+        return np.where(short, rng.lognormal(np.log(60), 0.5, n), rng.lognormal(np.log(2500), 0.3, n))
+    tiny = rng.random(n) < 0.9
+    return np.where(tiny, rng.lognormal(np.log(12), 0.5, n), rng.lognormal(np.log(180), 1.0, n))
+
+
 def sample_lengths(kind: str, n: int, seed: int = 0, max_length: int | None = None) -> np.ndarray:
-    """`n` example lengths (int64) drawn from distribution `kind`, clipped to [min, max_length]."""
-    if kind not in DISTRIBUTIONS:
-        raise ValueError(f"unknown length distribution {kind!r}; expected one of {', '.join(DISTRIBUTIONS)}")
-    median, sigma, lo, hi = DISTRIBUTIONS[kind]
-    hi = min(hi, max_length) if max_length else hi
+    """`n` example lengths (int64) drawn from distribution `kind` (one of KINDS), clipped to
+    [min, max_length]."""
     rng = np.random.default_rng(seed)
-    lengths = rng.lognormal(np.log(median), sigma, size=n)
+    if kind in DISTRIBUTIONS:
+        median, sigma, lo, hi = DISTRIBUTIONS[kind]
+        lengths = rng.lognormal(np.log(median), sigma, size=n)
+    elif kind in HELD_OUT:
+        lo, hi = HELD_OUT[kind]
+        lengths = _held_out(kind, rng, n)
+    else:
+        raise ValueError(f"unknown length distribution {kind!r}; expected one of {', '.join(KINDS)}")
+    hi = min(hi, max_length) if max_length else hi
     return np.clip(np.rint(lengths), lo, hi).astype(np.int64)
 
 

@@ -2,10 +2,12 @@
 
     setup  ──> restore ──> for each optimizer step: train_step ──> [evaluate] ──> report_and_checkpoint
 
-Each worker reads only its own rank's packs, in plan order, from the folder the driver wrote.
-The data position (epoch, micro-step) travels in every checkpoint, so a restarted worker group
-resumes exactly after the last checkpointed step: the steps lost with a failure are redone, and
-no example is skipped or trained twice by the final model.
+Each worker reads only its own rank's packs from the folder the driver wrote, in the order of the
+current epoch (raypack/data/shards.py: the plan's order in epoch 1, a seeded reorder of whole
+optimizer steps after). The data position (epoch, micro-step within that epoch's order) travels
+in every checkpoint, so a restarted worker group resumes exactly after the last checkpointed
+step: the steps lost with a failure are redone, and no example is skipped or trained twice in an
+epoch by the final model.
 
 Loss: one optimizer step's loss is Σ token losses / N, where N counts the label tokens of all its
 micro-batches on all ranks. DeepSpeed divides each backward by the accumulation steps and averages
@@ -32,7 +34,7 @@ from transformers.integrations import HfDeepSpeedConfig
 
 from raypack.config import Config
 from raypack.data.collate import collate_packed, count_label_tokens, move_batch
-from raypack.data.shards import Prepared, iter_rank_packs
+from raypack.data.shards import Prepared, iter_epoch_packs, iter_rank_packs
 from raypack.model.build import load_model, resolve_dtype
 from raypack.train.engine import deepspeed_config, setup_engine
 from raypack.train.metrics import Reporter, model_flops_per_token
@@ -46,7 +48,8 @@ class TrainState:
 
     epoch: int = 0
     micro_step: int = 0
-    """Next plan step to run in this epoch (a multiple of grad_accum)."""
+    """Micro-steps of this epoch's order already run (a multiple of grad_accum): the position in
+    `shards.epoch_order`, not a stored step."""
     step: int = 0
     """Optimizer steps taken so far."""
     plan: str = ""
@@ -78,8 +81,7 @@ def setup(cfg: Config, data: Prepared, world_size: int):
         gradient_checkpointing=m.gradient_checkpointing,
         vocab_size=data.vocab_size,
     )
-    steps_per_epoch = data.steps_per_rank // cfg.train.grad_accum
-    total = steps_per_epoch * cfg.train.epochs
+    total = sum(data.epoch_rows(e)[1] // cfg.train.grad_accum for e in range(cfg.train.epochs))
     if cfg.train.max_steps:
         total = min(total, cfg.train.max_steps)
     engine, scheduler = setup_engine(model, cfg.train, dtype=model.dtype, world_size=world_size, total_steps=total)
@@ -264,7 +266,9 @@ def train_loop_per_worker(config: dict) -> None:
     for epoch in range(state.epoch, cfg.train.epochs):
         if epoch != state.epoch:
             state.epoch, state.micro_step = epoch, 0
-        rows = iter_rank_packs(data.train_dir, rank, start_step=state.micro_step)
+        folder, epoch_steps, _ = data.epoch_rows(epoch)
+        reporter.static = data.report_stats(epoch)  # per-epoch plans have their own balance
+        rows = iter_epoch_packs(data, rank, epoch, start_step=state.micro_step)
         # The plan gives every rank the same multiple of `accum` steps, so a short group is the epoch end.
         while state.step < total_steps:
             t0 = time.perf_counter()
@@ -286,12 +290,12 @@ def train_loop_per_worker(config: dict) -> None:
                 report_and_checkpoint(engine, state, metrics, rank, checkpoint=ckpt_due, final=final)
         if state.step >= total_steps:
             break
-        if state.micro_step != data.steps_per_rank:
+        if state.micro_step != epoch_steps:
             # Every rank must run the plan's steps; fewer means a shard is missing or unreadable
             # from this node (e.g. a node-local storage_path on a multi-node cluster).
             raise RuntimeError(
-                f"rank {rank} read {state.micro_step} of {data.steps_per_rank} packs from "
-                f"{data.train_dir}/rank={rank}; is run.storage_path shared by every node?"
+                f"rank {rank} read {state.micro_step} of {epoch_steps} packs from "
+                f"{folder}/rank={rank}; is run.storage_path shared by every node?"
             )
     reporter.close()
 
