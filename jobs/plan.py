@@ -2,10 +2,11 @@
 
     ray job submit --address http://127.0.0.1:8265 --working-dir . \
         --runtime-env-json '{"excludes": [".venv", ".git", ".cache", "results"]}' \
-        -- python jobs/plan.py --config jobs/configs/qwen7b.yaml --budget 8192 --ranks 16
+        -- python jobs/plan.py --config jobs/configs/qwen7b.yaml pack.budget=8192 train.num_workers=16
 
-Arguments are `raypack plan`'s: --config FILE (tokenizes the configured data on the cluster) or
---lengths FILE.npy, then --budget, --ranks and optionally --strategy NAME ..., --json, --out.
+Arguments are `raypack plan`'s: --config FILE and dotted overrides (the data is tokenized on the
+cluster, and the plan printed is the plan `raypack train` with that config would train), or
+--lengths FILE.npy for a what-if; optionally --strategy NAME ... (after the overrides), --json, --out.
 """
 
 import sys

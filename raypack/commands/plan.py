@@ -67,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
     if names == ["all"]:
         names = list(STRATEGIES)
     for name in names:
+        if "=" in name:  # --strategy takes every word after it
+            raise ConfigError(f"--strategy {name}: looks like a dotted override; put overrides before --strategy")
         check_strategy_name(name, "--strategy")
     if args.lengths:
         lengths = _load_lengths(args.lengths)

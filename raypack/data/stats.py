@@ -9,11 +9,13 @@ Definitions (the same for every strategy, so a sweep compares like with like):
 - `lower_bound_ratio`: ceil(total / budget) / packs, the share of the least possible pack count.
 - `padding_fraction`: padding tokens / tokens in the materialized rows. Only pad / pad_sorted pad;
   an empty pack is a 1-token padding row.
-- `token_imbalance` / `attention_imbalance`: for each step, max over ranks / mean over ranks of
-  the real tokens (resp. attention cost, sum of squared piece lengths) of the rank's pack; the
-  reported value is the mean over steps weighted by the step's total (tokens, resp. attention),
-  i.e. the share of extra time the slowest rank adds on average. `*_worst` is the worst single step.
-  Steps whose ranks are all empty count as 1.
+- `token_imbalance` / `attention_imbalance`: the wall-time overhead of imbalance. A step lasts as
+  long as its busiest rank, so the figure is Σ over steps of the busiest rank's cost / Σ over
+  steps of the mean rank's cost, where a rank's cost is the real tokens (resp. the attention cost,
+  Σ squared piece lengths) of its pack at that step; 1.0 means no rank ever waits. (It equals the
+  mean over steps of max/mean weighted by each step's total.) A step is one micro-step: with
+  gradient accumulation the plan is folded (plan.fold_accumulation) before its stats are taken.
+  `*_worst` is the worst single step's max/mean; steps whose ranks are all empty count as 1.
 """
 
 from __future__ import annotations
@@ -24,13 +26,13 @@ import numpy as np
 
 
 def _imbalance(per_pack: np.ndarray, num_ranks: int) -> tuple[float, float]:
+    """(Σ_steps max / Σ_steps mean, worst step's max / mean) of per-pack costs in grid order."""
     grid = per_pack.reshape(-1, num_ranks)
-    total = grid.sum(axis=1)
-    mean = total / num_ranks
-    ratio = np.divide(grid.max(axis=1), mean, out=np.ones(len(grid)), where=mean > 0)
-    if len(grid) == 0 or total.sum() == 0:
+    busiest, mean = grid.max(axis=1), grid.mean(axis=1)
+    if len(grid) == 0 or mean.sum() == 0:
         return 1.0, 1.0
-    return float((ratio * total).sum() / total.sum()), float(ratio.max())
+    ratio = np.divide(busiest, mean, out=np.ones(len(grid)), where=mean > 0)
+    return float(busiest.sum() / mean.sum()), float(ratio.max())
 
 
 def plan_stats(plan) -> dict[str, Any]:

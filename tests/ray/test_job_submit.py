@@ -122,7 +122,7 @@ def test_plan_job(cluster):
     lengths = cluster["tmp"] / "lengths.npy"
     np.save(lengths, np.random.default_rng(0).integers(16, 1000, 3000))
     state, logs = submit(cluster, "python", "jobs/plan.py", "--lengths", str(lengths),
-                         "--budget", "1024", "--ranks", "2", "--strategy", "pad", "bfd", "balanced")
+                         "pack.budget=1024", "train.num_workers=2", "--strategy", "pad", "bfd", "balanced")
     assert state == "SUCCEEDED", logs
     assert "balanced" in logs and "bfd" in logs
 

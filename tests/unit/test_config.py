@@ -123,3 +123,23 @@ def test_loads_names_its_source():
         loads("train:\n  lr: fast\n", source="saved.yaml")
     with pytest.raises(ConfigError, match=r"^saved\.yaml: not valid YAML"):
         loads("train: [", source="saved.yaml")
+
+
+def test_unknown_pack_strategy_stops_at_load_naming_field_choices_and_file(tmp_path):
+    path = write(tmp_path, {"pack": {"strategy": "bdf"}})
+    with pytest.raises(ConfigError) as e:
+        load(path)
+    msg = str(e.value)
+    assert path in msg and "pack.strategy: unknown packing strategy 'bdf'" in msg and "balanced" in msg
+
+
+def test_repack_each_epoch_needs_a_strategy_whose_packs_depend_on_the_seed():
+    from raypack.data.strategies import STRATEGIES
+
+    for name, strategy in STRATEGIES.items():
+        if strategy.random_packs:
+            assert load(None, [f"pack.strategy={name}", "pack.repack_each_epoch=true"]).pack.repack_each_epoch
+        else:
+            with pytest.raises(ConfigError, match=rf"pack.repack_each_epoch: {name} packs the same examples"):
+                load(None, [f"pack.strategy={name}", "pack.repack_each_epoch=true"])
+    assert {n for n, s in STRATEGIES.items() if s.random_packs} == {"pad", "flatten", "wrapped", "wrapped_noreset", "random"}

@@ -108,7 +108,8 @@ def test_stopped_run_resumes_and_finishes(ray_local, tmp_path):
     first = fit(cfg)
     assert first.metrics["step"] == 3
     for key in ("loss", "eval_loss", "tokens_per_s", "packing_efficiency", "padding_fraction",
-                "peak_memory_gb", "step_time_s", "data_wait_s", "rank_imbalance"):
+                "peak_memory_gb", "step_time_s", "data_wait_s", "rank_imbalance", "token_imbalance",
+                "attention_imbalance", "token_imbalance_worst", "attention_imbalance_worst"):
         assert first.metrics[key] is not None, key
     assert 0.5 < first.metrics["packing_efficiency"] <= 1.0
 
@@ -127,3 +128,50 @@ def test_stopped_run_resumes_and_finishes(ray_local, tmp_path):
     assert list((run / "tensorboard").glob("events.out.tfevents.*")), "no TensorBoard events"
     model = AutoModelForCausalLM.from_pretrained(Path(resumed.checkpoint.path) / "model")
     assert model.config.vocab_size > 0
+
+
+def loop_killed_in_epoch_two(config: dict) -> None:
+    """The production loop, but worker `rank` dies once when asked for the rows of its fifth
+    optimizer step of the second epoch (after checkpoints inside that epoch), and the restarted
+    run records whether it resumed from the middle of that epoch."""
+    fault = config["fault"]
+    rank = ray.train.get_context().get_world_rank()
+    read = loop.iter_epoch_packs
+
+    def read_then_die(data, r, epoch, start_step=0):
+        if epoch == 1 and start_step > 0:
+            Path(fault["resumed"]).write_text(str(start_step))
+        for i, row in enumerate(read(data, r, epoch, start_step), start=start_step):
+            if epoch == 1 and rank == fault["rank"] and i == 4 * data.grad_accum and not os.path.exists(fault["marker"]):
+                Path(fault["marker"]).touch()
+                os._exit(1)
+            yield row
+
+    loop.iter_epoch_packs = read_then_die
+    loop.train_loop_per_worker(config)
+
+
+def test_killed_in_epoch_two_resumes_mid_epoch_each_example_once_per_epoch_new_order(ray_local, tmp_path):
+    from raypack.train.loop import read_steps_log
+    from raypack.train.trainer import fit
+
+    cfg = tiny_cfg(tmp_path, "train.max_failures=1", "train.epochs=2", "pack.budget=512")
+    fault = {"rank": 0, "marker": str(tmp_path / "fault-fired"), "resumed": str(tmp_path / "resumed-at")}
+    result = fit(cfg, loop=loop_killed_in_epoch_two, extra_loop_config={"fault": fault})
+
+    assert Path(fault["marker"]).exists(), "the injected worker failure never fired"
+    assert result.error is None
+    assert int(Path(fault["resumed"]).read_text()) > 0, "the restart did not resume inside epoch 2"
+    planned = planned_train_ids(cfg)
+    orders = {}
+    for log in sorted(Path(result.checkpoint.path).glob("steps_rank*.npz")):
+        entries = read_steps_log(log)
+        assert [s for s, _, _ in entries] == list(range(1, result.metrics["step"] + 1))  # each step once
+        for epoch in (0, 1):
+            orders.setdefault(epoch, []).append([tuple(ids) for _, e, ids in entries if e == epoch])
+    for epoch in (0, 1):
+        ids = [i for rank_steps in orders[epoch] for step in rank_steps for i in step]
+        assert sorted(ids) == planned, f"epoch {epoch + 1} did not train every example exactly once"
+    for first, second in zip(orders[0], orders[1]):
+        assert sorted(first) == sorted(second)  # the same packs of this rank ...
+        assert first != second  # ... in a different step order

@@ -62,3 +62,26 @@ def test_plan_cli_refuses_bad_names_and_files_in_one_line(tmp_path, capsys):
     (tmp_path / "bad.npy").write_text("not numpy")
     assert main(["plan", "--lengths", str(tmp_path / "bad.npy")]) == 2
     assert "--lengths" in capsys.readouterr().err
+
+
+def test_shipped_plan_job_entrypoint_parses_with_this_cli():
+    """The KubeRay dry-run job's command line is one `raypack plan` still accepts."""
+    import shlex
+
+    import yaml
+
+    from raypack.cli import build_parser
+    from paths import REPO
+
+    entry = yaml.safe_load((REPO / "cluster" / "ray-job.plan.yaml").read_text())["spec"]["entrypoint"]
+    argv = shlex.split(entry)
+    assert argv[:2] == ["python", "jobs/plan.py"]
+    args = build_parser().parse_args(["plan", *argv[2:]])
+    cfg = load(str(REPO / args.config), args.overrides)
+    assert cfg.pack.budget == 16384 and cfg.train.num_workers == 8 and args.strategy == ["bfd", "balanced", "greedy"]
+
+
+def test_overrides_after_strategy_get_a_hint(tmp_path, capsys):
+    np.save(tmp_path / "l.npy", np.array([5, 3]))
+    assert main(["plan", "--lengths", str(tmp_path / "l.npy"), "--strategy", "bfd", "pack.budget=8"]) == 2
+    assert "put overrides before --strategy" in capsys.readouterr().err

@@ -1,0 +1,231 @@
+"""`prepare` at a million examples against a single-process pyarrow floor, in one run.
+
+    PYTHONPATH=. python benchmarks/prepare_scale.py --out benchmarks/results/prepare_scale_cpu_<date>.md
+    PYTHONPATH=. python benchmarks/prepare_scale.py --smoke --out /tmp/prepare_scale.md      # seconds
+
+Input: `--n` pre-tokenized examples (the `tokenized` format: `input_ids` only, so labels are the
+ids) with WildChat-like lengths (raypack.data.synthetic, clipped to `--budget`), random ids,
+written once as Parquet in `--files` files. Then, each in its own process, one after the other:
+
+- `raypack`: `raypack.data.prepare.prepare` on a local Ray instance: read and validate, the
+  tokenize stage, lengths to the driver, the balanced plan over `--ranks` ranks, the routed pack
+  stage and the write of each rank's rows (eval_fraction 0, so exactly the floor's work, plus
+  validation and counting).
+- `floor`: one process, no Ray: read every file with pyarrow, the same plan (make_plan), and the
+  same vectorized routing and row assembly functions (`_route_block`, `_finish_rank_tables`),
+  writing the same rows. It is what the work costs without Ray's distribution (and its ability
+  to run on more than one machine).
+
+Measured: wall seconds; the driver's peak resident memory (getrusage ru_maxrss of that process:
+Ray's workers are other processes, the floor has only the one) and its resident memory before the
+work (imports, Ray start); the object store's peak bytes in use and bytes spilled, polled every
+0.5 s from the raylet (`ray._private.internal_api.get_memory_info_reply`, the numbers `ray memory
+--stats-only` prints). The two outputs are then compared rank by rank (row count, tokens, a
+checksum of input_ids and labels): the floor must have written the same rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from raypack.config import load  # noqa: E402
+from raypack.data.synthetic import sample_lengths  # noqa: E402
+
+
+def make_input(folder: Path, n: int, budget: int, files: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    lengths = sample_lengths("wildchat", n, seed=seed, max_length=budget)
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, part in enumerate(np.array_split(lengths, files)):
+        offsets = np.concatenate(([0], np.cumsum(part))).astype(np.int32)
+        values = rng.integers(0, 4000, int(offsets[-1]), dtype=np.int32)
+        table = pa.table({"input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))})
+        pq.write_table(table, folder / f"part-{i:04d}.parquet", row_group_size=max(1, len(part) // 4))
+    return {"examples": int(n), "tokens": int(lengths.sum()), "input_mib": sum(f.stat().st_size for f in folder.iterdir()) / 2**20}
+
+
+def config(args, data: str):
+    return load(None, [f"data.paths=[{data}]", "data.format=tokenized", "data.eval_fraction=0",
+                       f"pack.budget={args.budget}", "pack.strategy=balanced", f"train.num_workers={args.ranks}",
+                       f"tokenize.num_actors={args.actors}"])
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def child_raypack(args, data: str, out: str) -> dict:
+    import ray
+    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+    from raypack.data.prepare import prepare
+    from raypack.runtime import init_ray
+
+    init_ray()
+    state = get_state_from_address(ray.get_runtime_context().gcs_address)
+    peak = {"used": 0, "spilled": 0}
+    done = threading.Event()
+
+    def poll():
+        while not done.is_set():
+            stats = get_memory_info_reply(state).store_stats
+            peak["used"] = max(peak["used"], stats.object_store_bytes_used)
+            peak["spilled"] = max(peak["spilled"], stats.spilled_bytes_total)
+            done.wait(0.5)
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    before = rss_mib()
+    t0 = time.perf_counter()
+    prepared = prepare(config(args, data), args.ranks, out)
+    wall = time.perf_counter() - t0
+    done.set()
+    thread.join()
+    return {"wall": wall, "rss_before_mib": before, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "store_peak_mib": peak["used"] / 2**20, "spilled_mib": peak["spilled"] / 2**20,
+            "steps": prepared.steps_per_rank}
+
+
+def child_floor(args, data: str, out: str) -> dict:
+    from raypack.data.pack import _finish_rank_tables, _route_block, _routing
+    from raypack.data.shards import group_steps_for
+    from raypack.data.sources import example_id
+    from raypack.data.strategies import make_plan
+
+    cfg = config(args, data)
+    before = rss_mib()
+    t0 = time.perf_counter()
+    files = sorted(Path(data).glob("*.parquet"))
+    tables, ids, lengths = [], [], []
+    for i, f in enumerate(files):
+        t = pq.read_table(f)
+        rows = np.arange(t.num_rows, dtype=np.int64)
+        eid = (i << 42) | (rows << 10)  # raypack.data.sources.example_id, vectorized
+        assert int(eid[-1]) == example_id(i, t.num_rows - 1)
+        n = pc.list_value_length(t["input_ids"]).to_numpy().astype(np.int64)
+        tables.append(t.append_column("example_id", pa.array(eid)).append_column("labels", t["input_ids"]))
+        ids.append(eid)
+        lengths.append(n)
+    ids, lengths = np.concatenate(ids), np.concatenate(lengths)
+    plan = make_plan(lengths, cfg.pack, args.ranks, cfg.train.grad_accum)
+    routing = _routing(plan, ids)
+    parts = []
+    while tables:  # route file by file, dropping each file's tokens once routed
+        routed = _route_block(tables.pop(0), routing, args.ranks)
+        parts.append(list(routed) if args.ranks > 1 else [routed])
+    group_rows = group_steps_for(cfg.pack.budget, cfg.train.grad_accum) * cfg.train.grad_accum
+    for r in range(args.ranks):
+        _finish_rank_tables(f"{out}/train/rank={r}", r, plan.num_steps, args.ranks, plan.reset_positions,
+                            *[p[r] for p in parts], group_rows=group_rows)
+        for p in parts:
+            p[r] = None  # this rank's pieces are written
+    wall = time.perf_counter() - t0
+    return {"wall": wall, "rss_before_mib": before, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "store_peak_mib": 0.0, "spilled_mib": 0.0, "steps": int(plan.num_steps)}
+
+
+def digest(folder: str, ranks: int) -> list[tuple]:
+    """Per rank: rows, tokens, and checksums of input_ids and labels weighted by position."""
+    out = []
+    for r in range(ranks):
+        t = pq.read_table(f"{folder}/rank={r}", columns=["step", "input_ids", "labels", "num_tokens"])
+        t = t.sort_by("step")
+        ids = pc.list_flatten(t["input_ids"]).to_numpy().astype(np.int64)
+        labels = pc.list_flatten(t["labels"]).to_numpy().astype(np.int64)
+        w = np.arange(len(ids), dtype=np.int64) % 1_000_003
+        out.append((t.num_rows, int(t["num_tokens"].to_numpy().sum()), int((ids * w).sum()), int((labels * w).sum())))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--n", type=int, default=1_000_000)
+    p.add_argument("--budget", type=int, default=512)
+    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--files", type=int, default=16)
+    p.add_argument("--actors", type=int, default=2, help="tokenize.num_actors")
+    p.add_argument("--dir", default=None, help="scratch folder (default: a temp dir, removed after)")
+    p.add_argument("--smoke", action="store_true", help="2,000 examples: seconds, not results")
+    p.add_argument("--out", default=None)
+    p.add_argument("--child", choices=["raypack", "floor"], help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.n, args.files, args.ranks = 2000, 2, 2
+    scratch = Path(args.dir or tempfile.mkdtemp(prefix="prepare_scale_"))
+    if args.child:  # one measured run in this fresh process; the result goes to stdout's last line
+        fn = child_raypack if args.child == "raypack" else child_floor
+        print(json.dumps(fn(args, str(scratch / "input"), str(scratch / args.child))))
+        return 0
+    started, load_avg = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), os.getloadavg()
+    t0 = time.perf_counter()
+    data = make_input(scratch / "input", args.n, args.budget, args.files)
+    print(f"input: {data} in {time.perf_counter() - t0:.0f} s", flush=True)
+    given = argv if argv is not None else sys.argv[1:]
+    forwarded = [a for i, a in enumerate(given) if a != "--out" and not a.startswith("--out=")
+                 and (i == 0 or given[i - 1] != "--out")]
+    results = {}
+    for which in ("raypack", "floor"):
+        cmd = [sys.executable, __file__, *forwarded, "--dir", str(scratch), "--child", which]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "RAY_DEDUP_LOGS": "0"})
+        if proc.returncode:
+            print(proc.stdout[-3000:], proc.stderr[-5000:], file=sys.stderr)
+            raise SystemExit(f"{which} failed")
+        results[which] = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(which, results[which], flush=True)
+    same = digest(str(scratch / "raypack" / "train"), args.ranks) == digest(str(scratch / "floor" / "train"), args.ranks)
+    ratio = results["raypack"]["wall"] / results["floor"]["wall"]
+    print(f"raypack / floor wall: {ratio:.2f}x; same rows: {same}")
+    if not args.dir:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if args.out:
+        import ray
+
+        rows = [f"| {k} | {v['wall']:.1f} | {v['rss_before_mib']:.0f} | {v['peak_rss_mib']:.0f} | {v['store_peak_mib']:.0f} | "
+                f"{v['spilled_mib']:.0f} | {v['steps']} |" for k, v in results.items()]
+        lines = [
+            "# prepare at scale vs a single-process pyarrow floor (CPU)" + (" -- SMOKE RUN: not results" if args.smoke else ""),
+            "",
+            f"Command: `python benchmarks/{Path(__file__).name} {' '.join(argv if argv is not None else sys.argv[1:])}`",
+            "",
+            f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; started {started}; load "
+            f"average {load_avg[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end (shared machine: times are upper bounds).",
+            f"Versions: python {platform.python_version()}, numpy {np.__version__}, pyarrow {pa.__version__}, ray {ray.__version__}.",
+            "",
+            f"Input: {data['examples']:,} pre-tokenized examples, {data['tokens']:,} tokens (WildChat-like lengths clipped "
+            f"to {args.budget}), {data['input_mib']:.0f} MiB of Parquet in {args.files} files; plan: balanced, budget "
+            f"{args.budget}, {args.ranks} ranks.",
+            "",
+            "| run | wall s | driver RSS before MiB | driver peak RSS MiB | object store peak MiB | spilled MiB | steps per rank |",
+            "|---|---|---|---|---|---|---|",
+            *rows,
+            "",
+            f"raypack / floor wall time: **{ratio:.2f}x**. Same rows written (per rank: rows, tokens, checksums of "
+            f"input_ids and labels): **{same}**.",
+            "",
+        ]
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text("\n".join(lines))
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
