@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 import ray
 
 from raypack.config import DataConfig
-from raypack.data.formats import FormatError, detect, validate
+from raypack.data.formats import FormatError, detect, tokenized_columns, validate
 from raypack.storage import is_uri, resolve  # local paths and s3://, gs:// URIs through one pyarrow filesystem
 
 FILE_SHIFT, ROW_SHIFT = 42, 10
@@ -191,8 +191,9 @@ def _jsonl_units(i: int, path: str) -> list[dict]:
 # --- reading and validating one unit --------------------------------------------------------------
 
 
-def _records(unit: dict):
-    """(row, where, record-or-FormatError) for every row of a unit, plus the column names for detection."""
+def _records(unit: dict, table: pa.Table | None = None):
+    """(row, where, record-or-FormatError) for every row of a unit (of `table`, if already read),
+    plus the column names for detection."""
     fs, p = resolve(unit["path"])
     path = unit["path"]
     if unit["kind"] == "jsonl":
@@ -219,26 +220,55 @@ def _records(unit: dict):
             return rows, json.loads(unit["keys"])
         first = next((r for _, _, r in rows if isinstance(r, dict)), {})
         return rows, first.keys()
-    if unit["kind"] == "parquet":
-        table = pq.ParquetFile(p, filesystem=fs).read_row_group(unit["row_group"])
-    else:
-        with fs.open_input_file(p) as f:
-            table = pa.ipc.open_stream(f).read_all()
-        if table.num_rows == 0:
-            raise SourceError(f"{path}: empty file (no rows)")
+    table = table if table is not None else _table(unit)
     start = unit["row_offset"]
     rows = [(start + i, f"{path} row {start + i}", rec) for i, rec in enumerate(table.to_pylist())]
     return rows, table.column_names
 
 
+def _table(unit: dict) -> pa.Table:
+    """The rows of a Parquet or Arrow unit."""
+    fs, p = resolve(unit["path"])
+    if unit["kind"] == "parquet":
+        return pq.ParquetFile(p, filesystem=fs).read_row_group(unit["row_group"])
+    with fs.open_input_file(p) as f:
+        table = pa.ipc.open_stream(f).read_all()
+    if table.num_rows == 0:
+        raise SourceError(f"{unit['path']}: empty file (no rows)")
+    return table
+
+
+def _tokenized_unit(unit: dict, table: pa.Table) -> pa.Table | None:
+    """The rows of a tokenized Parquet or Arrow unit in SCHEMA, validated column-wise
+    (formats.tokenized_columns); None if its types need the per-record path."""
+    columns = tokenized_columns(table)
+    if columns is None:
+        return None
+    ids, labels, errors = columns
+    n, start = table.num_rows, unit["row_offset"]
+    where = [None if e is None else f"{unit['path']} row {start + i}: {e}" for i, e in enumerate(errors)]
+    data = {name: pa.nulls(n, SCHEMA.field(name).type) for name in SCHEMA.names}
+    data.update(example_id=pa.array((int(unit["file_index"]) << FILE_SHIFT) | ((start + np.arange(n, dtype=np.int64)) << ROW_SHIFT)),
+                format=pa.array(["tokenized"] * n, pa.string()), input_ids=ids, labels=labels,
+                error=pa.array(where, pa.string()), fatal=pa.array(np.zeros(n, dtype=bool)))
+    return pa.table(data, schema=SCHEMA)
+
+
 def read_unit(batch: dict[str, np.ndarray], declared: str) -> pa.Table:
     """Ray Data map_batches function: the units in `batch` -> rows in SCHEMA (errors in `error`)."""
     out = {name: [] for name in SCHEMA.names}
+    tables = []  # in unit order: a column-wise unit flushes the per-record rows gathered before it
     for k in range(len(batch["path"])):
         unit = {key: batch[key][k] for key in batch}
         unit["row_offset"] = int(unit["row_offset"])
         try:
-            rows, keys = _records(unit)
+            table = None if unit["kind"] == "jsonl" else _table(unit)
+            if table is not None and detect(table.column_names, declared, unit["path"]) == "tokenized":
+                if (fast := _tokenized_unit(unit, table)) is not None:
+                    tables += [pa.Table.from_pydict(out, schema=SCHEMA), fast]
+                    out = {name: [] for name in SCHEMA.names}
+                    continue
+            rows, keys = _records(unit, table)
             fmt = detect(keys, declared, unit["path"])
         except (SourceError, FormatError) as e:
             # A file-level problem travels as a row: an exception raised in a Ray task reaches the
@@ -257,7 +287,7 @@ def read_unit(batch: dict[str, np.ndarray], declared: str) -> pa.Table:
             fields.update(example_id=example_id(int(unit["file_index"]), row), format=fmt, error=error, fatal=False)
             for name in SCHEMA.names:
                 out[name].append(fields.get(name))
-    return pa.Table.from_pydict(out, schema=SCHEMA)
+    return pa.concat_tables([*tables, pa.Table.from_pydict(out, schema=SCHEMA)])
 
 
 def _drop_bad(batch: pa.Table) -> pa.Table:

@@ -164,3 +164,33 @@ def test_large_jsonl_reads_in_chunks_with_exact_lines_and_ids(tmp_path, monkeypa
     assert [r["error"] for r in chunked if r["error"]] == [f"{path}:174: malformed JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"]
     # a later chunk that starts with a bad line still takes the file's format
     assert {r["format"] for r in chunked} == {"completion"}
+
+
+def test_tokenized_parquet_columnwise_matches_per_record_validation(tmp_path, monkeypatch):
+    """The column-wise check of a tokenized Parquet unit gives the same rows, ids and messages,
+    in the same order, as validating one record at a time."""
+    ids = [[1, 2, 3], [], [4, -1], None, [5, None], [6, 7], [8, 9], [10], [11, 12], [13]]
+    labels = [[-100, 2, 3], [1], [1, 2], [1], None, [1], [1, None], None, [1, 2], [-100]]
+    path = tmp_path / "tok.parquet"
+    pq.write_table(pa.table({"input_ids": pa.array(ids, pa.list_(pa.int64())), "labels": pa.array(labels, pa.list_(pa.int64()))}),
+                   path, row_group_size=4)
+    fast = read(path, "tokenized")
+    monkeypatch.setattr(sources, "_tokenized_unit", lambda unit, table: None)  # force the per-record path
+    slow = read(path, "tokenized")
+    assert fast == slow
+    errors = [r["error"] and r["error"].split(": ", 1)[1] for r in fast]
+    assert errors == [None, "`input_ids` must be a non-empty list of non-negative ints",
+                      "`input_ids` must be a non-empty list of non-negative ints", "missing field `input_ids` (tokenized format)",
+                      "`input_ids` must be a non-empty list of non-negative ints", "`labels` has 1 entries but `input_ids` has 2",
+                      "`labels` must be a list of ints", None, None, None]
+    assert fast[8]["input_ids"] == [11, 12] and fast[8]["labels"] == [1, 2] and fast[7]["labels"] is None
+    assert [locate(r["example_id"])[1] for r in fast] == list(range(len(ids)))
+
+
+def test_tokenized_columns_falls_back_for_other_types():
+    from raypack.data.formats import tokenized_columns
+
+    assert tokenized_columns(pa.table({"input_ids": pa.array([[1.0, 2.0]])})) is None
+    assert tokenized_columns(pa.table({"input_ids": pa.array([[1, 2**40]])})) is None
+    ids, labels, errors = tokenized_columns(pa.table({"input_ids": pa.array([[1, 2]], pa.large_list(pa.int16()))}))
+    assert ids.type == pa.list_(pa.int32()) and ids.to_pylist() == [[1, 2]] and labels.to_pylist() == [None] and errors == [None]
