@@ -152,6 +152,12 @@ class TrainConfig:
     """Optimizer steps between checkpoints; 0 checkpoints only at the end."""
     max_failures: int = 1
     """Worker-group restarts from the last checkpoint before the run fails."""
+    loss: Literal["chunked", "full"] = "chunked"
+    """`chunked` computes the loss from the final hidden states a chunk of label tokens at a time and
+    never holds the [tokens, vocab] logits (raypack/train/loss.py; a model it can't reproduce exactly
+    is refused at setup); `full` takes the model's own logits, for any model."""
+    loss_chunk_tokens: int = 0
+    """Label tokens per chunk of the chunked loss; 0 sizes chunks so one chunk's fp32 logits take 256 MiB."""
     tensorboard: bool = True
     """Write per-step TensorBoard events into <run>/tensorboard (local storage paths only)."""
     mlflow: bool = False
@@ -160,7 +166,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("num_workers", "grad_accum", "epochs", "report_every_steps"):
             _check(getattr(self, name) > 0, f"train.{name}", "a positive int", getattr(self, name))
-        for name in ("warmup_steps", "eval_every_steps", "checkpoint_every_steps", "max_failures"):
+        for name in ("warmup_steps", "eval_every_steps", "checkpoint_every_steps", "max_failures", "loss_chunk_tokens"):
             _check(getattr(self, name) >= 0, f"train.{name}", "an int >= 0", getattr(self, name))
         _check(self.max_steps is None or self.max_steps > 0, "train.max_steps", "a positive int or null", self.max_steps)
         _check(self.lr > 0, "train.lr", "a positive float", self.lr)
