@@ -118,6 +118,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.smoke:
+        torch.set_num_threads(1)  # a tiny model gains nothing from more, and a shared CI box oversubscribes
     if device == "cpu" and not args.smoke:
         print("attention_throughput.py compares CUDA attention kernels: it needs a GPU; --smoke runs it on the CPU",
               file=sys.stderr)  # fmt: skip
