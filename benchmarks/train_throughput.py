@@ -358,6 +358,8 @@ def save_random_model(path: str, seed: int) -> None:
     model.save_pretrained(path, safe_serialization=True)
     del model
     gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the Ray worker, another process, gets the whole GPU
 
 
 def fmt_losses(losses: list[float]) -> str:

@@ -15,8 +15,8 @@ on PYTHONPATH, so that every step, and this script's version lines, see the same
     3. loss       benchmarks/loss_memory.py                    -> loss_memory_<device>_<date>.md
     4. attention  benchmarks/attention_throughput.py           -> attention_<device>_<date>.md
 
-Each step runs under its own time limit, cut so that all of them fit in --budget seconds (default
-525 on a GPU) with time kept for the steps after it; a step that fails or runs out of time is
+Each step runs under its own time limit, cut so that all of them, and the install, fit in --budget
+seconds (default 525 on a GPU) with time kept for the steps after it; a step that fails or runs out of time is
 reported and the next one still runs. Progress goes to the console and to one combined log. With
 $OUT set (the device tool's output folder), the results files and the combined log are copied
 there after every step, so even a run cut short returns what it finished. Exit status: 0 when
@@ -42,6 +42,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 READY = "RAYPACK_BENCH_SITE"
 """Set once the wheels are installed and this script restarted with them on PYTHONPATH."""
+STARTED = "RAYPACK_BENCH_STARTED"
+"""Wall-clock start of the first launch: the budget counts the install and the restart too."""
 
 
 @dataclass
@@ -97,7 +99,7 @@ def install_wheels(wheel_dir: Path, site: Path) -> None:
            "--upgrade", "--target", str(site), *map(str, wheels)]  # fmt: skip
     subprocess.run(cmd, check=True)
     print(f"[bench-gpu] installed in {time.perf_counter() - t0:.0f} s; restarting with them on PYTHONPATH", flush=True)
-    env = dict(os.environ, **{READY: str(site)})
+    env = dict(os.environ, **{READY: str(site), STARTED: os.environ.get(STARTED, "")})
     env["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     argv = [a for a in sys.argv if a != "--install"]  # installed once; the restart must not loop
     os.execve(sys.executable, [sys.executable, *argv], env)
@@ -186,7 +188,8 @@ def main(argv=None) -> int:
     p.add_argument("--site", default=str(Path(tempfile.gettempdir()) / "raypack-site"), help="where they are installed")
     p.add_argument("--install", action="store_true", help="install the wheels even where ray and deepspeed import")
     args = p.parse_args(argv)
-    start = time.perf_counter()
+    os.environ.setdefault(STARTED, str(time.time()))
+    started = float(os.environ[STARTED])
 
     try:
         import torch
@@ -224,7 +227,7 @@ def main(argv=None) -> int:
 
     outcomes = []
     for i, step in enumerate(steps):
-        left = budget - (time.perf_counter() - start)
+        left = budget - (time.time() - started)
         keep = sum(s.min_s for s in steps[i + 1 :])
         limit = min(step.cap_s * (3 if args.smoke else 1), left - keep)
         results = results_dir / f"{step.theme}_{device}{suffix}_{date}.md"
@@ -249,7 +252,7 @@ def main(argv=None) -> int:
         if out:
             copy_out(out, [r for *_, r in outcomes if r], log)
 
-    total = time.perf_counter() - start
+    total = time.time() - started
     log(f"[bench-gpu] done in {total:.0f} s: " + ", ".join(f"{n} {s}" for n, s, *_ in outcomes))
     for _, _, _, r in outcomes:
         if r:
