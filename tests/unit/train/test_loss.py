@@ -166,3 +166,12 @@ def test_head_that_is_not_a_linear_layer_is_refused():
 def test_unknown_loss_name():
     with pytest.raises(ValueError, match="train.loss"):
         CausalLMLoss(model_for("llama"), "fused")
+
+
+def test_a_batch_without_label_tokens_has_zero_loss_and_gradients():
+    model = model_for("llama")
+    batch = make_batch(False)
+    batch["labels"] = torch.full_like(batch["labels"], -100)
+    value, grads = loss_and_grads(model, make_loss(model, "chunked", chunk_tokens=5), batch)
+    assert value.item() == 0.0
+    assert all(g.abs().max() == 0 for g in grads.values())
