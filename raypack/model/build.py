@@ -132,6 +132,9 @@ def load_model(
     model.config.use_cache = False
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.use_cache = False
+    # from_pretrained returns a model in eval mode: dropout off, and transformers skips gradient
+    # checkpointing unless `training`; nothing else would switch it back before the first eval.
+    model.train()
     if gradient_checkpointing:
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x renamed it
