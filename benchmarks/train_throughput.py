@@ -62,7 +62,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 try:
-    import deepspeed  # noqa: E402
+    import deepspeed  # noqa: E402, F401  (checked here; its version goes in the results file)
     import ray  # noqa: E402
 except ImportError as e:  # the GPU machine has neither until the wheels are installed
     sys.exit(f"train_throughput.py needs ray and deepspeed ({e}); on the GPU machine `make bench-gpu` installs "

@@ -240,15 +240,17 @@ def main(argv=None) -> int:
         else:
             cmd = [sys.executable, *step.args, *(step.smoke_args if args.smoke else []), "--out", str(results)]
         log(f"[bench-gpu] step {i + 1}/{len(steps)} {step.name} (limit {limit:.0f} s): {' '.join(cmd[1:])}")
+        began = time.time()
         rc, seconds, output = run_step(step, cmd, env, limit, log)
         if step.name == "gpu_tests":
             gpu_tests_report(results, cmd, output, rc, seconds)
-        status = "ok" if rc == 0 and results.exists() else ("timed out" if rc == 124 else f"failed (exit {rc})")
-        if rc == 0 and not results.exists():
+        wrote = results.exists() and results.stat().st_mtime >= began - 1  # not a file left by an earlier run
+        status = "ok" if rc == 0 and wrote else ("timed out" if rc == 124 else f"failed (exit {rc})")
+        if rc == 0 and not wrote:
             status = "failed (no results file)"
         log(f"[bench-gpu] step {i + 1}/{len(steps)} {step.name}: {status} in {seconds:.0f} s" +
-            (f"; wrote {results}" if results.exists() else ""))  # fmt: skip
-        outcomes.append((step.name, status, seconds, results if results.exists() else None))
+            (f"; wrote {results}" if wrote else ""))  # fmt: skip
+        outcomes.append((step.name, status, seconds, results if wrote else None))
         if out:
             copy_out(out, [r for *_, r in outcomes if r], log)
 
