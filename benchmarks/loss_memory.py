@@ -133,13 +133,22 @@ def run_path(model, opt, loss: CausalLMLoss, batches: list[dict], warmup: int, d
         sync(device)
         seconds = time.perf_counter() - start
     except torch.OutOfMemoryError:
-        opt.zero_grad(set_to_none=True)
-        gc.collect()
-        torch.cuda.empty_cache()
+        seconds = None  # freed below: inside `except` the traceback still holds the step's tensors
+    if seconds is None:
+        release(model, opt)
         return {"oom": True}
     tokens = sum(int(b["input_ids"].numel()) for b in batches[warmup:])
     return {"oom": False, "seconds": seconds, "tokens": tokens, "resident_gib": resident,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")}  # fmt: skip
+
+
+def release(model, opt) -> None:
+    """After an out-of-memory error: drop the step's gradients and cached blocks."""
+    model.zero_grad(set_to_none=True)
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def gib(x: float) -> str:
@@ -197,12 +206,13 @@ def main(argv=None) -> int:
     for ckpt in settings:
         set_checkpointing(model, ckpt)
         label = "gradient checkpointing" if ckpt else "activations kept"
+        check = None
         try:
             check = compare(model, losses, batches[0])
         except torch.OutOfMemoryError:
-            gc.collect()
-            torch.cuda.empty_cache()
-            check = None
+            pass
+        if check is None:
+            release(model, opt)
         measured: dict[str, dict | None] = {name: None for name in LOSSES}
         for r in range(args.rounds):
             order = LOSSES if r % 2 == 0 else LOSSES[::-1]  # alternate who goes first
