@@ -10,6 +10,8 @@ no example is skipped or trained twice by the final model.
 Loss: one optimizer step's loss is Σ token losses / N, where N counts the label tokens of all its
 micro-batches on all ranks. DeepSpeed divides each backward by the accumulation steps and averages
 gradients over ranks, so each micro-batch's summed loss is scaled by world·accum/N to undo both.
+A step with N = 0 (no rank has a label token: rare, since examples without one are dropped before
+packing) is logged and skipped, with no forward, backward or update, never averaged in as 0.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers.integrations import HfDeepSpeedConfig
 
-from raypack.config import Config
+from raypack.config import Config, InputError
 from raypack.data.collate import collate_packed, count_label_tokens, move_batch
+from raypack.data.encode import load_tokenizer
 from raypack.data.shards import Prepared, iter_rank_packs
 from raypack.model.build import load_model, resolve_dtype
 from raypack.train.engine import deepspeed_config, setup_engine
@@ -78,10 +81,7 @@ def setup(cfg: Config, data: Prepared, world_size: int):
         gradient_checkpointing=m.gradient_checkpointing,
         vocab_size=data.vocab_size,
     )
-    steps_per_epoch = data.steps_per_rank // cfg.train.grad_accum
-    total = steps_per_epoch * cfg.train.epochs
-    if cfg.train.max_steps:
-        total = min(total, cfg.train.max_steps)
+    total = data.total_steps(cfg.train.grad_accum, cfg.train.epochs, cfg.train.max_steps)
     engine, scheduler = setup_engine(model, cfg.train, dtype=model.dtype, world_size=world_size, total_steps=total)
     del zero3
     return engine, scheduler, total
@@ -99,7 +99,7 @@ def restore(engine, rank: int, plan: str) -> TrainState:
     if state.plan != plan:
         # The position is an index into one plan's packs; on another plan it would skip or
         # repeat examples. Changing data, tokenize, pack, ranks or grad_accum needs a new run.
-        raise RuntimeError(
+        raise InputError(
             f"checkpoint {checkpoint.path} was taken on packed data {state.plan or '<unknown>'}, but this run's "
             f"data is {plan}: the data, tokenize or pack config, num_workers or grad_accum changed. "
             "Resume with the original config, or start a new run.name."
@@ -154,7 +154,18 @@ def train_step(engine, group: list[dict], padded: bool, pad_token_id: int, read_
     world = dist.get_world_size()
     # The one host sync before compute: every rank needs N, the step's global label count.
     n_global = float(global_count([labels], engine.device)[:, 0].sum())
-    scale = world * len(batches) / max(n_global, 1.0)
+    if n_global == 0:  # every rank sees the same N, so every rank skips (see the module doc)
+        return {
+            "loss": float("nan"),
+            "label_tokens": 0.0,
+            "tokens": float(global_count([tokens], engine.device)[:, 0].sum()),
+            "step_time_s": read_s + time.perf_counter() - t0,
+            "data_wait_s": wait,
+            "rank_imbalance": 1.0,
+            "world_size": world,
+            "skipped_steps": 1.0,
+        }
+    scale = world * len(batches) / n_global
     t1 = time.perf_counter()
     loss_sum = forward_backward(engine, batches, scale)
     engine.step()
@@ -162,13 +173,14 @@ def train_step(engine, group: list[dict], padded: bool, pad_token_id: int, read_
     busy = time.perf_counter() - t1
     stats = global_count([loss_value, tokens, busy], engine.device)
     return {
-        "loss": float(stats[:, 0].sum()) / max(n_global, 1.0),
+        "loss": float(stats[:, 0].sum()) / n_global,
         "label_tokens": n_global,
         "tokens": float(stats[:, 1].sum()),
         "step_time_s": read_s + time.perf_counter() - t0,
         "data_wait_s": wait,
         "rank_imbalance": float(stats[:, 2].max() / stats[:, 2].mean().clamp_min(1e-9)),
         "world_size": world,
+        "skipped_steps": 0.0,
     }
 
 
@@ -193,7 +205,11 @@ def evaluate(engine, data: Prepared, rank: int) -> float | None:
 # --- report and checkpoint -----------------------------------------------------------------------
 
 
-def report_and_checkpoint(engine, state: TrainState, metrics: dict, rank: int, checkpoint: bool, final: bool) -> None:
+def report_and_checkpoint(
+    engine, state: TrainState, metrics: dict, rank: int, checkpoint: bool, final: bool, tokenizer=None
+) -> None:
+    """Report `metrics`, with a checkpoint if due; the final one also holds a Hugging Face
+    `model/` folder (with `tokenizer`, when given, so AutoTokenizer loads from it too)."""
     if not checkpoint:
         ray.train.report(metrics)
         return
@@ -202,7 +218,7 @@ def report_and_checkpoint(engine, state: TrainState, metrics: dict, rank: int, c
         engine.save_checkpoint(path, tag=CKPT_TAG, client_state=client)
         write_steps_log(Path(path) / f"steps_rank{rank}.npz", state.steps_log)
         if final:
-            save_hf_model(engine, Path(path) / "model", rank)
+            save_hf_model(engine, Path(path) / "model", rank, tokenizer)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(path))
 
 
@@ -226,14 +242,17 @@ def read_steps_log(path: Path) -> list[tuple[int, int, list[int]]]:
     return [(int(s), int(e), z["example_ids"][o[i]:o[i + 1]].tolist()) for i, (s, e) in enumerate(zip(z["step"], z["epoch"]))]
 
 
-def save_hf_model(engine, path: Path, rank: int) -> None:
-    """A plain Hugging Face folder next to the DeepSpeed state, loadable with from_pretrained."""
+def save_hf_model(engine, path: Path, rank: int, tokenizer=None) -> None:
+    """A plain Hugging Face folder next to the DeepSpeed state, loadable with from_pretrained:
+    the model, and the tokenizer it was trained with."""
     if engine.zero_optimization_stage() == 3:
         state = engine._zero3_consolidated_16bit_state_dict()  # a collective: every rank calls it
     else:
         state = engine.module.state_dict()
     if rank == 0:
         engine.module.save_pretrained(path, state_dict=state, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
 
 
 # --- the loop -------------------------------------------------------------------------------------
@@ -272,6 +291,8 @@ def train_loop_per_worker(config: dict) -> None:
                 break
             values = train_step(engine, group, data.padded, data.pad_token_id, read_s=time.perf_counter() - t0)
             values["lr"] = scheduler.get_last_lr()[0]
+            if values["skipped_steps"] and rank == 0:
+                print(f"[raypack] step {state.step + 1}: no rank has a label token; skipped (no update)", flush=True)
             state.step += 1
             state.micro_step += accum
             state.steps_log.append((state.step, epoch, [i for row in group for i in row["example_ids"]]))
@@ -283,7 +304,8 @@ def train_loop_per_worker(config: dict) -> None:
             if ckpt_due or eval_due or reporter.due(state.step):
                 extra = {"eval_loss": evaluate(engine, data, rank)} if eval_due else {}
                 metrics = reporter.summary(state.step, epoch, extra)
-                report_and_checkpoint(engine, state, metrics, rank, checkpoint=ckpt_due, final=final)
+                tokenizer = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template) if final and rank == 0 else None
+                report_and_checkpoint(engine, state, metrics, rank, checkpoint=ckpt_due, final=final, tokenizer=tokenizer)
         if state.step >= total_steps:
             break
         if state.micro_step != data.steps_per_rank:

@@ -72,7 +72,8 @@ def test_chat_label_masks_token_by_token(tok, mode):
         ids, labels = expected_chat(tok, CONV, lambda j, last: True)
     assert row["input_ids"] == ids
     assert row["labels"] == labels
-    assert row["length"] == len(ids) and row["_label_tokens"] == sum(l != IGNORE for l in labels)
+    # the first token predicts nothing (collate masks it), so a label there counts for nothing
+    assert row["length"] == len(ids) and row["_label_tokens"] == sum(l != IGNORE for l in labels[1:])
 
 
 def test_chat_mask_agrees_with_transformers_assistant_mask(tok):
@@ -193,4 +194,4 @@ def test_call_drops_internal_columns_and_reports_counts():
     assert out.schema.names == ["example_id", "input_ids", "labels", "length"] and out.num_rows == 2
     ((key, c),) = seen.items()
     assert key == (0, 3) and c["dropped"] == 1 and c["lengths"].tolist() == out["length"].to_pylist()
-    assert c["label_tokens"] == sum(x != IGNORE for l in out["labels"].to_pylist() for x in l)
+    assert c["label_tokens"] == sum(x != IGNORE for l in out["labels"].to_pylist() for x in l[1:])
