@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import sys
+import socket
 from pathlib import Path
 
 import ray
@@ -51,11 +51,17 @@ def init_ray() -> None:
 def _init_local() -> None:
     from ray._private import ray_constants
 
-    # Ray reads the switch when it is imported, long before this; set the value it read, and the
-    # variable for the processes ray.init starts, then put both back so that nothing started later
-    # in this process (a test's multi-node cluster) inherits them.
-    saved_env, saved_flag = os.environ.get(LOOPBACK_ONLY), ray_constants.ENABLE_RAY_CLUSTER
-    os.environ[LOOPBACK_ONLY] = saved_env if saved_env is not None else "0"
+    port = _free_port()
+    # Set for the processes ray.init starts, which pass them on to every worker, then put back so
+    # that nothing started later by this process (a test's multi-node cluster) inherits them:
+    # - the loopback switch, which Ray also read when it was imported, hence the module attribute;
+    # - where this instance's State API answers. Ray Train's placement-group cleaner queries it,
+    #   and without an address looks for Ray instances on the machine and fails when it finds
+    #   more than one (another user's, another test's).
+    env = {LOOPBACK_ONLY: "0", "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}
+    saved_env = {k: os.environ.get(k) for k in env}
+    saved_flag = ray_constants.ENABLE_RAY_CLUSTER
+    os.environ.update({k: v for k, v in env.items() if saved_env[k] is None})
     ray_constants.ENABLE_RAY_CLUSTER = ray_constants.env_bool(LOOPBACK_ONLY, False)
     try:
         context = ray.init(
@@ -64,27 +70,33 @@ def _init_local() -> None:
             # leave the read tasks none, and the job would hang on a small machine.
             num_cpus=max(8, 2 * (os.cpu_count() or 2)),
             dashboard_host="127.0.0.1",
+            dashboard_port=port,
             logging_level=logging.WARNING,
         )
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved_flag
-        if saved_env is None:
-            os.environ.pop(LOOPBACK_ONLY, None)
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
     dashboard = f", dashboard http://{context.dashboard_url}" if context.dashboard_url else ""
     print(f"[raypack] started a local Ray instance (listening on {context.address_info['node_ip_address']}{dashboard})",
           flush=True)
 
 
+def _free_port() -> int:
+    """A port free on 127.0.0.1 now (8265, Ray's default, may be another instance's)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def quiet_ray_data() -> None:
-    """Ray Data on this process: no execution-plan lines, and no progress lines off a terminal
-    (it logs one block every few seconds there, instead of redrawing bars); its INFO lines go to
-    its log file only, its warnings still to the screen."""
+    """Ray Data on this process: no execution-plan lines, and its INFO lines (per-dataset
+    progress blocks every few seconds off a terminal, "execution finished") to its log file
+    only; its warnings still reach the screen, and so do its progress bars on a terminal."""
     import ray.data
 
-    ctx = ray.data.DataContext.get_current()
-    ctx.print_on_execution_start = False
-    if not sys.stdout.isatty():
-        ctx.enable_progress_bars = False
+    ray.data.DataContext.get_current().print_on_execution_start = False
     for handler in logging.getLogger("ray.data").handlers:
         if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
             handler.setLevel(max(handler.level, logging.WARNING))

@@ -20,7 +20,6 @@ from raypack import storage
 from raypack.config import Config, ConfigError, dumps, load, loads
 from raypack.runtime import init_ray, run_dir
 from raypack.train.preflight import Checked, preflight
-from raypack.train.trainer import build_trainer, fit_trainer
 
 SAVED_CONFIG = "raypack_config.yaml"
 RESULT = "raypack_result.json"
@@ -94,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if has_checkpoint:
         print(f"[raypack] run {cfg.run.name!r} exists in {root}: continuing from its last checkpoint", flush=True)
+
+    from raypack.train.trainer import build_trainer, fit_trainer  # Ray Train: once the input is known good
 
     fresh = not storage.exists(root)
     init_ray()

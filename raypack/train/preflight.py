@@ -7,18 +7,19 @@ A bad input then fails in seconds, on one line naming the field, the file or the
 Ray instance starts or a file is written. In order, cheapest first:
 
 1. `pack.strategy` names a registered strategy;
-2. `tokenize.tokenizer` loads;
-3. `model.name` resolves to a config (a tiny family, a local folder or the hub; no weights are
+2. every path in `data.paths` exists or its URI answers, is a known file type (a folder holds
+   some), and each file's format is told from its first record;
+3. `tokenize.tokenizer` loads, with a chat template if a file holds chats;
+4. `model.name` resolves to a config (a tiny family, a local folder or the hub; no weights are
    loaded) of a causal LM whose attention can run packed rows, if the strategy packs, and every
    id the tokenizer makes is below its vocabulary size;
-4. every path in `data.paths` exists or its URI answers, is a known file type (a folder holds
-   some), and each file's format is told from its first record; the tokenizer has a chat
-   template if a file holds chats;
 5. small local data (up to `ROW_CHECK_BYTES`): every row, as the Ray read would check it,
    pre-tokenized ids against the model's vocabulary included; larger data is checked row by row
    while Ray reads it, with the same messages;
 6. a run that already packed its data: its sources have not changed since (`prepare.reusable`).
 
+The most common mistakes (a config value, a path) are checked first, before the imports that
+take seconds (transformers and torch for 3 and 4, Ray Data for 6).
 What needs the tokenized data (examples without a label token, a rank without one) is checked
 after tokenizing, still before training (raypack/data/prepare.py).
 """
@@ -33,13 +34,10 @@ import pyarrow.parquet as pq
 
 from raypack import storage
 from raypack.config import Config, ConfigError
-from raypack.data.encode import TokenizeError, check_chat_template, load_tokenizer
 from raypack.data.formats import FormatError, detect
-from raypack.data.prepare import reusable
 from raypack.data.shards import Prepared
 from raypack.data.sources import SourceError, check_rows_here, list_sources
 from raypack.data.strategies import STRATEGIES
-from raypack.model.build import check_model, model_config, model_vocab_size
 from raypack.runtime import absolute_paths, run_dir
 
 ROW_CHECK_BYTES = 16 << 20
@@ -66,29 +64,50 @@ def preflight(cfg: Config, *, reprepare: bool = False) -> Checked:
     cfg = absolute_paths(cfg)
     if cfg.pack.strategy not in STRATEGIES:
         raise ConfigError(f"pack.strategy: expected one of {', '.join(STRATEGIES)}, got {cfg.pack.strategy!r}")
-    tok = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template)
+    formats = source_formats(cfg)
+    # Rows of text formats need no vocabulary bound: check them before the slow imports.
+    bound = any(f in ("tokenized", "auto") for f in formats.values())
+    if not bound:
+        _check_rows(cfg, formats, None)
+    tok = _tokenizer(cfg, formats)
     vocab = check_model_and_tokenizer(cfg, tok)
-    formats = check_data(cfg, tok, vocab)
+    if bound:
+        _check_rows(cfg, formats, vocab)
+    from raypack.data.prepare import reusable  # Ray Data: imported once the cheap checks passed
+
     prepared = reusable(cfg, cfg.train.num_workers, f"{run_dir(cfg)}/packed", reprepare)
     return Checked(cfg=cfg, vocab_size=vocab, formats=formats, prepared=prepared)
 
 
-def check_data(cfg: Config, tok=None, vocab_size: int | None = None) -> dict[str, str]:
-    """Steps 4 and 5 alone (what `raypack data` and `raypack plan` need, with no model): the
-    sources, their formats, the chat template, and the rows of small local data. Returns
-    {file: format}."""
+def check_data(cfg: Config) -> dict[str, str]:
+    """Steps 2, 3 and 5 alone, what `raypack data` and `raypack plan` need (no model, so no
+    vocabulary bound on token ids). Returns {file: format}."""
     cfg = absolute_paths(cfg)
-    tok = tok or load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template)
     formats = source_formats(cfg)
+    _tokenizer(cfg, formats)
+    _check_rows(cfg, formats, None)
+    return formats
+
+
+def _tokenizer(cfg: Config, formats: dict[str, str]):
+    from raypack.data.encode import check_chat_template, load_tokenizer  # transformers: seconds
+
+    tok = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template)
     if "chat" in formats.values():
         check_chat_template(tok, cfg.tokenize.tokenizer)
+    return tok
+
+
+def _check_rows(cfg: Config, formats: dict[str, str], vocab_size: int | None) -> None:
     if all(not storage.is_uri(p) for p in formats) and sum(_size(p) for p in formats) <= ROW_CHECK_BYTES:
         check_rows_here(cfg.data, vocab_size)
-    return formats
 
 
 def check_model_and_tokenizer(cfg: Config, tok) -> int:
     """The model's vocabulary size, once its config resolves and the tokenizer fits it."""
+    from raypack.data.encode import TokenizeError
+    from raypack.model.build import check_model, model_config, model_vocab_size  # torch: seconds
+
     m = cfg.model
     # A tiny model is built with the tokenizer's vocabulary (see raypack.data.prepare), so it fits.
     config = model_config(m.name, m.trust_remote_code, vocab_size=len(tok))

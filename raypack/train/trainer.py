@@ -15,6 +15,7 @@ data) would fail the same way every time, so it ends the run at once and `fit` r
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Sequence
 
@@ -31,6 +32,15 @@ from raypack.train.preflight import Checked, preflight
 def _train_loop(config: dict) -> None:
     """The workers' function. Imported here, in the worker, so that the driver never loads
     DeepSpeed (seconds of imports, and a warning on machines without a GPU)."""
+    try:
+        from ray.train.v2._internal.execution import context as train_context
+
+        # Ray Train names this module's logger by its file path, outside `ray.train`, so its
+        # LoggingConfig misses the "Reporting training result ... TrainingReport(...)" INFO dump
+        # that every report prints.
+        logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
+    except ImportError:  # moved in another Ray version: a noisier screen, nothing worse
+        pass
     from raypack.train.loop import train_loop_per_worker
 
     train_loop_per_worker(config)
@@ -79,11 +89,18 @@ def build_trainer(
     }
     resources = {"CPU": t.cpus_per_worker, **({"GPU": 1} if t.use_gpu else {})}
     env = {k: os.environ[k] for k in ("TORCH_EXTENSIONS_DIR", "HF_HOME", "MLFLOW_TRACKING_URI") if k in os.environ}
-    # Ray Train patches print() in workers to log through its own logger, whose console handler
-    # writes to stderr while the print still reaches stdout: every progress line twice.
-    env.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", os.environ.get("RAY_TRAIN_ENABLE_PRINT_PATCH", "0"))
-    if not t.use_gpu:  # DeepSpeed otherwise warns, in every worker, that it found no GPU
-        env.setdefault("DS_ACCELERATOR", os.environ.get("DS_ACCELERATOR", "cpu"))
+    quiet = {
+        # Ray Train patches print() in workers to log through its own logger, whose console
+        # handler writes to stderr while the print still reaches stdout: every line twice.
+        "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+        # The final checkpoint's save_pretrained draws a progress bar for one shard.
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        # DeepSpeed's collectives call a torch API that warns of its deprecation, in every worker.
+        "PYTHONWARNINGS": "ignore::FutureWarning:torch.distributed.c10d_logger",
+        # DeepSpeed otherwise warns, in every worker, that it found no GPU.
+        **({} if t.use_gpu else {"DS_ACCELERATOR": "cpu"}),
+    }
+    env.update({k: os.environ.get(k, v) for k, v in quiet.items()})  # the user's own settings win
     return TorchTrainer(
         loop or _train_loop,
         train_loop_config=loop_config,
