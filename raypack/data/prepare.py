@@ -38,7 +38,7 @@ from raypack.data.sources import ROW_SHIFT
 from raypack.data.strategies import make_plan
 from raypack.data.tokenize import lengths_and_ids, require_supervised, tokenize_dataset
 
-FORMAT_VERSION = 4  # 4: rows without a label token are dropped
+FORMAT_VERSION = 4  # 4: rows without a label token are dropped; the manifest records the sources
 
 
 class SourcesChangedError(InputError):
@@ -78,18 +78,19 @@ def _plan_split(ds, lengths, ids, cfg: Config, num_ranks: int, out_dir: str) -> 
     return plan, stats, info["rank_label_tokens"]
 
 
-def reusable(cfg: Config, num_ranks: int, root: str, reprepare: bool = False) -> Prepared | None:
+def reusable(cfg: Config, num_ranks: int, root: str, reprepare: bool = False, sources: dict | None = None) -> Prepared | None:
     """The packed data already in `root` if it was made from this config and these sources;
     None if there is none, or it was made from another config (it is then made again), or
     `reprepare` is set. Same config but changed sources raises SourcesChangedError. Starts no
-    Ray work: one listing and stat per source file, a hash of the small ones."""
+    Ray work: one listing and stat per source file, a hash of the small ones (or `sources`,
+    the fingerprint when the caller already has it)."""
     manifest = f"{storage.absolute(root)}/manifest.json"
     if not storage.exists(manifest):
         return None
     saved = json.loads(storage.read_text(manifest))
     if saved.get("fingerprint") != fingerprint(cfg, num_ranks):
         return None
-    changes = changed_sources(saved.get("sources", {}), sources_fingerprint(cfg.data.paths))
+    changes = changed_sources(saved["sources"], sources if sources is not None else sources_fingerprint(cfg.data.paths))
     if not changes:
         return Prepared.from_dict(saved["prepared"])
     if reprepare:
@@ -109,7 +110,7 @@ def prepare(cfg: Config, num_ranks: int, root: str, *, vocab_size: int | None = 
     manifest = f"{root}/manifest.json"
     key = fingerprint(cfg, num_ranks)
     sources = sources_fingerprint(cfg.data.paths)  # before reading: an edit while we read shows next time
-    found = reusable(cfg, num_ranks, root, reprepare)
+    found = reusable(cfg, num_ranks, root, reprepare, sources)
     if found is not None:
         print(f"[raypack] reusing packed data in {root}", flush=True)
         return found

@@ -1,6 +1,8 @@
 """Stage 1: read JSONL, Parquet and `save_to_disk` datasets into one Ray Dataset of raw examples.
 
     ds, report = read_sources_with_report(cfg.data)  # good rows; report.bad_rows, report.formats, ...
+    files = list_sources(cfg.data.paths)             # the listing alone, no reads, no Ray
+    check_rows_here(cfg.data, vocab_size)            # every row validated in this process, no Ray
 
 Each input file is one or more read units (a JSONL file or a newline-aligned byte range of a large
 one, a Parquet row group, an Arrow file of a `save_to_disk` folder) that a Ray task parses and
@@ -85,7 +87,7 @@ def locate(eid: int) -> tuple[int, int, int]:
     return eid >> FILE_SHIFT, (eid >> ROW_SHIFT) & (MAX_ROWS - 1), eid & ((1 << ROW_SHIFT) - 1)
 
 
-def where(eid: int, files: list[tuple[str, str]]) -> str:
+def row_location(eid: int, files: list[tuple[str, str]]) -> str:
     """`file:line` (JSONL) or `file row N` of an example id, as bad-row messages name rows;
     `files` is `list_sources(cfg.paths)`."""
     file_index, row, _ = locate(int(eid))

@@ -31,7 +31,7 @@ import ray
 
 from raypack.config import Config
 from raypack.data.encode import Encoder, TokenizeError, check_chat_template, counts, kept_rows, load_tokenizer
-from raypack.data.sources import SourceError, list_sources, read_rows, read_sources_with_report, where
+from raypack.data.sources import SourceError, list_sources, read_rows, read_sources_with_report, row_location
 
 
 @dataclass
@@ -161,7 +161,7 @@ def tokenize_dataset(cfg: Config, vocab_size: int | None = None) -> tuple[ray.da
     for key in ("dropped", "truncated", "split", "pieces", "no_labels", "no_label_pieces", "label_tokens", "bad_rows"):
         setattr(stats, key, sum(b[key] for b in batches))
     files = list_sources(cfg.data.paths)
-    stats.no_label_examples = [where(e, files) for e in sorted(e for b in batches for e in b["no_label_examples"])[:5]]
+    stats.no_label_examples = [row_location(e, files) for e in sorted(e for b in batches for e in b["no_label_examples"])[:5]]
     for b in batches:
         for fmt, n in b["formats"].items():
             stats.formats[fmt] = stats.formats.get(fmt, 0) + n
