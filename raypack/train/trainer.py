@@ -47,9 +47,11 @@ def _train_loop(config: dict) -> None:
 
 
 class StopOnInputError(ray.train.UserCallback):
-    """Ends the run when a worker raised an InputError, instead of restarting the worker group:
-    Ray Train's failure policy retries every worker error, and takes none of its own callback's
-    errors as retryable, so raising here stops the controller at once (see the module doc)."""
+    """Ends the run when a worker raised an InputError, instead of restarting the worker group.
+    Ray Train's default failure policy retries every worker error (there is no public way to
+    give it another policy), but an error raised in a controller callback becomes a
+    ControllerError, which it does not retry: raising the InputError here stops the run at once,
+    and `fit_trainer` unwraps it (see the module doc)."""
 
     def after_exception(self, run_context, worker_exceptions: dict) -> None:
         for error in worker_exceptions.values():

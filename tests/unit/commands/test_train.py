@@ -61,3 +61,16 @@ def test_a_finished_run_is_known_by_its_steps(tmp_path):
     more = load(None, ["train.grad_accum=2", "train.epochs=2"])  # asks for 10 steps: train on
     assert finished(str(tmp_path), more, checked) is None
     assert finished(str(tmp_path), cfg, types.SimpleNamespace(prepared=None)) is None  # data not packed yet
+
+
+def test_reprepare_is_refused_for_a_run_with_checkpoints(tmp_path, capsys, monkeypatch):
+    import ray
+
+    from raypack.cli import main
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray was started"))
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "checkpoint_manager_snapshot.json").write_text("{}")
+    assert main(["train", "--reprepare", f"run.storage_path={tmp_path}", "run.name=r"]) == 2
+    err = capsys.readouterr().err
+    assert "--reprepare: run 'r'" in err and "has checkpoints" in err and "run.name=NEW_NAME" in err
