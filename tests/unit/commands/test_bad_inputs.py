@@ -1,9 +1,10 @@
 """`raypack train` on bad input: one line naming the field, file or row, exit code 2, before Ray
 starts (ray.init is replaced by a function that fails the test), and no run folder left behind.
 
-One test per class of bad input. Two classes need the tokenized data and so Ray: chats without an
-assistant turn (tests/ray/commands/test_train.py) and, for data too large to check here, every
-row class (the Ray read gives the same messages: tests/ray/data/test_sources.py).
+One test per class of bad input. One class needs the tokenized data, and so Ray: chats without
+an assistant turn (tests/ray/commands/test_train.py). Rows of data too large to check before Ray
+starts (over 16 MiB, or remote) are checked by the Ray read, with the same messages
+(tests/ray/data/test_sources.py, test_tokenize.py).
 """
 
 from __future__ import annotations
