@@ -24,10 +24,15 @@ GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "c
 
 @pytest.fixture
 def no_ray(monkeypatch):
+    """Starting Ray fails the test, even in a session where another test's Ray is up (then
+    raypack would join it: `ray.is_initialized` is made to say no)."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("Ray was started before the bad input was found")
 
     monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
 
 
 def jsonl(path, *records):

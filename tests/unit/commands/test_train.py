@@ -69,6 +69,7 @@ def test_reprepare_is_refused_for_a_run_with_checkpoints(tmp_path, capsys, monke
     from raypack.cli import main
 
     monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray was started"))
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # another test's Ray may be up
     (tmp_path / "r").mkdir()
     (tmp_path / "r" / "checkpoint_manager_snapshot.json").write_text("{}")
     assert main(["train", "--reprepare", f"run.storage_path={tmp_path}", "run.name=r"]) == 2

@@ -34,11 +34,13 @@ class RecordingEngine:
 
 @pytest.fixture(scope="module")
 def process_group(tmp_path_factory):
-    if not dist.is_initialized():
+    ours = not dist.is_initialized()
+    if ours:
         store = tmp_path_factory.mktemp("pg") / "store"
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     yield
-    dist.destroy_process_group()
+    if ours:
+        dist.destroy_process_group()
 
 
 def row(labels):
