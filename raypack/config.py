@@ -12,6 +12,7 @@ plain data so that it can travel as Ray Train's `train_loop_config` and be logge
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Sequence
@@ -25,7 +26,13 @@ ASSETS = Path(__file__).parent / "assets"
 """Bundled tiny tokenizer and sample data: the embedded default needs nothing from a hub."""
 
 
-class ConfigError(ValueError):
+class InputError(ValueError):
+    """Input raypack can't use: a config value, a data source, a tokenizer or a model. Running
+    again fails the same way, so it is reported as one line (exit code 2 from the command line)
+    and never retried by Ray Train. Every error about the user's input derives from it."""
+
+
+class ConfigError(InputError):
     """A config value is unknown, of the wrong type or out of range."""
 
 
@@ -60,6 +67,9 @@ class TokenizeConfig:
     """Which tokens carry loss. `auto`: assistant turns for chat, the output/completion otherwise."""
     overlength: Literal["drop", "truncate", "split"] = "truncate"
     """What happens to an example longer than `max_length` (default: the pack budget)."""
+    no_labels: Literal["drop", "error"] = "drop"
+    """An example no token of which carries loss (a chat without an assistant turn, a prompt that
+    truncate cut before its answer) is dropped and counted, or is an error naming it."""
     max_length: int | None = None
     """Longest example kept whole; None means `pack.budget`."""
     batch_size: int = 256
@@ -311,6 +321,8 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
             except ValueError:
                 pass
         _check(isinstance(value, (int, float)) and not isinstance(value, bool), name, "a number", value)
+        # inf passes every `> 0` check (train.lr=inf trains on NaNs) and nan any negated one.
+        _check(math.isfinite(value), name, "a finite number", value)
         return float(value)
     elif hint is str:
         _check(isinstance(value, str), name, "a string", value)

@@ -11,10 +11,12 @@ Loss: one optimizer step's loss is Σ token losses / N, where N counts the label
 micro-batches on all ranks. DeepSpeed divides each backward by the accumulation steps and averages
 gradients over ranks, so each micro-batch's summed loss is scaled by world·accum/N to undo both.
 The token losses come from raypack/train/loss.py (chunked: no [tokens, vocab] logits).
+A step with N = 0 (no rank has a label token: rare, since examples without one are dropped before
+packing) is logged and skipped, with no forward, backward or update, never averaged in as 0.
 
 Data: a background thread reads, collates and pins the next step's micro-batches while this one
-computes (raypack/train/prefetch.py). N stays on the device until the step's one host sync at its
-end, which times the compute and reads the step's loss for reporting.
+computes (raypack/train/prefetch.py). Each step reads N on the host once, while the device is idle
+between steps, and syncs once at its end, which times the compute and reads the step's loss.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ import torch
 import torch.distributed as dist
 from transformers.integrations import HfDeepSpeedConfig
 
-from raypack.config import Config
+from raypack.config import Config, InputError
 from raypack.data.collate import move_batch
+from raypack.data.encode import load_tokenizer
 from raypack.data.shards import Prepared, iter_rank_packs
 from raypack.model.build import load_model, resolve_dtype
 from raypack.train.engine import deepspeed_config, setup_engine
@@ -82,10 +85,7 @@ def setup(cfg: Config, data: Prepared, world_size: int):
         gradient_checkpointing=m.gradient_checkpointing,
         vocab_size=data.vocab_size,
     )
-    steps_per_epoch = data.steps_per_rank // cfg.train.grad_accum
-    total = steps_per_epoch * cfg.train.epochs
-    if cfg.train.max_steps:
-        total = min(total, cfg.train.max_steps)
+    total = data.total_steps(cfg.train.grad_accum, cfg.train.epochs, cfg.train.max_steps)
     engine, scheduler = setup_engine(model, cfg.train, dtype=model.dtype, world_size=world_size, total_steps=total)
     del zero3
     return engine, scheduler, total
@@ -103,7 +103,7 @@ def restore(engine, rank: int, plan: str) -> TrainState:
     if state.plan != plan:
         # The position is an index into one plan's packs; on another plan it would skip or
         # repeat examples. Changing data, tokenize, pack, ranks or grad_accum needs a new run.
-        raise RuntimeError(
+        raise InputError(
             f"checkpoint {checkpoint.path} was taken on packed data {state.plan or '<unknown>'}, but this run's "
             f"data is {plan}: the data, tokenize or pack config, num_workers or grad_accum changed. "
             "Resume with the original config, or start a new run.name."
@@ -144,25 +144,37 @@ def train_step(engine, step: StepBatch, loss: CausalLMLoss, wait_s: float = 0.0)
     """One optimizer step on prefetched micro-batches; `wait_s` is how long the loop waited for them."""
     t0 = time.perf_counter()
     world = dist.get_world_size()
-    # Every rank needs N, the step's global label count, before its first backward: gathered on
-    # the device and used there, so the host does not wait for it.
-    n_global = global_count([step.label_tokens], engine.device)[:, 0].sum()
-    scale = (world * len(step.batches) / n_global.clamp_min(1.0)).float()
+    # Every rank needs N, the step's global label count, before its first backward. Reading it
+    # costs one tiny collective and sync while the device is idle (the last step ended in a sync);
+    # every rank reads the same N, so a step with none is skipped by all of them alike.
+    n_global = float(global_count([step.label_tokens], engine.device)[:, 0].sum())
+    if n_global == 0:
+        return {
+            "loss": float("nan"),
+            "label_tokens": 0.0,
+            "tokens": float(global_count([step.tokens], engine.device)[:, 0].sum()),
+            "step_time_s": wait_s + time.perf_counter() - t0,
+            "data_wait_s": wait_s,
+            "rank_imbalance": 1.0,
+            "world_size": world,
+            "skipped_steps": 1.0,
+        }
+    scale = world * len(step.batches) / n_global
     loss_sum = forward_backward(engine, step.batches, scale, loss)
     engine.step()
     if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)  # the step's one host sync: `busy` covers the real compute
+        torch.cuda.synchronize(engine.device)  # the step's closing sync: `busy` covers the real compute
     busy = time.perf_counter() - t0
-    n_value = float(n_global)  # free now: the device is idle
     stats = global_count([float(loss_sum), step.tokens, busy], engine.device).cpu()
     return {
-        "loss": float(stats[:, 0].sum()) / max(n_value, 1.0),
-        "label_tokens": n_value,
+        "loss": float(stats[:, 0].sum()) / n_global,
+        "label_tokens": n_global,
         "tokens": float(stats[:, 1].sum()),
         "step_time_s": wait_s + time.perf_counter() - t0,
         "data_wait_s": wait_s,
         "rank_imbalance": float(stats[:, 2].max() / stats[:, 2].mean().clamp_min(1e-9)),
         "world_size": world,
+        "skipped_steps": 0.0,
     }
 
 
@@ -193,7 +205,11 @@ def _preparer(data: Prepared, device: torch.device):
 # --- report and checkpoint -----------------------------------------------------------------------
 
 
-def report_and_checkpoint(engine, state: TrainState, metrics: dict, rank: int, checkpoint: bool, final: bool) -> None:
+def report_and_checkpoint(
+    engine, state: TrainState, metrics: dict, rank: int, checkpoint: bool, final: bool, tokenizer=None
+) -> None:
+    """Report `metrics`, with a checkpoint if due; the final one also holds a Hugging Face
+    `model/` folder (with `tokenizer`, when given, so AutoTokenizer loads from it too)."""
     if not checkpoint:
         ray.train.report(metrics)
         return
@@ -202,7 +218,7 @@ def report_and_checkpoint(engine, state: TrainState, metrics: dict, rank: int, c
         engine.save_checkpoint(path, tag=CKPT_TAG, client_state=client)
         write_steps_log(Path(path) / f"steps_rank{rank}.npz", state.steps_log)
         if final:
-            save_hf_model(engine, Path(path) / "model", rank)
+            save_hf_model(engine, Path(path) / "model", rank, tokenizer)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(path))
 
 
@@ -226,14 +242,17 @@ def read_steps_log(path: Path) -> list[tuple[int, int, list[int]]]:
     return [(int(s), int(e), z["example_ids"][o[i]:o[i + 1]].tolist()) for i, (s, e) in enumerate(zip(z["step"], z["epoch"]))]
 
 
-def save_hf_model(engine, path: Path, rank: int) -> None:
-    """A plain Hugging Face folder next to the DeepSpeed state, loadable with from_pretrained."""
+def save_hf_model(engine, path: Path, rank: int, tokenizer=None) -> None:
+    """A plain Hugging Face folder next to the DeepSpeed state, loadable with from_pretrained:
+    the model, and the tokenizer it was trained with."""
     if engine.zero_optimization_stage() == 3:
         state = engine._zero3_consolidated_16bit_state_dict()  # a collective: every rank calls it
     else:
         state = engine.module.state_dict()
     if rank == 0:
         engine.module.save_pretrained(path, state_dict=state, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
 
 
 # --- the loop -------------------------------------------------------------------------------------
@@ -276,6 +295,8 @@ def train_loop_per_worker(config: dict) -> None:
                     break
                 values = train_step(engine, step, loss, wait_s=time.perf_counter() - t0)
                 values["lr"] = scheduler.get_last_lr()[0]
+                if values["skipped_steps"] and rank == 0:
+                    print(f"[raypack] step {state.step + 1}: no rank has a label token; skipped (no update)", flush=True)
                 state.step += 1
                 state.micro_step += accum
                 state.steps_log.append((state.step, epoch, step.example_ids))
@@ -287,7 +308,8 @@ def train_loop_per_worker(config: dict) -> None:
                 if ckpt_due or eval_due or reporter.due(state.step):
                     extra = {"eval_loss": evaluate(engine, data, rank, loss)} if eval_due else {}
                     metrics = reporter.summary(state.step, epoch, extra)
-                    report_and_checkpoint(engine, state, metrics, rank, checkpoint=ckpt_due, final=final)
+                    tokenizer = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template) if final and rank == 0 else None
+                    report_and_checkpoint(engine, state, metrics, rank, checkpoint=ckpt_due, final=final, tokenizer=tokenizer)
         if state.step >= total_steps:
             break
         if state.micro_step != data.steps_per_rank:
