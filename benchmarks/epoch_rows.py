@@ -37,6 +37,7 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import results_path  # noqa: E402
 from raypack.config import PackConfig  # noqa: E402
 from raypack.data.pack import ROWS_PER_FILE, _write_rank, assemble_rows  # noqa: E402
 from raypack.data.shards import Prepared, group_steps_for, iter_epoch_packs  # noqa: E402
@@ -147,10 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         note="write and bytes are per epoch: x epochs in all")
     if not args.dir:
         shutil.rmtree(scratch, ignore_errors=True)
-    if args.out:
+    if args.out or args.smoke:
         lines = [
             "# Epoch orders: storage layouts (CPU, local disk)" + (" -- SMOKE RUN: not results" if args.smoke else ""),
             "",
+            *(["**--smoke run: a few examples, to prove the script works; these numbers are not results.**", ""]
+              if args.smoke else []),
             f"Command: `python benchmarks/{Path(__file__).name} {' '.join(argv if argv is not None else sys.argv[1:])}`",
             "",
             f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; started {started}; load "
@@ -166,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['per_step_ms']:.2f} | {r['peak_mb']:.1f} | {r['note']} |" for r in results],
             "",
         ]
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text("\n".join(lines))
+        out = results_path("epoch_rows", args.smoke, args.out)
+        out.write_text("\n".join(lines))
+        print(f"wrote {out}")
     return 0
 
 

@@ -5,7 +5,7 @@ an FFD reference, and `balanced`'s wall-time overhead over many ranks.
     python benchmarks/pack_plan.py --quick               # 1M, budget 4096 only
     python benchmarks/pack_plan.py --sizes 1000000 --budgets 4096 --kinds flan --out /tmp/x.md
     python benchmarks/pack_plan.py --balance --out benchmarks/results/pack_plan_balance_cpu_<date>.md
-    python benchmarks/pack_plan.py --smoke --out /tmp/pack_plan.md         # seconds: both modes, tiny
+    python benchmarks/pack_plan.py --smoke               # 20k FLAN-like lengths, one budget, both modes: proves the script runs
 
 Strategy mode. For every (kind, size, budget) the same lengths go to:
 
@@ -15,7 +15,7 @@ Strategy mode. For every (kind, size, budget) the same lengths go to:
   has those lengths (int8 zeros, to keep memory down). Twice: with the datasets default map batch
   of 1000 rows (what TRL users get: packing within each batch of 1000) and with the whole dataset
   as one batch (a global BFD, the like-for-like comparison). Only up to `--trl-max` examples, and
-  only where trl is installed (`pip install -e '.[bench]'`);
+  only where TRL is installed (`pip install -e '.[bench]'`; a run without it says so);
 - `ffd_reference`: a straightforward first-fit-decreasing (a max segment tree over bins, one
   Python step per example), the algorithm Axolotl's multipack sampler implements (with numba
   there). Only up to `--ref-max` examples.
@@ -49,6 +49,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import results_path  # noqa: E402
 from raypack.config import PackConfig  # noqa: E402
 from raypack.data.plan import even_out, place  # noqa: E402
 from raypack.data.strategies import STRATEGIES, get_strategy, make_plan  # noqa: E402
@@ -181,7 +182,7 @@ def balance_summary(rows: list[dict], tok_target: float = 1.005, att_target: flo
     return out
 
 
-def run(kinds, sizes, budgets, strategies, trl_max, ref_max) -> list[dict]:
+def run(kinds, sizes, budgets, strategies, trl_max, ref_max, trl: bool = True) -> list[dict]:
     rows = []
     for n in sizes:
         for kind in kinds:
@@ -203,7 +204,7 @@ def run(kinds, sizes, budgets, strategies, trl_max, ref_max) -> list[dict]:
                     bins = get_strategy(name, budget=budget).pack(lengths).num_packs if name in ("bfd", "greedy") else None
                     add(name, plan.num_packs, plan.seconds, tok=s["token_imbalance"], att=s["attention_imbalance"],
                         bins=bins)
-                if n <= trl_max and _has_trl():
+                if trl and n <= trl_max:
                     for label, bs in (("trl_bfd(batch=1000)", 1000), ("trl_bfd(global)", None)):
                         packs, seconds = trl_bfd(lengths, budget, bs)
                         add(label, packs, seconds)
@@ -212,12 +213,6 @@ def run(kinds, sizes, budgets, strategies, trl_max, ref_max) -> list[dict]:
                     packs = ffd_reference(lengths, budget)
                     add("ffd_reference", packs, time.perf_counter() - t0)
     return rows
-
-
-def _has_trl() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("trl") is not None
 
 
 def _fmt(r: dict) -> str:
@@ -235,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="1M examples at budget 4096 only")
     p.add_argument("--balance", action="store_true", help="balance mode: overhead at 8/64/512 ranks (see above)")
-    p.add_argument("--smoke", action="store_true", help="both modes on a few thousand lengths: seconds, not results")
+    p.add_argument("--smoke", action="store_true", help="20k FLAN-like lengths, budget 2048, both modes: proves the script runs")
     p.add_argument("--sizes", type=int, nargs="+", default=None, help="default: 1M and 10M")
     p.add_argument("--budgets", type=int, nargs="+", default=[2048, 4096, 8192])
     p.add_argument("--kinds", nargs="+", default=None, help="default: flan orcamath wildchat (balance mode: all)")
@@ -248,9 +243,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.sizes, args.budgets = [1_000_000], [4096]
     if args.smoke:
-        args.sizes, args.budgets, args.trl_max, args.ref_max = [3000], [1024], 0, 3000
+        args.sizes, args.budgets, args.kinds, args.ref_max = [20_000], [2048], ["flan"], 20_000
     sizes = args.sizes or [1_000_000, 10_000_000]
     import pyarrow
+
+    try:
+        import trl
+    except ImportError:
+        trl = None
+        print("TRL is not installed (pip install -e '.[bench]'): its rows are left out", file=sys.stderr)
 
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     load = os.getloadavg()
@@ -266,28 +267,30 @@ def main(argv: list[str] | None = None) -> int:
     if not args.balance or args.smoke:
         print(HEADER)
         rows = run(args.kinds or ["flan", "orcamath", "wildchat"], sizes, args.budgets, args.strategies,
-                   args.trl_max, args.ref_max)
+                   args.trl_max, args.ref_max, trl=trl is not None)
         sections += ["## Strategies", "", HEADER, *[_fmt(r) for r in rows], ""]
     wall = time.perf_counter() - t0
-    if args.out:
-        trl = f", trl {__import__('trl').__version__}" if _has_trl() else ", trl not installed (no TRL rows)"
+    if args.out or args.smoke:
         lines = [
             "# Packing plan benchmark (CPU)" + (" -- SMOKE RUN: these numbers are not results" if args.smoke else ""),
             "",
-            f"Command: `python benchmarks/{Path(__file__).name} {' '.join(argv if argv is not None else sys.argv[1:])}`",
+            f"Command: `python benchmarks/{Path(__file__).name} {' '.join(sys.argv[1:] if argv is None else argv)}`",
             "",
             f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; "
             f"started {started}; load average at start {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}, "
             f"at end {os.getloadavg()[0]:.1f} (the machine is shared with other engineers' jobs: "
             "wall times are upper bounds; cpu s is this process's CPU time). Every method runs on one core.",
             "",
-            f"Versions: python {platform.python_version()}, numpy {np.__version__}, pyarrow {pyarrow.__version__}"
-            f"{trl}. Total wall {wall:.0f} s.",
+            *(["**--smoke run: few lengths, to prove the script works; these numbers are not results.**", ""]
+              if args.smoke else []),
+            f"Versions: python {platform.python_version()}, numpy {np.__version__}, pyarrow {pyarrow.__version__}, "
+            f"trl {trl.__version__ if trl else 'not installed (its rows are left out)'}. Total wall {wall:.0f} s.",
             "",
             *sections,
         ]
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text("\n".join(lines))
+        out = results_path("pack_plan", args.smoke, args.out)
+        out.write_text("\n".join(lines))
+        print(f"wrote {out}")
     return 0
 
 

@@ -47,6 +47,7 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import results_path  # noqa: E402
 from raypack.config import load  # noqa: E402
 from raypack.data.synthetic import sample_lengths  # noqa: E402
 
@@ -270,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"raypack / floor wall: {ratio:.2f}x, cpu {cpu_ratio:.2f}x; same rows: {same}")
     if not args.dir:
         shutil.rmtree(scratch, ignore_errors=True)
-    if args.out:
+    if args.out or args.smoke:
         import ray
 
         rows = [f"| {k} | {v['wall']:.1f} | {v['cpu']:.0f} | {v['rss_before_mib']:.0f} | {v['peak_rss_mib']:.0f} | "
@@ -279,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         lines = [
             "# prepare at scale vs a single-process pyarrow floor (CPU)" + (" -- SMOKE RUN: not results" if args.smoke else ""),
             "",
+            *(["**--smoke run: a few examples, to prove the script works; these numbers are not results.**", ""]
+              if args.smoke else []),
             f"Command: `python benchmarks/{Path(__file__).name} {' '.join(argv if argv is not None else sys.argv[1:])}`",
             "",
             f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; started {started}; load "
@@ -300,8 +303,9 @@ def main(argv: list[str] | None = None) -> int:
             "the wall ratio favours the many-process run, so the CPU ratio is the fairer one.",
             "",
         ]
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text("\n".join(lines))
+        out = results_path("prepare_scale", args.smoke, args.out)
+        out.write_text("\n".join(lines))
+        print(f"wrote {out}")
     return 0 if same else 1
 
 

@@ -40,12 +40,15 @@ def _from_config(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
     # Imported here, not at the top: these take 3 s to import on 2 cores (Ray Data and the
     # tokenizer stack), which a dry run over a --lengths file, 0.2 s in all, never needs.
     from raypack.data.prepare import held_out_mask
-    from raypack.data.tokenize import lengths_and_ids, tokenize_dataset
+    from raypack.data.tokenize import lengths_and_ids, require_supervised, tokenize_dataset
     from raypack.runtime import absolute_paths, init_ray
+    from raypack.train.preflight import check_data
 
     cfg = absolute_paths(cfg)
+    check_data(cfg)  # before Ray starts
     init_ray()
-    ds, _ = tokenize_dataset(cfg)
+    ds, stats = tokenize_dataset(cfg)
+    require_supervised(stats, cfg)
     lengths, ids = lengths_and_ids(ds)
     train = ~held_out_mask(ids, cfg)
     return lengths[train], ids[train]

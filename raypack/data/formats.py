@@ -5,6 +5,10 @@
     completion   {"prompt": str, "completion": str}
     tokenized    {"input_ids": [int >= 0, ...], "labels": [int, ...] (optional, same length)}
 
+A source holds one format: with `data.format: auto` the first record picks it, and a later record
+of another format is an error that says so. Token ids (and labels other than -100) must be below
+the model's vocabulary size when the caller knows it.
+
 raypack/data/sources.py reads the records and adds where each one came from to the messages.
 `tokenized_columns` is `validate` for a whole Arrow table of tokenized rows at once: a Parquet
 source of pre-tokenized examples is checked without turning every token into a Python int
@@ -56,8 +60,27 @@ def _string(rec: dict[str, Any], key: str, fmt: str, optional: bool = False) -> 
     return value
 
 
-def validate(rec: Any, fmt: str) -> dict[str, Any]:
-    """The record normalized to `fmt`'s fields of sources.SCHEMA, or a FormatError naming the problem."""
+def validate(rec: Any, fmt: str, vocab_size: int | None = None, detected: bool = False) -> dict[str, Any]:
+    """The record normalized to `fmt`'s fields of sources.SCHEMA, or a FormatError naming the
+    problem. `detected`: `fmt` was detected from the source's first record, so a record that
+    lacks its fields but fits another format is reported as a mixed-format source."""
+    try:
+        return _validate(rec, fmt, vocab_size)
+    except FormatError:
+        if detected and isinstance(rec, dict):
+            try:
+                other = detect(rec.keys(), "auto", "")
+            except FormatError:
+                other = fmt
+            if other != fmt:
+                raise FormatError(
+                    f"a {other} example in a {fmt} source (its first record is {fmt}); one format per "
+                    "file: split the file, or set data.format"
+                ) from None
+        raise
+
+
+def _validate(rec: Any, fmt: str, vocab_size: int | None) -> dict[str, Any]:
     if not isinstance(rec, dict):
         raise FormatError(f"expected a JSON object, got {type(rec).__name__}")
     if fmt == "chat":
@@ -98,7 +121,21 @@ def validate(rec: Any, fmt: str) -> dict[str, Any]:
             raise FormatError(BAD_LABELS)
         if len(labels) != len(ids):
             raise FormatError(f"`labels` has {len(labels)} entries but `input_ids` has {len(ids)}")
+    if vocab_size is not None and (error := _vocab_error(ids, labels, vocab_size)):
+        raise FormatError(error)
     return {"input_ids": list(ids), "labels": None if labels is None else list(labels)}
+
+
+def _vocab_error(ids, labels, vocab_size: int) -> str | None:
+    """The message for the first id outside the vocabulary (labels may also be -100), if any."""
+    # An id past the embedding is an IndexError in a worker (a device-side assert on a GPU)
+    # that names no row; here it names the file and the line.
+    for key, values in (("input_ids", ids), ("labels", labels or ())):
+        bad = next((j for j, t in enumerate(values) if t >= vocab_size or (t < 0 and t != -100)), None)
+        if bad is not None:
+            return (f"{key}[{bad}] = {values[bad]} is outside the model's vocabulary (ids 0..{vocab_size - 1}"
+                    + (", or -100 for no loss)" if key == "labels" else ")"))
+    return None
 
 
 MISSING_IDS = "missing field `input_ids` (tokenized format)"
@@ -125,7 +162,7 @@ def _rows_with(lists: pa.Array, bad_values: pa.Array) -> np.ndarray:
     return rows
 
 
-def tokenized_columns(table: pa.Table) -> tuple[pa.Array, pa.Array, list[str | None]] | None:
+def tokenized_columns(table: pa.Table, vocab_size: int | None = None) -> tuple[pa.Array, pa.Array, list[str | None]] | None:
     """`validate` for every row of a tokenized table: (input_ids, labels) as list<int32> and each
     row's error message (None if valid; the ids and labels of a bad row are null). None when the
     column types need the per-record path (not integer lists, values beyond int32), which then
@@ -151,6 +188,13 @@ def tokenized_columns(table: pa.Table) -> tuple[pa.Array, pa.Array, list[str | N
     for i in np.flatnonzero(missing | bad_ids | bad_labels | mismatch).tolist():  # the order validate checks in
         errors[i] = (MISSING_IDS if missing[i] else BAD_IDS if bad_ids[i] else BAD_LABELS if bad_labels[i]
                      else f"`labels` has {label_lengths[i]} entries but `input_ids` has {lengths[i]}")
+    if vocab_size is not None:  # only the few flagged rows go through Python, for validate's message
+        outside = lambda v: pc.fill_null(pc.or_(pc.greater_equal(v, vocab_size),  # noqa: E731
+                                                pc.and_(pc.less(v, 0), pc.not_equal(v, -100))), False)
+        flagged = _rows_with(ids, outside(values)) | _rows_with(labels, outside(label_values))
+        for i in np.flatnonzero(flagged).tolist():
+            if errors[i] is None:
+                errors[i] = _vocab_error(ids[i].as_py(), labels[i].as_py(), vocab_size)
     good = pa.array([e is None for e in errors], pa.bool_())
     keep = lambda a: pc.if_else(good, a.cast(pa.list_(pa.int32())), pa.scalar(None, pa.list_(pa.int32())))  # noqa: E731
     return keep(ids), keep(labels), errors

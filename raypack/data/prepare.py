@@ -9,8 +9,14 @@ plan` makes: built for ranks × accum virtual ranks and folded, so every optimiz
 ranks × accum packs balanced together. One set of rows serves every epoch (each epoch reads it in
 its own order, see shards.py); under `pack.repack_each_epoch` each epoch gets its own plan and rows
 under `<root>/train_epoch=E/` instead. The folder carries a fingerprint of everything that shaped
-it, so a resumed run or a restarted worker group reuses it instead of re-planning. What the
-workers get is a `shards.Prepared` record; they read their rows with `shards.py` alone.
+it, so a resumed run or a restarted worker group reuses it instead of re-planning: the config that
+shaped it (`fingerprint`), and the identity of every source file (`raypack.data.fingerprint`).
+Same config but changed sources is an error, never a silent reuse and never a silent re-pack under
+a run whose checkpoints index the old packs. What the workers get is a `shards.Prepared` record;
+they read their rows with `shards.py` alone.
+
+Before packing it refuses data that trains on nothing: no example with a label token, or a rank
+that would get none (more ranks x grad_accum than examples).
 """
 
 from __future__ import annotations
@@ -18,21 +24,28 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import time
 from typing import Any
 
 import numpy as np
 
 from raypack import storage
-from raypack.config import Config
+from raypack.config import Config, InputError
 from raypack.data.encode import load_tokenizer
+from raypack.data.fingerprint import changed_sources, sources_fingerprint
 from raypack.data.pack import materialize
 from raypack.data.plan import Plan
 from raypack.data.shards import Prepared, group_steps_for
 from raypack.data.sources import ROW_SHIFT
 from raypack.data.strategies import make_plan
-from raypack.data.tokenize import lengths_and_ids, tokenize_dataset
+from raypack.data.tokenize import lengths_and_ids, require_supervised, tokenize_dataset
 
-FORMAT_VERSION = 4  # 4: row groups of whole optimizer steps; epoch orders; per-epoch plans
+FORMAT_VERSION = 5  # 4: rows without a label token are dropped; the manifest records the sources
+# 5: row groups of whole optimizer steps; epoch orders; per-epoch plans
+
+
+class SourcesChangedError(InputError):
+    """The sources differ from those a run's packed data was made from."""
 
 
 def fingerprint(cfg: Config, num_ranks: int) -> str:
@@ -70,13 +83,14 @@ def held_out_mask(ids: np.ndarray, cfg: Config) -> np.ndarray:
     return held_out
 
 
-def _plan_split(ds, lengths, ids, cfg: Config, num_ranks: int, out_dir: str, epoch: int = 0) -> tuple[Plan, dict[str, Any]]:
+def _plan_split(ds, lengths, ids, cfg: Config, num_ranks: int, out_dir: str,
+                epoch: int = 0) -> tuple[Plan, dict[str, Any], list[int]]:
     accum = cfg.train.grad_accum
     plan = make_plan(lengths, cfg.pack, num_ranks, accum, epoch=epoch)
     stats = plan.stats()
     stats["packing_efficiency"] = stats.pop("efficiency")
-    materialize(ds, plan, ids, out_dir, group_rows=group_steps_for(cfg.pack.budget, accum) * accum)
-    return plan, stats
+    info = materialize(ds, plan, ids, out_dir, group_rows=group_steps_for(cfg.pack.budget, accum) * accum)
+    return plan, stats, info["rank_label_tokens"]
 
 
 def _repacked_epochs(ds, lengths, ids, cfg: Config, num_ranks: int, root: str, first: Plan,
@@ -90,26 +104,58 @@ def _repacked_epochs(ds, lengths, ids, cfg: Config, num_ranks: int, root: str, f
         if t.max_steps and steps >= t.max_steps:
             break
         print(f"[raypack] packing epoch {e + 1}/{t.epochs} (pack.repack_each_epoch)", flush=True)
-        plan, stats = _plan_split(ds, lengths, ids, cfg, num_ranks, f"{root}/train_epoch={e}", epoch=e)
+        plan, stats, _ = _plan_split(ds, lengths, ids, cfg, num_ranks, f"{root}/train_epoch={e}", epoch=e)
         epochs.append({"dir": f"{root}/train_epoch={e}", "steps_per_rank": int(plan.num_steps), "stats": stats})
         steps += plan.num_steps // accum
     return epochs
 
 
-def prepare(cfg: Config, num_ranks: int, root: str) -> Prepared:
+def reusable(cfg: Config, num_ranks: int, root: str, reprepare: bool = False, sources: dict | None = None) -> Prepared | None:
+    """The packed data already in `root` if it was made from this config and these sources;
+    None if there is none, or it was made from another config (it is then made again), or
+    `reprepare` is set. Same config but changed sources raises SourcesChangedError. Starts no
+    Ray work: one listing and stat per source file, a hash of the small ones (or `sources`,
+    the fingerprint when the caller already has it)."""
+    manifest = f"{storage.absolute(root)}/manifest.json"
+    if not storage.exists(manifest):
+        return None
+    saved = json.loads(storage.read_text(manifest))
+    if saved.get("fingerprint") != fingerprint(cfg, num_ranks):
+        return None
+    changes = changed_sources(saved["sources"], sources if sources is not None else sources_fingerprint(cfg.data.paths))
+    if not changes:
+        return Prepared.from_dict(saved["prepared"])
+    if reprepare:
+        return None
+    more = f" (and {len(changes) - 1} more changes)" if len(changes) > 1 else ""
+    raise SourcesChangedError(
+        f"data.paths changed since this run's data was prepared in {root}: {changes[0]}{more}. "
+        "Start a new run with run.name=NEW_NAME, or re-prepare this one with `raypack train --reprepare`"
+    )
+
+
+def prepare(cfg: Config, num_ranks: int, root: str, *, vocab_size: int | None = None, reprepare: bool = False) -> Prepared:
     """Tokenize, split, plan and pack `cfg`'s data into `root` (a folder or URI every node can
-    read), or reuse what is already there."""
+    read), or reuse what is already there (see `reusable`). `vocab_size`: the model's, which
+    bounds the ids of pre-tokenized rows."""
     root = storage.absolute(root)
     manifest = f"{root}/manifest.json"
     key = fingerprint(cfg, num_ranks)
-    if storage.exists(manifest):
-        saved = json.loads(storage.read_text(manifest))
-        if saved.get("fingerprint") == key:
-            print(f"[raypack] reusing packed data in {root}")
-            return Prepared.from_dict(saved["prepared"])
+    sources = sources_fingerprint(cfg.data.paths)  # before reading: an edit while we read shows next time
+    found = reusable(cfg, num_ranks, root, reprepare, sources)
+    if found is not None:
+        print(f"[raypack] reusing packed data in {root}", flush=True)
+        return found
 
-    ds, tok_stats = tokenize_dataset(cfg)
+    t0 = time.perf_counter()
+    print(f"[raypack] reading and tokenizing {len(sources)} source file(s)", flush=True)
+    ds, tok_stats = tokenize_dataset(cfg, vocab_size)
+    require_supervised(tok_stats, cfg)
     lengths, ids = lengths_and_ids(ds)
+    print(f"[raypack] {tok_stats.examples_in} examples: {tok_stats.examples_out} rows, {tok_stats.tokens} tokens "
+          f"({tok_stats.label_tokens} with loss); dropped {tok_stats.dropped} over {tok_stats.max_length} tokens and "
+          f"{tok_stats.no_labels} without a label token, truncated {tok_stats.truncated}, split {tok_stats.split}, "
+          f"{tok_stats.bad_rows} bad rows skipped ({time.perf_counter() - t0:.1f} s)", flush=True)
     held_out = held_out_mask(ids, cfg)
     held_ids = np.sort(ids[held_out])
 
@@ -119,9 +165,17 @@ def prepare(cfg: Config, num_ranks: int, root: str) -> Prepared:
         return batch.filter(mask)
 
     train_ds = ds.map_batches(keep, fn_kwargs={"want_eval": False}, batch_format="pyarrow") if len(held_ids) else ds
-    train_plan, stats = _plan_split(train_ds, lengths[~held_out], ids[~held_out], cfg, num_ranks, f"{root}/train")
+    train_plan, stats, rank_labels = _plan_split(train_ds, lengths[~held_out], ids[~held_out], cfg, num_ranks, f"{root}/train")
     if train_plan.num_steps < cfg.train.grad_accum:
-        raise ValueError(f"{len(lengths)} examples make no full optimizer step for {num_ranks} ranks")
+        raise InputError(f"data.paths: {len(lengths)} examples make no full optimizer step for {num_ranks} ranks")
+    idle = [r for r, n in enumerate(rank_labels) if n == 0]
+    if idle:
+        # Its gradients would be zeros averaged into every step: not wrong, but not what was asked.
+        raise InputError(
+            f"data.paths: rank {idle[0]} of {num_ranks} gets no label token to train on "
+            f"({int((~held_out).sum())} training examples for {num_ranks} ranks x {cfg.train.grad_accum} "
+            "micro-batches); add data or lower train.num_workers or train.grad_accum"
+        )
     eval_dir = None
     if len(held_ids):
         # Eval packs with one exact strategy whatever trains: whole examples, positions reset
@@ -158,5 +212,7 @@ def prepare(cfg: Config, num_ranks: int, root: str) -> Prepared:
             "eval_examples": int(held_out.sum()),
         },
     )
-    storage.write_text(manifest, json.dumps({"fingerprint": key, "prepared": prepared.to_dict()}, indent=1))
+    storage.write_text(manifest, json.dumps({"fingerprint": key, "sources": sources, "prepared": prepared.to_dict()}, indent=1))
+    print(f"[raypack] packed {prepared.steps_per_rank} steps x {num_ranks} ranks with {cfg.pack.strategy} "
+          f"(efficiency {stats['packing_efficiency']:.3f}) in {root} ({time.perf_counter() - t0:.1f} s)", flush=True)
     return prepared

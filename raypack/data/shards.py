@@ -86,6 +86,12 @@ class Prepared:
             return e["dir"], int(e["steps_per_rank"]), False  # a new plan: its own seeded order
         return self.train_dir, self.steps_per_rank, epoch > 0
 
+    def total_steps(self, grad_accum: int, epochs: int, max_steps: int | None) -> int:
+        """Optimizer steps a run over this data takes: every epoch's (each repacked epoch has its
+        own count), or `max_steps` if fewer."""
+        total = sum(self.epoch_rows(e)[1] // grad_accum for e in range(epochs))
+        return min(total, max_steps) if max_steps else total
+
     def report_stats(self, epoch: int = 0) -> dict[str, float]:
         """Plan statistics reported with every ray.train.report: efficiency, padding, and the
         wall-time overhead of imbalance (tokens and attention; mean and worst step)."""

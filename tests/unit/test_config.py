@@ -143,3 +143,12 @@ def test_repack_each_epoch_needs_a_strategy_whose_packs_depend_on_the_seed():
             with pytest.raises(ConfigError, match=rf"pack.repack_each_epoch: {name} packs the same examples"):
                 load(None, [f"pack.strategy={name}", "pack.repack_each_epoch=true"])
     assert {n for n, s in STRATEGIES.items() if s.random_packs} == {"pad", "flatten", "wrapped", "wrapped_noreset", "random"}
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "inf", "nan", "1e999"])
+def test_non_finite_floats_are_refused(tmp_path, value):
+    """inf passes `lr > 0`; nan any check written as a negation. Neither is a usable value."""
+    with pytest.raises(ConfigError, match=r"train\.lr: expected a finite number"):
+        load(None, [f"train.lr={value}"])
+    with pytest.raises(ConfigError, match=r"train\.weight_decay: expected a finite number"):
+        load(None, [f"train.weight_decay={value}"])

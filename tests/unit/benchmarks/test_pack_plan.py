@@ -44,5 +44,5 @@ def test_smoke_writes_both_sections(tmp_path):
     out = tmp_path / "r.md"
     assert BENCH.main(["--smoke", "--out", str(out)]) == 0
     text = out.read_text()
-    assert "SMOKE RUN" in text and "## Balance at budget 1024" in text and "## Strategies" in text
-    assert "| tiny | 3,000 | 512 |" in text
+    assert "SMOKE RUN" in text and "## Balance at budget 2048" in text and "## Strategies" in text
+    assert "| flan | 20,000 | 512 |" in text

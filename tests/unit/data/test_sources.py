@@ -194,3 +194,22 @@ def test_tokenized_columns_falls_back_for_other_types():
     assert tokenized_columns(pa.table({"input_ids": pa.array([[1, 2**40]])})) is None
     ids, labels, errors = tokenized_columns(pa.table({"input_ids": pa.array([[1, 2]], pa.large_list(pa.int16()))}))
     assert ids.type == pa.list_(pa.int32()) and ids.to_pylist() == [[1, 2]] and labels.to_pylist() == [None] and errors == [None]
+
+
+def test_tokenized_columnwise_vocab_bound_matches_per_record(tmp_path, monkeypatch):
+    ids = [[1, 2, 3], [1, 50], [4, 5], [6, 7], [8, 99, 70]]
+    labels = [[-100, 2, 3], [1, 2], [-100, 64], [-5, 1], None]
+    path = tmp_path / "tok.parquet"
+    pq.write_table(pa.table({"input_ids": ids, "labels": labels}), path)
+    units, _ = sources._units((str(path),))
+
+    def rows():
+        return sources.read_unit({k: [units[0][k]] for k in units[0]}, "tokenized", vocab_size=64).to_pylist()
+
+    fast = rows()
+    monkeypatch.setattr(sources, "_tokenized_unit", lambda *a: None)
+    assert fast == rows()
+    assert [r["error"] and r["error"].split(": ", 1)[1] for r in fast] == [
+        None, None, "labels[1] = 64 is outside the model's vocabulary (ids 0..63, or -100 for no loss)",
+        "labels[0] = -5 is outside the model's vocabulary (ids 0..63, or -100 for no loss)",
+        "input_ids[1] = 99 is outside the model's vocabulary (ids 0..63)"]
