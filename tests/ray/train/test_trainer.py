@@ -136,8 +136,10 @@ def test_stopped_run_resumes_and_finishes(ray_local, tmp_path):
 
 
 def loop_killed_in_epoch_two(config: dict) -> None:
-    """The production loop, but worker `rank` dies once when asked for the rows of its fifth
-    optimizer step of the second epoch (after checkpoints inside that epoch), and the restarted
+    """The production loop, but worker `rank` dies once when asked for the rows of its eleventh
+    optimizer step of the second epoch (after checkpoints inside that epoch: the prefetcher reads
+    up to three steps ahead of the one training, and Ray registers a reported checkpoint
+    asynchronously, so the margin is several checkpoints), and the restarted
     run records whether it resumed from the middle of that epoch."""
     fault = config["fault"]
     rank = ray.train.get_context().get_world_rank()
@@ -147,7 +149,7 @@ def loop_killed_in_epoch_two(config: dict) -> None:
         if epoch == 1 and start_step > 0:
             Path(fault["resumed"]).write_text(str(start_step))
         for i, row in enumerate(read(data, r, epoch, start_step), start=start_step):
-            if epoch == 1 and rank == fault["rank"] and i == 4 * data.grad_accum and not os.path.exists(fault["marker"]):
+            if epoch == 1 and rank == fault["rank"] and i == 10 * data.grad_accum and not os.path.exists(fault["marker"]):
                 Path(fault["marker"]).touch()
                 os._exit(1)
             yield row
