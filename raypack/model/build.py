@@ -8,21 +8,27 @@ Every model comes back with a raypack varlen attention (see `attention.py`) unle
 is `sdpa`/`eager`, which the caller picks for padded batches (the training loop asks the packed
 data, `Prepared.padded`; this module knows no packing strategy), and with `use_cache=False`:
 with the cache on, transformers stops finding example boundaries in position_ids and examples
-leak into each other.
+leak into each other. A model that can't train exactly on packed rows with the chosen backend
+is refused (`traits.check_packable`): by `check_model` on the driver before any data or worker
+work (a meta-device build, no weights), and again by `load_model` on the worker, which knows
+its device and whether flash-attn is installed.
 """
 
 from __future__ import annotations
 
 import copy
-import inspect
 from typing import Any
 
 import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from raypack.model import attention as attn
+from raypack.model.traits import UnsupportedModelError, check_packable
+
+__all__ = ["UnsupportedModelError", "check_model", "check_packable", "load_model", "resolve_dtype", "tiny_config"]
 
 _TINY_COMMON = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -45,10 +51,6 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 """`tiny-<family>`: config class and what it needs beyond the shared tiny sizes."""
 
 
-class UnsupportedModelError(ValueError):
-    """The model cannot run packed (varlen) attention; padded strategies still work."""
-
-
 def resolve_dtype(dtype: str | torch.dtype = "auto") -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -67,22 +69,52 @@ def tiny_config(family: str, vocab_size: int = 1024, **overrides: Any):
     return getattr(transformers, cls_name)(**{**_TINY_COMMON, **extra, "vocab_size": vocab_size, **overrides})
 
 
-def check_packable(model_cls: type, name: str) -> None:
-    """Refuse, naming the model, a class whose attention transformers can't route to raypack."""
-    reasons = []
-    if not getattr(model_cls, "_supports_attention_backend", False):
-        reasons.append("transformers can't route its attention through AttentionInterface")
-    if "position_ids" not in inspect.signature(model_cls.forward).parameters:
-        reasons.append("its forward takes no position_ids")
-    if reasons:
-        raise UnsupportedModelError(
-            f"{name} ({model_cls.__name__}) can't train on packed rows: {'; '.join(reasons)}. "
-            "Use a padded strategy instead (pad or pad_sorted), whose batches load it with attention='sdpa'."
-        )
+def _device_type() -> str:
+    """Where a model loaded here will run: the worker's accelerator if it has one (as `dtype='auto'`)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _attn_implementation(attention: str) -> str:
     return attention if attention in ("sdpa", "eager") else attn.attn_implementation_name(attention)
+
+
+def _config(source: str | PretrainedConfig, trust_remote_code: bool, vocab_size: int) -> tuple[Any, str, bool]:
+    """(config, name for messages, whether weights come from a checkpoint)."""
+    if isinstance(source, PretrainedConfig):
+        # transformers 5 writes attn_implementation into the config it is given: never share one
+        return copy.deepcopy(source), type(source).__name__, False
+    if isinstance(source, str) and source.startswith("tiny-"):
+        return tiny_config(source.removeprefix("tiny-"), vocab_size=vocab_size), source, False
+    if isinstance(source, str):
+        return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code), source, True
+    raise TypeError(f"load_model: expected a name, path or transformers config, got {type(source).__name__}")
+
+
+def check_model(
+    name_or_config: str | PretrainedConfig,
+    attention: str = "auto",
+    device_type: str = "cpu",
+    trust_remote_code: bool = False,
+    max_row_tokens: int | None = None,
+    vocab_size: int = 1024,
+) -> None:
+    """Refuse, before any data or worker work, a model that can't train exactly on packed rows
+    with `attention` on `device_type` (`sdpa` means transformers' own attention over packed
+    position_ids: only the model-wide traits apply). Builds the model on the meta device: no
+    weights, a few seconds for 70B. `max_row_tokens` is the longest packed row, if known."""
+    config, name, _ = _config(name_or_config, trust_remote_code, vocab_size)
+    backends = () if attention in ("sdpa", "eager") else attn.candidate_backends(attention, device_type)
+    _check_on_meta(config, name, backends, trust_remote_code, max_row_tokens)
+
+
+def _check_on_meta(config, name: str, backends, trust_remote_code: bool, max_row_tokens: int | None = None) -> None:
+    config = copy.deepcopy(config)
+    config.use_cache = False
+    # The attention name only has to be one transformers accepts for any class: the structure is
+    # what the check reads, and raypack's names change no model's structure.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", trust_remote_code=trust_remote_code)
+    check_packable(model, name, backends, max_row_tokens=max_row_tokens)
 
 
 def load_model(
@@ -102,24 +134,18 @@ def load_model(
     torch_dtype = resolve_dtype(dtype)
     impl = _attn_implementation(attention)
 
-    pretrained = False
-    if isinstance(source, PretrainedConfig):
-        # transformers 5 writes attn_implementation into the config it is given: never share one
-        config, name = copy.deepcopy(source), type(source).__name__
-    elif isinstance(source, str) and source.startswith("tiny-"):
-        config, name = tiny_config(source.removeprefix("tiny-"), vocab_size=vocab_size), source
-    elif isinstance(source, str):
-        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
-        name, pretrained = source, True
-    else:
-        raise TypeError(f"load_model: expected a name, path or transformers config, got {type(source).__name__}")
+    config, name, pretrained = _config(source, trust_remote_code, vocab_size)
     for key, value in config_overrides.items():
         setattr(config, key, value)
     config.use_cache = False
 
+    packed = impl in attn.BACKEND_OF
+    zero3 = is_deepspeed_zero3_enabled()
+    if packed and not zero3:
+        # refuse before building or reading a checkpoint; under ZeRO-3 a meta build would fight
+        # zero.Init, so the built model is checked instead (the driver's check_model ran already)
+        _check_on_meta(config, name, attn.candidate_backends(attention, _device_type()), trust_remote_code)
     model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    if model_cls is not None and impl.startswith("raypack_"):
-        check_packable(model_cls, name)
     if model_cls is not None and impl == "sdpa" and not getattr(model_cls, "_supports_sdpa", False):
         impl = "eager"  # older architectures (Bloom, ...): padded batches still train
     common = dict(attn_implementation=impl, dtype=torch_dtype, trust_remote_code=trust_remote_code)
@@ -127,8 +153,8 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(source, config=config, **common)
     else:
         model = AutoModelForCausalLM.from_config(config, **common)
-    if model_cls is None and impl.startswith("raypack_"):  # remote code: only known once built
-        check_packable(type(model), name)
+    if packed and zero3:
+        check_packable(model, name, attn.candidate_backends(attention, _device_type()))
     model.config.use_cache = False
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.use_cache = False

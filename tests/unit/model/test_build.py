@@ -34,7 +34,7 @@ def test_load_from_path_and_config_not_mutated(tmp_path):
     assert cfg._attn_implementation != "raypack_varlen"  # transformers 5 writes into the config it gets
     model.save_pretrained(tmp_path)
     loaded = load_model(str(tmp_path), attention="sdpa_varlen", dtype="float32")
-    assert loaded.config._attn_implementation == "raypack_sdpa_varlen" and not loaded.config.use_cache
+    assert loaded.config._attn_implementation == "raypack_exact_varlen" and not loaded.config.use_cache
     torch.testing.assert_close(loaded.lm_head.weight, model.lm_head.weight)
 
 
