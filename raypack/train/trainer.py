@@ -19,8 +19,26 @@ from ray.train.torch import TorchConfig, TorchTrainer
 from raypack import storage
 from raypack.config import Config, ConfigError
 from raypack.data.prepare import prepare
+from raypack.data.strategies import STRATEGIES, Pad
+from raypack.model.build import check_model
 from raypack.runtime import absolute_paths, init_ray, run_dir, storage_path
 from raypack.train.loop import train_loop_per_worker
+
+
+def check_packed_model(cfg: Config) -> None:
+    """Refuse, before any data or worker work, a model that can't train exactly on this run's
+    packed rows (raypack.model.traits): a token mixer besides attention, or a trait the backend
+    the workers will run lacks. Padded strategies load the model with its own attention, so
+    every model passes there. Builds the model on the meta device (no weights)."""
+    strategy = STRATEGIES[cfg.pack.strategy]
+    if strategy.padded:
+        return
+    m = cfg.model
+    # every packed strategy but flatten keeps a row within the budget; flatten's rows are
+    # minibatches, unbounded by it (the attention function checks those rows as they come)
+    max_row = None if issubclass(strategy, Pad) else cfg.pack.budget
+    check_model(m.name, attention=m.attention, device_type="cuda" if cfg.train.use_gpu else "cpu",
+                trust_remote_code=m.trust_remote_code, max_row_tokens=max_row)  # fmt: skip
 
 
 def build_trainer(
@@ -37,6 +55,7 @@ def build_trainer(
     root = run_dir(cfg)
     if t.mlflow and storage.is_uri(root) and not os.environ.get("MLFLOW_TRACKING_URI"):
         raise ConfigError("train.mlflow: with a URI run.storage_path, set MLFLOW_TRACKING_URI to a tracking server")
+    check_packed_model(cfg)
     prepared = prepare(cfg, t.num_workers, f"{root}/packed")
     loop_config = {
         "cfg": cfg.to_dict(),
