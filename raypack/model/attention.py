@@ -19,12 +19,12 @@ load it as a flash kernel (from_pretrained fails: "Could not find the currently 
 flash attention implementation") and makes Falcon, GPT-J and GPT-Neo swap in their own
 flash-attention classes, which never call ours.
 
-The exact path runs every example (every chunk, for chunked-attention layers) on its own:
-its cost is Σ len², like the CUDA kernels', not (Σ len)². Boundaries come from cu_seqlens,
-read as a list once per forward (free on the CPU, one sync per forward on CUDA). It applies
-what transformers' eager attention applies: scaling, GQA, sliding windows, logit softcapping,
+The exact path (`exact.py`) runs every example (every chunk, for chunked-attention layers) on
+its own: its cost is Σ len², like the CUDA kernels', not (Σ len)². It applies what
+transformers' eager attention applies: scaling, GQA, sliding windows, logit softcapping,
 attention sinks (`s_aux`, an extra per-head logit in the softmax denominator), chunked
-attention and dropout.
+attention and dropout. The kernels get chunked layers as cu_seqlens cut at chunk boundaries
+and refuse sinks.
 
 The mask function registered next to the names returns None: boundaries come from
 cu_seqlens, and a 4D mask built by transformers would cost O(T^2) memory for nothing.
@@ -35,15 +35,16 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import warnings
-import weakref
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from raypack.model.exact import LastCache, chunk_cu_seqlens, exact_attention
 from raypack.model.traits import PADDED, UnsupportedModelError, row_scaled_layers
+
+__all__ = ["NAMES", "BACKENDS", "attn_implementation_name", "chunk_cu_seqlens", "register"]
 
 NAMES = {
     "auto": "raypack_varlen",
@@ -95,24 +96,7 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
-class _LastCache:
-    """One entry per key, remembered only while `owner` (a per-batch tensor) is alive, so a new
-    batch that reuses a freed tensor's address can never hit a stale entry."""
-
-    def __init__(self) -> None:
-        self._entries: dict[Any, tuple[weakref.ref, Any]] = {}
-
-    def get(self, owner: torch.Tensor, key: Any) -> Any:
-        hit = self._entries.get(key)
-        return hit[1] if hit is not None and hit[0]() is owner else None
-
-    def put(self, owner: torch.Tensor, key: Any, value: Any) -> Any:
-        self._entries[key] = (weakref.ref(owner), value)
-        return value
-
-
-_derived = _LastCache()
-_per_batch = _LastCache()
+_derived = LastCache()
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -187,98 +171,6 @@ def check_row_scaling(module: torch.nn.Module, total: int) -> None:
         f"would be scaled as if they started at the row's start. Use rows shorter than {floor} tokens "
         f"(pack.budget) or a padded strategy ({PADDED})."
     )
-
-
-def chunk_cu_seqlens(cu: torch.Tensor, chunk: int, total: int) -> torch.Tensor:
-    """`cu` with a boundary added at every multiple of `chunk` from each example's start
-    (positions restart per example, so chunks do too): chunked causal attention within an
-    example is causal attention within each chunk. Built on the device without a sync, so its
-    size is fixed at N + total // chunk + 1 (an upper bound on the chunks) and it ends with
-    empty segments at `total`."""
-    n = cu.numel() - 1
-    idx = torch.arange(total, device=cu.device)
-    cu_long = cu.to(torch.long)
-    example = torch.searchsorted(cu_long[1:], idx, right=True)
-    boundary = (idx - cu_long[example]) % chunk == 0
-    size = n + total // chunk + 1
-    slot = torch.where(boundary, torch.cumsum(boundary, 0) - 1, size - 1)  # slot size-1 is never a boundary's
-    out = torch.full((size,), total, dtype=cu.dtype, device=cu.device)
-    return out.scatter_(0, slot, torch.where(boundary, idx, total).to(cu.dtype))
-
-
-# --- the exact path ---------------------------------------------------------------------------------
-
-
-def _segments(cu: torch.Tensor, chunk: int | None, total: int) -> list[tuple[int, int]]:
-    """(start, end) of every example, or of every chunk of every example, once per forward."""
-    hit = _per_batch.get(cu, ("segments", chunk, total))
-    if hit is None:
-        bounds = (chunk_cu_seqlens(cu, chunk, total) if chunk else cu).tolist()
-        hit = [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
-        _per_batch.put(cu, ("segments", chunk, total), hit)
-    return hit
-
-
-def _allowed(cu: torch.Tensor, size: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """Causal (and windowed) bool mask [size, size]; any example's mask is its top-left corner.
-    One per forward per window, so no layer builds it again."""
-    hit = _per_batch.get(cu, ("mask", size, window, device))
-    if hit is None:
-        idx = torch.arange(size, device=device)
-        hit = idx[None, :] <= idx[:, None]
-        if window:
-            hit &= idx[:, None] - idx[None, :] < window
-        _per_batch.put(cu, ("mask", size, window, device), hit)
-    return hit
-
-
-def _eager(q, k, v, allowed, scale, dropout, softcap, sinks) -> torch.Tensor:
-    """transformers' eager formula for one example: q (H, L, D), k/v (H, L, D), allowed (L, L)."""
-    scores = (q @ k.transpose(-1, -2)) * scale
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    # softmax in float32 at least, as transformers' eager attention does for half precision
-    work = torch.promote_types(scores.dtype, torch.float32)
-    scores = scores.to(work).masked_fill(~allowed, torch.finfo(work).min)
-    if sinks is not None:
-        # GPT-OSS: one learned logit per head joins every row's softmax and is then dropped.
-        sink = sinks.to(work).reshape(-1, 1, 1).expand(scores.shape[0], scores.shape[1], 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    else:
-        probs = torch.softmax(scores, dim=-1)
-    probs = F.dropout(probs.to(v.dtype), p=dropout, training=dropout > 0)
-    return probs @ v
-
-
-def _exact(module, query, key, value, cu, max_len, dropout, scaling, window, softcap, sinks, chunk) -> torch.Tensor:
-    """Attention per example (per chunk of an example on chunked layers): exact, Σ len² cost."""
-    batch, heads, length, dim = query.shape
-    total, kv_heads = batch * length, key.shape[1]
-    q = query.transpose(0, 1).reshape(heads, total, dim)
-    k = key.transpose(0, 1).reshape(kv_heads, total, key.shape[-1])
-    v = value.transpose(0, 1).reshape(kv_heads, total, value.shape[-1])
-    scale = scaling if scaling is not None else dim**-0.5
-    eager = bool(softcap) or sinks is not None
-    if eager and kv_heads != heads:
-        k, v = k.repeat_interleave(heads // kv_heads, dim=0), v.repeat_interleave(heads // kv_heads, dim=0)
-    segments = _segments(cu, chunk, total)
-    longest = max(e - s for s, e in segments)
-    outs = []
-    for s, e in segments:
-        n = e - s
-        qs, ks, vs = q[:, s:e], k[:, s:e], v[:, s:e]
-        if eager:
-            allowed = _allowed(cu, longest, window, q.device)[:n, :n]
-            outs.append(_eager(qs, ks, vs, allowed, scale, dropout, softcap, sinks))
-        elif window and n > window:
-            mask = _allowed(cu, longest, window, q.device)[:n, :n]
-            outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, dropout_p=dropout, scale=scale,
-                                                       enable_gqa=kv_heads != heads))  # fmt: skip
-        else:
-            outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, dropout_p=dropout, scale=scale,
-                                                       enable_gqa=kv_heads != heads))  # fmt: skip
-    # (H, T, Dv) -> (T, H, Dv)
-    return torch.cat(outs, dim=1).transpose(0, 1)
 
 
 # --- CUDA backends ------------------------------------------------------------------------------------
@@ -385,7 +277,7 @@ def _make_forward(backend: str | None):
         chunk = layer_chunk_size(module)
         chosen = backend or _pick(query)
         if chosen == "sdpa_varlen":
-            out = _exact(module, query, key, value, cu, max_len, dropout, scaling, sliding_window, softcap, s_aux, chunk)
+            out = exact_attention(query, key, value, cu, dropout, scaling, sliding_window, softcap, s_aux, chunk)
         else:
             if chunk:  # chunked layers: the same kernels over the chunks of every example
                 cu, max_len = chunk_cu_seqlens(cu, chunk, query.shape[0] * query.shape[2]), min(max_len, chunk)
