@@ -17,6 +17,7 @@ its device and whether flash-attn is installed.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import torch
@@ -155,6 +156,14 @@ def load_model(
         model = AutoModelForCausalLM.from_config(config, **common)
     if packed and zero3:
         check_packable(model, name, attn.candidate_backends(attention, _device_type()))
+    if getattr(config, "output_router_logits", False):
+        # The training loop's loss is token cross-entropy from the logits; a router's auxiliary
+        # loss, which transformers adds to `loss` only, never reaches it (in any strategy).
+        warnings.warn(
+            f"{name}: output_router_logits is set, but raypack trains on token cross-entropy only; the router's "
+            f"auxiliary loss (router_aux_loss_coef={getattr(config, 'router_aux_loss_coef', None)}) is not applied",
+            stacklevel=2,
+        )
     model.config.use_cache = False
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.use_cache = False
