@@ -15,8 +15,9 @@ packed rows of FLAN-like examples filled to each budget:
 Each step is a forward and backward of one row; the two paths alternate step by step, so load
 on a shared host hits both alike. Reported: median seconds per step, real tokens/s, their
 ratio, the largest logit difference between the paths (they must agree), and, unless --smoke,
-each path's peak resident memory above the process's after loading (one fresh process per path
-and budget, since the peak only rises).
+each path's peak resident memory above the process's just before the step (one fresh process
+per path and budget, sampled every millisecond). Torch runs one thread by default, as in a Ray
+Train worker with one CPU.
 """
 
 from __future__ import annotations
@@ -122,15 +123,23 @@ def time_budget(models: dict, budget: int, steps: int, warmup: int) -> dict:
             "spread": {n: [min(t), max(t)] for n, t in times.items()}}  # fmt: skip
 
 
-def peak_memory(path: str, budget: int) -> float:
-    """MiB of resident memory a step adds at its peak, measured in a fresh process."""
+def peak_memory(path: str, budget: int, threads: int) -> float:
+    """MiB of resident memory a step adds at its peak, in a fresh process: /proc/self/statm
+    sampled every millisecond by a thread (torch ops release the GIL) during one step, less the
+    resident memory just before it."""
     code = (
-        f"import json, resource, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import attention_cpu as b; "
-        "from raypack.data.collate import collate_packed; "
-        f"m = b.build({path!r}); batch = collate_packed([b.make_row({budget}, {budget}, 1024)[0]]); "
+        f"import sys, threading, time, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+        "import attention_cpu as b, torch; from raypack.data.collate import collate_packed; "
+        f"torch.set_num_threads({threads}); m = b.build({path!r}); "
+        f"batch = collate_packed([b.make_row({budget}, {budget}, 1024)[0]]); "
         "b.step(m, collate_packed([b.make_row(16, 0, 1024)[0]])); "
-        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; b.step(m, batch); "
-        "print(json.dumps((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024))"
+        "rss = lambda: int(open('/proc/self/statm').read().split()[1]) * 4096; "
+        "before, peak, done = rss(), [0], [False]\n"
+        "def watch():\n"
+        "    while not done[0]:\n"
+        "        peak[0] = max(peak[0], rss()); time.sleep(0.001)\n"
+        "t = threading.Thread(target=watch); t.start(); b.step(m, batch); done[0] = True; t.join(); "
+        "print(json.dumps((max(peak[0], rss()) - before) / 2**20))"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
@@ -182,19 +191,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads; 1 is what a Ray Train worker with cpus_per_worker=1 runs (Ray sets "
+                        "OMP_NUM_THREADS), and on a shared host more threads mostly spin")  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="tiny and quick: budgets 64 and 128, one step, no memory")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.smoke:
         args.budgets, args.steps, args.warmup, args.memory = [64, 128], 1, 1, False
     out = Path(args.out or f"benchmarks/results/attention_cpu_{datetime.date.today():%Y%m%d}.md")
+    torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     models = {name: build(name) for name in PATHS}
     results = []
     for budget in args.budgets:
         r = time_budget(models, budget, args.steps, args.warmup)
         if args.memory:
-            r["peak_mib"] = {name: peak_memory(name, budget) for name in PATHS}
+            r["peak_mib"] = {name: peak_memory(name, budget, args.threads) for name in PATHS}
         results.append(r)
         s = r["seconds"]
         print(f"budget {budget}: masked {s['masked']:.4f} s, per-example {s['per_example']:.4f} s "

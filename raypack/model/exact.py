@@ -56,12 +56,15 @@ def chunk_cu_seqlens(cu: torch.Tensor, chunk: int, total: int) -> torch.Tensor:
     return out.scatter_(0, slot, torch.where(boundary, idx, total).to(cu.dtype))
 
 
-def _segments(cu: torch.Tensor, chunk: int | None, total: int) -> list[tuple[int, int]]:
-    """(start, end) of every example, or of every chunk of every example, once per forward."""
+def _segments(cu: torch.Tensor, chunk: int | None, total: int) -> list[int]:
+    """Lengths of the examples, or of the chunks of the examples, in row order (none empty), read
+    once per forward."""
     hit = _per_batch.get(cu, ("segments", chunk, total))
     if hit is None:
         bounds = (chunk_cu_seqlens(cu, chunk, total) if chunk else cu).tolist()
-        hit = [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+        if bounds[0] != 0 or bounds[-1] != total:
+            raise ValueError(f"cu_seqlens must run from 0 to the row's {total} tokens, got {bounds[0]}..{bounds[-1]}")
+        hit = [e - s for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
         _per_batch.put(cu, ("segments", chunk, total), hit)
     return hit
 
@@ -108,12 +111,12 @@ def exact_attention(query, key, value, cu, dropout, scaling, window, softcap, si
     eager = bool(softcap) or sinks is not None
     if eager and kv_heads != heads:
         k, v = k.repeat_interleave(heads // kv_heads, dim=0), v.repeat_interleave(heads // kv_heads, dim=0)
-    segments = _segments(cu, chunk, total)
-    longest = max(e - s for s, e in segments)
+    sizes = _segments(cu, chunk, total)
+    longest = max(sizes)
     outs = []
-    for s, e in segments:
-        n = e - s
-        qs, ks, vs = q[:, s:e], k[:, s:e], v[:, s:e]
+    # split, not slices: a slice's backward writes a row-sized zero gradient per example (O(N·T)),
+    # split's backward concatenates the pieces' gradients once
+    for n, qs, ks, vs in zip(sizes, q.split(sizes, dim=1), k.split(sizes, dim=1), v.split(sizes, dim=1)):
         if eager:
             allowed = _allowed(cu, longest, window, q.device)[:n, :n]
             outs.append(_eager(qs, ks, vs, allowed, scale, dropout, softcap, sinks))
