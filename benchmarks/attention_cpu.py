@@ -1,7 +1,7 @@
 """The CPU exact attention path: one masked attention over the whole row vs one attention per example.
 
     PYTHONPATH=. python benchmarks/attention_cpu.py                  # budgets 256..4096, results file
-    PYTHONPATH=. python benchmarks/attention_cpu.py --smoke --out /tmp/a.md   # seconds
+    PYTHONPATH=. python benchmarks/attention_cpu.py --smoke       # seconds; results in the temp folder
 
 raypack's CPU path used to attend over the whole packed row with a block-diagonal mask: O(row²)
 time and memory, where the varlen kernels cost Σ len². It now runs SDPA per example. This runs
@@ -24,11 +24,9 @@ Train worker with one CPU.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
-import shlex
 import statistics
 import subprocess
 import sys
@@ -41,10 +39,13 @@ import transformers
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from raypack.data.collate import collate_packed
-from raypack.data.synthetic import sample_lengths
-from raypack.model import attention as attn
-from raypack.model.build import load_model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import command_line, results_path, smoke_banner  # noqa: E402
+from raypack.data.collate import collate_packed  # noqa: E402
+from raypack.data.synthetic import sample_lengths  # noqa: E402
+from raypack.model import attention as attn  # noqa: E402
+from raypack.model.build import load_model  # noqa: E402
 
 MASKED = "bench_masked_varlen"
 PATHS = {"masked": MASKED, "per_example": attn.NAMES["sdpa_varlen"]}
@@ -152,8 +153,9 @@ def report(results: list[dict], args, argv, seconds: float) -> str:
     lines = [
         "# CPU exact attention: masked row vs per example",
         "",
-        f"Command: `python benchmarks/attention_cpu.py {shlex.join(argv)}`",
+        f"Command: `{command_line(__file__, argv)}`",
         "",
+        *smoke_banner(args.smoke),
         f"Machine: {os.cpu_count()} cores, {platform.platform()}, torch threads {torch.get_num_threads()}, "
         f"load average at the end {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f} (a shared host: compare the paths "
         "within a row, not across files). "
@@ -201,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.smoke:
         args.budgets, args.steps, args.warmup, args.memory = [64, 128], 1, 1, False
-    out = Path(args.out or f"benchmarks/results/attention_cpu_{datetime.date.today():%Y%m%d}.md")
+    out = results_path("attention_exact", args.smoke, args.out)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     models = {name: build(name) for name in PATHS}
@@ -217,7 +219,6 @@ def main(argv: list[str] | None = None) -> int:
         if r["max_rel_logit_diff"] > 1e-4:
             print(f"the two paths disagree at budget {budget}", file=sys.stderr)
             return 1
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report(results, args, argv, time.perf_counter() - t0))
     print(f"wrote {out}")
     return 0

@@ -26,10 +26,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from raypack.config import InputError
 from raypack.model import attention as attn
 from raypack.model.traits import UnsupportedModelError, check_packable
 
-__all__ = ["UnsupportedModelError", "check_model", "check_packable", "load_model", "resolve_dtype", "tiny_config"]
+__all__ = [
+    "ModelNotFoundError", "UnsupportedModelError", "check_model", "check_packable", "load_model", "model_config",
+    "model_vocab_size", "resolve_dtype", "tiny_config",
+]  # fmt: skip
 
 _TINY_COMMON = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -50,6 +54,10 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "granite": ("GraniteConfig", {}),
 }
 """`tiny-<family>`: config class and what it needs beyond the shared tiny sizes."""
+
+
+class ModelNotFoundError(InputError):
+    """`model.name` resolves to no model config: not a tiny family, a local folder or a hub name."""
 
 
 def resolve_dtype(dtype: str | torch.dtype = "auto") -> torch.dtype:
@@ -75,6 +83,27 @@ def _device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def model_config(name: str, trust_remote_code: bool = False, vocab_size: int = 1024) -> PretrainedConfig:
+    """The config `load_model(name)` builds from, without the weights: `tiny-<family>`'s, or a
+    local folder's or hub model's config.json. What the driver checks before training starts."""
+    if name.startswith("tiny-"):
+        try:
+            return tiny_config(name.removeprefix("tiny-"), vocab_size=vocab_size)
+        except ValueError as e:
+            raise ModelNotFoundError(f"model.name {name!r}: {e}") from None
+    try:
+        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:  # no such folder or hub repo, no network, not a model
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelNotFoundError(f"model.name {name!r}: can't load its config ({reason})") from e
+
+
+def model_vocab_size(config: PretrainedConfig) -> int:
+    """Rows of the input embedding: every token id must be below it."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.vocab_size)
+
+
 def _attn_implementation(attention: str) -> str:
     return attention if attention in ("sdpa", "eager") else attn.attn_implementation_name(attention)
 
@@ -84,10 +113,8 @@ def _config(source: str | PretrainedConfig, trust_remote_code: bool, vocab_size:
     if isinstance(source, PretrainedConfig):
         # transformers 5 writes attn_implementation into the config it is given: never share one
         return copy.deepcopy(source), type(source).__name__, False
-    if isinstance(source, str) and source.startswith("tiny-"):
-        return tiny_config(source.removeprefix("tiny-"), vocab_size=vocab_size), source, False
     if isinstance(source, str):
-        return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code), source, True
+        return model_config(source, trust_remote_code, vocab_size), source, not source.startswith("tiny-")
     raise TypeError(f"load_model: expected a name, path or transformers config, got {type(source).__name__}")
 
 
@@ -98,12 +125,22 @@ def check_model(
     trust_remote_code: bool = False,
     max_row_tokens: int | None = None,
     vocab_size: int = 1024,
+    *,
+    name: str | None = None,
+    packed: bool = True,
 ) -> None:
-    """Refuse, before any data or worker work, a model that can't train exactly on packed rows
-    with `attention` on `device_type` (`sdpa` means transformers' own attention over packed
-    position_ids: only the model-wide traits apply). Builds the model on the meta device: no
-    weights, a few seconds for 70B. `max_row_tokens` is the longest packed row, if known."""
-    config, name, _ = _config(name_or_config, trust_remote_code, vocab_size)
+    """Refuse, before any data or worker work, a model that is not a causal LM transformers knows
+    here (remote code is checked once built), or, if `packed`, one that can't train exactly on
+    packed rows with `attention` on `device_type` (`sdpa` means transformers' own attention over
+    packed position_ids: only the model-wide traits apply). Builds the model on the meta device:
+    no weights, a few seconds for 70B. `max_row_tokens` is the longest packed row, if known;
+    `name` names the model in errors (default: its name, or its config's class)."""
+    config, default_name, _ = _config(name_or_config, trust_remote_code, vocab_size)
+    name = name or default_name
+    if MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None) is None and not getattr(config, "auto_map", None):
+        raise UnsupportedModelError(f"model.name {name!r}: {type(config).__name__} is not a causal language model here")
+    if not packed:
+        return
     backends = () if attention in ("sdpa", "eager") else attn.candidate_backends(attention, device_type)
     _check_on_meta(config, name, backends, trust_remote_code, max_row_tokens)
 
@@ -167,6 +204,9 @@ def load_model(
     model.config.use_cache = False
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.use_cache = False
+    # from_pretrained returns a model in eval mode: dropout off, and transformers skips gradient
+    # checkpointing unless `training`; nothing else would switch it back before the first eval.
+    model.train()
     if gradient_checkpointing:
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x renamed it

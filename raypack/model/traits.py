@@ -37,6 +37,8 @@ from collections.abc import Sequence
 
 import torch
 
+from raypack.config import InputError
+
 EXACT_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention",
                                "moe", "sparse", "dense"})  # fmt: skip
 """`layer_types` entries raypack keeps exact: attention kinds it implements, and MLP kinds, which
@@ -48,7 +50,7 @@ PADDED = "pad or pad_sorted"
 model layer knows no strategy, tests/unit/model/test_build.py keeps the two in step)."""
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(InputError):
     """The model cannot train exactly on packed rows (with this backend); padded strategies still work."""
 
 
