@@ -3,6 +3,7 @@ stderr, and whether Ray was started, per class of bad input; for this checkout a
 in the same run, a baseline checkout (e.g. the main branch before the pre-Ray checks).
 
     python benchmarks/fail_fast.py --baseline /path/to/other/checkout [--repeat 1]
+    python benchmarks/fail_fast.py --smoke   # this checkout, the two cases that need no data read
 
 Each case is a fresh process (`python -m raypack.cli train --config jobs/configs/tiny_cpu.yaml
 ... <overrides>`) with the checkout on PYTHONPATH, a temporary storage path, no RAY_ADDRESS (a
@@ -13,7 +14,6 @@ hub name adds ~30 s of hub retries per attempt). Writes benchmarks/results/fail_
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -25,8 +25,15 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from benchmarks.common import results_path  # noqa: E402
+
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its worker prefixes
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}
+
+
+SMOKE_CASES = ("unknown pack.strategy", "train.lr=inf")
+"""--smoke: config errors, refused before any data is read (a few seconds each)."""
 
 
 def cases(tmp: Path) -> list[tuple[str, list[str]]]:
@@ -66,18 +73,24 @@ def run_case(checkout: Path, overrides: list[str], storage: Path, timeout: int) 
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--baseline", help="another raypack checkout to run side by side")
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--timeout", type=int, default=600)
-    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / f"fail_fast_cpu_{datetime.date.today():%Y%m%d}.md"))
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="this checkout only, the config-error cases; results file in the temp folder")
+    p.add_argument("--out", help="results file (default: see benchmarks/common.py)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.baseline = None
+    out = results_path("fail_fast", smoke=args.smoke, out=args.out)
     checkouts = [("this checkout", REPO)] + ([("baseline", Path(args.baseline).resolve())] if args.baseline else [])
     load_before = os.getloadavg()
     rows = []
     with tempfile.TemporaryDirectory(prefix="raypack_fail_fast_") as tmp:
         for name, overrides in cases(Path(tmp)):
+            if args.smoke and name not in SMOKE_CASES:
+                continue
             for label, checkout in checkouts:
                 for i in range(args.repeat):
                     r = run_case(checkout, overrides, Path(tmp) / f"runs-{label[:4]}-{i}", args.timeout)
@@ -91,8 +104,9 @@ def main() -> int:
     lines = [
         "# `raypack train` on bad input: time to the error, exit code, stderr lines, Ray started",
         "",
-        f"Command: `python benchmarks/fail_fast.py {' '.join(sys.argv[1:])}`",
+        f"Command: `python benchmarks/fail_fast.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
         "",
+        *(["A --smoke run: this checkout only, config errors only; not a measurement.", ""] if args.smoke else []),
         f"Machine: {platform.node()}, {os.cpu_count()} CPUs, {platform.platform()}; load average "
         f"{load_before[0]:.1f} / {load_before[1]:.1f} / {load_before[2]:.1f} (1/5/15 min) at the start, "
         f"{os.getloadavg()[0]:.1f} at the end (shared with other jobs: compare within a case, not across runs).",
@@ -104,8 +118,8 @@ def main() -> int:
     ]
     lines += [f"| {r['case']} | {r['checkout']} | {r['seconds']:.1f} | {r['exit']} | {r['stderr_lines']} | "
               f"{r['ray_started']} | `{r['last']}` |" for r in rows]
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out}")
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
     return 0
 
 

@@ -20,6 +20,8 @@ from bench_gpu import STEPS  # noqa: E402
 NO_RAY = {  # script -> what its results file must show
     "attention_cpu.py": ["| 64 | 1 |", "| 128 | 1 |"],
     "attention_throughput.py": ["| flan | packed_varlen |", "| flan | pad |"],
+    # each case refused before Ray starts: exit code 2, Ray not started
+    "fail_fast.py": ["| unknown pack.strategy | this checkout |", "| 2 | 1 | no |", "| train.lr=inf | this checkout |"],
     "loss_memory.py": ["| activations kept | chunked |", "| gradient checkpointing | full |"],
     "pack_plan.py": ["| flan | 20,000 | 2048 | balanced |"],
 }

@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 
 from raypack.train.loop import train_step
+from raypack.train.loss import token_loss_sum
+from raypack.train.prefetch import prepare_step
 
 
 class RecordingEngine:
@@ -45,12 +47,18 @@ def process_group(tmp_path_factory):
 
 def row(labels):
     n = len(labels)
-    return {"input_ids": list(range(1, n + 1)), "labels": labels, "position_ids": list(range(n)), "num_tokens": n}
+    return {"input_ids": list(range(1, n + 1)), "labels": labels, "position_ids": list(range(n)), "num_tokens": n,
+            "example_ids": [n]}
+
+
+def full_loss(engine, batch):
+    """The `full` loss on the recording engine's uniform logits (the chunked loss needs a real model)."""
+    return token_loss_sum(engine(input_ids=batch["input_ids"]).logits, batch["labels"])
 
 
 def test_a_step_without_label_tokens_is_skipped(process_group):
     engine = RecordingEngine()
-    values = train_step(engine, [row([-100, -100, -100]), row([5, -100])], padded=False, pad_token_id=0)
+    values = train_step(engine, prepare_step([row([-100, -100, -100]), row([5, -100])]), full_loss)
     assert engine.calls == []  # no forward, no backward, no update
     assert values["skipped_steps"] == 1.0 and values["label_tokens"] == 0.0 and math.isnan(values["loss"])
     assert values["tokens"] == 5.0
@@ -58,7 +66,7 @@ def test_a_step_without_label_tokens_is_skipped(process_group):
 
 def test_a_step_with_label_tokens_trains(process_group):
     engine = RecordingEngine()
-    values = train_step(engine, [row([-100, 2, 3]), row([-100, -100])], padded=False, pad_token_id=0)
+    values = train_step(engine, prepare_step([row([-100, 2, 3]), row([-100, -100])]), full_loss)
     assert engine.calls == ["forward", "backward", "step", "forward", "backward", "step"]
     assert values["skipped_steps"] == 0.0 and values["label_tokens"] == 2.0
     assert values["loss"] == pytest.approx(math.log(8))  # uniform logits over 8 classes
