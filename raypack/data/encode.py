@@ -7,16 +7,19 @@ Per example (labels are NOT shifted: labels[i] is the target of token i, the mod
 
     chat         chat template rendered; loss on assistant turns (`assistant`), on the last
                  assistant turn only (`completion`) or everywhere (`all`). A turn is what the
-                 template's {% generation %} block covers; a template without those markers
-                 falls back to "what rendering the turn adds after the generation prompt"
-                 (its closing markup included), and must render turns as prefixes of the chat
+                 template's {% generation %} block covers; without those markers, it is the
+                 turn's text in the full rendering after the generation prompt, up to and
+                 including its end-of-turn markup (<|im_end|>, <|eot_id|>, </s>, ...), never the
+                 whitespace or header before the next message (raypack/data/turns.py). Earlier
+                 turns train as the template renders them (reasoning templates drop their <think>)
     instruction  "### Instruction:\n{instruction}\n\n[### Input:\n{input}\n\n]### Response:\n"
                  + output; loss on the output (`completion`/`assistant`) or everywhere (`all`)
     completion   prompt + completion, tokenized apart so masking is exact at the seam
     tokenized    passed through; labels default to input_ids
 
-EOS is appended once to text formats (not when the text already ends with it) and carries loss
-when the example ends with supervised text (always, unless a chat ends with a non-assistant turn).
+EOS is appended once to text formats (not when the text already ends with it, as Phi-3's template
+does) and, appended or not, carries loss when the example ends with supervised text (always,
+unless a chat ends with a non-assistant turn).
 Masked positions are -100. An example longer than `max_length` is dropped, truncated (its EOS is
 then cut too), or split into pieces of at most `max_length` tokens with ids `parent_id + piece`
 (source ids leave 10 low bits free, see raypack.data.sources).
@@ -39,6 +42,7 @@ from transformers import AutoTokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from raypack.config import InputError
+from raypack.data.turns import TurnError, TurnLocator
 
 IGNORE = -100
 MAX_PIECES = 1 << 10
@@ -110,27 +114,16 @@ class Encoder:
 
     def _spans(self, convs: list[list[dict]], rendered: list[str], indices) -> list[list[tuple[int, int]]]:
         """Character spans of each assistant turn in each rendered conversation."""
-        template = self.tok.chat_template
         if indices is not None:
             return [list(x) for x in indices]
-        # No {% generation %} markers: a turn is what rendering it adds after the generation prompt.
-        kw = self.tok.special_tokens_map
-        spans = []
-        for conv, full in zip(convs, rendered):
-            turns = [j for j, m in enumerate(conv) if m["role"] == "assistant"]
-            heads = render_jinja_template([conv[:j] or [] for j in turns], chat_template=template, add_generation_prompt=True, **kw)[0] if turns else []
-            ends = render_jinja_template([conv[: j + 1] for j in turns], chat_template=template, **kw)[0] if turns else []
-            out = []
-            for head, end in zip(heads, ends):
-                if not (end.startswith(head) and full.startswith(end)):
-                    raise TokenizeError(
-                        f"chat template of {self.name!r} does not render conversations as prefixes of each other, so "
-                        "assistant tokens can't be found; use a template with {% generation %} markers "
-                        "(tokenize.chat_template) or tokenize.label_mask=all"
-                    )
-                out.append((len(head), len(end)))
-            spans.append(out)
-        return spans
+        try:  # no {% generation %} markers: locate each turn in the rendering (raypack.data.turns)
+            return TurnLocator(self.tok, self.tok.chat_template).spans(convs, rendered)
+        except TurnError as e:
+            raise TokenizeError(
+                f"chat template of {self.name!r}: can't locate the assistant turns in its rendering ({e}). Use a "
+                "template whose assistant turns are wrapped in {% generation %}...{% endgeneration %} (content and "
+                "end-of-turn markup; tokenize.chat_template), or tokenize.label_mask=all"
+            ) from None
 
     def encode_chat(self, convs: list[list[dict]]) -> list[tuple[np.ndarray, np.ndarray]]:
         check_chat_template(self.tok, self.name)
@@ -168,9 +161,12 @@ class Encoder:
         return out
 
     def _finish(self, ids: np.ndarray, keep: np.ndarray, eos_loss: bool) -> tuple[np.ndarray, np.ndarray]:
-        if len(ids) == 0 or ids[-1] != self.eos:  # the template may already end with EOS
+        if len(ids) == 0 or ids[-1] != self.eos:
             ids = np.append(ids, np.int32(self.eos))
             keep = np.append(keep, eos_loss)
+        else:  # the template ended with EOS already (Phi-3): it trains like the one raypack appends
+            keep = keep.copy()
+            keep[-1] |= eos_loss
         return ids, np.where(keep, ids, np.int32(IGNORE)).astype(np.int32)
 
     # --- the batch callable -----------------------------------------------------------------------

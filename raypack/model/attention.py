@@ -3,17 +3,31 @@
 A packed batch is one row of concatenated examples (see `raypack.data.collate`). Collate
 computes `cu_seq_lens_q/k` (int32 offsets of every example) and `max_length_q/k` (a Python
 int) once on the host; transformers forwards them as keyword arguments to every attention
-call, so no layer recomputes boundaries or syncs with the device.
+call, so no layer recomputes boundaries.
 
-Backends, in the order `raypack_varlen` (attention="auto") picks them at call time:
+Backends (`model.attention`), the transformers name each is registered under, and where
+`auto` (`raypack_varlen`) picks them at call time:
 
-    flash_attn     flash_attn.flash_attn_varlen_func      CUDA, flash-attn installed, fp16/bf16
-    torch_varlen   torch.nn.attention.varlen.varlen_attn   CUDA, fp16/bf16
-    sdpa_varlen    exact masked attention                  any device and dtype (the CPU path)
+    flash_attn    raypack_fa_varlen     flash_attn.flash_attn_varlen_func     CUDA, flash-attn installed
+    torch_varlen  raypack_torch_varlen  torch.nn.attention.varlen.varlen_attn  CUDA, fp16/bf16
+    sdpa_varlen   raypack_exact_varlen  SDPA (or the eager formula) per example  any device and dtype
 
-Each backend is also registered under its own name (`raypack_flash_attn`, ...) to force it.
-The mask function registered next to them returns None: boundaries come from cu_seqlens, and
-a 4D mask built by transformers would cost O(T^2) memory for nothing.
+The registered names contain neither `sdpa` nor `flash`: transformers decides behaviour by
+substring. A name with `sdpa` runs the model's SDPA-support check (which refuses Gemma2 and
+GPT-OSS although this path handles them exactly); one with `flash` makes transformers try to
+load it as a flash kernel (from_pretrained fails: "Could not find the currently requested
+flash attention implementation") and makes Falcon, GPT-J and GPT-Neo swap in their own
+flash-attention classes, which never call ours.
+
+The exact path (`exact.py`) runs every example (every chunk, for chunked-attention layers) on
+its own: its cost is Σ len², like the CUDA kernels', not (Σ len)². It applies what
+transformers' eager attention applies: scaling, GQA, sliding windows, logit softcapping,
+attention sinks (`s_aux`, an extra per-head logit in the softmax denominator), chunked
+attention and dropout. The kernels get chunked layers as cu_seqlens cut at chunk boundaries
+and refuse sinks.
+
+The mask function registered next to the names returns None: boundaries come from
+cu_seqlens, and a 4D mask built by transformers would cost O(T^2) memory for nothing.
 """
 
 from __future__ import annotations
@@ -21,35 +35,54 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import warnings
-import weakref
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from raypack.model.exact import LastCache, chunk_cu_seqlens, exact_attention
+from raypack.model.traits import PADDED, UnsupportedModelError, row_scaled_layers
+
+__all__ = ["NAMES", "BACKENDS", "attn_implementation_name", "chunk_cu_seqlens", "register"]
+
+NAMES = {
+    "auto": "raypack_varlen",
+    "flash_attn": "raypack_fa_varlen",
+    "torch_varlen": "raypack_torch_varlen",
+    "sdpa_varlen": "raypack_exact_varlen",
+}
+"""`model.attention` value -> the attn_implementation name registered with transformers."""
 BACKENDS = ("flash_attn", "torch_varlen", "sdpa_varlen")
 """Explicit backend names accepted by `attn_implementation_name`; plus `auto`."""
-
-_PREFIX = "raypack_"
-AUTO_NAME = _PREFIX + "varlen"
+AUTO_NAME = NAMES["auto"]
+BACKEND_OF = {name: attention for attention, name in NAMES.items()}
+"""Registered name -> `model.attention` value."""
 
 
 def attn_implementation_name(attention: str = "auto") -> str:
     """The transformers `attn_implementation` string for a raypack backend (registers them)."""
     register()
-    if attention == "auto":
-        return AUTO_NAME
-    if attention not in BACKENDS:
+    if attention not in NAMES:
         raise ValueError(f"unknown packed attention backend {attention!r}; expected auto or one of {', '.join(BACKENDS)}")
     if attention == "flash_attn" and not flash_attn_available():
         raise ValueError("attention='flash_attn' needs the flash-attn package, which is not importable here")
-    return _PREFIX + attention
+    return NAMES[attention]
 
 
 def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
+
+
+def candidate_backends(attention: str, device_type: str) -> tuple[str, ...]:
+    """The backends `attention` may run as on `device_type`; `auto` on CUDA is flash_attn where
+    the flash-attn package is importable on the worker, else torch_varlen (either, seen from a
+    driver that can't know)."""
+    if attention != "auto":
+        return (attention,)
+    if device_type != "cuda":
+        return ("sdpa_varlen",)
+    return ("flash_attn", "torch_varlen")
 
 
 # --- metadata -------------------------------------------------------------------------------------
@@ -63,24 +96,7 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
-class _LastCache:
-    """One entry per key, remembered only while `owner` (a per-batch tensor) is alive, so a new
-    batch that reuses a freed tensor's address can never hit a stale entry."""
-
-    def __init__(self) -> None:
-        self._entries: dict[Any, tuple[weakref.ref, Any]] = {}
-
-    def get(self, owner: torch.Tensor, key: Any) -> Any:
-        hit = self._entries.get(key)
-        return hit[1] if hit is not None and hit[0]() is owner else None
-
-    def put(self, owner: torch.Tensor, key: Any, value: Any) -> Any:
-        self._entries[key] = (weakref.ref(owner), value)
-        return value
-
-
-_derived = _LastCache()
-_masks = _LastCache()
+_derived = LastCache()
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -122,7 +138,42 @@ def _metadata(query: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, int]:
     return hit
 
 
-# --- backends ---------------------------------------------------------------------------------------
+def layer_chunk_size(module: torch.nn.Module) -> int | None:
+    """The chunk size of a chunked-attention layer (Llama 4's RoPE layers), else None. As in
+    transformers' masks: the config's `layer_types[layer_idx]` says chunked_attention, and
+    `attention_chunk_size` is the chunk."""
+    config = getattr(module, "config", None)
+    types = getattr(config, "layer_types", None)
+    if not types or "chunked_attention" not in types:
+        return None
+    index = getattr(module, "layer_idx", None)
+    if index is None:
+        raise UnsupportedModelError(
+            f"{type(module).__name__}: the config has chunked-attention layers but the module carries no layer_idx, "
+            f"so raypack can't tell whether this layer is one; use a padded strategy ({PADDED})"
+        )
+    return config.attention_chunk_size if types[index] == "chunked_attention" else None
+
+
+def check_row_scaling(module: torch.nn.Module, total: int) -> None:
+    """Refuse a row long enough for Llama 4's row-position query temperature to differ from the
+    example's (traits.row_scaled_layers); `total` is a shape, so this never syncs."""
+    config = getattr(module, "config", None)
+    floor = row_scaled_layers(config) if config is not None else None
+    if floor is None or total < floor:
+        return
+    index = getattr(module, "layer_idx", None)
+    if index is not None and config.no_rope_layers[index]:
+        return  # a RoPE layer: its queries are not rescaled
+    raise UnsupportedModelError(
+        f"{type(module).__name__}: attn_temperature_tuning scales this NoPE layer's queries by the position in "
+        f"the row, and this packed row has {total} tokens, at least floor_scale={floor}: examples after the first "
+        f"would be scaled as if they started at the row's start. Use rows shorter than {floor} tokens "
+        f"(pack.budget) or a padded strategy ({PADDED})."
+    )
+
+
+# --- CUDA backends ------------------------------------------------------------------------------------
 
 
 def _to_thd(x: torch.Tensor) -> torch.Tensor:
@@ -130,19 +181,24 @@ def _to_thd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
 
 
-def _check_half(query: torch.Tensor, backend: str) -> None:
+def _check_cuda_kernel(query: torch.Tensor, backend: str, sinks: torch.Tensor | None) -> None:
     if query.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(
             f"raypack {backend} attention needs float16 or bfloat16 activations, got {query.dtype}. "
             "Load the model with dtype='bfloat16' (the default on CUDA), run under torch.autocast, "
             "or use attention='sdpa_varlen' for an exact fp32 path."
         )
+    if sinks is not None:
+        raise UnsupportedModelError(
+            f"raypack {backend} attention has no attention sinks (this model's attention passes s_aux); "
+            f"use attention='sdpa_varlen' (exact, slower) or a padded strategy ({PADDED})"
+        )
 
 
-def _flash(module, query, key, value, cu, max_len, dropout, scaling, window, softcap) -> torch.Tensor:
+def _flash(module, query, key, value, cu, max_len, dropout, scaling, window, softcap, sinks) -> torch.Tensor:
     from flash_attn import flash_attn_varlen_func  # optional package (raypack[flash]): only here
 
-    _check_half(query, "flash_attn")
+    _check_cuda_kernel(query, "flash_attn", sinks)
     out = flash_attn_varlen_func(
         _to_thd(query), _to_thd(key), _to_thd(value), cu, cu, max_len, max_len,
         dropout_p=dropout, softmax_scale=scaling, causal=True,
@@ -154,17 +210,17 @@ def _flash(module, query, key, value, cu, max_len, dropout, scaling, window, sof
 _VARLEN_PARAMS: set[str] | None = None
 
 
-def _torch_varlen(module, query, key, value, cu, max_len, dropout, scaling, window, softcap) -> torch.Tensor:
+def _torch_varlen(module, query, key, value, cu, max_len, dropout, scaling, window, softcap, sinks) -> torch.Tensor:
     # Imported on first use: it pulls in torch._dynamo, 1.7 s on 2 cores, which the CPU path and
     # flash-attn never need (Python caches it after the first call).
     from torch.nn.attention.varlen import varlen_attn
 
     global _VARLEN_PARAMS
-    _check_half(query, "torch_varlen")
+    _check_cuda_kernel(query, "torch_varlen", sinks)
     if softcap:
         raise ValueError(
-            f"torch varlen_attn has no logit softcapping (this model sets {softcap}); install flash-attn, "
-            "use attention='sdpa_varlen' (exact, slower), or load with attn_logit_softcapping=None."
+            f"torch varlen_attn has no logit softcapping (this model sets {softcap}); install flash-attn "
+            "or use attention='sdpa_varlen' (exact, slower)."
         )
     if dropout:
         raise ValueError(
@@ -191,44 +247,7 @@ def _torch_varlen(module, query, key, value, cu, max_len, dropout, scaling, wind
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, **extra)
 
 
-def _segment_mask(cu: torch.Tensor, total: int, window: int | None) -> torch.Tensor:
-    """Block-diagonal causal (optionally windowed) bool mask [total, total], built on the device
-    from cu_seqlens without a sync."""
-    idx = torch.arange(total, device=cu.device)
-    seg = torch.searchsorted(cu[1:].to(idx.dtype), idx, right=True)
-    mask = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
-    if window:
-        mask &= idx[:, None] - idx[None, :] < window
-    return mask
-
-
-def _sdpa_varlen(module, query, key, value, cu, max_len, dropout, scaling, window, softcap) -> torch.Tensor:
-    """Exact attention over the whole flattened row with a block-diagonal mask, built once per
-    forward per window size. Memory is O(T^2): this is the CPU and correctness path."""
-    batch, heads, length, dim = query.shape
-    total = batch * length
-    mask = _masks.get(cu, (window, total, cu.device))
-    if mask is None:
-        mask = _masks.put(cu, (window, total, cu.device), _segment_mask(cu, total, window))
-    q = query.transpose(0, 1).reshape(1, heads, total, dim)
-    k = key.transpose(0, 1).reshape(1, key.shape[1], total, dim)
-    v = value.transpose(0, 1).reshape(1, value.shape[1], total, dim)
-    if k.shape[1] != heads:
-        rep = heads // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    if softcap:  # SDPA has no softcap: the eager formula, as transformers' eager path does it
-        scores = (q @ k.transpose(-1, -2)) * (scaling if scaling is not None else dim**-0.5)
-        scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        out = F.dropout(probs, p=dropout, training=dropout > 0) @ v
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)
-    # (1, H, B*T, D) -> (B*T, H, D)
-    return out[0].transpose(0, 1)
-
-
-_IMPLS = {"flash_attn": _flash, "torch_varlen": _torch_varlen, "sdpa_varlen": _sdpa_varlen}
+_KERNELS = {"flash_attn": _flash, "torch_varlen": _torch_varlen}
 
 
 def _pick(query: torch.Tensor) -> str:
@@ -239,17 +258,33 @@ def _pick(query: torch.Tensor) -> str:
 
 def _make_forward(backend: str | None):
     def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
-                softcap=None, **kwargs):  # fmt: skip
+                softcap=None, s_aux=None, is_causal=None, position_bias=None, **kwargs):  # fmt: skip
         """transformers attention function: query (B, Hq, T, D), key/value (B, Hkv, T, D);
         returns ((B, T, Hq, D), None) like transformers' own sdpa path."""
         if attention_mask is not None:
-            raise ValueError("raypack varlen attention takes packed rows without attention_mask; use attention='sdpa'")
+            raise UnsupportedModelError(
+                f"{type(module).__name__} passed an attention_mask to raypack's varlen attention. Packed rows carry "
+                "none, so it is either a padded batch (use attention='sdpa' for those) or a mask or bias the model "
+                f"builds itself, which packed attention can't apply: use a padded strategy ({PADDED})."
+            )
+        if is_causal is False or position_bias is not None:
+            raise UnsupportedModelError(
+                f"{type(module).__name__} asks for {'non-causal attention' if is_causal is False else 'a position bias'}, "
+                f"which raypack's varlen attention does not implement; use a padded strategy ({PADDED})"
+            )
         cu, max_len = _metadata(query, kwargs)
-        impl = _IMPLS[backend or _pick(query)]
-        out = impl(module, query, key, value, cu, max_len, dropout, scaling, sliding_window, softcap)
+        check_row_scaling(module, query.shape[0] * query.shape[2])
+        chunk = layer_chunk_size(module)
+        chosen = backend or _pick(query)
+        if chosen == "sdpa_varlen":
+            out = exact_attention(query, key, value, cu, dropout, scaling, sliding_window, softcap, s_aux, chunk)
+        else:
+            if chunk:  # chunked layers: the same kernels over the chunks of every example
+                cu, max_len = chunk_cu_seqlens(cu, chunk, query.shape[0] * query.shape[2]), min(max_len, chunk)
+            out = _KERNELS[chosen](module, query, key, value, cu, max_len, dropout, scaling, sliding_window, softcap, s_aux)
         return out.reshape(query.shape[0], query.shape[2], query.shape[1], -1), None
 
-    forward.__name__ = f"raypack_{backend or 'varlen'}_forward"
+    forward.__name__ = f"{NAMES[backend or 'auto']}_forward"
     return forward
 
 
@@ -273,8 +308,7 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    for backend in (None, *BACKENDS):
-        name = _PREFIX + (backend or "varlen")
-        AttentionInterface.register(name, _make_forward(backend))
+    for attention, name in NAMES.items():
+        AttentionInterface.register(name, _make_forward(None if attention == "auto" else attention))
         AttentionMaskInterface.register(name, _no_mask)
     _registered = True

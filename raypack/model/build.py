@@ -8,22 +8,32 @@ Every model comes back with a raypack varlen attention (see `attention.py`) unle
 is `sdpa`/`eager`, which the caller picks for padded batches (the training loop asks the packed
 data, `Prepared.padded`; this module knows no packing strategy), and with `use_cache=False`:
 with the cache on, transformers stops finding example boundaries in position_ids and examples
-leak into each other.
+leak into each other. A model that can't train exactly on packed rows with the chosen backend
+is refused (`traits.check_packable`): by `check_model` on the driver before any data or worker
+work (a meta-device build, no weights), and again by `load_model` on the worker, which knows
+its device and whether flash-attn is installed.
 """
 
 from __future__ import annotations
 
 import copy
-import inspect
+import warnings
 from typing import Any
 
 import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from raypack.config import InputError
 from raypack.model import attention as attn
+from raypack.model.traits import UnsupportedModelError, check_packable
+
+__all__ = [
+    "ModelNotFoundError", "UnsupportedModelError", "check_model", "check_packable", "load_model", "model_config",
+    "model_vocab_size", "resolve_dtype", "tiny_config",
+]  # fmt: skip
 
 _TINY_COMMON = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -44,10 +54,6 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "granite": ("GraniteConfig", {}),
 }
 """`tiny-<family>`: config class and what it needs beyond the shared tiny sizes."""
-
-
-class UnsupportedModelError(InputError):
-    """The model cannot run packed (varlen) attention; padded strategies still work."""
 
 
 class ModelNotFoundError(InputError):
@@ -72,6 +78,11 @@ def tiny_config(family: str, vocab_size: int = 1024, **overrides: Any):
     return getattr(transformers, cls_name)(**{**_TINY_COMMON, **extra, "vocab_size": vocab_size, **overrides})
 
 
+def _device_type() -> str:
+    """Where a model loaded here will run: the worker's accelerator if it has one (as `dtype='auto'`)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def model_config(name: str, trust_remote_code: bool = False, vocab_size: int = 1024) -> PretrainedConfig:
     """The config `load_model(name)` builds from, without the weights: `tiny-<family>`'s, or a
     local folder's or hub model's config.json. What the driver checks before training starts."""
@@ -87,39 +98,61 @@ def model_config(name: str, trust_remote_code: bool = False, vocab_size: int = 1
         raise ModelNotFoundError(f"model.name {name!r}: can't load its config ({reason})") from e
 
 
-def check_model(config: PretrainedConfig, name: str, packed: bool) -> None:
-    """What can be known of a model from its config alone, before any worker loads it: that its
-    architecture is a causal LM transformers knows here (remote code is checked once built), and,
-    for packed rows, that its attention can be routed to raypack's varlen attention."""
-    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    if model_cls is None and not getattr(config, "auto_map", None):
-        raise UnsupportedModelError(f"model.name {name!r}: {type(config).__name__} is not a causal language model here")
-    if model_cls is not None and packed:
-        check_packable(model_cls, name)
-
-
 def model_vocab_size(config: PretrainedConfig) -> int:
     """Rows of the input embedding: every token id must be below it."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return int(text.vocab_size)
 
 
-def check_packable(model_cls: type, name: str) -> None:
-    """Refuse, naming the model, a class whose attention transformers can't route to raypack."""
-    reasons = []
-    if not getattr(model_cls, "_supports_attention_backend", False):
-        reasons.append("transformers can't route its attention through AttentionInterface")
-    if "position_ids" not in inspect.signature(model_cls.forward).parameters:
-        reasons.append("its forward takes no position_ids")
-    if reasons:
-        raise UnsupportedModelError(
-            f"{name} ({model_cls.__name__}) can't train on packed rows: {'; '.join(reasons)}. "
-            "Use a padded strategy instead (pad or pad_sorted), whose batches load it with attention='sdpa'."
-        )
-
-
 def _attn_implementation(attention: str) -> str:
     return attention if attention in ("sdpa", "eager") else attn.attn_implementation_name(attention)
+
+
+def _config(source: str | PretrainedConfig, trust_remote_code: bool, vocab_size: int) -> tuple[Any, str, bool]:
+    """(config, name for messages, whether weights come from a checkpoint)."""
+    if isinstance(source, PretrainedConfig):
+        # transformers 5 writes attn_implementation into the config it is given: never share one
+        return copy.deepcopy(source), type(source).__name__, False
+    if isinstance(source, str):
+        return model_config(source, trust_remote_code, vocab_size), source, not source.startswith("tiny-")
+    raise TypeError(f"load_model: expected a name, path or transformers config, got {type(source).__name__}")
+
+
+def check_model(
+    name_or_config: str | PretrainedConfig,
+    attention: str = "auto",
+    device_type: str = "cpu",
+    trust_remote_code: bool = False,
+    max_row_tokens: int | None = None,
+    vocab_size: int = 1024,
+    *,
+    name: str | None = None,
+    packed: bool = True,
+) -> None:
+    """Refuse, before any data or worker work, a model that is not a causal LM transformers knows
+    here (remote code is checked once built), or, if `packed`, one that can't train exactly on
+    packed rows with `attention` on `device_type` (`sdpa` means transformers' own attention over
+    packed position_ids: only the model-wide traits apply). Builds the model on the meta device:
+    no weights, a few seconds for 70B. `max_row_tokens` is the longest packed row, if known;
+    `name` names the model in errors (default: its name, or its config's class)."""
+    config, default_name, _ = _config(name_or_config, trust_remote_code, vocab_size)
+    name = name or default_name
+    if MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None) is None and not getattr(config, "auto_map", None):
+        raise UnsupportedModelError(f"model.name {name!r}: {type(config).__name__} is not a causal language model here")
+    if not packed:
+        return
+    backends = () if attention in ("sdpa", "eager") else attn.candidate_backends(attention, device_type)
+    _check_on_meta(config, name, backends, trust_remote_code, max_row_tokens)
+
+
+def _check_on_meta(config, name: str, backends, trust_remote_code: bool, max_row_tokens: int | None = None) -> None:
+    config = copy.deepcopy(config)
+    config.use_cache = False
+    # The attention name only has to be one transformers accepts for any class: the structure is
+    # what the check reads, and raypack's names change no model's structure.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", trust_remote_code=trust_remote_code)
+    check_packable(model, name, backends, max_row_tokens=max_row_tokens)
 
 
 def load_model(
@@ -139,22 +172,18 @@ def load_model(
     torch_dtype = resolve_dtype(dtype)
     impl = _attn_implementation(attention)
 
-    pretrained = False
-    if isinstance(source, PretrainedConfig):
-        # transformers 5 writes attn_implementation into the config it is given: never share one
-        config, name = copy.deepcopy(source), type(source).__name__
-    elif isinstance(source, str):
-        config, name = model_config(source, trust_remote_code, vocab_size), source
-        pretrained = not source.startswith("tiny-")
-    else:
-        raise TypeError(f"load_model: expected a name, path or transformers config, got {type(source).__name__}")
+    config, name, pretrained = _config(source, trust_remote_code, vocab_size)
     for key, value in config_overrides.items():
         setattr(config, key, value)
     config.use_cache = False
 
+    packed = impl in attn.BACKEND_OF
+    zero3 = is_deepspeed_zero3_enabled()
+    if packed and not zero3:
+        # refuse before building or reading a checkpoint; under ZeRO-3 a meta build would fight
+        # zero.Init, so the built model is checked instead (the driver's check_model ran already)
+        _check_on_meta(config, name, attn.candidate_backends(attention, _device_type()), trust_remote_code)
     model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    if model_cls is not None and impl.startswith("raypack_"):
-        check_packable(model_cls, name)
     if model_cls is not None and impl == "sdpa" and not getattr(model_cls, "_supports_sdpa", False):
         impl = "eager"  # older architectures (Bloom, ...): padded batches still train
     common = dict(attn_implementation=impl, dtype=torch_dtype, trust_remote_code=trust_remote_code)
@@ -162,8 +191,16 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(source, config=config, **common)
     else:
         model = AutoModelForCausalLM.from_config(config, **common)
-    if model_cls is None and impl.startswith("raypack_"):  # remote code: only known once built
-        check_packable(type(model), name)
+    if packed and zero3:
+        check_packable(model, name, attn.candidate_backends(attention, _device_type()))
+    if getattr(config, "output_router_logits", False):
+        # The training loop's loss is token cross-entropy from the logits; a router's auxiliary
+        # loss, which transformers adds to `loss` only, never reaches it (in any strategy).
+        warnings.warn(
+            f"{name}: output_router_logits is set, but raypack trains on token cross-entropy only; the router's "
+            f"auxiliary loss (router_aux_loss_coef={getattr(config, 'router_aux_loss_coef', None)}) is not applied",
+            stacklevel=2,
+        )
     model.config.use_cache = False
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.use_cache = False

@@ -11,8 +11,9 @@ Ray instance starts or a file is written. In order, cheapest first:
    some), and each file's format is told from its first record;
 3. `tokenize.tokenizer` loads, with a chat template if a file holds chats;
 4. `model.name` resolves to a config (a tiny family, a local folder or the hub; no weights are
-   loaded) of a causal LM whose attention can run packed rows, if the strategy packs, and every
-   id the tokenizer makes is below its vocabulary size;
+   loaded) of a causal LM that, if the strategy packs, trains exactly on packed rows with the
+   configured attention on the workers' device (a meta-device build: `check_packed_model`), and
+   every id the tokenizer makes is below its vocabulary size;
 5. small local data (up to `ROW_CHECK_BYTES`): every row, as the Ray read would check it,
    pre-tokenized ids against the model's vocabulary included; larger data is checked row by row
    while Ray reads it, with the same messages;
@@ -37,7 +38,7 @@ from raypack.config import Config, ConfigError
 from raypack.data.formats import FormatError, detect
 from raypack.data.shards import Prepared
 from raypack.data.sources import SourceError, check_rows_here, list_sources
-from raypack.data.strategies import STRATEGIES
+from raypack.data.strategies import STRATEGIES, Pad
 from raypack.runtime import absolute_paths, run_dir
 
 ROW_CHECK_BYTES = 16 << 20
@@ -107,13 +108,12 @@ def _check_rows(cfg: Config, formats: dict[str, str], vocab_size: int | None) ->
 def check_model_and_tokenizer(cfg: Config, tok) -> int:
     """The model's vocabulary size, once its config resolves and the tokenizer fits it."""
     from raypack.data.encode import TokenizeError
-    from raypack.model.build import check_model, model_config, model_vocab_size  # torch: seconds
+    from raypack.model.build import model_config, model_vocab_size  # torch: seconds
 
     m = cfg.model
     # A tiny model is built with the tokenizer's vocabulary (see raypack.data.prepare), so it fits.
     config = model_config(m.name, m.trust_remote_code, vocab_size=len(tok))
-    packed = not STRATEGIES[cfg.pack.strategy].padded and m.attention != "sdpa"
-    check_model(config, m.name, packed)
+    check_packed_model(cfg, config)
     vocab = model_vocab_size(config)
     if len(tok) > vocab:
         raise TokenizeError(
@@ -121,6 +121,25 @@ def check_model_and_tokenizer(cfg: Config, tok) -> int:
             f"embeds {vocab}: ids {vocab} and up would index past the embedding; use the model's own tokenizer"
         )
     return vocab
+
+
+def check_packed_model(cfg: Config, config=None) -> None:
+    """Refuse a model that is not a causal LM, or, for a packed strategy, one that can't train
+    exactly on this run's packed rows (raypack.model.traits): a token mixer besides attention
+    (whatever `model.attention`, `sdpa` included: a convolution mixes a packed row's examples
+    under any attention), or a trait the backend the workers will run lacks. Padded strategies
+    load the model with its own attention, so every causal LM passes there. Builds the model on
+    the meta device (no weights). `config`: the model's config if already loaded."""
+    from raypack.model.build import check_model  # torch: seconds
+
+    m = cfg.model
+    strategy = STRATEGIES[cfg.pack.strategy]
+    # every packed strategy but flatten keeps a row within the budget; flatten's rows are
+    # minibatches, unbounded by it (the attention function checks those rows as they come)
+    max_row = None if issubclass(strategy, Pad) else cfg.pack.budget
+    check_model(config if config is not None else m.name, attention=m.attention,
+                device_type="cuda" if cfg.train.use_gpu else "cpu", trust_remote_code=m.trust_remote_code,
+                max_row_tokens=max_row, name=m.name, packed=not strategy.padded)  # fmt: skip
 
 
 def source_formats(cfg: Config) -> dict[str, str]:

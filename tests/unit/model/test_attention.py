@@ -1,16 +1,17 @@
-"""Packed (varlen) attention against running every example alone, on the CPU in fp32."""
+"""Packed (varlen) attention against running every example alone, on the CPU in fp32, and the
+exact path's pieces: per-example segments, chunks, sinks, softcapping, no syncs on CUDA paths."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from exactness import make_rows, packed_vs_alone, rel_err, summed_loss
+from transformers.utils.generic import is_flash_attention_requested
 
 from raypack.data.collate import collate_packed, count_label_tokens
 from raypack.model import attention as attn
-from raypack.model.build import load_model
+from raypack.model.build import UnsupportedModelError, load_model
 
-LENGTHS = ([21, 6], [13, 1, 9])  # two rows; one example of a single token
 FAMILIES = {
     "llama": {},
     "mistral": {"sliding_window": 8},  # window shorter than the examples
@@ -20,23 +21,7 @@ FAMILIES = {
     "olmo2": {},
     "granite": {},
 }
-
-
-def make_rows(lengths=LENGTHS, seed=0, vocab=1024):
-    g = torch.Generator().manual_seed(seed)
-    rows, examples = [], []
-    for row in lengths:
-        exs = [torch.randint(3, vocab, (n,), generator=g) for n in row]
-        labels = [e.clone() for e in exs]
-        labels[0][: len(labels[0]) // 3] = -100  # a prompt that carries no loss
-        examples += list(zip(exs, labels))
-        rows.append({
-            "input_ids": torch.cat(exs).tolist(),
-            "labels": torch.cat(labels).tolist(),
-            "position_ids": [p for n in row for p in range(n)],
-            "example_ids": list(range(len(row))), "pack": 0, "rank": 0, "step": 0, "num_tokens": sum(row),
-        })  # fmt: skip
-    return rows, examples
+"""The shipped tiny-<family> models under attention='auto' (test_families.py covers many more)."""
 
 
 def twin(model, attention):
@@ -46,39 +31,19 @@ def twin(model, attention):
     return ref
 
 
-def summed_loss(logits, labels):
-    return F.cross_entropy(logits[..., :-1, :].flatten(0, -2), labels[..., 1:].flatten(), reduction="sum")
-
-
-def rel_err(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_matches_each_example_alone(family):
     torch.manual_seed(0)
     model = load_model(f"tiny-{family}", **FAMILIES[family])
     assert model.config._attn_implementation == "raypack_varlen" and model.config.use_cache is False
-    ref = twin(model, "eager" if family == "gemma2" else "sdpa")
-    rows, examples = make_rows()
-    batch = collate_packed(rows)
-
-    out = model(**batch)
-    loss = summed_loss(out.logits, batch["labels"])
-    torch.testing.assert_close(out.loss * count_label_tokens(batch), loss, rtol=1e-5, atol=1e-5)
-    loss.backward()
-
-    ref_logits, ref_loss = [], 0.0
-    for ids, labels in examples:
-        logits = ref(input_ids=ids[None]).logits
-        ref_logits.append(logits[0])
-        ref_loss = ref_loss + summed_loss(logits, labels[None])
-    ref_loss.backward()
-
-    assert rel_err(out.logits[0], torch.cat(ref_logits)) < 1e-5
-    assert rel_err(loss, ref_loss) < 1e-5
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert rel_err(p.grad, q.grad) < 1e-5, name
+    errors = packed_vs_alone(model, twin(model, "eager"))
+    assert max(errors.values()) < 1e-5, errors
+    # transformers' own loss (a token mean over the same labels) agrees with the summed one
+    batch = collate_packed(make_rows()[0])
+    with torch.no_grad():
+        out = model(**batch)
+    torch.testing.assert_close(out.loss * count_label_tokens(batch), summed_loss(out.logits, batch["labels"]),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
 def test_sliding_window_is_applied():
@@ -117,27 +82,63 @@ def test_without_collate_metadata_derives_from_position_ids():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_attention_function_never_syncs(monkeypatch):
-    """The attention function itself must not read device values back (that would be a sync per
-    layer on CUDA). On the CPU we make every read-back raise."""
-    batch = collate_packed(make_rows()[0])
+def test_cuda_paths_never_sync(monkeypatch):
+    """On CUDA a read-back is a sync per layer. The CUDA kernels' path (metadata, chunk
+    refinement, the kernel call) must read nothing back; here a stand-in kernel takes the
+    kernel's place and every read-back raises."""
+    rows, _ = make_rows()
+    batch = collate_packed(rows)
     total = batch["input_ids"].shape[1]
-    q, k, v = torch.randn(1, 4, total, 16), torch.randn(1, 2, total, 16), torch.randn(1, 2, total, 16)
+    q, k, v = (torch.randn(1, h, total, 16, dtype=torch.bfloat16) for h in (4, 2, 2))
     module = torch.nn.Module()
-    fn = attn._make_forward(None)
+    module.config, module.layer_idx = type("Cfg", (), {"layer_types": ["chunked_attention"], "attention_chunk_size": 8})(), 0
+    seen = {}
+
+    def kernel(module, query, key, value, cu, max_len, *args):
+        seen.update(cu=cu, max_len=max_len)
+        return torch.zeros(query.shape[0] * query.shape[2], query.shape[1], query.shape[3], dtype=query.dtype)
+
+    monkeypatch.setitem(attn._KERNELS, "torch_varlen", kernel)
     meta = {key: batch[key] for key in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
-    expected, _ = fn(module, q, k, v, None, scaling=0.25, sliding_window=4, **meta)
 
     def boom(*args, **kwargs):
-        raise AssertionError("device-to-host read in the attention function")
+        raise AssertionError("device-to-host read on the CUDA path")
 
     for name in ("item", "tolist", "nonzero", "__bool__", "__int__", "__index__", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, boom)
-    attn._masks._entries.clear()
-    out, _ = fn(module, q, k, v, None, scaling=0.25, sliding_window=4, **meta)
+    out, _ = attn._make_forward("torch_varlen")(module, q, k, v, None, scaling=0.25, sliding_window=4, **meta)
     monkeypatch.undo()
     assert out.shape == (1, total, 4, 16)
-    torch.testing.assert_close(out, expected)
+    assert seen["max_len"] == 8 and seen["cu"].shape == (len(batch["cu_seq_lens_q"]) - 1 + total // 8 + 1,)
+
+
+def test_registered_names_avoid_transformers_substrings():
+    """transformers runs its SDPA-support check on names with `sdpa` (it refuses Gemma2 and
+    GPT-OSS) and treats names with `flash` as flash kernels to load."""
+    attn.register()
+    for name in attn.NAMES.values():
+        assert "sdpa" not in name and "flash" not in name
+        assert not is_flash_attention_requested(requested_attention_implementation=name)
+    model = load_model("tiny-gemma2", attention="sdpa_varlen")  # refused by transformers under the old name
+    assert model.config._attn_implementation == "raypack_exact_varlen"
+
+
+def test_model_passing_its_own_mask_is_refused():
+    """A model that hands the attention a mask or bias it built itself (Doge's learned dynamic
+    mask) can't be packed: refused at the first forward, naming the padded strategies."""
+    model = load_model("tiny-llama")
+    module = model.model.layers[0].self_attn
+    q = torch.randn(1, 4, 5, 16)
+    bias = torch.zeros(1, 1, 5, 5)
+    with pytest.raises(UnsupportedModelError, match=r"LlamaAttention.*\(pad or pad_sorted\)"):
+        attn._make_forward(None)(module, q, q[:, :2], q[:, :2], bias)
+
+
+def test_cuda_kernels_refuse_sinks():
+    q = torch.randn(1, 4, 6, 16, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    with pytest.raises(UnsupportedModelError, match=r"attention sinks.*sdpa_varlen"):
+        attn._torch_varlen(None, q, q, q, cu, 6, 0.0, None, None, None, torch.zeros(4))
 
 
 def test_padding_mask_is_refused():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from transformers import BloomConfig
 
 from raypack.config import ModelConfig
@@ -34,7 +35,7 @@ def test_load_from_path_and_config_not_mutated(tmp_path):
     assert cfg._attn_implementation != "raypack_varlen"  # transformers 5 writes into the config it gets
     model.save_pretrained(tmp_path)
     loaded = load_model(str(tmp_path), attention="sdpa_varlen", dtype="float32")
-    assert loaded.config._attn_implementation == "raypack_sdpa_varlen" and not loaded.config.use_cache
+    assert loaded.config._attn_implementation == "raypack_exact_varlen" and not loaded.config.use_cache
     torch.testing.assert_close(loaded.lm_head.weight, model.lm_head.weight)
     # from_pretrained alone gives eval mode, where transformers skips gradient checkpointing
     assert loaded.training and all(m.training for m in loaded.modules())
@@ -44,3 +45,12 @@ def test_a_raypack_model_config_is_not_guessed_at():
     """The caller unpacks a ModelConfig into arguments; load_model takes a name or a transformers config."""
     with pytest.raises(TypeError, match="expected a name, path or transformers config"):
         load_model(ModelConfig(name="tiny-llama"))
+
+
+def test_router_aux_loss_is_named_when_the_config_asks_for_it():
+    """raypack's loss is token cross-entropy; a config that turns the MoE aux loss on hears so."""
+    cfg = tiny_config("llama")
+    with pytest.warns(UserWarning, match="auxiliary loss"):
+        load_model(transformers.MixtralConfig(**{k: getattr(cfg, k) for k in ("hidden_size", "intermediate_size",
+                   "num_hidden_layers", "num_attention_heads", "num_key_value_heads")}, vocab_size=512,
+                   num_local_experts=2, output_router_logits=True))  # fmt: skip

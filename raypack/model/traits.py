@@ -1,0 +1,159 @@
+"""Can this model train on packed rows, exactly? Its traits decide, before training starts.
+
+A packed row holds several examples. Packing is exact only if every layer that mixes tokens
+keeps them apart, which raypack guarantees for attention routed through its varlen backends
+(`attention.py`) and for nothing else. So a model is refused, naming the model, the trait and
+what still works, when it has
+
+    a token mixer other than attention   `layer_types` entries such as conv, linear_attention,
+                                         hybrid (LFM2, Qwen3-Next, ...), or modules that mix
+                                         along the sequence: nn.Conv1d (LFM2, Mamba, RecurrentGemma),
+                                         SSM parameters `A_log` (Mamba, GatedDeltaNet), attention
+                                         modules with is_causal=False (BERT without is_decoder).
+                                         They see the whole row and would mix examples. Only the
+                                         text decoder is searched (`get_decoder()`): vision and
+                                         audio towers never see a packed row.
+    attention outside transformers'      no `_supports_attention_backend`, or no position_ids
+    attention interface                  in forward (Bloom, GPT-2-era classes)
+    row-position query scaling           Llama 4's `attn_temperature_tuning` scales NoPE layers'
+                                         queries by the position in the row, not in the example:
+                                         exact only while rows are shorter than `floor_scale`
+
+and, depending on the backend that will run:
+
+    attention sinks (a `sinks` tensor)   exact on sdpa_varlen; the CUDA kernels have none
+    logit softcapping                    exact on sdpa_varlen and flash_attn; not torch_varlen
+    attention dropout                    exact on sdpa_varlen and flash_attn; not torch_varlen
+
+Chunked attention (`attention_chunk_size` on `chunked_attention` layers, Llama 4) and sliding
+windows are exact on every raypack backend. Padded strategies (pad, pad_sorted) load the model
+with its own attention and one example per row, so every trait above still trains there.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+import torch
+
+from raypack.config import InputError
+
+EXACT_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention",
+                               "moe", "sparse", "dense"})  # fmt: skip
+"""`layer_types` entries raypack keeps exact: attention kinds it implements, and MLP kinds, which
+mix no tokens. Anything else (conv, linear_attention, mamba, hybrid, indexed/compressed
+attention, and kinds a newer transformers adds) is refused until checked."""
+
+PADDED = "pad or pad_sorted"
+"""The padded strategies, as every refusal names them (data/strategies.py is their home; the
+model layer knows no strategy, tests/unit/model/test_build.py keeps the two in step)."""
+
+
+class UnsupportedModelError(InputError):
+    """The model cannot train exactly on packed rows (with this backend); padded strategies still work."""
+
+
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The text decoder, where packed rows flow (a vision or audio tower sees no packed row)."""
+    try:
+        decoder = model.get_decoder()
+    except (AttributeError, NotImplementedError, ValueError):
+        decoder = None
+    return decoder if isinstance(decoder, torch.nn.Module) else model
+
+
+def token_mixers(model: torch.nn.Module) -> list[str]:
+    """What, besides causal attention, mixes tokens along the sequence: layer types and modules."""
+    found = []
+    config = getattr(model, "config", None)
+    config = getattr(config, "get_text_config", lambda: config)()
+    for field in ("layer_types", "mtp_layer_types"):
+        types = getattr(config, field, None) or []
+        odd = sorted({t for t in types if t not in EXACT_LAYER_TYPES})
+        if odd:
+            found.append(f"{field} {', '.join(odd)}")
+    decoder = _decoder(model)
+    for name, module in decoder.named_modules():
+        if isinstance(module, torch.nn.Conv1d):
+            found.append(f"a convolution over the sequence ({name})")
+            break
+    for name, module in decoder.named_modules():
+        if getattr(module, "is_causal", None) is False:
+            found.append(f"bidirectional attention ({name}.is_causal is False)")
+            break
+    for name, _ in decoder.named_parameters():
+        if name.rsplit(".", 1)[-1] == "A_log":
+            found.append(f"a state-space (Mamba-style) scan ({name.rsplit('.', 1)[0]})")
+            break
+    return found
+
+
+def has_sinks(model: torch.nn.Module) -> str | None:
+    """The first attention module carrying a `sinks` tensor (GPT-OSS passes it as s_aux)."""
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "sinks", None), torch.Tensor):
+            return f"{name}.sinks"
+    return None
+
+
+def row_scaled_layers(config) -> int | None:
+    """Llama 4's query temperature on NoPE layers uses the row position: its `floor_scale`, if
+    any NoPE layer applies it. A row shorter than floor_scale tokens keeps the scale at 1."""
+    if not getattr(config, "attn_temperature_tuning", False):
+        return None
+    if 0 not in (getattr(config, "no_rope_layers", None) or []):
+        return None
+    return int(config.floor_scale)
+
+
+def backend_reasons(model: torch.nn.Module, backend: str) -> list[str]:
+    """Traits of `model` that `backend` (a raypack backend, or `sdpa` for transformers' own
+    attention over packed position_ids) can't run exactly."""
+    config = model.config
+    reasons = []
+    if backend in ("flash_attn", "torch_varlen") and (where := has_sinks(model)):
+        reasons.append(f"attention sinks ({where}), which the CUDA varlen kernels don't apply")
+    if backend == "torch_varlen":
+        if getattr(config, "attn_logit_softcapping", None):
+            reasons.append(f"attention logit softcapping ({config.attn_logit_softcapping}), which torch varlen_attn lacks")
+        if (getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+            reasons.append(f"attention dropout ({config.attention_dropout}), which torch varlen_attn lacks")
+    return reasons
+
+
+def check_packable(
+    model: torch.nn.Module, name: str, backends: Sequence[str] = ("sdpa_varlen",), max_row_tokens: int | None = None
+) -> None:
+    """Raise UnsupportedModelError unless `model` trains exactly on packed rows under one of
+    `backends` (the ones `attention='auto'` may pick, or the one it names). `max_row_tokens`,
+    when known, bounds the rows (the pack budget); row-position traits are checked against it
+    here and otherwise per batch by the attention function."""
+    cls = type(model).__name__
+    what = f"{name} ({cls})"
+    reasons = []
+    if not getattr(type(model), "_supports_attention_backend", False):
+        reasons.append("transformers can't route its attention through AttentionInterface")
+    if "position_ids" not in inspect.signature(type(model).forward).parameters:
+        reasons.append("its forward takes no position_ids")
+    reasons += [f"{m}, which would mix the examples of a packed row" for m in token_mixers(model)]
+    floor = row_scaled_layers(model.config)
+    if floor is not None and max_row_tokens is not None and max_row_tokens >= floor:
+        reasons.append(
+            f"attn_temperature_tuning scales NoPE layers' queries by the position in the row, and rows of "
+            f"{max_row_tokens} tokens reach its floor_scale {floor} (use a budget below {floor})"
+        )
+    if reasons:
+        raise UnsupportedModelError(
+            f"{what} can't train on packed rows: {'; '.join(reasons)}. "
+            f"Use a padded strategy instead ({PADDED}), whose batches load it with its own attention."
+        )
+    per_backend = {b: backend_reasons(model, b) for b in backends}
+    if per_backend and all(per_backend.values()):
+        detail = "; ".join(f"attention={b}: {', '.join(r)}" for b, r in per_backend.items())
+        raise UnsupportedModelError(
+            f"{what} can't run exactly on {' or '.join(backends)}: {detail}. What works: "
+            f"model.attention=sdpa_varlen (exact per example, slower on GPU), flash-attn for softcapping "
+            f"and dropout, or a padded strategy ({PADDED})."
+        )
+

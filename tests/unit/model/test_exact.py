@@ -1,0 +1,91 @@
+"""The exact per-example path against a dense masked reference (values and gradients, float64),
+the chunk boundaries it and the CUDA kernels use, and its one host read per forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from exactness import make_rows
+
+from raypack.data.collate import collate_packed
+from raypack.model.build import load_model
+from raypack.model.exact import chunk_cu_seqlens, exact_attention
+
+
+def chunks_by_hand(lengths, chunk):
+    """The expected segments: each example cut every `chunk` tokens from its own start."""
+    bounds, start = [], 0
+    for n in lengths:
+        bounds += list(range(start, start + n, chunk))
+        start += n
+    return bounds + [start]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 8, 64])
+def test_chunk_cu_seqlens(chunk):
+    lengths = [21, 6, 13, 1, 9, 16, 8]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    total = sum(lengths)
+    got = chunk_cu_seqlens(cu, chunk, total)
+    assert got.dtype == cu.dtype and got.shape == (len(lengths) + total // chunk + 1,)
+    expected = chunks_by_hand(lengths, chunk)
+    assert got[: len(expected)].tolist() == expected
+    assert (got[len(expected) :] == total).all()  # trailing empty segments
+
+
+def test_exact_path_reads_boundaries_once_per_forward(monkeypatch):
+    """The per-example loop needs the boundaries on the host: one read per forward, not per layer."""
+    model = load_model("tiny-llama", num_hidden_layers=3)
+    batch = collate_packed(make_rows()[0])
+    calls = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: calls.append(1) or real(self))
+    with torch.no_grad():
+        model(**batch)
+    assert len(calls) == 1
+
+
+def dense_reference(q, k, v, lengths, scale, window=None, softcap=None, sinks=None, chunk=None):
+    """Attention over the whole row with an explicit [T, T] mask: same example, causal, within
+    the window and the same chunk of the example. Written independently of raypack."""
+    total = sum(lengths)
+    example = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    starts = torch.tensor([0, *lengths]).cumsum(0)[:-1]
+    pos = torch.arange(total) - starts[example]
+    i, j = torch.arange(total)[:, None], torch.arange(total)[None, :]
+    allowed = (example[:, None] == example[None, :]) & (j <= i)
+    if window:
+        allowed &= i - j < window
+    if chunk:
+        allowed &= pos[:, None] // chunk == pos[None, :] // chunk
+    rep = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+    scores = q @ k.transpose(-1, -2) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks[:, None, None].expand(-1, total, 1)], dim=-1)
+    probs = scores.softmax(-1)[..., :total]
+    return probs @ v  # (H, T, D)
+
+
+@pytest.mark.parametrize(
+    "window,softcap,sinks,chunk",
+    [(None, None, False, None), (5, None, False, None), (None, 30.0, False, None), (None, None, True, None),
+     (None, None, False, 4), (5, 20.0, True, 4)],
+)  # fmt: skip
+def test_exact_path_against_dense_reference(window, softcap, sinks, chunk):
+    """Values and gradients (q, k, v and the sinks) of the per-example path, GQA 4:2."""
+    lengths = [11, 1, 7, 3]
+    total, g = sum(lengths), torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(h, total, 8, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    s = torch.randn(4, generator=g, dtype=torch.float64, requires_grad=True) if sinks else None
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    out = exact_attention(q[None], k[None], v[None], cu, 0.0, 0.3, window, softcap, s, chunk)
+    expected = dense_reference(q, k, v, lengths, 0.3, window, softcap, s, chunk).transpose(0, 1)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    grads = torch.autograd.grad((out * expected.detach().cos()).sum(), [x for x in (q, k, v, s) if x is not None])
+    want = torch.autograd.grad((expected * expected.detach().cos()).sum(), [x for x in (q, k, v, s) if x is not None])
+    for a, b in zip(grads, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
