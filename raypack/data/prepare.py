@@ -1,14 +1,27 @@
 """Driver-side data preparation: tokenize, hold out eval, plan globally, write per-rank packs.
 
-    tokenize_dataset ──> split by example_id hash ──> make_plan (lengths only) ──> materialize
-                                                                                   └─ <root>/train/rank=R/
-                                                                                   └─ <root>/eval/rank=R/
+    tokenized(cfg) ──> split by example_id hash ──> make_plan (lengths only) ──> materialize
+                                                                                └─ <root>/train/rank=R/
+                                                                                └─ <root>/eval/rank=R/
 
 Gradient accumulation is folded into the plan: it is built for ranks × accum virtual ranks, then
 `plan.fold_accumulation` gives each rank accum micro-steps per optimizer step, so every optimizer
 step sees ranks × accum packs balanced together. The folder carries a fingerprint of everything
 that shaped it, so a resumed run or a restarted worker group reuses it instead of re-planning.
 What the workers get is a `shards.Prepared` record; they read their rows with `shards.py` alone.
+
+Two keys, two caches. With `data.cache_path` set, the tokenized examples are kept as Parquet
+under `<cache>/tokenized/<tokenized_key>/` and the packed rows under
+`<cache>/packed/<packed_key>/`, so runs (and sweep trials) that differ only in the pack config
+tokenize once, and those with the same pack config pack once:
+
+    tokenized_key: data (less eval_fraction and cache_path), tokenize (less its speed knobs),
+                   the effective max_length (tokenize.max_length or pack.budget)
+    packed_key:    tokenized_key, pack, data.eval_fraction, ranks, grad_accum
+
+A cache entry is written into a fresh folder and committed by writing its manifest last, so a
+reader never sees a half-written entry and two runs that prepare the same entry at once each
+leave a complete one (the last manifest wins).
 """
 
 from __future__ import annotations
@@ -16,9 +29,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import time
+import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import ray
 
 from raypack import storage
 from raypack.config import Config
@@ -30,21 +47,85 @@ from raypack.data.sources import ROW_SHIFT
 from raypack.data.strategies import make_plan
 from raypack.data.tokenize import lengths_and_ids, tokenize_dataset
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
+TOKENIZE_SPEED_KNOBS = ("batch_size", "num_actors", "num_cpus")
+"""tokenize fields that change how fast, never what: left out of the keys."""
 
 
-def fingerprint(cfg: Config, num_ranks: int) -> str:
-    # Only what changes the packed rows: actor counts and batch sizes of tokenize do not.
-    tokenize = {k: v for k, v in dataclasses.asdict(cfg.tokenize).items() if k not in ("batch_size", "num_actors", "num_cpus")}
-    shaped_by = {
+def _digest(shaped_by: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(shaped_by, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def tokenized_key(cfg: Config) -> str:
+    """Hash of everything that shapes the tokenized examples (and nothing that only packs them)."""
+    tokenize = {k: v for k, v in dataclasses.asdict(cfg.tokenize).items() if k not in TOKENIZE_SPEED_KNOBS}
+    tokenize["max_length"] = cfg.tokenize.max_length or cfg.pack.budget  # what tokenize_dataset uses
+    data = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in ("eval_fraction", "cache_path")}
+    return _digest({"version": FORMAT_VERSION, "data": data, "tokenize": tokenize})
+
+
+def packed_key(cfg: Config, num_ranks: int) -> str:
+    """Hash of everything that shapes the packed rows: the tokenized examples, the eval split and the plan."""
+    return _digest({
         "version": FORMAT_VERSION,
-        "data": dataclasses.asdict(cfg.data),
-        "tokenize": tokenize,
+        "tokenized": tokenized_key(cfg),
+        "eval_fraction": cfg.data.eval_fraction,
         "pack": dataclasses.asdict(cfg.pack),
         "ranks": num_ranks,
         "accum": cfg.train.grad_accum,
-    }
-    return hashlib.sha256(json.dumps(shaped_by, sort_keys=True).encode()).hexdigest()[:16]
+    })
+
+
+fingerprint = packed_key  # the name checkpoints and Prepared records have always used
+
+
+def packed_root(cfg: Config, num_ranks: int, run_dir: str) -> str:
+    """Where a run's packed rows go: the shared cache when `data.cache_path` is set, else `<run>/packed`."""
+    if cfg.data.cache_path:
+        return f"{storage.absolute(cfg.data.cache_path)}/packed/{packed_key(cfg, num_ranks)}"
+    return f"{run_dir}/packed"
+
+
+@dataclass
+class Tokenized:
+    """The tokenized examples, their lengths and ids (in example_id order), and how they came to be."""
+
+    key: str
+    """Its `tokenized_key`."""
+    ds: Any
+    """Materialized Ray Dataset: example_id, input_ids, labels, length."""
+    lengths: np.ndarray
+    ids: np.ndarray
+    stats: dict[str, Any]
+    """TokenizeStats' counts (not the lengths)."""
+    reused: bool
+    """True when read back from `data.cache_path` instead of tokenized now."""
+    seconds: float
+
+
+def tokenized(cfg: Config) -> Tokenized:
+    """Tokenize `cfg`'s data, or read it back from `data.cache_path` when an entry with the same
+    `tokenized_key` is there (then nothing is tokenized)."""
+    t0 = time.perf_counter()
+    cache = cfg.data.cache_path
+    folder = f"{storage.absolute(cache)}/tokenized/{tokenized_key(cfg)}" if cache else None
+    if folder and storage.exists(f"{folder}/manifest.json"):
+        saved = json.loads(storage.read_text(f"{folder}/manifest.json"))
+        ds = ray.data.read_parquet(saved["data_dir"]).materialize()
+        lengths, ids = lengths_and_ids(ds)
+        print(f"[raypack] reusing tokenized data in {saved['data_dir']}", flush=True)
+        return Tokenized(saved["key"], ds, lengths, ids, saved["stats"], True, time.perf_counter() - t0)
+
+    ds, tok_stats = tokenize_dataset(cfg)
+    stats = {k: v for k, v in dataclasses.asdict(tok_stats).items() if k != "lengths"}
+    lengths, ids = lengths_and_ids(ds)
+    if folder:
+        data_dir = f"{folder}/{uuid.uuid4().hex[:12]}"  # fresh: write_parquet appends, and a reader may hold an older one
+        ds.write_parquet(data_dir)
+        manifest = {"key": tokenized_key(cfg), "data_dir": data_dir, "stats": stats, "seconds": time.perf_counter() - t0}
+        storage.write_text(f"{folder}/manifest.json", json.dumps(manifest, indent=1))
+        print(f"[raypack] tokenized {len(ids)} examples into {data_dir}", flush=True)
+    return Tokenized(tokenized_key(cfg), ds, lengths, ids, stats, False, time.perf_counter() - t0)
 
 
 def is_eval(example_ids: np.ndarray, fraction: float, seed: int) -> np.ndarray:
@@ -66,23 +147,37 @@ def _plan_split(ds, lengths, ids, cfg: Config, num_ranks: int, out_dir: str) -> 
     return plan, stats
 
 
-def prepare(cfg: Config, num_ranks: int, root: str) -> Prepared:
-    """Tokenize, split, plan and pack `cfg`'s data into `root` (a folder or URI every node can
-    read), or reuse what is already there."""
-    root = storage.absolute(root)
-    manifest = f"{root}/manifest.json"
-    key = fingerprint(cfg, num_ranks)
-    if storage.exists(manifest):
-        saved = json.loads(storage.read_text(manifest))
-        if saved.get("fingerprint") == key:
-            print(f"[raypack] reusing packed data in {root}")
-            return Prepared.from_dict(saved["prepared"])
-
-    ds, tok_stats = tokenize_dataset(cfg)
-    lengths, ids = lengths_and_ids(ds)
+def held_out_mask(ids: np.ndarray, cfg: Config) -> np.ndarray:
+    """Which examples (by id) are held out for eval; none when every one would be."""
     held_out = is_eval(ids, cfg.data.eval_fraction, cfg.pack.seed)
     if held_out.all():
         held_out[:] = False  # too few examples to hold any out: train on all, report no eval loss
+    return held_out
+
+
+def prepare(cfg: Config, num_ranks: int, root: str, tok: Tokenized | None = None) -> Prepared:
+    """Tokenize, split, plan and pack `cfg`'s data into `root` (a folder or URI every node can
+    read; `packed_root` says which), or reuse what is already there. `tok`: `cfg`'s tokenized
+    examples, when the caller already has them (a sweep packs several configs from one)."""
+    root = storage.absolute(root)
+    manifest = f"{root}/manifest.json"
+    key = packed_key(cfg, num_ranks)
+    if storage.exists(manifest):
+        saved = json.loads(storage.read_text(manifest))
+        if saved.get("fingerprint") == key:
+            print(f"[raypack] reusing packed data in {root}", flush=True)
+            return Prepared.from_dict(saved["prepared"])
+
+    t0 = time.perf_counter()
+    if tok is None:
+        tok = tokenized(cfg)
+    elif tok.key != tokenized_key(cfg):
+        raise ValueError("prepare: the tokenized examples passed in were made with another data or tokenize config")
+    ds, lengths, ids = tok.ds, tok.lengths, tok.ids
+    # In the shared cache, a fresh folder committed by the manifest (see the module docstring);
+    # a run's own packed/ folder is rewritten in place, as only that run uses it.
+    out = f"{root}/{uuid.uuid4().hex[:12]}" if cfg.data.cache_path else root
+    held_out = held_out_mask(ids, cfg)
     held_ids = np.sort(ids[held_out])
 
     def keep(batch, want_eval: bool):
@@ -91,7 +186,7 @@ def prepare(cfg: Config, num_ranks: int, root: str) -> Prepared:
         return batch.filter(mask)
 
     train_ds = ds.map_batches(keep, fn_kwargs={"want_eval": False}, batch_format="pyarrow") if len(held_ids) else ds
-    train_plan, stats = _plan_split(train_ds, lengths[~held_out], ids[~held_out], cfg, num_ranks, f"{root}/train")
+    train_plan, stats = _plan_split(train_ds, lengths[~held_out], ids[~held_out], cfg, num_ranks, f"{out}/train")
     if train_plan.num_steps < cfg.train.grad_accum:
         raise ValueError(f"{len(lengths)} examples make no full optimizer step for {num_ranks} ranks")
     eval_dir = None
@@ -102,15 +197,15 @@ def prepare(cfg: Config, num_ranks: int, root: str) -> Prepared:
         eval_pack = dataclasses.replace(cfg.pack, strategy="pad" if train_plan.padded else "bfd")
         eval_cfg = dataclasses.replace(cfg, pack=eval_pack, train=dataclasses.replace(cfg.train, grad_accum=1))
         eval_ds = ds.map_batches(keep, fn_kwargs={"want_eval": True}, batch_format="pyarrow")
-        _plan_split(eval_ds, lengths[held_out], ids[held_out], eval_cfg, num_ranks, f"{root}/eval")
-        eval_dir = f"{root}/eval"
+        _plan_split(eval_ds, lengths[held_out], ids[held_out], eval_cfg, num_ranks, f"{out}/eval")
+        eval_dir = f"{out}/eval"
 
     tokenizer = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template)
     trained = lengths[~held_out].astype(np.float64)
     prepared = Prepared(
         root=root,
         fingerprint=key,
-        train_dir=f"{root}/train",
+        train_dir=f"{out}/train",
         eval_dir=eval_dir,
         steps_per_rank=int(train_plan.num_steps),
         padded=bool(train_plan.padded),
@@ -119,8 +214,11 @@ def prepare(cfg: Config, num_ranks: int, root: str) -> Prepared:
         length_mean=float(trained.mean()) if len(trained) else 0.0,
         length_sq_mean=float((trained**2).mean()) if len(trained) else 0.0,
         stats={
-            **{k: v for k, v in dataclasses.asdict(tok_stats).items() if k != "lengths"},
+            **tok.stats,
             **stats,
+            "tokenize_reused": tok.reused,
+            "tokenize_s": tok.seconds,
+            "prepare_s": time.perf_counter() - t0,
             "train_examples": int((~held_out).sum()),
             "eval_examples": int(held_out.sum()),
         },

@@ -4,7 +4,7 @@
                                                           workers: raypack.train.loop.train_loop_per_worker
 
 Runs land in `<run.storage_path>/<run.name>/`: Ray's result files and checkpoints, `packed/`
-(the plan's per-rank packs) and `tensorboard/`. Fitting again with the same name and storage path
+(the plan's per-rank packs, or under `data.cache_path` when set) and `tensorboard/`. Fitting again with the same name and storage path
 resumes from that run's last checkpoint; that is what `raypack train --resume PATH` does.
 """
 
@@ -18,7 +18,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from raypack import storage
 from raypack.config import Config, ConfigError
-from raypack.data.prepare import prepare
+from raypack.data.prepare import packed_root, prepare
 from raypack.runtime import absolute_paths, init_ray, run_dir, storage_path
 from raypack.train.loop import train_loop_per_worker
 
@@ -37,7 +37,7 @@ def build_trainer(
     root = run_dir(cfg)
     if t.mlflow and storage.is_uri(root) and not os.environ.get("MLFLOW_TRACKING_URI"):
         raise ConfigError("train.mlflow: with a URI run.storage_path, set MLFLOW_TRACKING_URI to a tracking server")
-    prepared = prepare(cfg, t.num_workers, f"{root}/packed")
+    prepared = prepare(cfg, t.num_workers, packed_root(cfg, t.num_workers, root))
     loop_config = {
         "cfg": cfg.to_dict(),
         "data": prepared.to_dict(),
