@@ -3,6 +3,7 @@
     raypack train --config jobs/configs/tiny_cpu.yaml train.lr=2e-5
     raypack plan --lengths lengths.npy --budget 4096 --ranks 8 --strategy bfd balanced
     raypack sweep --config jobs/configs/sweeps/packing_cpu.yaml
+    raypack sweep --resume ./results/sweeps/sweep-packing-cpu   # continue an interrupted sweep
     raypack data --config jobs/configs/quickstart.yaml      # tokenize only, print a summary
 
 Each command's handler is `raypack.commands.<command>.run(args)`; this module and those are the
@@ -32,7 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", help="path of a stopped run (storage_path/name) to continue")
 
     p = sub.add_parser("sweep", help="Ray Tune sweep over packing strategies")
-    _add_config(p, required=True)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--config", help="YAML sweep config (see jobs/configs/sweeps/)")
+    src.add_argument("--resume", help="experiment dir (storage_path/name) of an interrupted sweep to continue")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. tune.num_samples=3 (with --config)")
 
     p = sub.add_parser("data", help="read and tokenize the configured data, print a summary")
     _add_config(p)
@@ -44,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=int, required=True, help="tokens per pack")
     p.add_argument("--ranks", type=int, required=True, help="data-parallel ranks")
     p.add_argument("--strategy", nargs="+", default=None, help="strategies to compare (default: all)")
-    p.add_argument("--batch-size", type=int, default=8, help="examples per minibatch for pad/pad_sorted/flatten")
+    p.add_argument("--batch-size", type=float, default=8, help="examples per minibatch for pad/pad_sorted/flatten (a fraction alternates sizes)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     p.add_argument("--out", help="write the (first strategy's) assignment as Parquet")
