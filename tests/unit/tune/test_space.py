@@ -76,3 +76,15 @@ def test_planned_trials():
     assert planned_trials(cfg("tune.strategies=[pad, bfd]", "tune.budgets=[1, 2, 3]", "tune.num_samples=2")) == 12
     assert planned_trials(cfg("tune.strategies=[pad, bfd]", "tune.strategy_space=choice", "tune.num_samples=5",
                               "tune.lrs=[1e-4, 1e-2]", "tune.lr_space=loguniform")) == 5
+
+
+def test_optuna_draws_from_the_space():
+    pytest.importorskip("optuna")
+    c = cfg("tune.search_alg=optuna", "tune.strategies=[pad, bfd]", "tune.strategy_space=choice",
+            "tune.lrs=[1e-4, 1e-2]", "tune.lr_space=loguniform", "tune.seed=3")
+    check(c)
+    searcher = search_alg(c)
+    assert searcher.set_search_properties(c.tune.metric, c.tune.mode, param_space(c))
+    drawn = [searcher.suggest(f"t{i}") for i in range(4)]
+    assert all(d["strategy"] in ("pad", "bfd") and 1e-4 <= d["lr"] <= 1e-2 for d in drawn)  # constants: merged by Tune
+    assert len({d["lr"] for d in drawn}) == 4
