@@ -5,7 +5,7 @@ trial, live metrics into Tune, early stopping, resume, then a report.
     raypack sweep --resume /tmp/sweeps/sweep-packing-cpu        # continue an interrupted sweep
 
     driver: check config ──> prepare data once (raypack/tune/data.py) ──> Tuner.fit / Tuner.restore
-              trial (raypack/tune/trial.py; ~no resources of its own)
+              trial (raypack/tune/trial.py: a Trainable with ~no resources of its own)
                 └─> its own Ray Train run (train.num_workers workers)
                       every ray.train.report ──> Tune (scheduler: ASHA may stop the trial)
             ──> report (raypack/tune/report.py, plots.py)
@@ -42,7 +42,7 @@ from raypack.tune import plots
 from raypack.tune.data import SweepData, prepare_sweep_data, takes_batch_size
 from raypack.tune.report import Context, format_csv, format_table, result_row, with_targets
 from raypack.tune.space import check, dimensions, param_space, planned_trials, tune_config
-from raypack.tune.trial import run_trial
+from raypack.tune.trial import TrainRun
 
 CONFIG = "raypack_sweep.yaml"
 TABLE = "sweep_results.md"
@@ -95,7 +95,7 @@ def sweep(cfg: Config, resume: bool = False) -> Outcome:
     cache = f"{experiment}/cache"
     data = prepare_sweep_data(base, cache)
     trial_base = dataclasses.replace(base, data=dataclasses.replace(base.data, cache_path=cache))
-    trainable = ray.tune.with_parameters(run_trial, base=trial_base, runs_dir=f"{experiment}/runs",
+    trainable = ray.tune.with_parameters(TrainRun, base=trial_base, runs_dir=f"{experiment}/runs",
                                          batch_sizes=data.batch_sizes)
     # The trial only waits on its Train run; the run's workers hold the real resources.
     trainable = ray.tune.with_resources(trainable, {"CPU": 0.01})

@@ -29,9 +29,11 @@ class _Checkpoint:
     path = "/runs/x/checkpoint_1"
 
 
-def test_callback_forwards_rank_zero_and_the_checkpoint_path():
+def test_callback_sends_its_controller_once_then_rank_zero_reports(monkeypatch):
+    monkeypatch.setattr(ForwardReports, "controller", staticmethod(lambda: "the-controller"))
     q = _Queue()
     cb = ForwardReports(q)
     cb.after_report(None, [{"step": 2, "loss": 1.0}, {"step": 2, "loss": 9.0}], None)
     cb.after_report(None, [{"step": 4, "loss": 0.5}], _Checkpoint())
-    assert q.items == [{"step": 2, "loss": 1.0}, {"step": 4, "loss": 0.5, "checkpoint_path": "/runs/x/checkpoint_1"}]
+    assert q.items == [("controller", "the-controller"), ("report", {"step": 2, "loss": 1.0}),
+                       ("report", {"step": 4, "loss": 0.5, "checkpoint_path": "/runs/x/checkpoint_1"})]
