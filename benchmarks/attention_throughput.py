@@ -1,7 +1,7 @@
 """Forward+backward throughput and peak memory: padded SDPA vs packed HF SDPA vs packed varlen.
 
     PYTHONPATH=. python benchmarks/attention_throughput.py            # ~1B Llama, bf16, CUDA
-    PYTHONPATH=. python benchmarks/attention_throughput.py --tiny     # CPU smoke run, tiny model
+    PYTHONPATH=. python benchmarks/attention_throughput.py --smoke    # tiny model on the CPU: proves the script runs
 
 One model (random init) switches attention implementation between three modes, on the same
 batches of 16 examples a step:
@@ -14,25 +14,27 @@ batches of 16 examples a step:
 
 tokens/s counts real (non-padding) tokens. Needs only torch and transformers (no Ray, no
 DeepSpeed): it imports raypack.model, raypack.data.collate and raypack.data.synthetic.
-Results go to benchmarks/results/attention_<device>_<yyyymmdd>.md (CUDA) or /tmp (--tiny).
+Results go to benchmarks/results/attention_<device>_<yyyymmdd>.md, or with --smoke to the temp
+folder (see benchmarks/common.py for --out and $RAYPACK_BENCH_OUT).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import platform
-import shlex
 import sys
 import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from raypack.data.collate import collate_packed, count_label_tokens, move_batch
-from raypack.data.synthetic import sample_lengths
-from raypack.model import attention as attn
-from raypack.model.build import load_model
+import torch  # noqa: E402
+
+from benchmarks.common import command_line, device_name, machine, results_path, smoke_banner, versions  # noqa: E402
+from raypack.data.collate import collate_packed, count_label_tokens, move_batch  # noqa: E402
+from raypack.data.synthetic import sample_lengths  # noqa: E402
+from raypack.model import attention as attn  # noqa: E402
+from raypack.model.build import load_model  # noqa: E402
 
 MODES = ("pad", "packed_sdpa", "packed_varlen")
 TARGETS = {  # (ratio name, numerator, denominator, minimum) per distribution, from the issue
@@ -105,21 +107,28 @@ def run_mode(model, mode: str, batches, warmup: int, device: str) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tiny", action="store_true", help="tiny model, short examples, 3 steps: a CPU smoke run")
-    p.add_argument("--steps", type=int, default=None, help="measured steps per mode (default 10; tiny 2)")
-    p.add_argument("--warmup", type=int, default=None, help="unmeasured steps per mode (default 3; tiny 1)")
-    p.add_argument("--examples-per-step", type=int, default=16)
+    p.add_argument("--smoke", action="store_true", help="tiny model, short examples, few steps, CPU: proves the script runs")
+    p.add_argument("--steps", type=int, default=None, help="measured steps per mode (default 10; smoke 1)")
+    p.add_argument("--warmup", type=int, default=None, help="unmeasured steps per mode (default 3; smoke 1)")
+    p.add_argument("--examples-per-step", type=int, default=None, help="examples a step (default 16; smoke 4)")
     p.add_argument("--distributions", default="flan,orcamath")
-    p.add_argument("--max-length", type=int, default=None, help="clip example lengths (default 4096; tiny 128)")
+    p.add_argument("--max-length", type=int, default=None, help="clip example lengths (default 4096; smoke 128)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="results file (default benchmarks/results/... on CUDA, /tmp for --tiny)")
+    p.add_argument("--out", default=None, help="results file (default: see benchmarks/common.py)")
     args = p.parse_args(argv)
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    steps = args.steps or (2 if args.tiny else 10)
-    warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
-    max_length = args.max_length or (128 if args.tiny else 4096)
-    if args.tiny:
+    if args.smoke:
+        torch.set_num_threads(1)  # a tiny model gains nothing from more, and a shared CI box oversubscribes
+    if device == "cpu" and not args.smoke:
+        print("attention_throughput.py compares CUDA attention kernels: it needs a GPU; --smoke runs it on the CPU",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    steps = args.steps or (1 if args.smoke else 10)
+    warmup = args.warmup if args.warmup is not None else 1 if args.smoke else 3
+    args.examples_per_step = args.examples_per_step or (4 if args.smoke else 16)
+    max_length = args.max_length or (128 if args.smoke else 4096)
+    if args.smoke:
         model = load_model("tiny-llama", attention="sdpa", dtype="float32")
     else:
         model = load_model(_llama_1b(), attention="sdpa", dtype="bfloat16")
@@ -137,8 +146,7 @@ def main(argv=None) -> int:
                   f"loss {r['first_loss']:.4f}", flush=True)  # fmt: skip
 
     report = render(args, argv, device, params, steps, warmup, max_length, results)
-    out = Path(args.out) if args.out else default_out(device, args.tiny)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = results_path("attention", args.smoke, args.out)
     out.write_text(report)
     print(f"wrote {out}")
     return 0
@@ -150,34 +158,18 @@ def _llama_1b():
     return LlamaConfig(**LLAMA_1B, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
-def device_name(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name().lower().replace("nvidia ", "").split()[0]
-    return "cpu"
-
-
-def default_out(device: str, tiny: bool) -> Path:
-    date = datetime.date.today().strftime("%Y%m%d")
-    if tiny or device != "cuda":
-        return Path("/tmp") / f"attention_{device_name(device)}_tiny_{date}.md"
-    return Path(__file__).parent / "results" / f"attention_{device_name(device)}_{date}.md"
-
-
 def render(args, argv, device, params, steps, warmup, max_length, results) -> str:
-    import transformers
-
-    command = "PYTHONPATH=. python benchmarks/attention_throughput.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     backend = "flash_attn" if attn.flash_attn_available() and device == "cuda" else ("torch_varlen" if device == "cuda" else "sdpa_varlen")
     lines = [
-        f"# Attention throughput, {device_name(device)}, {datetime.date.today().isoformat()}",
+        f"# Attention throughput, {device_name()}, {datetime.date.today().isoformat()}",
         "",
-        f"Command: `{command.strip()}`",
+        f"Command: `{command_line(__file__, argv)}`",
         "",
-        f"- machine: {torch.cuda.get_device_name() if device == 'cuda' else platform.processor() or platform.machine()}",
-        f"- versions: python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"flash-attn {'yes' if attn.flash_attn_available() else 'no'}; varlen backend: {backend}",
-        f"- model: {'tiny-llama' if args.tiny else 'Llama-style'}, {params / 1e6:.1f}M parameters, "
-        f"{'fp32' if args.tiny else 'bf16'}, random init; forward+backward, no optimizer step",
+        *smoke_banner(args.smoke),
+        f"- machine: {machine()}",
+        f"- versions: {versions()}, flash-attn {'yes' if attn.flash_attn_available() else 'no'}; varlen backend: {backend}",
+        f"- model: {'tiny-llama' if args.smoke else 'Llama-style'}, {params / 1e6:.1f}M parameters, "
+        f"{'fp32' if args.smoke else 'bf16'}, random init; forward+backward, no optimizer step",
         f"- {args.examples_per_step} examples a step, {warmup} warmup + {steps} measured steps per mode, "
         f"lengths clipped to {max_length}, seed {args.seed}; tokens/s counts real tokens only",
         "",
@@ -189,13 +181,17 @@ def render(args, argv, device, params, steps, warmup, max_length, results) -> st
             pad = 1 - r["real_tokens"] / r["padded_tokens"]
             lines.append(f"| {kind} | {mode} | {r['tokens_per_s']:.0f} | {r['peak_gib']:.2f} | {pad:.2f} | {r['first_loss']:.4f} |")
     lines += ["", "| ratio | value | target |", "|---|---|---|"]
+
+    def verdict(ok: bool) -> str:
+        return "(not judged: smoke run)" if args.smoke else "(met)" if ok else "(missed)"
+
     for kind, modes in results.items():
         for name, num, den, target in TARGETS.get(kind, []):
             ratio = modes[num]["tokens_per_s"] / modes[den]["tokens_per_s"]
-            lines.append(f"| {kind}: {name} | {ratio:.2f}x | >= {target}x {'(met)' if ratio >= target else '(missed)'} |")
+            lines.append(f"| {kind}: {name} | {ratio:.2f}x | >= {target}x {verdict(ratio >= target)} |")
         if kind == "flan" and device == "cuda":
             mem = modes["packed_varlen"]["peak_gib"] / modes["pad"]["peak_gib"]
-            lines.append(f"| flan: peak memory packed_varlen / pad | {mem:.2f}x | <= 0.3x {'(met)' if mem <= 0.3 else '(missed)'} |")
+            lines.append(f"| flan: peak memory packed_varlen / pad | {mem:.2f}x | <= 0.3x {verdict(mem <= 0.3)} |")
     lines += ["", "Same batches in every mode; the first-step losses should agree to bf16 noise "
               "(packed_sdpa and packed_varlen isolate examples; pad masks padding).", ""]  # fmt: skip
     return "\n".join(lines)

@@ -2,6 +2,7 @@
 
     python benchmarks/pack_materialize.py                        # 20k FLAN-like examples, budget 2048, 8 ranks
     python benchmarks/pack_materialize.py --n 100000 --out benchmarks/results/pack_materialize_cpu_20261122.md
+    python benchmarks/pack_materialize.py --smoke                # 400 examples, 2 ranks, one run: proves the script runs
 
 Every method builds the rows of one global `balanced` plan: raypack's routed pack stage
 (raypack/data/pack.py) and the two baselines in benchmarks/pack_baselines.py. The script checks
@@ -25,6 +26,7 @@ import ray
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import results_path  # noqa: E402
 from benchmarks.pack_baselines import METHODS, materialize  # noqa: E402
 from raypack.config import PackConfig  # noqa: E402
 from raypack.data.pack import _Router, _routing, assemble_rows  # noqa: E402
@@ -63,8 +65,9 @@ def compute_floor(blocks: list[pa.Table], plan, ids: np.ndarray) -> float:
     return time.perf_counter() - t0
 
 
-def main() -> None:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="400 examples, 2 ranks, 4 blocks, one timed run: proves the script runs")
     p.add_argument("--n", type=int, default=20_000)
     p.add_argument("--budget", type=int, default=2048)
     p.add_argument("--ranks", type=int, default=8)
@@ -72,7 +75,9 @@ def main() -> None:
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--repeat", type=int, default=2, help="timed runs per method (after one warm-up pass)")
     p.add_argument("--out", default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.n, args.ranks, args.blocks, args.repeat = 400, 2, 4, 1
 
     # Workers import benchmarks.pack_baselines by name to run the baselines' map_batches function.
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
@@ -86,11 +91,12 @@ def main() -> None:
     results, outputs = [], {}
     load = os.getloadavg()
     # Warm-up: start the worker processes and import everything once, so no method pays for it.
-    small = ray.data.from_arrow(tokenized(2000, args.budget, 4)).materialize()
-    small_lengths, small_ids = lengths_and_ids(small)
-    small_plan = make_plan(small_lengths, PackConfig(strategy="balanced", budget=args.budget), args.ranks)
-    for method in args.methods:
-        materialize(small, small_plan, small_ids, tempfile.mkdtemp(prefix="pack_warm_"), method=method)
+    if not args.smoke:  # a smoke run times nothing worth warming up for
+        small = ray.data.from_arrow(tokenized(2000, args.budget, 4)).materialize()
+        small_lengths, small_ids = lengths_and_ids(small)
+        small_plan = make_plan(small_lengths, PackConfig(strategy="balanced", budget=args.budget), args.ranks)
+        for method in args.methods:
+            materialize(small, small_plan, small_ids, tempfile.mkdtemp(prefix="pack_warm_"), method=method)
     for i in range(args.repeat):  # interleaved, so a change in the machine's load hits every method
         for method in args.methods:
             out = tempfile.mkdtemp(prefix=f"pack_{method}_")
@@ -106,12 +112,14 @@ def main() -> None:
     )
     print("identical rows:", same)
     ray.shutdown()
-    if args.out:
+    if args.out or args.smoke:
         lines = [
             "# Pack stage: routed pieces vs global shuffle (CPU)",
             "",
-            f"Command: `python benchmarks/{Path(__file__).name} {' '.join(sys.argv[1:])}`",
+            f"Command: `python benchmarks/{Path(__file__).name} {' '.join(sys.argv[1:] if argv is None else argv)}`",
             "",
+            *(["**--smoke run: a few hundred examples to prove the script works; these numbers are not results.**", ""]
+              if args.smoke else []),
             f"Machine: {os.cpu_count()} cores, {platform.platform()}, local Ray (num_cpus=4 logical), "
             f"load average before the runs {load[0]:.1f}, after {os.getloadavg()[0]:.1f} (the 2 cores are shared "
             "with other engineers' jobs, so absolute times are inflated; compare methods within the table). "
@@ -131,8 +139,11 @@ def main() -> None:
             f"writes): {floor:.2f} s. The rest of each time above is Ray scheduling and data movement.",
             "",
         ]
-        Path(args.out).write_text("\n".join(lines))
+        out = results_path("pack_materialize", args.smoke, args.out)
+        out.write_text("\n".join(lines))
+        print(f"wrote {out}")
+    return 0 if same else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -63,9 +63,12 @@ def main() -> None:
     ap.add_argument("--kind", default="flan", help="length distribution of the synthetic chats")
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="a --smoke run: 300 examples, to check the script works")
     args = ap.parse_args()
+    if args.smoke:
+        args.n = 300
     today = datetime.date.today().strftime("%Y%m%d")
-    out_path = Path(args.out or REPO / "benchmarks" / "results" / f"sweep_prepare_cpu_{today}.md")
+    out_path = Path(args.out or REPO / "benchmarks" / "results" / f"sweep_prepare_cpu_{'smoke_' if args.smoke else ''}{today}.md")
 
     import ray
 
@@ -101,7 +104,8 @@ def main() -> None:
     lines = [
         f"# Sweep data preparation, 4 strategies, CPU, {datetime.date.today().isoformat()}",
         "",
-        f"Command: `python benchmarks/{Path(__file__).name} -n {args.n} --kind {args.kind} --budget {args.budget}`",
+        f"Command: `python benchmarks/{Path(__file__).name} -n {args.n} --kind {args.kind} --budget {args.budget}`"
+        + (" (a --smoke run: too small to measure anything)" if args.smoke else ""),
         "",
         f"Machine: {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}. Shared with other engineers' jobs "
         "while it ran, so expect noise; compare within this run only. Load average (1/5/15 min) "

@@ -63,8 +63,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--storage", default="/tmp/raypack-bench-sweeps")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true",
+                    help="a --smoke run: 1 repeat of 4 steps at budget 256, to check the script works")
     ap.add_argument("overrides", nargs="*", help="more dotted config overrides")
     args = ap.parse_args()
+    if args.smoke:
+        args.repeats = 1
+        args.overrides = ["pack.budget=256", "train.max_steps=4", "train.report_every_steps=2",
+                          "train.eval_every_steps=2", *args.overrides]
 
     import ray
 
@@ -84,13 +90,13 @@ def main() -> None:
 
     device = "gpu" if cfg.train.use_gpu else "cpu"
     today = datetime.date.today().strftime("%Y%m%d")
-    out_path = Path(args.out or REPO / "benchmarks" / "results" / f"sweep_spread_{device}_{today}.md")
+    out_path = Path(args.out or REPO / "benchmarks" / "results" / f"sweep_spread_{device}_{'smoke_' if args.smoke else ''}{today}.md")
     cmd = f"python benchmarks/{Path(__file__).name} --config {os.path.relpath(args.config, REPO)} " \
           f"--strategies {' '.join(args.strategies)} --repeats {args.repeats}" + "".join(f" {o}" for o in args.overrides)
     lines = [
         f"# Sweep throughput spread, {device.upper()}, {datetime.date.today().isoformat()}",
         "",
-        f"Command: `{cmd}` (sweep {name}, {wall:.0f} s)",
+        f"Command: `{cmd}` (sweep {name}, {wall:.0f} s)" + (" (a --smoke run: too small to measure anything)" if args.smoke else ""),
         "",
         f"Machine: {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}. Shared with other engineers' jobs "
         f"while it ran; load average (1/5/15 min) {'/'.join(f'{x:.1f}' for x in load_before)} before, "

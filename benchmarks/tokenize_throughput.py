@@ -1,6 +1,7 @@
 """Tokenization throughput: raypack's Ray Data stage against `datasets.Dataset.map(num_proc=cores)`.
 
     python benchmarks/tokenize_throughput.py -n 20000            # writes benchmarks/results/tokenize_cpu_<date>.md
+    python benchmarks/tokenize_throughput.py --smoke             # 200 chats, one run a side: proves the script runs
 
 Both sides run the same per-batch work (raypack.data.encode.Encoder: chat template, assistant
 mask, EOS) with the same tokenizer on the same synthetic chat JSONL, one process per core:
@@ -9,7 +10,7 @@ mask, EOS) with the same tokenizer on the same synthetic chat JSONL, one process
   `tokenize.num_actors` = cores, fractional CPUs. Actor start-up is in every run.
 - datasets: `load_dataset("json")` into a fresh cache, then `map(batched=True, num_proc=cores)`.
 
-The sides alternate, twice each, so that other jobs on a shared host weigh on both.
+The sides alternate, twice each (once with --smoke), so that other jobs on a shared host weigh on both.
 
 Ray start-up (`ray.init`) is excluded; the ratio is per core (both sides use every core).
 """
@@ -29,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import results_path  # noqa: E402
 from raypack.config import ASSETS, Config, DataConfig, TokenizeConfig  # noqa: E402
 from raypack.data.synthetic import make_examples  # noqa: E402
 
@@ -76,17 +78,20 @@ def run_ray(path: str, tokenizer: str, cores: int, batch_size: int) -> tuple[flo
     return dt, stats.examples_out, stats.tokens
 
 
-def main() -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="200 chats, one core, one run a side: proves the script runs")
     ap.add_argument("-n", type=int, default=20000)
     ap.add_argument("--kind", default="flan", help="length distribution of the synthetic chats")
     ap.add_argument("--tokenizer", default=str(ASSETS / "tokenizer"))
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--cores", type=int, default=os.cpu_count())
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    today = datetime.date.today().strftime("%Y%m%d")
-    out_path = Path(args.out or REPO / "benchmarks" / "results" / f"tokenize_cpu_{today}.md")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.n, args.cores = 200, 1
+    runs = 1 if args.smoke else 2
+    out_path = results_path("tokenize", args.smoke, args.out)
 
     import ray
 
@@ -99,7 +104,7 @@ def main() -> None:
 
         # Alternate the two sides so that load from other jobs on a shared host drifts onto both.
         ds_runs, ray_runs = [], []
-        for i in range(2):
+        for i in range(runs):
             ds_total, ds_map, ds_rows, ds_tokens = run_datasets(path, args.tokenizer, args.cores, args.batch_size, os.path.join(tmp, f"hf{i}"))
             ds_runs.append((ds_total, ds_map))
             print(f"datasets: {ds_rows} rows, {ds_tokens} tokens, load+map {ds_total:.2f} s (map {ds_map:.2f} s)")
@@ -123,6 +128,7 @@ def main() -> None:
         "",
         f"Command: `python benchmarks/{Path(__file__).name} -n {args.n} --kind {args.kind} --batch-size {args.batch_size} --cores {args.cores}`",
         "",
+        *(["**--smoke run: 200 chats to prove the script works; these numbers are not results.**", ""] if args.smoke else []),
         f"Machine: {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}. "
         "Shared with other engineers' jobs while it ran, so expect noise; compare within this run only. "
         f"Load average (1/5/15 min) {'/'.join(f'{x:.1f}' for x in load_before)} before, "
@@ -152,7 +158,8 @@ def main() -> None:
     out_path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"\nwrote {out_path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/train_throughput.py                 # ~1B Llama, bf16, 16k-token packs, 1 GPU
     PYTHONPATH=. python benchmarks/train_throughput.py --zero-stage 1 --steps 60
-    PYTHONPATH=. python benchmarks/train_throughput.py --tiny          # CPU smoke run, tiny model (writes to /tmp)
+    PYTHONPATH=. python benchmarks/train_throughput.py --smoke         # tiny model on the CPU: proves the script runs
 
 One run, same data, same model init, same lr schedule, both paths back to back:
 
@@ -11,21 +11,25 @@ One run, same data, same model init, same lr schedule, both paths back to back:
    plan for 1 rank, pack) writes the packed folder once, under the run directory.
 2. Full stack: `raypack.train.trainer.build_trainer(cfg).fit()` on one worker: the unmodified
    `train_loop_per_worker` (it reuses the packed folder: same fingerprint). Throughput comes from
-   the per-step TensorBoard events rank 0 writes (tokens, step time, wall time), so the measured
-   window is exactly steps warmup+1..warmup+steps and includes everything between steps (data
-   reads, reports, logging) but not the final checkpoint. Result.metrics (tokens_per_s, mfu) is
-   shown as well: it counts only time inside train_step, over the last report window.
-3. Standalone: in this process, a 1-process torch.distributed group, `raypack.train.loop.setup`
-   (load_model + setup_engine) and `raypack.train.loop.train_step` on the very same packed rows
-   (`iter_rank_packs(prepared.train_dir, 0)`, read into memory first), timed the same way.
+   the per-step TensorBoard events rank 0 writes (tokens, step time, data wait, wall time), so the
+   measured window is exactly steps warmup+1..warmup+steps and includes everything between steps
+   (reports, logging) but not the final checkpoint. Result.metrics (tokens_per_s, mfu) is shown as
+   well: it counts only time inside train_step, over the last report window.
+3. Standalone: in this process, a 1-process torch.distributed group, what each worker runs
+   (`raypack.train.loop.setup`, `raypack.train.loss.make_loss`, the prefetcher and
+   `raypack.train.loop.train_step`) on the very same packed rows (`iter_rank_packs`, read into
+   memory first), timed the same way.
 
 The full stack runs first, so its worker has the GPU to itself; the standalone path runs after the
 Ray worker group is gone. Per-step losses of the two paths are compared: they should agree up to
 bf16/kernel noise, which shows that both consumed the same batches from the same init.
 tokens/s counts real tokens. MFU uses raypack.train.metrics.model_flops_per_token, the loop's own
-count, for both paths.
-Results go to benchmarks/results/train_<device>_<yyyymmdd>.md (CUDA) or /tmp (--tiny).
-Needs ray and deepspeed (the GPU machine gets them from ../shared/gpu/wheelhouse.sh).
+count, for both paths. Data wait is the time the loop waited for its next micro-batches (the
+prefetcher's queue), as a share of the step time; both paths use the configured loss (`--loss`,
+chunked by default).
+Results go to benchmarks/results/train_<device>_<yyyymmdd>.md, or with --smoke to the temp folder
+(see benchmarks/common.py). Needs ray and deepspeed (on the GPU machine, from the wheels that
+tools/gpu_wheels.sh gathers; `make bench-gpu` installs them).
 """
 
 from __future__ import annotations
@@ -34,8 +38,6 @@ import argparse
 import datetime
 import gc
 import os
-import platform
-import shlex
 import shutil
 import socket
 import struct
@@ -46,7 +48,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # Before Ray starts (the raylet and its workers inherit the driver's environment):
 # ray.train.report blocks ~2 s per call at the default health-check interval (raypack/runtime.py).
@@ -61,13 +62,14 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 try:
-    import deepspeed  # noqa: E402
+    import deepspeed  # noqa: E402, F401  (checked here; its version goes in the results file)
     import ray  # noqa: E402
-except ImportError as e:  # the GPU machine has neither until the wheelhouse is installed
-    sys.exit(f"train_throughput.py needs ray and deepspeed ({e}); on the GPU machine install the wheels "
-             "built by ../shared/gpu/wheelhouse.sh (its last lines say how)")  # fmt: skip
+except ImportError as e:  # the GPU machine has neither until the wheels are installed
+    sys.exit(f"train_throughput.py needs ray and deepspeed ({e}); on the GPU machine `make bench-gpu` installs "
+             "them from the wheels in .whl (tools/gpu_wheels.sh gathers them)")  # fmt: skip
 
-from attention_throughput import LLAMA_1B, device_name  # noqa: E402
+from benchmarks.attention_throughput import LLAMA_1B  # noqa: E402
+from benchmarks.common import command_line, device_name, machine, results_path, smoke_banner, versions  # noqa: E402
 
 from raypack.config import Config, DataConfig, ModelConfig, PackConfig, RunConfig, TokenizeConfig, TrainConfig  # noqa: E402
 from raypack.data.synthetic import sample_lengths  # noqa: E402
@@ -75,6 +77,7 @@ from raypack.model import attention as attn  # noqa: E402
 
 TARGET_RATIO = 0.9  # full stack tokens/s over standalone
 TARGET_MFU = 0.40  # ~1B Llama, bf16, ~16k tokens per micro-batch, on an H100
+TARGET_WAIT = 0.02  # time the loop waits for its next micro-batches, over the step time
 
 
 # --- data ------------------------------------------------------------------------------------------
@@ -106,12 +109,12 @@ def make_config(args, workdir: Path, data_path: Path, model_name: str, use_gpu: 
         tokenize=TokenizeConfig(num_cpus=0.5),
         pack=PackConfig(strategy="balanced", budget=args.budget, seed=args.seed),
         model=ModelConfig(
-            name=model_name, attention="auto", dtype="float32" if args.tiny else "bfloat16",
+            name=model_name, attention="auto", dtype="float32" if args.smoke else "bfloat16",
             gradient_checkpointing=args.gradient_checkpointing,
         ),
         train=TrainConfig(
             num_workers=1, use_gpu=use_gpu, cpus_per_worker=1.0, zero_stage=args.zero_stage, optimizer="torch",
-            grad_accum=1, epochs=1, max_steps=total_steps, seed=args.seed, warmup_steps=2, lr=1e-4,
+            grad_accum=1, epochs=1, max_steps=total_steps, seed=args.seed, warmup_steps=2, lr=1e-4, loss=args.loss,
             report_every_steps=args.report_every, checkpoint_every_steps=0, eval_every_steps=0,
             max_failures=0, tensorboard=True, mlflow=False,
         ),
@@ -143,7 +146,7 @@ def read_tensorboard(tb_dir: str) -> dict[int, dict[str, float]]:
     return steps
 
 
-def window(step_tokens: list[float], step_times: list[float], start: float, end: float) -> dict:
+def window(step_tokens: list[float], step_times: list[float], waits: list[float], start: float, end: float) -> dict:
     tokens = sum(step_tokens)
     return {
         "tokens": tokens,
@@ -151,6 +154,8 @@ def window(step_tokens: list[float], step_times: list[float], start: float, end:
         "wall_s": end - start,
         "tokens_per_s": tokens / (end - start),
         "in_step_tokens_per_s": tokens / sum(step_times),
+        "data_wait_s": sum(waits) / len(waits),
+        "data_wait_share": sum(waits) / sum(step_times),
     }
 
 
@@ -173,7 +178,7 @@ def run_full_stack(cfg: Config, warmup: int, steps: int) -> dict:
     if start is None:
         raise ValueError("--warmup must be >= 1: the window starts at the end of the last warmup step")
     out = window([tb[s]["train/tokens"] for s in measured], [tb[s]["train/step_time_s"] for s in measured],
-                 start, tb[warmup + steps]["wall_time"])  # fmt: skip
+                 [tb[s]["train/data_wait_s"] for s in measured], start, tb[warmup + steps]["wall_time"])  # fmt: skip
     metrics = result.metrics or {}
     out.update(
         losses=[tb[s]["train/loss"] for s in range(1, warmup + steps + 1)],
@@ -196,6 +201,8 @@ def run_standalone(cfg: Config, prepared, warmup: int, steps: int) -> dict:
 
     from raypack.data.shards import iter_rank_packs
     from raypack.train.loop import setup, train_step
+    from raypack.train.loss import make_loss
+    from raypack.train.prefetch import Prefetcher, prepare_step
 
     cuda = torch.cuda.is_available()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
@@ -203,25 +210,35 @@ def run_standalone(cfg: Config, prepared, warmup: int, steps: int) -> dict:
         torch.cuda.set_device(0)
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
     try:
-        engine, _scheduler, total = setup(cfg, prepared, 1)  # exactly what each Ray Train worker does
+        # exactly what each Ray Train worker does (raypack.train.loop.train_loop_per_worker)
+        engine, _scheduler, total = setup(cfg, prepared, 1)
+        loss = make_loss(engine, cfg.train.loss, cfg.train.loss_chunk_tokens, padded=prepared.padded)
         rows = list(iter_rank_packs(prepared.train_dir, 0))[: warmup + steps]
         num_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
-        losses, tokens, times = [], [], []
+        losses, tokens, times, waits = [], [], [], []
         start = None
-        for i, row in enumerate(rows):
-            if i == warmup:
-                if cuda:
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                start = time.perf_counter()
-            values = train_step(engine, [row], prepared.padded, prepared.pad_token_id)  # ends in a host sync
-            losses.append(values["loss"])
-            if i >= warmup:
-                tokens.append(values["tokens"])
-                times.append(values["step_time_s"])
+
+        def prepare(group):
+            return prepare_step(group, padded=prepared.padded, pad_token_id=prepared.pad_token_id, pin=cuda)
+
+        with Prefetcher(rows, 1, prepare) as batches:
+            for i in range(len(rows)):
+                if i == warmup:
+                    if cuda:
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
+                    start = time.perf_counter()
+                t0 = time.perf_counter()
+                step = next(batches)
+                values = train_step(engine, step, loss, wait_s=time.perf_counter() - t0)  # ends in a host sync
+                losses.append(values["loss"])
+                if i >= warmup:
+                    tokens.append(values["tokens"])
+                    times.append(values["step_time_s"])
+                    waits.append(values["data_wait_s"])
         if cuda:
             torch.cuda.synchronize()
-        out = window(tokens, times, start, time.perf_counter())
+        out = window(tokens, times, waits, start, time.perf_counter())
         out.update(
             losses=losses, num_params=num_params, model_config=engine.module.config,
             peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
@@ -240,28 +257,31 @@ def run_standalone(cfg: Config, prepared, warmup: int, steps: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tiny", action="store_true", help="tiny model, 256-token packs, few steps: a CPU smoke run")
-    p.add_argument("--steps", type=int, default=None, help="measured optimizer steps per path (default 40; tiny 3)")
-    p.add_argument("--warmup", type=int, default=None, help="unmeasured steps before them, >= 1 (default 10; tiny 1)")
-    p.add_argument("--budget", type=int, default=None, help="tokens per packed micro-batch (default 16384; tiny 256)")
-    p.add_argument("--model-size", choices=["1b"], default="1b", help="Llama-style model, random init (ignored with --tiny)")
+    p.add_argument("--smoke", action="store_true", help="tiny model, 256-token packs, few steps, CPU: proves the script runs")
+    p.add_argument("--steps", type=int, default=None, help="measured optimizer steps per path (default 40; smoke 2)")
+    p.add_argument("--warmup", type=int, default=None, help="unmeasured steps before them, >= 1 (default 10; smoke 1)")
+    p.add_argument("--budget", type=int, default=None, help="tokens per packed micro-batch (default 16384; smoke 256)")
+    p.add_argument("--model-size", choices=["1b"], default="1b", help="Llama-style model, random init (ignored with --smoke)")
+    p.add_argument("--loss", choices=["chunked", "full"], default="chunked", help="train.loss of both paths")
     p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=2)
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--report-every", type=int, default=20, help="train.report_every_steps of the full stack")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=None, help="data, model and run folder (default: a fresh /tmp dir, removed after)")
-    p.add_argument("--out", default=None, help="results file (default benchmarks/results/... on CUDA, /tmp for --tiny)")
+    p.add_argument("--out", default=None, help="results file (default: see benchmarks/common.py)")
     args = p.parse_args(argv)
-    args.steps = args.steps or (3 if args.tiny else 40)
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 10)
-    args.budget = args.budget or (256 if args.tiny else 16384)
+    args.steps = args.steps or (2 if args.smoke else 40)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 10)
+    args.budget = args.budget or (256 if args.smoke else 16384)
     if args.warmup < 1:
         p.error("--warmup must be >= 1")
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    if not cuda and not args.tiny:
-        print("no CUDA device: this is a GPU benchmark; use --tiny for a CPU smoke run", file=sys.stderr)
+    if args.smoke:
+        torch.set_num_threads(1)  # a tiny model gains nothing from more, and a shared CI box oversubscribes
+    if not cuda and not args.smoke:
+        print("train_throughput.py is a GPU benchmark: it needs CUDA; --smoke runs it on the CPU", file=sys.stderr)
         return 2
     total_steps = args.warmup + args.steps
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="raypack_train_bench_"))
@@ -272,7 +292,7 @@ def main(argv=None) -> int:
 
         # Model: tiny-llama (vocab sized to the bundled tokenizer), or a random-init ~1B Llama saved
         # once so that the Ray worker and this process load identical weights by path.
-        if args.tiny:
+        if args.smoke:
             model_name, vocab = "tiny-llama", 768
         else:
             model_name, vocab = str(workdir / "model"), LLAMA_1B["vocab_size"]
@@ -292,10 +312,12 @@ def main(argv=None) -> int:
 
         full = run_full_stack(cfg, args.warmup, args.steps)
         print(f"full stack  {full['tokens_per_s']:10.0f} tok/s wall ({full['in_step_tokens_per_s']:.0f} in-step; "
-              f"reported {full['reported_tokens_per_s'] or 0:.0f})", flush=True)  # fmt: skip
+              f"reported {full['reported_tokens_per_s'] or 0:.0f}); data wait {full['data_wait_share']:.2%} of step time",
+              flush=True)  # fmt: skip
         ray.shutdown()  # the worker group is gone already; this frees the driver's Ray state too
         alone = run_standalone(cfg, prepared, args.warmup, args.steps)
-        print(f"standalone  {alone['tokens_per_s']:10.0f} tok/s wall ({alone['in_step_tokens_per_s']:.0f} in-step)", flush=True)
+        print(f"standalone  {alone['tokens_per_s']:10.0f} tok/s wall ({alone['in_step_tokens_per_s']:.0f} in-step); "
+              f"data wait {alone['data_wait_share']:.2%} of step time", flush=True)  # fmt: skip
 
         from raypack.train.metrics import model_flops_per_token, peak_flops
 
@@ -313,8 +335,7 @@ def main(argv=None) -> int:
             print(f"MFU full {full['mfu']:.3f} standalone {alone['mfu']:.3f}")
 
         report = render(args, argv, device, data, prepared, alone["num_params"], fpt, full, alone, ratio, loss_diff)
-        out = Path(args.out) if args.out else default_out(device, args.tiny)
-        out.parent.mkdir(parents=True, exist_ok=True)
+        out = results_path("train", args.smoke, args.out)
         out.write_text(report)
         print(f"wrote {out}")
         return 0
@@ -332,10 +353,13 @@ def save_random_model(path: str, seed: int) -> None:
 
     torch.manual_seed(seed)
     config = LlamaConfig(**LLAMA_1B, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    model = load_model(config, attention="sdpa", dtype="bfloat16")
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # seconds on the GPU, a minute on the host
+        model = load_model(config, attention="sdpa", dtype="bfloat16")
     model.save_pretrained(path, safe_serialization=True)
     del model
     gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the Ray worker, another process, gets the whole GPU
 
 
 def fmt_losses(losses: list[float]) -> str:
@@ -343,19 +367,8 @@ def fmt_losses(losses: list[float]) -> str:
     return "[" + ", ".join(shown) + (", ...]" if len(losses) > 4 else "]")
 
 
-def default_out(device: str, tiny: bool) -> Path:
-    date = datetime.date.today().strftime("%Y%m%d")
-    if tiny or device != "cuda":
-        return Path("/tmp") / f"train_{device_name(device)}_tiny_{date}.md"
-    return Path(__file__).parent / "results" / f"train_{device_name(device)}_{date}.md"
-
-
 def render(args, argv, device, data, prepared, params, fpt, full, alone, ratio, loss_diff) -> str:
-    import transformers
-
     context = prepared.length_sq_mean / (2 * prepared.length_mean)  # mean causal context of a token
-
-    command = "PYTHONPATH=. python benchmarks/train_throughput.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     backend = "flash_attn" if attn.flash_attn_available() and device == "cuda" else ("torch_varlen" if device == "cuda" else "sdpa_varlen")
 
     def num(x, spec=".0f"):
@@ -365,24 +378,22 @@ def render(args, argv, device, data, prepared, params, fpt, full, alone, ratio, 
         return "n/a" if x is None else f"{x:.1%}"
 
     def verdict(ok: bool) -> str:  # targets are for a ~1B model on a GPU; a smoke run proves nothing
-        return "(not judged: CPU smoke run)" if args.tiny or device != "cuda" else "(met)" if ok else "(missed)"
+        return "(not judged: smoke run)" if args.smoke else "(met)" if ok else "(missed)"
 
     lines = [
-        f"# Train throughput: Ray Train + DeepSpeed vs standalone DeepSpeed, {device_name(device)}, "
+        f"# Train throughput: Ray Train + DeepSpeed vs standalone DeepSpeed, {device_name()}, "
         f"{datetime.date.today().isoformat()}",
         "",
-        f"Command: `{command.strip()}`",
+        f"Command: `{command_line(__file__, argv)}`",
         "",
-        *(["**CPU smoke run (--tiny): these timings are not results.**", ""] if args.tiny or device != "cuda" else []),
-        f"- machine: {torch.cuda.get_device_name() if device == 'cuda' else platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} CPUs",
-        f"- versions: python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"deepspeed {deepspeed.__version__}, ray {ray.__version__}, flash-attn {'yes' if attn.flash_attn_available() else 'no'}; "
+        *smoke_banner(args.smoke),
+        f"- machine: {machine()}",
+        f"- versions: {versions('deepspeed', 'ray')}, flash-attn {'yes' if attn.flash_attn_available() else 'no'}; "
         f"varlen backend: {backend}",
-        f"- model: {'tiny-llama' if args.tiny else 'Llama-style ' + args.model_size}, {params / 1e6:.1f}M parameters, "
-        f"{'fp32' if args.tiny else 'bf16'}, random init; gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}",
+        f"- model: {'tiny-llama' if args.smoke else 'Llama-style ' + args.model_size}, {params / 1e6:.1f}M parameters, "
+        f"{'fp32' if args.smoke else 'bf16'}, random init; gradient checkpointing {'on' if args.gradient_checkpointing else 'off'}",
         f"- DeepSpeed ZeRO-{args.zero_stage}, torch AdamW{' (fused)' if device == 'cuda' else ''}, 1 rank, grad_accum 1, "
-        f"one packed row of <= {args.budget} tokens per step",
+        f"one packed row of <= {args.budget} tokens per step; train.loss {args.loss}",
         f"- data: {data['examples']} FLAN-like examples (random ids, mean length {data['mean_length']:.0f}), "
         f"balanced plan, packing efficiency {prepared.stats.get('packing_efficiency', float('nan')):.3f}; "
         f"{args.warmup} warmup + {args.steps} measured steps per path, seed {args.seed}",
@@ -392,12 +403,13 @@ def render(args, argv, device, data, prepared, params, fpt, full, alone, ratio, 
         "(raypack.train.metrics.model_flops_per_token: matmul weights and LM head, plus attention over "
         f"a mean causal context of {context:.0f} tokens)",
         "",
-        "| path | tokens/s (wall) | tokens/s (in train_step) | MFU (wall) | peak GiB |",
-        "|---|---|---|---|---|",
+        "| path | tokens/s (wall) | tokens/s (in train_step) | MFU (wall) | peak GiB | data wait / step | share of step time |",
+        "|---|---|---|---|---|---|---|",
         f"| full stack (Ray Train + DeepSpeed) | {full['tokens_per_s']:.0f} | {full['in_step_tokens_per_s']:.0f} | "
-        f"{pct(full['mfu'])} | {num(full['peak_gib'], '.2f')} |",
+        f"{pct(full['mfu'])} | {num(full['peak_gib'], '.2f')} | {full['data_wait_s'] * 1e3:.2f} ms | {full['data_wait_share']:.2%} |",
         f"| standalone (DeepSpeed, same process) | {alone['tokens_per_s']:.0f} | {alone['in_step_tokens_per_s']:.0f} | "
-        f"{pct(alone['mfu'])} | {num(alone['peak_gib'], '.2f')} |",
+        f"{pct(alone['mfu'])} | {num(alone['peak_gib'], '.2f')} | {alone['data_wait_s'] * 1e3:.2f} ms | "
+        f"{alone['data_wait_share']:.2%} |",
         "",
         f"Full stack's own final report (Result.metrics, last {args.report_every}-step window or less, time inside "
         f"train_step only): tokens_per_s {num(full['reported_tokens_per_s'])}, mfu {pct(full['reported_mfu'])}.",
@@ -405,6 +417,8 @@ def render(args, argv, device, data, prepared, params, fpt, full, alone, ratio, 
         "| target | value | |",
         "|---|---|---|",
         f"| tokens/s full stack / standalone (wall) | {ratio:.3f}x | >= {TARGET_RATIO}x {verdict(ratio >= TARGET_RATIO)} |",
+        f"| data wait / step time, full stack | {full['data_wait_share']:.2%} | <= {TARGET_WAIT:.0%} "
+        f"{verdict(full['data_wait_share'] <= TARGET_WAIT)} |",
     ]
     if full["mfu"] is not None:
         lines.append(f"| MFU, full stack (wall) | {full['mfu']:.1%} | >= {TARGET_MFU:.0%} "
@@ -418,7 +432,9 @@ def render(args, argv, device, data, prepared, params, fpt, full, alone, ratio, 
         "",
         "Wall tokens/s: real tokens of the measured steps over the time from the end of the last warmup step to "
         "the end of the last measured step (full stack: rank 0's per-step TensorBoard wall times; standalone: "
-        "perf_counter after a host sync), so it includes data reads, reports and logging between steps.",
+        "perf_counter after a host sync), so it includes data reads, reports and logging between steps. "
+        "Data wait: how long the loop waited for the prefetcher to hand it the step's micro-batches (reading, "
+        "collating and pinning run in a background thread), over the step time (that wait plus train_step).",
         "",
     ]
     return "\n".join(lines)

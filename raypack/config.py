@@ -12,6 +12,7 @@ plain data so that it can travel as Ray Train's `train_loop_config` and be logge
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Sequence
@@ -25,7 +26,13 @@ ASSETS = Path(__file__).parent / "assets"
 """Bundled tiny tokenizer and sample data: the embedded default needs nothing from a hub."""
 
 
-class ConfigError(ValueError):
+class InputError(ValueError):
+    """Input raypack can't use: a config value, a data source, a tokenizer or a model. Running
+    again fails the same way, so it is reported as one line (exit code 2 from the command line)
+    and never retried by Ray Train. Every error about the user's input derives from it."""
+
+
+class ConfigError(InputError):
     """A config value is unknown, of the wrong type or out of range."""
 
 
@@ -65,6 +72,9 @@ class TokenizeConfig:
     """Which tokens carry loss. `auto`: assistant turns for chat, the output/completion otherwise."""
     overlength: Literal["drop", "truncate", "split"] = "truncate"
     """What happens to an example longer than `max_length` (default: the pack budget)."""
+    no_labels: Literal["drop", "error"] = "drop"
+    """An example no token of which carries loss (a chat without an assistant turn, a prompt that
+    truncate cut before its answer) is dropped and counted, or is an error naming it."""
     max_length: int | None = None
     """Longest example kept whole; None means `pack.budget`."""
     batch_size: int = 256
@@ -159,6 +169,12 @@ class TrainConfig:
     """Optimizer steps between checkpoints; 0 checkpoints only at the end."""
     max_failures: int = 1
     """Worker-group restarts from the last checkpoint before the run fails."""
+    loss: Literal["chunked", "full"] = "chunked"
+    """`chunked` computes the loss from the final hidden states a chunk of label tokens at a time and
+    never holds the [tokens, vocab] logits (raypack/train/loss.py; a model it can't reproduce exactly
+    is refused at setup); `full` takes the model's own logits, for any model."""
+    loss_chunk_tokens: int = 0
+    """Label tokens per chunk of the chunked loss; 0 sizes chunks so one chunk's fp32 logits take 256 MiB."""
     tensorboard: bool = True
     """Write per-step TensorBoard events into <run>/tensorboard (local storage paths only)."""
     mlflow: bool = False
@@ -167,7 +183,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("num_workers", "grad_accum", "epochs", "report_every_steps"):
             _check(getattr(self, name) > 0, f"train.{name}", "a positive int", getattr(self, name))
-        for name in ("warmup_steps", "eval_every_steps", "checkpoint_every_steps", "max_failures"):
+        for name in ("warmup_steps", "eval_every_steps", "checkpoint_every_steps", "max_failures", "loss_chunk_tokens"):
             _check(getattr(self, name) >= 0, f"train.{name}", "an int >= 0", getattr(self, name))
         _check(self.max_steps is None or self.max_steps > 0, "train.max_steps", "a positive int or null", self.max_steps)
         _check(self.lr > 0, "train.lr", "a positive float", self.lr)
@@ -377,6 +393,8 @@ def _coerce(hint: Any, value: Any, name: str) -> Any:
             except ValueError:
                 pass
         _check(isinstance(value, (int, float)) and not isinstance(value, bool), name, "a number", value)
+        # inf passes every `> 0` check (train.lr=inf trains on NaNs) and nan any negated one.
+        _check(math.isfinite(value), name, "a finite number", value)
         return float(value)
     elif hint is str:
         _check(isinstance(value, str), name, "a string", value)

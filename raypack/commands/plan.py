@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from raypack.config import PackConfig, load
+from raypack.config import ConfigError, PackConfig, load
 from raypack.data.strategies import STRATEGIES, make_plan
 
 COLUMNS = ("strategy", "packs", "steps", "efficiency", "padding_fraction", "token_imbalance",
@@ -32,20 +32,26 @@ def _lengths_from_config(args: argparse.Namespace) -> np.ndarray:
     """Tokenize the configured data; lengths ordered by example_id, as the pack stage orders them."""
     # Imported here, not at the top: these two take 3.1 s to import on 2 cores (Ray Data and the
     # tokenizer stack), which a dry run over a --lengths file, 0.2 s in all, never needs.
-    from raypack.data.tokenize import lengths_and_ids, tokenize_dataset
+    from raypack.data.tokenize import lengths_and_ids, require_supervised, tokenize_dataset
     from raypack.runtime import absolute_paths, init_ray
+    from raypack.train.preflight import check_data
 
     cfg = absolute_paths(load(args.config, args.overrides))
+    check_data(cfg)  # before Ray starts
     init_ray()
     cfg = replace(cfg, pack=replace(cfg.pack, budget=args.budget))
-    ds, _ = tokenize_dataset(cfg)
+    ds, stats = tokenize_dataset(cfg)
+    require_supervised(stats, cfg)
     lengths, _ = lengths_and_ids(ds)
     return lengths
 
 
 def run(args: argparse.Namespace) -> int:
-    lengths = np.load(args.lengths) if args.lengths else _lengths_from_config(args)
     names = args.strategy or list(STRATEGIES)
+    unknown = [n for n in names if n not in STRATEGIES]
+    if unknown:
+        raise ConfigError(f"--strategy: expected names from {', '.join(STRATEGIES)}, got {unknown[0]!r}")
+    lengths = np.load(args.lengths) if args.lengths else _lengths_from_config(args)
     rows = []
     for i, name in enumerate(names):
         cfg = PackConfig(strategy=name, budget=args.budget, batch_size=args.batch_size, seed=args.seed)

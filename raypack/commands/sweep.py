@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from raypack.config import ConfigError, load
+from raypack.train.preflight import preflight
 from raypack.tune.space import check
 from raypack.tune.sweep import format_table, saved_config, sweep
 
@@ -22,6 +23,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         cfg = load(args.config, args.overrides)
     check(cfg)  # before any Ray work, like the per-section checks of `load`
+    preflight(cfg)  # the base config's data, tokenizer and model, before Ray starts
     outcome = sweep(cfg, resume=bool(args.resume))
     print("\n" + format_table(outcome.rows, outcome.context))
     print(f"[raypack] sweep results in {outcome.directory}/: {', '.join(outcome.files)}", file=sys.stderr)

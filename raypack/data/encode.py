@@ -20,6 +20,11 @@ when the example ends with supervised text (always, unless a chat ends with a no
 Masked positions are -100. An example longer than `max_length` is dropped, truncated (its EOS is
 then cut too), or split into pieces of at most `max_length` tokens with ids `parent_id + piece`
 (source ids leave 10 low bits free, see raypack.data.sources).
+
+A row with no label token the loss can see (labels[1:] all -100: a chat without an assistant
+turn, a prompt that truncate cut before the answer, a split piece of prompt only) trains nothing
+and is dropped and counted (`counts`): it would cost compute, and a dataset of only such rows
+would "train" with loss 0.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from transformers import AutoTokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
+
+from raypack.config import InputError
 
 IGNORE = -100
 MAX_PIECES = 1 << 10
@@ -49,14 +56,20 @@ OUT_SCHEMA = pa.schema(
         ("_label_tokens", pa.int32()),
     ]
 )
+"""Rows of `Encoder.encode_table`: the output columns, the over-length flag and the label tokens
+the loss sees (labels[1:] != -100), kept until tokenize has counted them."""
 
 
-class TokenizeError(ValueError):
+class TokenizeError(InputError):
     """The tokenizer can't encode this data as configured (e.g. chat data without a template)."""
 
 
 def load_tokenizer(name: str, chat_template: str | None = None):
-    tok = AutoTokenizer.from_pretrained(name)
+    try:
+        tok = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as e:  # not a folder, not on the hub, no network, not a tokenizer
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TokenizeError(f"tokenize.tokenizer {name!r}: can't load it ({reason})") from e
     if chat_template is not None:
         tok.chat_template = chat_template
     if tok.eos_token_id is None:
@@ -193,7 +206,7 @@ class Encoder:
         if self.report is not None and table.num_rows:
             # Keyed by the batch's first id, so a retried batch is counted once.
             self.report((batch["example_id"][0].as_py(), batch.num_rows), counts(table))
-        return table.filter(pc.not_equal(table["_flag"], DROPPED)).select(COLUMNS)
+        return kept_rows(table)
 
     def encode_table(self, batch: pa.Table) -> pa.Table:
         """Rows in OUT_SCHEMA: the output columns plus a flag and label-token count per row
@@ -221,17 +234,35 @@ class Encoder:
         return _table(eids, ids_out, labels_out, flags)
 
 
+def kept_rows(table: pa.Table) -> pa.Table:
+    """The output columns of the rows that train: not dropped for length, with a label token."""
+    keep = pc.and_(pc.not_equal(table["_flag"], DROPPED), pc.greater(table["_label_tokens"], 0))
+    return table.filter(keep).select(COLUMNS)
+
+
 def counts(table: pa.Table) -> dict:
-    """What tokenize reports for one encoded batch (lengths exclude dropped examples)."""
+    """What tokenize reports for one encoded batch (lengths and tokens: the rows kept)."""
     flag = table["_flag"].to_numpy()
-    first_piece = (table["example_id"].to_numpy() & (MAX_PIECES - 1)) == 0
+    eid = table["example_id"].to_numpy()
+    label_tokens = table["_label_tokens"].to_numpy()
+    first_piece = (eid & (MAX_PIECES - 1)) == 0
+    # An example (all pieces of a split one) without a label token is dropped as a whole; a
+    # split piece without one, from an example whose other pieces have some, on its own.
+    live = flag != DROPPED
+    parents, inverse = np.unique(eid[live] & ~np.int64(MAX_PIECES - 1), return_inverse=True)
+    per_parent = np.bincount(inverse, weights=label_tokens[live], minlength=len(parents))
+    unsupervised = per_parent == 0
+    kept = live & (label_tokens > 0)
     return {
         "dropped": int((flag == DROPPED).sum()),
         "truncated": int((flag == TRUNCATED).sum()),
         "split": int(((flag == SPLIT) & first_piece).sum()),
         "pieces": int((flag == SPLIT).sum()),
-        "label_tokens": int(table["_label_tokens"].to_numpy().sum()),
-        "lengths": table["length"].to_numpy()[flag != DROPPED],
+        "no_labels": int(unsupervised.sum()),
+        "no_label_pieces": int(((label_tokens[live] == 0) & ~unsupervised[inverse]).sum()),
+        "no_label_examples": parents[unsupervised][:5].tolist(),
+        "label_tokens": int(label_tokens[kept].sum()),
+        "lengths": table["length"].to_numpy()[kept],
     }
 
 
@@ -241,7 +272,11 @@ def _table(eids, ids_out, labels_out, flags) -> pa.Table:
     np.cumsum(lengths, out=offsets[1:])
     cat = (lambda xs: np.concatenate(xs).astype(np.int32, copy=False)) if ids_out else (lambda xs: np.zeros(0, np.int32))
     labels = cat(labels_out)
-    supervised = np.concatenate([[0], np.cumsum(labels != IGNORE)])
+    # Label tokens the loss sees: a row's first token predicts nothing before it (collate masks
+    # every example start), so a label there counts for nothing.
+    seen = labels != IGNORE
+    seen[offsets[:-1][lengths > 0]] = False
+    supervised = np.concatenate([[0], np.cumsum(seen)])
     label_tokens = supervised[offsets[1:]] - supervised[offsets[:-1]]
     return pa.Table.from_arrays(
         [

@@ -5,6 +5,10 @@
     completion   {"prompt": str, "completion": str}
     tokenized    {"input_ids": [int >= 0, ...], "labels": [int, ...] (optional, same length)}
 
+A source holds one format: with `data.format: auto` the first record picks it, and a later record
+of another format is an error that says so. Token ids (and labels other than -100) must be below
+the model's vocabulary size when the caller knows it.
+
 raypack/data/sources.py reads the records and adds where each one came from to the messages.
 """
 
@@ -48,8 +52,27 @@ def _string(rec: dict[str, Any], key: str, fmt: str, optional: bool = False) -> 
     return value
 
 
-def validate(rec: Any, fmt: str) -> dict[str, Any]:
-    """The record normalized to `fmt`'s fields of sources.SCHEMA, or a FormatError naming the problem."""
+def validate(rec: Any, fmt: str, vocab_size: int | None = None, detected: bool = False) -> dict[str, Any]:
+    """The record normalized to `fmt`'s fields of sources.SCHEMA, or a FormatError naming the
+    problem. `detected`: `fmt` was detected from the source's first record, so a record that
+    lacks its fields but fits another format is reported as a mixed-format source."""
+    try:
+        return _validate(rec, fmt, vocab_size)
+    except FormatError:
+        if detected and isinstance(rec, dict):
+            try:
+                other = detect(rec.keys(), "auto", "")
+            except FormatError:
+                other = fmt
+            if other != fmt:
+                raise FormatError(
+                    f"a {other} example in a {fmt} source (its first record is {fmt}); one format per "
+                    "file: split the file, or set data.format"
+                ) from None
+        raise
+
+
+def _validate(rec: Any, fmt: str, vocab_size: int | None) -> dict[str, Any]:
     if not isinstance(rec, dict):
         raise FormatError(f"expected a JSON object, got {type(rec).__name__}")
     if fmt == "chat":
@@ -90,4 +113,14 @@ def validate(rec: Any, fmt: str) -> dict[str, Any]:
             raise FormatError("`labels` must be a list of ints")
         if len(labels) != len(ids):
             raise FormatError(f"`labels` has {len(labels)} entries but `input_ids` has {len(ids)}")
+    if vocab_size is not None:
+        # An id past the embedding is an IndexError in a worker (a device-side assert on a GPU)
+        # that names no row; here it names the file and the line.
+        for key, values in (("input_ids", ids), ("labels", labels or ())):
+            bad = next((j for j, t in enumerate(values) if t >= vocab_size or (t < 0 and t != -100)), None)
+            if bad is not None:
+                raise FormatError(
+                    f"{key}[{bad}] = {values[bad]} is outside the model's vocabulary (ids 0..{vocab_size - 1}"
+                    + (", or -100 for no loss)" if key == "labels" else ")")
+                )
     return {"input_ids": list(ids), "labels": None if labels is None else list(labels)}

@@ -189,15 +189,32 @@ def _route_block(block: pa.Table, routing: dict[str, np.ndarray], num_ranks: int
     return parts if num_ranks > 1 else parts[0]
 
 
-def _finish_rank_tables(out: str, rank: int, num_steps: int, num_ranks: int, reset: bool, *parts) -> int:
+def label_tokens(rows: pa.Table) -> int:
+    """Label tokens of packed rows that the loss sees: not -100, and not where positions restart
+    (collate masks every example start; wrapped_noreset restarts only at a row's start)."""
+    labels = pc.list_flatten(rows["labels"]).to_numpy(zero_copy_only=False)
+    positions = pc.list_flatten(rows["position_ids"]).to_numpy(zero_copy_only=False)
+    return int(((labels != -100) & (positions != 0)).sum())
+
+
+def _rank_rows(rank: int, num_ranks: int, reset: bool, parts) -> pa.Table:
     parts = [t for t in parts if t.num_rows]
-    rows = assemble_rows(pa.concat_tables(parts), reset) if parts else _empty_rows(rank, np.zeros(0, np.int64), num_ranks)
-    return _write_rank(rows, out, rank, num_steps, num_ranks)
+    return assemble_rows(pa.concat_tables(parts), reset) if parts else _empty_rows(rank, np.zeros(0, np.int64), num_ranks)
+
+
+def _finish_rank_tables(out: str, rank: int, num_steps: int, num_ranks: int, reset: bool, *parts) -> int:
+    return _write_rank(_rank_rows(rank, num_ranks, reset, parts), out, rank, num_steps, num_ranks)
+
+
+def _finish_and_count(out: str, rank: int, num_steps: int, num_ranks: int, reset: bool, *parts) -> tuple[int, int]:
+    """Rows written and label tokens, for one rank."""
+    rows = _rank_rows(rank, num_ranks, reset, parts)
+    return _write_rank(rows, out, rank, num_steps, num_ranks), label_tokens(rows)
 
 
 def materialize(ds: ray.data.Dataset, plan: Plan, example_ids: np.ndarray, out_dir: str) -> dict[str, Any]:
     """Write the packed rows of `plan` under `out_dir/rank=<r>/` (replacing what was there).
-    Returns counts and seconds."""
+    Returns counts (rows; label tokens per rank, which the driver checks before training) and seconds."""
     t0 = time.perf_counter()
     out = out_dir.rstrip("/")
     storage.remove_dir(out)  # write_parquet appends by default; a stale shard would corrupt a rank
@@ -207,7 +224,7 @@ def materialize(ds: ray.data.Dataset, plan: Plan, example_ids: np.ndarray, out_d
     parts = [route.remote(block, routing, plan.num_ranks) for block in ds.to_arrow_refs()]
     if plan.num_ranks == 1:
         parts = [[p] for p in parts]
-    finish = ray.remote(num_cpus=0.5)(_finish_rank_tables)
-    rows = sum(ray.get([finish.remote(f"{out}/rank={r}", r, *args, *[p[r] for p in parts])
-                        for r in range(plan.num_ranks)]))
-    return {"rows": rows, "method": "routed", "seconds": time.perf_counter() - t0}
+    finish = ray.remote(num_cpus=0.5)(_finish_and_count)
+    done = ray.get([finish.remote(f"{out}/rank={r}", r, *args, *[p[r] for p in parts]) for r in range(plan.num_ranks)])
+    return {"rows": sum(n for n, _ in done), "rank_label_tokens": [t for _, t in done], "method": "routed",
+            "seconds": time.perf_counter() - t0}

@@ -7,7 +7,10 @@
 Gradient accumulation is folded into the plan: it is built for ranks × accum virtual ranks, then
 `plan.fold_accumulation` gives each rank accum micro-steps per optimizer step, so every optimizer
 step sees ranks × accum packs balanced together. The folder carries a fingerprint of everything
-that shaped it, so a resumed run or a restarted worker group reuses it instead of re-planning.
+that shaped it, so a resumed run or a restarted worker group reuses it instead of re-planning:
+the config that shaped it (`packed_key`), and the identity of every source file
+(`raypack.data.fingerprint`). Same config but changed sources is an error, never a silent reuse
+and never a silent re-pack under a run whose checkpoints index the old packs.
 What the workers get is a `shards.Prepared` record; they read their rows with `shards.py` alone.
 
 Two keys, two caches. With `data.cache_path` set, the tokenized examples are kept as Parquet
@@ -21,7 +24,12 @@ tokenize once, and those with the same pack config pack once:
 
 A cache entry is written into a fresh folder and committed by writing its manifest last, so a
 reader never sees a half-written entry and two runs that prepare the same entry at once each
-leave a complete one (the last manifest wins).
+leave a complete one (the last manifest wins). A tokenized entry records its sources' identity
+too; one made from sources that have changed since is tokenized again (the packed-level check
+above still refuses to repack under an existing run).
+
+Before packing it refuses data that trains on nothing: no example with a label token, or a rank
+that would get none (more ranks x grad_accum than examples).
 """
 
 from __future__ import annotations
@@ -38,18 +46,23 @@ import numpy as np
 import ray
 
 from raypack import storage
-from raypack.config import Config
+from raypack.config import Config, InputError
 from raypack.data.encode import load_tokenizer
+from raypack.data.fingerprint import changed_sources, sources_fingerprint
 from raypack.data.pack import materialize
 from raypack.data.plan import Plan, fold_accumulation
 from raypack.data.shards import Prepared
 from raypack.data.sources import ROW_SHIFT
 from raypack.data.strategies import make_plan
-from raypack.data.tokenize import lengths_and_ids, tokenize_dataset
+from raypack.data.tokenize import TokenizeStats, lengths_and_ids, require_supervised, tokenize_dataset
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 4  # 4: rows without a label token are dropped; the manifest records the sources
 TOKENIZE_SPEED_KNOBS = ("batch_size", "num_actors", "num_cpus")
 """tokenize fields that change how fast, never what: left out of the keys."""
+
+
+class SourcesChangedError(InputError):
+    """The sources differ from those a run's packed data was made from."""
 
 
 def _digest(shaped_by: dict[str, Any]) -> str:
@@ -103,29 +116,44 @@ class Tokenized:
     seconds: float
 
 
-def tokenized(cfg: Config) -> Tokenized:
+def tokenized(cfg: Config, vocab_size: int | None = None, sources: dict | None = None) -> Tokenized:
     """Tokenize `cfg`'s data, or read it back from `data.cache_path` when an entry with the same
-    `tokenized_key` is there (then nothing is tokenized)."""
+    `tokenized_key`, made from sources that have not changed since, is there (then nothing is
+    tokenized). `vocab_size`: the model's, which bounds the ids of pre-tokenized rows. `sources`:
+    the sources' fingerprint, when the caller already has it."""
     t0 = time.perf_counter()
+    key = tokenized_key(cfg)
+    if sources is None:
+        sources = sources_fingerprint(cfg.data.paths)  # before reading: an edit while we read shows next time
     cache = cfg.data.cache_path
-    folder = f"{storage.absolute(cache)}/tokenized/{tokenized_key(cfg)}" if cache else None
+    folder = f"{storage.absolute(cache)}/tokenized/{key}" if cache else None
     if folder and storage.exists(f"{folder}/manifest.json"):
         saved = json.loads(storage.read_text(f"{folder}/manifest.json"))
-        ds = ray.data.read_parquet(saved["data_dir"]).materialize()
-        lengths, ids = lengths_and_ids(ds)
-        print(f"[raypack] reusing tokenized data in {saved['data_dir']}", flush=True)
-        return Tokenized(saved["key"], ds, lengths, ids, saved["stats"], True, time.perf_counter() - t0)
+        changes = changed_sources(saved.get("sources", {}), sources)
+        if not changes:
+            ds = ray.data.read_parquet(saved["data_dir"]).materialize()
+            lengths, ids = lengths_and_ids(ds)
+            print(f"[raypack] reusing tokenized data in {saved['data_dir']}", flush=True)
+            return Tokenized(saved["key"], ds, lengths, ids, saved["stats"], True, time.perf_counter() - t0)
+        print(f"[raypack] the sources changed since {folder} was tokenized ({changes[0]}): tokenizing again", flush=True)
 
-    ds, tok_stats = tokenize_dataset(cfg)
+    print(f"[raypack] reading and tokenizing {len(sources)} source file(s)", flush=True)
+    ds, tok_stats = tokenize_dataset(cfg, vocab_size)
+    require_supervised(tok_stats, cfg)
     stats = {k: v for k, v in dataclasses.asdict(tok_stats).items() if k != "lengths"}
     lengths, ids = lengths_and_ids(ds)
+    print(f"[raypack] {tok_stats.examples_in} examples: {tok_stats.examples_out} rows, {tok_stats.tokens} tokens "
+          f"({tok_stats.label_tokens} with loss); dropped {tok_stats.dropped} over {tok_stats.max_length} tokens and "
+          f"{tok_stats.no_labels} without a label token, truncated {tok_stats.truncated}, split {tok_stats.split}, "
+          f"{tok_stats.bad_rows} bad rows skipped ({time.perf_counter() - t0:.1f} s)", flush=True)
     if folder:
         data_dir = f"{folder}/{uuid.uuid4().hex[:12]}"  # fresh: write_parquet appends, and a reader may hold an older one
         ds.write_parquet(data_dir)
-        manifest = {"key": tokenized_key(cfg), "data_dir": data_dir, "stats": stats, "seconds": time.perf_counter() - t0}
+        manifest = {"key": key, "data_dir": data_dir, "stats": stats, "sources": sources,
+                    "seconds": time.perf_counter() - t0}
         storage.write_text(f"{folder}/manifest.json", json.dumps(manifest, indent=1))
         print(f"[raypack] tokenized {len(ids)} examples into {data_dir}", flush=True)
-    return Tokenized(tokenized_key(cfg), ds, lengths, ids, stats, False, time.perf_counter() - t0)
+    return Tokenized(key, ds, lengths, ids, stats, False, time.perf_counter() - t0)
 
 
 def is_eval(example_ids: np.ndarray, fraction: float, seed: int) -> np.ndarray:
@@ -138,13 +166,13 @@ def is_eval(example_ids: np.ndarray, fraction: float, seed: int) -> np.ndarray:
     return (mixed >> np.uint64(40)) % np.uint64(10_000) < np.uint64(round(fraction * 10_000))
 
 
-def _plan_split(ds, lengths, ids, cfg: Config, num_ranks: int, out_dir: str) -> tuple[Plan, dict[str, Any]]:
+def _plan_split(ds, lengths, ids, cfg: Config, num_ranks: int, out_dir: str) -> tuple[Plan, dict[str, Any], list[int]]:
     plan = make_plan(lengths, cfg.pack, num_ranks * cfg.train.grad_accum)
     plan = fold_accumulation(plan, num_ranks, cfg.train.grad_accum)
     stats = plan.stats()
     stats["packing_efficiency"] = stats.pop("efficiency")
-    materialize(ds, plan, ids, out_dir)
-    return plan, stats
+    info = materialize(ds, plan, ids, out_dir)
+    return plan, stats, info["rank_label_tokens"]
 
 
 def held_out_mask(ids: np.ndarray, cfg: Config) -> np.ndarray:
@@ -155,24 +183,52 @@ def held_out_mask(ids: np.ndarray, cfg: Config) -> np.ndarray:
     return held_out
 
 
-def prepare(cfg: Config, num_ranks: int, root: str, tok: Tokenized | None = None) -> Prepared:
+def reusable(cfg: Config, num_ranks: int, root: str, reprepare: bool = False, sources: dict | None = None) -> Prepared | None:
+    """The packed data already in `root` if it was made from this config and these sources;
+    None if there is none, or it was made from another config (it is then made again), or
+    `reprepare` is set. Same config but changed sources raises SourcesChangedError. Starts no
+    Ray work: one listing and stat per source file, a hash of the small ones (or `sources`,
+    the fingerprint when the caller already has it)."""
+    manifest = f"{storage.absolute(root)}/manifest.json"
+    if not storage.exists(manifest):
+        return None
+    saved = json.loads(storage.read_text(manifest))
+    if saved.get("fingerprint") != packed_key(cfg, num_ranks):
+        return None
+    changes = changed_sources(saved["sources"], sources if sources is not None else sources_fingerprint(cfg.data.paths))
+    if not changes:
+        return Prepared.from_dict(saved["prepared"])
+    if reprepare:
+        return None
+    more = f" (and {len(changes) - 1} more changes)" if len(changes) > 1 else ""
+    raise SourcesChangedError(
+        f"data.paths changed since this run's data was prepared in {root}: {changes[0]}{more}. "
+        "Start a new run with run.name=NEW_NAME, or re-prepare this one with `raypack train --reprepare`"
+    )
+
+
+def prepare(cfg: Config, num_ranks: int, root: str, *, vocab_size: int | None = None, reprepare: bool = False,
+            tok: Tokenized | None = None) -> Prepared:
     """Tokenize, split, plan and pack `cfg`'s data into `root` (a folder or URI every node can
-    read; `packed_root` says which), or reuse what is already there. `tok`: `cfg`'s tokenized
-    examples, when the caller already has them (a sweep packs several configs from one)."""
+    read; `packed_root` says which), or reuse what is already there (see `reusable`).
+    `vocab_size`: the model's, which bounds the ids of pre-tokenized rows. `tok`: `cfg`'s
+    tokenized examples, when the caller already has them (a sweep packs several configs from one)."""
     root = storage.absolute(root)
     manifest = f"{root}/manifest.json"
     key = packed_key(cfg, num_ranks)
-    if storage.exists(manifest):
-        saved = json.loads(storage.read_text(manifest))
-        if saved.get("fingerprint") == key:
-            print(f"[raypack] reusing packed data in {root}", flush=True)
-            return Prepared.from_dict(saved["prepared"])
+    sources = sources_fingerprint(cfg.data.paths)  # before reading: an edit while we read shows next time
+    found = reusable(cfg, num_ranks, root, reprepare, sources)
+    if found is not None:
+        print(f"[raypack] reusing packed data in {root}", flush=True)
+        return found
 
     t0 = time.perf_counter()
     if tok is None:
-        tok = tokenized(cfg)
+        tok = tokenized(cfg, vocab_size, sources)
     elif tok.key != tokenized_key(cfg):
         raise ValueError("prepare: the tokenized examples passed in were made with another data or tokenize config")
+    else:
+        require_supervised(TokenizeStats(**tok.stats), cfg)
     ds, lengths, ids = tok.ds, tok.lengths, tok.ids
     # In the shared cache, a fresh folder committed by the manifest (see the module docstring);
     # a run's own packed/ folder is rewritten in place, as only that run uses it.
@@ -186,9 +242,17 @@ def prepare(cfg: Config, num_ranks: int, root: str, tok: Tokenized | None = None
         return batch.filter(mask)
 
     train_ds = ds.map_batches(keep, fn_kwargs={"want_eval": False}, batch_format="pyarrow") if len(held_ids) else ds
-    train_plan, stats = _plan_split(train_ds, lengths[~held_out], ids[~held_out], cfg, num_ranks, f"{out}/train")
+    train_plan, stats, rank_labels = _plan_split(train_ds, lengths[~held_out], ids[~held_out], cfg, num_ranks, f"{out}/train")
     if train_plan.num_steps < cfg.train.grad_accum:
-        raise ValueError(f"{len(lengths)} examples make no full optimizer step for {num_ranks} ranks")
+        raise InputError(f"data.paths: {len(lengths)} examples make no full optimizer step for {num_ranks} ranks")
+    idle = [r for r, n in enumerate(rank_labels) if n == 0]
+    if idle:
+        # Its gradients would be zeros averaged into every step: not wrong, but not what was asked.
+        raise InputError(
+            f"data.paths: rank {idle[0]} of {num_ranks} gets no label token to train on "
+            f"({int((~held_out).sum())} training examples for {num_ranks} ranks x {cfg.train.grad_accum} "
+            "micro-batches); add data or lower train.num_workers or train.grad_accum"
+        )
     eval_dir = None
     if len(held_ids):
         # Eval packs with one exact strategy whatever trains: whole examples, positions reset
@@ -223,5 +287,7 @@ def prepare(cfg: Config, num_ranks: int, root: str, tok: Tokenized | None = None
             "eval_examples": int(held_out.sum()),
         },
     )
-    storage.write_text(manifest, json.dumps({"fingerprint": key, "prepared": prepared.to_dict()}, indent=1))
+    storage.write_text(manifest, json.dumps({"fingerprint": key, "sources": sources, "prepared": prepared.to_dict()}, indent=1))
+    print(f"[raypack] packed {prepared.steps_per_rank} steps x {num_ranks} ranks with {cfg.pack.strategy} "
+          f"(efficiency {stats['packing_efficiency']:.3f}) in {root} ({time.perf_counter() - t0:.1f} s)", flush=True)
     return prepared

@@ -53,6 +53,11 @@ class Prepared:
     def from_dict(cls, raw: dict[str, Any]) -> Prepared:
         return cls(**raw)
 
+    def total_steps(self, grad_accum: int, epochs: int, max_steps: int | None) -> int:
+        """Optimizer steps a run over this data takes: every epoch's, or `max_steps` if fewer."""
+        total = self.steps_per_rank // grad_accum * epochs
+        return min(total, max_steps) if max_steps else total
+
     def report_stats(self) -> dict[str, float]:
         keys = ("packing_efficiency", "padding_fraction", "token_imbalance", "attention_imbalance")
         return {k: float(self.stats[k]) for k in keys if k in self.stats}

@@ -1,6 +1,8 @@
 """Stage 1: read JSONL, Parquet and `save_to_disk` datasets into one Ray Dataset of raw examples.
 
     ds, report = read_sources_with_report(cfg.data)  # good rows; report.bad_rows, report.formats, ...
+    files = list_sources(cfg.data.paths)             # the listing alone, no reads, no Ray
+    check_rows_here(cfg.data, vocab_size)            # every row validated in this process, no Ray
 
 Each input file is one or more read units (a JSONL file or a newline-aligned byte range of a large
 one, a Parquet row group, an Arrow file of a `save_to_disk` folder) that a Ray task parses and
@@ -32,7 +34,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray
 
-from raypack.config import DataConfig
+from raypack.config import DataConfig, InputError
 from raypack.data.formats import FormatError, detect, validate
 from raypack.storage import is_uri, resolve  # local paths and s3://, gs:// URIs through one pyarrow filesystem
 
@@ -59,7 +61,7 @@ SCHEMA = pa.schema(
 )
 
 
-class SourceError(ValueError):
+class SourceError(InputError):
     """A source file or row is unreadable or invalid; the message names the file and the row."""
 
 
@@ -85,6 +87,14 @@ def locate(eid: int) -> tuple[int, int, int]:
     return eid >> FILE_SHIFT, (eid >> ROW_SHIFT) & (MAX_ROWS - 1), eid & ((1 << ROW_SHIFT) - 1)
 
 
+def row_location(eid: int, files: list[tuple[str, str]]) -> str:
+    """`file:line` (JSONL) or `file row N` of an example id, as bad-row messages name rows;
+    `files` is `list_sources(cfg.paths)`."""
+    file_index, row, _ = locate(int(eid))
+    path, kind = files[file_index]
+    return f"{path}:{row + 1}" if kind == "jsonl" else f"{path} row {row}"
+
+
 # --- listing: paths -> read units -----------------------------------------------------------------
 
 
@@ -97,32 +107,49 @@ def _kind(path: str) -> str | None:
 
 def _expand(path: str) -> list[tuple[str, str]]:
     """(path, kind) of every file a configured path stands for."""
+    try:
+        return _expand_reachable(path)
+    except OSError as e:
+        # pyarrow's own message is about bucket regions, credentials or curl codes; say which
+        # configured path it was, and keep pyarrow's first line for the reason.
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SourceError(f"data.paths: {path}: can't read it ({reason})") from e
+
+
+def _expand_reachable(path: str) -> list[tuple[str, str]]:
     fs, p = resolve(path)
     info = fs.get_file_info(p)
     prefix = path[: len(path) - len(p)] if is_uri(path) else ""
     if info.type == pafs.FileType.NotFound:
-        raise SourceError(f"{path}: no such file or folder")
+        raise SourceError(f"data.paths: {path}: no such file or folder")
     if info.type == pafs.FileType.File:
         if _kind(p) is None:
-            raise SourceError(f"{path}: unknown file type; expected .jsonl, .json, .parquet or a save_to_disk folder")
+            raise SourceError(f"data.paths: {path}: unknown file type; expected .jsonl, .json, .parquet or a save_to_disk folder")
         return [(path, _kind(p))]
     names = {i.base_name for i in fs.get_file_info(pafs.FileSelector(p))}
     if "dataset_dict.json" in names:  # a DatasetDict: read its train split
         if "train" not in names:
             raise SourceError(f"{path}: a saved DatasetDict without a `train` split; point data.paths at a split folder")
-        return _expand(f"{path.rstrip('/')}/train")
+        return _expand_reachable(f"{path.rstrip('/')}/train")
     if "state.json" in names:  # Dataset.save_to_disk: Arrow stream files listed in state.json
         with fs.open_input_stream(f"{p}/state.json") as f:
             state = json.loads(f.read())
         return [(f"{prefix}{p}/{d['filename']}", "arrow") for d in state["_data_files"]]
     files = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(p)) if i.is_file and _kind(i.path))
     if not files:
-        raise SourceError(f"{path}: folder holds no .jsonl, .json or .parquet files")
+        raise SourceError(f"data.paths: {path}: folder holds no .jsonl, .json or .parquet files")
     return [(prefix + f, _kind(f)) for f in files]
 
 
+def list_sources(paths: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(path, kind) of every source file, in example_id file order; kind is jsonl, parquet or arrow.
+    One listing per configured path and no reads: a missing path, an empty folder or an
+    unreachable URI fails here, before any Ray work, naming `data.paths`."""
+    return [f for p in paths for f in _expand(p)]
+
+
 def _units(paths: tuple[str, ...]) -> tuple[list[dict], int]:
-    files = [f for p in paths for f in _expand(p)]
+    files = list_sources(paths)
     if len(files) >= MAX_FILES:
         raise SourceError(f"data.paths: {len(files)} files; at most {MAX_FILES - 1} are supported")
     units = []
@@ -231,8 +258,9 @@ def _records(unit: dict):
     return rows, table.column_names
 
 
-def read_unit(batch: dict[str, np.ndarray], declared: str) -> pa.Table:
-    """Ray Data map_batches function: the units in `batch` -> rows in SCHEMA (errors in `error`)."""
+def read_unit(batch: dict[str, np.ndarray], declared: str, vocab_size: int | None = None) -> pa.Table:
+    """Ray Data map_batches function: the units in `batch` -> rows in SCHEMA (errors in `error`).
+    `vocab_size`, when known, bounds the token ids of pre-tokenized rows."""
     out = {name: [] for name in SCHEMA.names}
     for k in range(len(batch["path"])):
         unit = {key: batch[key][k] for key in batch}
@@ -251,7 +279,7 @@ def read_unit(batch: dict[str, np.ndarray], declared: str) -> pa.Table:
             try:
                 if isinstance(rec, FormatError):
                     raise rec
-                fields, error = validate(rec, fmt), None
+                fields, error = validate(rec, fmt, vocab_size, detected=declared == "auto"), None
             except FormatError as e:
                 fields, error = {}, f"{where}: {e}"
             fields.update(example_id=example_id(int(unit["file_index"]), row), format=fmt, error=error, fatal=False)
@@ -264,19 +292,47 @@ def _drop_bad(batch: pa.Table) -> pa.Table:
     return batch.filter(pc.is_null(batch["error"])).drop_columns(["error", "fatal"])
 
 
-def read_rows(cfg: DataConfig) -> tuple[ray.data.Dataset, int]:
+def read_rows(cfg: DataConfig, vocab_size: int | None = None) -> tuple[ray.data.Dataset, int]:
     """Every row of `cfg.paths` in SCHEMA, bad ones carrying `error` (and `fatal` for a file-level
     problem), as a lazy dataset that streams into the next stage; and the number of files."""
     units, n_files = _units(cfg.paths)
     ds = ray.data.from_items(units, override_num_blocks=len(units)).map_batches(
-        read_unit, batch_size=1, fn_kwargs={"declared": cfg.format}, num_cpus=0.5
+        read_unit, batch_size=1, fn_kwargs={"declared": cfg.format, "vocab_size": vocab_size}, num_cpus=0.5
     )
     return ds, n_files
 
 
-def read_sources_with_report(cfg: DataConfig) -> tuple[ray.data.Dataset, SourceReport]:
+def check_rows_here(cfg: DataConfig, vocab_size: int | None = None) -> int:
+    """Validate every row on this process, without Ray, raising the SourceError that reading
+    them with Ray would (the first bad row in file order). For small local data, so that a bad
+    row fails in a second instead of after Ray starts; returns the number of good rows."""
+    units, _ = _units(cfg.paths)
+    rows, errors, fatal = 0, [], []
+    for unit in units:
+        table = read_unit({k: [v] for k, v in unit.items()}, cfg.format, vocab_size)
+        bad = pc.is_valid(table["error"])
+        rows += table.num_rows - pc.sum(bad.cast(pa.int64())).as_py()
+        b = table.filter(bad)
+        for eid, msg, is_fatal in zip(b["example_id"].to_pylist(), b["error"].to_pylist(), b["fatal"].to_pylist()):
+            (fatal if is_fatal else errors).append((eid, msg))
+    _raise_bad_rows(errors, fatal, cfg.on_bad_rows)
+    return rows
+
+
+def _raise_bad_rows(errors: list[tuple[int, str]], fatal: list[tuple[int, str]], on_bad_rows: str) -> None:
+    """The first bad row in file order as a SourceError, unless on_bad_rows=skip; an empty or
+    unreadable file whatever on_bad_rows says."""
+    if fatal:
+        raise SourceError(min(fatal)[1])
+    if errors and on_bad_rows == "error":
+        first = min(errors)
+        more = f" ({len(errors) - 1} more bad rows; data.on_bad_rows=skip skips them)" if len(errors) > 1 else ""
+        raise SourceError(first[1] + more)
+
+
+def read_sources_with_report(cfg: DataConfig, vocab_size: int | None = None) -> tuple[ray.data.Dataset, SourceReport]:
     """Read and validate every source; the dataset holds only good rows, materialized."""
-    ds, n_files = read_rows(cfg)
+    ds, n_files = read_rows(cfg, vocab_size)
     ds = ds.materialize()
     report = SourceReport(files=n_files)
     errors, fatal = [], []
@@ -290,14 +346,10 @@ def read_sources_with_report(cfg: DataConfig) -> tuple[ray.data.Dataset, SourceR
             b = batch.filter(bad)
             for eid, msg, is_fatal in zip(b["example_id"].to_pylist(), b["error"].to_pylist(), b["fatal"].to_pylist()):
                 (fatal if is_fatal else errors).append((eid, msg))
-    if fatal:  # unreadable or empty files stop the run whatever on_bad_rows says
-        raise SourceError(min(fatal)[1])
+    _raise_bad_rows(errors, fatal, cfg.on_bad_rows)
     errors.sort()  # file order, whatever order the read tasks finished in
     report.bad_rows = len(errors)
     report.bad_examples = [msg for _, msg in errors[:5]]
-    if errors and cfg.on_bad_rows == "error":
-        more = f" ({len(errors) - 1} more bad rows; data.on_bad_rows=skip skips them)" if len(errors) > 1 else ""
-        raise SourceError(errors[0][1] + more)
     if errors:
         ds = ds.map_batches(_drop_bad, batch_format="pyarrow", batch_size=None).materialize()
     else:

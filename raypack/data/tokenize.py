@@ -30,8 +30,8 @@ import pyarrow.compute as pc
 import ray
 
 from raypack.config import Config
-from raypack.data.encode import COLUMNS, DROPPED, Encoder, check_chat_template, counts, load_tokenizer
-from raypack.data.sources import SourceError, read_rows, read_sources_with_report
+from raypack.data.encode import Encoder, TokenizeError, check_chat_template, counts, kept_rows, load_tokenizer
+from raypack.data.sources import SourceError, list_sources, read_rows, read_sources_with_report, row_location
 
 
 @dataclass
@@ -42,7 +42,7 @@ class TokenizeStats:
     """Rows out (split pieces count one each; dropped examples none)."""
     tokens: int = 0
     label_tokens: int = 0
-    """Tokens whose label is not -100."""
+    """Tokens whose label the loss sees (not -100, and not an example's first token)."""
     bad_rows: int = 0
     """Source rows skipped under `data.on_bad_rows: skip`."""
     bad_examples: list[str] = field(default_factory=list)
@@ -51,6 +51,12 @@ class TokenizeStats:
     split: int = 0
     """Examples split; they became `pieces` rows."""
     pieces: int = 0
+    no_labels: int = 0
+    """Examples dropped because no token of theirs carries loss (see raypack.data.encode)."""
+    no_label_pieces: int = 0
+    """Split pieces dropped for the same reason, from examples whose other pieces train."""
+    no_label_examples: list[str] = field(default_factory=list)
+    """Where the first few of the `no_labels` examples are (file:line)."""
     max_length: int = 0
     formats: dict[str, int] = field(default_factory=dict)
     lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), repr=False)
@@ -64,6 +70,9 @@ class TokenizeStats:
             f"tokens     {self.tokens}  ({self.label_tokens} with loss, {self.label_tokens / max(self.tokens, 1):.1%})",
             "length     min {} / p50 {} / p90 {} / p99 {} / max {}".format(*pct),
             f"over {self.max_length}  dropped {self.dropped}, truncated {self.truncated}, split {self.split} (into {self.pieces} rows)",
+            f"no labels  {self.no_labels} dropped (no token carries loss)"
+            + (f", and {self.no_label_pieces} split pieces" if self.no_label_pieces else "")
+            + (f"; first: {', '.join(self.no_label_examples[:3])}" if self.no_label_examples else ""),
             f"bad rows   {self.bad_rows} skipped",
         ]
         lines += [f"           {msg}" for msg in self.bad_examples]
@@ -109,16 +118,17 @@ class _SourceEncoder(Encoder):
         # Keyed by the batch's first id, so a retried batch is counted once.
         if batch.num_rows:
             self.report((batch["example_id"][0].as_py(), batch.num_rows), c)
-        return table.filter(pc.not_equal(table["_flag"], DROPPED)).select(COLUMNS)
+        return kept_rows(table)
 
 
-def tokenize_dataset(cfg: Config) -> tuple[ray.data.Dataset, TokenizeStats]:
-    """Stages 1 and 2: read `cfg.data`, tokenize by `cfg.tokenize`; max_length defaults to `pack.budget`."""
+def tokenize_dataset(cfg: Config, vocab_size: int | None = None) -> tuple[ray.data.Dataset, TokenizeStats]:
+    """Stages 1 and 2: read `cfg.data`, tokenize by `cfg.tokenize`; max_length defaults to `pack.budget`.
+    `vocab_size` (the model's), when given, bounds the ids of pre-tokenized rows."""
     t = cfg.tokenize
     max_length = t.max_length or cfg.pack.budget
     # Fail on the driver, with a config-level message, before any actor starts.
     tok = load_tokenizer(t.tokenizer, t.chat_template)
-    src, _ = read_rows(cfg.data)
+    src, _ = read_rows(cfg.data, vocab_size)
     counter = _Counts.remote()
     try:
         # Blocks of a few batches let every actor take a share of a large read unit, and the
@@ -140,7 +150,7 @@ def tokenize_dataset(cfg: Config) -> tuple[ray.data.Dataset, TokenizeStats]:
     except Exception:
         # A bad row or chat data without a template stopped the pipeline inside an actor, where
         # Ray wraps the error. Raise ours instead, in the order the checks used to run.
-        _, report = read_sources_with_report(cfg.data)
+        _, report = read_sources_with_report(cfg.data, vocab_size)
         if report.formats.get("chat"):
             check_chat_template(tok, t.tokenizer)
         raise
@@ -148,8 +158,10 @@ def tokenize_dataset(cfg: Config) -> tuple[ray.data.Dataset, TokenizeStats]:
         ray.kill(counter)
 
     stats = TokenizeStats(max_length=max_length)
-    for key in ("dropped", "truncated", "split", "pieces", "label_tokens", "bad_rows"):
+    for key in ("dropped", "truncated", "split", "pieces", "no_labels", "no_label_pieces", "label_tokens", "bad_rows"):
         setattr(stats, key, sum(b[key] for b in batches))
+    files = list_sources(cfg.data.paths)
+    stats.no_label_examples = [row_location(e, files) for e in sorted(e for b in batches for e in b["no_label_examples"])[:5]]
     for b in batches:
         for fmt, n in b["formats"].items():
             stats.formats[fmt] = stats.formats.get(fmt, 0) + n
@@ -160,6 +172,32 @@ def tokenize_dataset(cfg: Config) -> tuple[ray.data.Dataset, TokenizeStats]:
     if stats.examples_out != out.count():  # cheap on a materialized dataset; guards the counting
         raise RuntimeError(f"tokenize counted {stats.examples_out} rows but produced {out.count()}")
     return out, stats
+
+
+def require_supervised(stats: TokenizeStats, cfg: Config) -> None:
+    """Refuse data that would train on nothing: no example left with a label token (a loss
+    divided by zero label tokens would read 0.0 and the run would look fine); and, under
+    tokenize.no_labels=error, any example without one."""
+    if stats.no_labels and cfg.tokenize.no_labels == "error":
+        raise TokenizeError(
+            f"{stats.no_label_examples[0]}: no token carries loss (a chat without an assistant turn, or a prompt "
+            f"truncated before its answer); {stats.no_labels} such examples. tokenize.no_labels=drop drops them"
+        )
+    if stats.label_tokens > 0:
+        return
+    why = []
+    if stats.no_labels:
+        first = f" (first: {stats.no_label_examples[0]})" if stats.no_label_examples else ""
+        why.append(f"{stats.no_labels} had no token that carries loss{first}: chats without an assistant "
+                   f"turn under tokenize.label_mask={cfg.tokenize.label_mask}, or prompts that "
+                   f"tokenize.overlength=truncate cut before the answer")
+    if stats.dropped:
+        why.append(f"{stats.dropped} were longer than {stats.max_length} tokens (tokenize.overlength=drop)")
+    if stats.bad_rows:
+        why.append(f"{stats.bad_rows} bad rows were skipped")
+    raise TokenizeError(
+        f"data.paths: nothing to train on: of {stats.examples_in} examples, " + ("; ".join(why) or "none are left")
+    )
 
 
 def lengths_and_ids(ds) -> tuple[np.ndarray, np.ndarray]:

@@ -22,6 +22,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from raypack.config import InputError
 from raypack.model import attention as attn
 
 _TINY_COMMON = dict(
@@ -45,8 +46,12 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 """`tiny-<family>`: config class and what it needs beyond the shared tiny sizes."""
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(InputError):
     """The model cannot run packed (varlen) attention; padded strategies still work."""
+
+
+class ModelNotFoundError(InputError):
+    """`model.name` resolves to no model config: not a tiny family, a local folder or a hub name."""
 
 
 def resolve_dtype(dtype: str | torch.dtype = "auto") -> torch.dtype:
@@ -65,6 +70,38 @@ def tiny_config(family: str, vocab_size: int = 1024, **overrides: Any):
         raise ValueError(f"unknown tiny model family {family!r}; expected one of {', '.join(TINY_FAMILIES)}")
     cls_name, extra = TINY_FAMILIES[family]
     return getattr(transformers, cls_name)(**{**_TINY_COMMON, **extra, "vocab_size": vocab_size, **overrides})
+
+
+def model_config(name: str, trust_remote_code: bool = False, vocab_size: int = 1024) -> PretrainedConfig:
+    """The config `load_model(name)` builds from, without the weights: `tiny-<family>`'s, or a
+    local folder's or hub model's config.json. What the driver checks before training starts."""
+    if name.startswith("tiny-"):
+        try:
+            return tiny_config(name.removeprefix("tiny-"), vocab_size=vocab_size)
+        except ValueError as e:
+            raise ModelNotFoundError(f"model.name {name!r}: {e}") from None
+    try:
+        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:  # no such folder or hub repo, no network, not a model
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelNotFoundError(f"model.name {name!r}: can't load its config ({reason})") from e
+
+
+def check_model(config: PretrainedConfig, name: str, packed: bool) -> None:
+    """What can be known of a model from its config alone, before any worker loads it: that its
+    architecture is a causal LM transformers knows here (remote code is checked once built), and,
+    for packed rows, that its attention can be routed to raypack's varlen attention."""
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if model_cls is None and not getattr(config, "auto_map", None):
+        raise UnsupportedModelError(f"model.name {name!r}: {type(config).__name__} is not a causal language model here")
+    if model_cls is not None and packed:
+        check_packable(model_cls, name)
+
+
+def model_vocab_size(config: PretrainedConfig) -> int:
+    """Rows of the input embedding: every token id must be below it."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.vocab_size)
 
 
 def check_packable(model_cls: type, name: str) -> None:
@@ -106,11 +143,9 @@ def load_model(
     if isinstance(source, PretrainedConfig):
         # transformers 5 writes attn_implementation into the config it is given: never share one
         config, name = copy.deepcopy(source), type(source).__name__
-    elif isinstance(source, str) and source.startswith("tiny-"):
-        config, name = tiny_config(source.removeprefix("tiny-"), vocab_size=vocab_size), source
     elif isinstance(source, str):
-        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
-        name, pretrained = source, True
+        config, name = model_config(source, trust_remote_code, vocab_size), source
+        pretrained = not source.startswith("tiny-")
     else:
         raise TypeError(f"load_model: expected a name, path or transformers config, got {type(source).__name__}")
     for key, value in config_overrides.items():
@@ -132,6 +167,9 @@ def load_model(
     model.config.use_cache = False
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.use_cache = False
+    # from_pretrained returns a model in eval mode: dropout off, and transformers skips gradient
+    # checkpointing unless `training`; nothing else would switch it back before the first eval.
+    model.train()
     if gradient_checkpointing:
         kwargs = {"use_reentrant": False}
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x renamed it

@@ -10,15 +10,20 @@ no example is skipped or trained twice by the final model.
 Loss: one optimizer step's loss is Σ token losses / N, where N counts the label tokens of all its
 micro-batches on all ranks. DeepSpeed divides each backward by the accumulation steps and averages
 gradients over ranks, so each micro-batch's summed loss is scaled by world·accum/N to undo both.
+The token losses come from raypack/train/loss.py (chunked: no [tokens, vocab] logits).
+A step with N = 0 (no rank has a label token: rare, since examples without one are dropped before
+packing) is logged and skipped, with no forward, backward or update, never averaged in as 0.
+
+Data: a background thread reads, collates and pins the next step's micro-batches while this one
+computes (raypack/train/prefetch.py). Each step reads N on the host once, while the device is idle
+between steps, and syncs once at its end, which times the compute and reads the step's loss.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -27,15 +32,17 @@ import numpy as np
 import ray.train
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from transformers.integrations import HfDeepSpeedConfig
 
-from raypack.config import Config
-from raypack.data.collate import collate_packed, count_label_tokens, move_batch
+from raypack.config import Config, InputError
+from raypack.data.collate import move_batch
+from raypack.data.encode import load_tokenizer
 from raypack.data.shards import Prepared, iter_rank_packs
 from raypack.model.build import load_model, resolve_dtype
 from raypack.train.engine import deepspeed_config, setup_engine
+from raypack.train.loss import CausalLMLoss, make_loss
 from raypack.train.metrics import Reporter, model_flops_per_token
+from raypack.train.prefetch import Prefetcher, StepBatch, prepare_step
 
 CKPT_TAG = "ds"  # one fixed DeepSpeed tag: every Ray checkpoint folder holds exactly one
 
@@ -82,10 +89,7 @@ def setup(cfg: Config, data: Prepared, world_size: int):
         gradient_checkpointing=m.gradient_checkpointing,
         vocab_size=data.vocab_size,
     )
-    steps_per_epoch = data.steps_per_rank // cfg.train.grad_accum
-    total = steps_per_epoch * cfg.train.epochs
-    if cfg.train.max_steps:
-        total = min(total, cfg.train.max_steps)
+    total = data.total_steps(cfg.train.grad_accum, cfg.train.epochs, cfg.train.max_steps)
     engine, scheduler = setup_engine(model, cfg.train, dtype=model.dtype, world_size=world_size, total_steps=total)
     del zero3
     return engine, scheduler, total
@@ -103,7 +107,7 @@ def restore(engine, rank: int, plan: str) -> TrainState:
     if state.plan != plan:
         # The position is an index into one plan's packs; on another plan it would skip or
         # repeat examples. Changing data, tokenize, pack, ranks or grad_accum needs a new run.
-        raise RuntimeError(
+        raise InputError(
             f"checkpoint {checkpoint.path} was taken on packed data {state.plan or '<unknown>'}, but this run's "
             f"data is {plan}: the data, tokenize or pack config, num_workers or grad_accum changed. "
             "Resume with the original config, or start a new run.name."
@@ -114,34 +118,25 @@ def restore(engine, rank: int, plan: str) -> TrainState:
 # --- one optimizer step -----------------------------------------------------------------------
 
 
-def next_group(rows: Iterator[dict], accum: int) -> list[dict]:
-    return list(itertools.islice(rows, accum))
-
-
 def global_count(values: list[float], device: torch.device) -> torch.Tensor:
-    """Every rank's `values` in one all_gather: a [world, len(values)] tensor to sum or max."""
-    local = torch.tensor(values, dtype=torch.float64, device=device)
+    """Every rank's `values` in one all_gather: a [world, len(values)] float64 tensor on `device`
+    to sum or max. Host values travel through pinned memory, so on CUDA nothing here waits for
+    the device: the result is read (and synced) only when the caller converts it."""
+    local = torch.tensor(values, dtype=torch.float64)
+    if torch.device(device).type == "cuda":
+        local = local.pin_memory().to(device, non_blocking=True)
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
     return torch.stack(gathered)
 
 
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Σ cross-entropy over label tokens, predicting token t+1 from position t."""
-    return F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100, reduction="sum"
-    )
-
-
-def forward_backward(engine, batches: list[dict], scale: float) -> torch.Tensor:
+def forward_backward(engine, batches: list[dict], scale: float | torch.Tensor, loss: CausalLMLoss) -> torch.Tensor:
     """Backward every micro-batch of one optimizer step; the caller runs the final engine.step()."""
     total = torch.zeros((), device=engine.device)
     for i, batch in enumerate(batches):
         # move_batch keeps cu_seq_lens_q and _k one tensor; two copies would cost a device
         # comparison (a sync) in every attention layer.
-        batch = move_batch(batch, engine.device)
-        labels = batch.pop("labels")
-        loss_sum = token_loss_sum(engine(**batch).logits, labels)
+        loss_sum = loss(engine, move_batch(batch, engine.device))
         engine.backward(loss_sum * scale)
         total += loss_sum.detach()
         if i < len(batches) - 1:
@@ -149,55 +144,76 @@ def forward_backward(engine, batches: list[dict], scale: float) -> torch.Tensor:
     return total
 
 
-def train_step(engine, group: list[dict], padded: bool, pad_token_id: int, read_s: float = 0.0) -> dict[str, float]:
+def train_step(engine, step: StepBatch, loss: CausalLMLoss, wait_s: float = 0.0) -> dict[str, float]:
+    """One optimizer step on prefetched micro-batches; `wait_s` is how long the loop waited for them."""
     t0 = time.perf_counter()
-    batches = [collate_packed([row], padded=padded, pad_token_id=pad_token_id) for row in group]
-    labels = sum(count_label_tokens(b) for b in batches)
-    tokens = sum(int(row["num_tokens"]) for row in group)
-    wait = read_s + time.perf_counter() - t0
     world = dist.get_world_size()
-    # The one host sync before compute: every rank needs N, the step's global label count.
-    n_global = float(global_count([labels], engine.device)[:, 0].sum())
-    scale = world * len(batches) / max(n_global, 1.0)
-    t1 = time.perf_counter()
-    loss_sum = forward_backward(engine, batches, scale)
+    # Every rank needs N, the step's global label count, before its first backward. Reading it
+    # costs one tiny collective and sync while the device is idle (the last step ended in a sync);
+    # every rank reads the same N, so a step with none is skipped by all of them alike.
+    n_global = float(global_count([step.label_tokens], engine.device)[:, 0].sum())
+    if n_global == 0:
+        return {
+            "loss": float("nan"),
+            "label_tokens": 0.0,
+            "tokens": float(global_count([step.tokens], engine.device)[:, 0].sum()),
+            "step_time_s": wait_s + time.perf_counter() - t0,
+            "data_wait_s": wait_s,
+            "rank_imbalance": 1.0,
+            "world_size": world,
+            "skipped_steps": 1.0,
+        }
+    scale = world * len(step.batches) / n_global
+    loss_sum = forward_backward(engine, step.batches, scale, loss)
     engine.step()
-    loss_value = float(loss_sum)  # waits for the device, so `busy` covers the real compute
-    busy = time.perf_counter() - t1
-    stats = global_count([loss_value, tokens, busy], engine.device)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)  # the step's closing sync: `busy` covers the real compute
+    busy = time.perf_counter() - t0
+    stats = global_count([float(loss_sum), step.tokens, busy], engine.device).cpu()
     return {
-        "loss": float(stats[:, 0].sum()) / max(n_global, 1.0),
+        "loss": float(stats[:, 0].sum()) / n_global,
         "label_tokens": n_global,
         "tokens": float(stats[:, 1].sum()),
-        "step_time_s": read_s + time.perf_counter() - t0,
-        "data_wait_s": wait,
+        "step_time_s": wait_s + time.perf_counter() - t0,
+        "data_wait_s": wait_s,
         "rank_imbalance": float(stats[:, 2].max() / stats[:, 2].mean().clamp_min(1e-9)),
         "world_size": world,
+        "skipped_steps": 0.0,
     }
 
 
 @torch.no_grad()
-def evaluate(engine, data: Prepared, rank: int) -> float | None:
+def evaluate(engine, data: Prepared, rank: int, loss: CausalLMLoss) -> float | None:
     """Token-mean loss over the held-out packs of every rank."""
     if not data.eval_dir:
         return None
     engine.eval()
-    loss, labels = torch.zeros((), dtype=torch.float64, device=engine.device), 0
-    for row in iter_rank_packs(data.eval_dir, rank):
-        batch = collate_packed([row], padded=data.padded, pad_token_id=data.pad_token_id)
-        labels += count_label_tokens(batch)
-        batch = move_batch(batch, engine.device)
-        target = batch.pop("labels")
-        loss += token_loss_sum(engine(**batch).logits, target)  # no sync per batch
+    total, labels = torch.zeros((), dtype=torch.float64, device=engine.device), 0
+    prepare = _preparer(data, engine.device)
+    with Prefetcher(iter_rank_packs(data.eval_dir, rank), 1, prepare) as steps:
+        for step in steps:
+            labels += step.label_tokens
+            total += loss(engine, move_batch(step.batches[0], engine.device))  # no sync per batch
     engine.train()
-    total = global_count([float(loss), labels], engine.device).sum(0)
-    return float(total[0] / total[1].clamp_min(1))
+    summed = global_count([float(total), labels], engine.device).sum(0)
+    return float(summed[0] / summed[1].clamp_min(1))
+
+
+def _preparer(data: Prepared, device: torch.device):
+    def prepare(group: list[dict]) -> StepBatch:
+        return prepare_step(group, padded=data.padded, pad_token_id=data.pad_token_id, pin=device.type == "cuda")
+
+    return prepare
 
 
 # --- report and checkpoint -----------------------------------------------------------------------
 
 
-def report_and_checkpoint(engine, state: TrainState, metrics: dict, rank: int, checkpoint: bool, final: bool) -> None:
+def report_and_checkpoint(
+    engine, state: TrainState, metrics: dict, rank: int, checkpoint: bool, final: bool, tokenizer=None
+) -> None:
+    """Report `metrics`, with a checkpoint if due; the final one also holds a Hugging Face
+    `model/` folder (with `tokenizer`, when given, so AutoTokenizer loads from it too)."""
     if not checkpoint:
         ray.train.report(metrics)
         return
@@ -206,7 +222,7 @@ def report_and_checkpoint(engine, state: TrainState, metrics: dict, rank: int, c
         engine.save_checkpoint(path, tag=CKPT_TAG, client_state=client)
         write_steps_log(Path(path) / f"steps_rank{rank}.npz", state.steps_log)
         if final:
-            save_hf_model(engine, Path(path) / "model", rank)
+            save_hf_model(engine, Path(path) / "model", rank, tokenizer)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(path))
 
 
@@ -230,14 +246,17 @@ def read_steps_log(path: Path) -> list[tuple[int, int, list[int]]]:
     return [(int(s), int(e), z["example_ids"][o[i]:o[i + 1]].tolist()) for i, (s, e) in enumerate(zip(z["step"], z["epoch"]))]
 
 
-def save_hf_model(engine, path: Path, rank: int) -> None:
-    """A plain Hugging Face folder next to the DeepSpeed state, loadable with from_pretrained."""
+def save_hf_model(engine, path: Path, rank: int, tokenizer=None) -> None:
+    """A plain Hugging Face folder next to the DeepSpeed state, loadable with from_pretrained:
+    the model, and the tokenizer it was trained with."""
     if engine.zero_optimization_stage() == 3:
         state = engine._zero3_consolidated_16bit_state_dict()  # a collective: every rank calls it
     else:
         state = engine.module.state_dict()
     if rank == 0:
         engine.module.save_pretrained(path, state_dict=state, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
 
 
 # --- the loop -------------------------------------------------------------------------------------
@@ -249,6 +268,9 @@ def train_loop_per_worker(config: dict) -> None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     engine, scheduler, total_steps = setup(cfg, data, world)
+    # Probes the model once (a short forward on every rank): a model the chunked loss can't
+    # reproduce exactly stops here, before any step.
+    loss = make_loss(engine, cfg.train.loss, cfg.train.loss_chunk_tokens, padded=data.padded)
     state = restore(engine, rank, data.fingerprint)
     model_config = engine.module.config
     reporter = Reporter(
@@ -274,28 +296,32 @@ def train_loop_per_worker(config: dict) -> None:
             state.epoch, state.micro_step = epoch, 0
         rows = iter_rank_packs(data.train_dir, rank, start_step=state.micro_step)
         # The plan gives every rank the same multiple of `accum` steps, so a short group is the epoch end.
-        while state.step < total_steps:
-            t0 = time.perf_counter()
-            if len(group := next_group(rows, accum)) < accum:
-                break
-            values = train_step(engine, group, data.padded, data.pad_token_id, read_s=time.perf_counter() - t0)
-            values["lr"] = scheduler.get_last_lr()[0]
-            state.step += 1
-            state.micro_step += accum
-            state.steps_log.append((state.step, epoch, [i for row in group for i in row["example_ids"]]))
-            reporter.log_step(state.step, values)
+        with Prefetcher(rows, accum, _preparer(data, engine.device)) as steps:
+            while state.step < total_steps:
+                t0 = time.perf_counter()
+                if (step := next(steps, None)) is None:
+                    break
+                values = train_step(engine, step, loss, wait_s=time.perf_counter() - t0)
+                values["lr"] = scheduler.get_last_lr()[0]
+                if values["skipped_steps"] and rank == 0:
+                    print(f"[raypack] step {state.step + 1}: no rank has a label token; skipped (no update)", flush=True)
+                state.step += 1
+                state.micro_step += accum
+                state.steps_log.append((state.step, epoch, step.example_ids))
+                reporter.log_step(state.step, values)
 
-            final = state.step == total_steps
-            ckpt_due = final or _every(state.step, cfg.train.checkpoint_every_steps)
-            eval_due = final or _every(state.step, cfg.train.eval_every_steps)
-            if ckpt_due or eval_due or reporter.due(state.step):
-                t_eval = time.perf_counter()
-                extra = {"eval_loss": evaluate(engine, data, rank)} if eval_due else {}
-                reporter.exclude(time.perf_counter() - t_eval)
-                metrics = reporter.summary(state.step, epoch, extra)
-                state.tokens_seen, state.train_time_s, state.eval_time_s = (
-                    reporter.tokens_seen, reporter.train_time_s, reporter.eval_time_s)
-                report_and_checkpoint(engine, state, metrics, rank, checkpoint=ckpt_due, final=final)
+                final = state.step == total_steps
+                ckpt_due = final or _every(state.step, cfg.train.checkpoint_every_steps)
+                eval_due = final or _every(state.step, cfg.train.eval_every_steps)
+                if ckpt_due or eval_due or reporter.due(state.step):
+                    t_eval = time.perf_counter()
+                    extra = {"eval_loss": evaluate(engine, data, rank, loss)} if eval_due else {}
+                    reporter.exclude(time.perf_counter() - t_eval)
+                    metrics = reporter.summary(state.step, epoch, extra)
+                    state.tokens_seen, state.train_time_s, state.eval_time_s = (
+                        reporter.tokens_seen, reporter.train_time_s, reporter.eval_time_s)
+                    tokenizer = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template) if final and rank == 0 else None
+                    report_and_checkpoint(engine, state, metrics, rank, checkpoint=ckpt_due, final=final, tokenizer=tokenizer)
         if state.step >= total_steps:
             break
         if state.micro_step != data.steps_per_rank:

@@ -151,11 +151,15 @@ class Reporter:
         self._last, self._excluded = now, 0.0
         self.tokens_seen += tokens
         self.train_time_s += seconds
-        label_tokens = sum(w["label_tokens"] for w in window)
+        # Steps without a label token (skipped, see loop.train_step) weigh nothing; a window of
+        # only those has no loss, not a loss of 0.
+        trained = [w for w in window if w["label_tokens"] > 0]
+        label_tokens = sum(w["label_tokens"] for w in trained)
         metrics: dict[str, Any] = {
             "step": step,
             "epoch": epoch,
-            "loss": sum(w["loss"] * w["label_tokens"] for w in window) / max(label_tokens, 1),
+            "loss": sum(w["loss"] * w["label_tokens"] for w in trained) / label_tokens if label_tokens else None,
+            "skipped_steps": sum(w.get("skipped_steps", 0.0) for w in window),
             "tokens_per_s": tokens / seconds if seconds else 0.0,
             "tokens_per_step": tokens / max(len(window), 1),
             "tokens_seen": self.tokens_seen,
@@ -192,8 +196,9 @@ class Reporter:
         elapsed = time.perf_counter() - self._start
         left = elapsed / done * (self.total_steps - m["step"]) if done > 0 else 0.0
         eval_part = f" eval_loss {m['eval_loss']:.4f}" if m.get("eval_loss") is not None else ""
+        loss = f"{m['loss']:.4f}" if m["loss"] is not None else "-"
         print(
-            f"[raypack] step {m['step']}/{self.total_steps} loss {m['loss']:.4f}{eval_part} "
+            f"[raypack] step {m['step']}/{self.total_steps} loss {loss}{eval_part} "
             f"tok/s {m['tokens_per_s']:,.0f} data-wait {m['data_wait_s'] * 1e3:.0f}ms "
             f"mem {m['peak_memory_gb']:.2f}GiB left {left:,.0f}s",
             flush=True,

@@ -25,3 +25,27 @@ def test_help_imports_no_command_module():
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_input_errors_are_found_inside_wrapping_errors():
+    """Ray re-raises a task's error as a class derived from both RayTaskError and the cause, whose
+    message is a traceback dump, or with the cause in `.cause`; the innermost InputError is the one line."""
+    from raypack.cli import input_error
+    from raypack.data.sources import SourceError
+
+    cause = SourceError("a.jsonl:3: malformed JSON")
+
+    class RayLike(SourceError):  # what RayTaskError.as_instanceof_cause() builds
+        def __init__(self):
+            super().__init__("Traceback (most recent call last): ... 40 lines")
+            self.cause = cause
+
+    assert input_error(RayLike()) is cause
+    try:
+        try:
+            raise cause
+        except SourceError as e:
+            raise RuntimeError("wrapped") from e
+    except RuntimeError as outer:
+        assert input_error(outer) is cause
+    assert input_error(RuntimeError("a crash")) is None

@@ -123,3 +123,12 @@ def test_loads_names_its_source():
         loads("train:\n  lr: fast\n", source="saved.yaml")
     with pytest.raises(ConfigError, match=r"^saved\.yaml: not valid YAML"):
         loads("train: [", source="saved.yaml")
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", "inf", "nan", "1e999"])
+def test_non_finite_floats_are_refused(tmp_path, value):
+    """inf passes `lr > 0`; nan any check written as a negation. Neither is a usable value."""
+    with pytest.raises(ConfigError, match=r"train\.lr: expected a finite number"):
+        load(None, [f"train.lr={value}"])
+    with pytest.raises(ConfigError, match=r"train\.weight_decay: expected a finite number"):
+        load(None, [f"train.weight_decay={value}"])

@@ -37,3 +37,10 @@ def test_materialize_follows_plan(ray_local, tmp_path, strategy, n, ranks):
     info = materialize(ds, plan, ids, str(tmp_path / "packed"))
     assert info["rows"] == plan.num_packs
     check_rows(str(tmp_path / "packed"), plan, ids, source)
+    # the label tokens per rank that prepare checks are the ones training counts
+    from raypack.data.collate import collate_packed, count_label_tokens
+    from raypack.data.shards import iter_rank_packs
+
+    trained = [sum(count_label_tokens(collate_packed([row])) for row in iter_rank_packs(str(tmp_path / "packed"), r))
+               for r in range(ranks)]
+    assert info["rank_label_tokens"] == trained

@@ -43,8 +43,11 @@ def test_tokenize_contract_and_overlength_counts(ray_local):
     assert len(set(rows["example_id"])) == len(rows["example_id"]) == stats.examples_out
     assert all(n == len(i) == len(l) and 1 <= n <= 200 for n, i, l in zip(rows["length"], rows["input_ids"], rows["labels"]))
     assert all(all(x == -100 or x == t for x, t in zip(l, i)) for i, l in zip(rows["input_ids"], rows["labels"]))
-    assert stats.split > 0 and stats.pieces > stats.split and stats.examples_out == 600 - stats.split + stats.pieces
-    assert stats.tokens == sum(rows["length"]) and stats.label_tokens == sum(x != -100 for l in rows["labels"] for x in l)
+    assert stats.split > 0 and stats.pieces > stats.split and stats.no_labels == 0
+    # split pieces of prompt only carry no loss and are dropped, and counted
+    assert stats.no_label_pieces > 0 and all(any(x != -100 for x in l[1:]) for l in rows["labels"])
+    assert stats.examples_out == 600 - stats.split + stats.pieces - stats.no_label_pieces
+    assert stats.tokens == sum(rows["length"]) and stats.label_tokens == sum(x != -100 for l in rows["labels"] for x in l[1:])
     assert sorted(stats.lengths.tolist()) == sorted(rows["length"])
     whole_tokens = stats.tokens
 
@@ -53,7 +56,7 @@ def test_tokenize_contract_and_overlength_counts(ray_local):
     assert s.dropped == stats.split and s.examples_out == 600 - s.dropped and s.truncated == 0
     trunc = dataclasses.replace(base, tokenize=dataclasses.replace(base.tokenize, overlength="truncate", num_actors=1))
     _, s = tokenize_dataset(trunc)
-    assert s.truncated == stats.split and s.examples_out == 600 and s.tokens < whole_tokens
+    assert s.truncated == stats.split and s.examples_out == 600 - s.no_labels and s.tokens < whole_tokens
 
 
 def test_missing_chat_template_fails_on_driver(ray_local, tmp_path):

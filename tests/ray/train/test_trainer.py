@@ -3,7 +3,8 @@
 - a worker killed mid-run is restarted from the last checkpoint, and the steps the final model
   took cover every training example exactly once;
 - a run stopped early resumes (same name) and finishes, with metrics, TensorBoard events and a
-  Hugging Face model in the final checkpoint.
+  Hugging Face model and its tokenizer in the final checkpoint;
+- bad input found in a worker (an InputError) ends the run at once: it is not retried.
 """
 
 from __future__ import annotations
@@ -127,3 +128,29 @@ def test_stopped_run_resumes_and_finishes(ray_local, tmp_path):
     assert list((run / "tensorboard").glob("events.out.tfevents.*")), "no TensorBoard events"
     model = AutoModelForCausalLM.from_pretrained(Path(resumed.checkpoint.path) / "model")
     assert model.config.vocab_size > 0
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(Path(resumed.checkpoint.path) / "model")
+    assert len(tokenizer) == model.config.vocab_size and tokenizer.chat_template
+
+
+def loop_with_bad_input(config: dict) -> None:
+    """Every attempt of every rank leaves a file, then fails as a deterministic error would."""
+    from raypack.model.build import UnsupportedModelError
+
+    rank = ray.train.get_context().get_world_rank()
+    Path(config["attempts"], f"rank{rank}-{uuid.uuid4().hex[:6]}").touch()
+    raise UnsupportedModelError("model.name 'x' can't train on packed rows")
+
+
+def test_input_error_in_a_worker_is_not_retried(ray_local, tmp_path):
+    from raypack.model.build import UnsupportedModelError
+    from raypack.train.trainer import fit
+
+    cfg = tiny_cfg(tmp_path, "train.max_failures=2")
+    attempts = tmp_path / "attempts"
+    attempts.mkdir()
+    with pytest.raises(UnsupportedModelError, match="can't train on packed rows"):
+        fit(cfg, loop=loop_with_bad_input, extra_loop_config={"attempts": str(attempts)})
+    # one attempt per rank: no restart of the worker group (max_failures=2 would make it 3 each)
+    assert sorted(p.name[:5] for p in attempts.iterdir()) == ["rank0", "rank1"]

@@ -72,7 +72,8 @@ def test_chat_label_masks_token_by_token(tok, mode):
         ids, labels = expected_chat(tok, CONV, lambda j, last: True)
     assert row["input_ids"] == ids
     assert row["labels"] == labels
-    assert row["length"] == len(ids) and row["_label_tokens"] == sum(l != IGNORE for l in labels)
+    # the first token predicts nothing (collate masks it), so a label there counts for nothing
+    assert row["length"] == len(ids) and row["_label_tokens"] == sum(l != IGNORE for l in labels[1:])
 
 
 def test_chat_mask_agrees_with_transformers_assistant_mask(tok):
@@ -193,4 +194,39 @@ def test_call_drops_internal_columns_and_reports_counts():
     assert out.schema.names == ["example_id", "input_ids", "labels", "length"] and out.num_rows == 2
     ((key, c),) = seen.items()
     assert key == (0, 3) and c["dropped"] == 1 and c["lengths"].tolist() == out["length"].to_pylist()
-    assert c["label_tokens"] == sum(x != IGNORE for l in out["labels"].to_pylist() for x in l)
+    assert c["label_tokens"] == sum(x != IGNORE for l in out["labels"].to_pylist() for x in l[1:])
+
+
+def test_examples_without_a_label_token_are_dropped_and_counted(tok):
+    """A chat without an assistant turn, a prompt that truncate cut before its answer, and a
+    split piece of prompt only train nothing: dropped, and counted apart."""
+    from raypack.data.encode import counts, kept_rows
+
+    recs = [
+        {"messages": CONV},
+        {"messages": [{"role": "system", "content": "be brief."}, {"role": "user", "content": "hello?"}]},
+        {"messages": [{"role": "user", "content": "a " * 60}, {"role": "assistant", "content": "ok"}]},
+    ]
+    table = Encoder(TOK, None, "auto", "truncate", 40).encode_table(batch(recs, "chat"))
+    assert table["_label_tokens"].to_pylist()[1:] == [0, 0]  # no assistant turn; answer cut off
+    c = counts(table)
+    assert c["no_labels"] == 2 and c["truncated"] == 2 and c["no_label_pieces"] == 0
+    assert c["no_label_examples"] == [sources.example_id(0, 1), sources.example_id(0, 2)]
+    kept = kept_rows(table)
+    assert kept["example_id"].to_pylist() == [sources.example_id(0, 0)] and c["lengths"].tolist() == kept["length"].to_pylist()
+    assert c["label_tokens"] == table["_label_tokens"].to_pylist()[0] > 0
+
+    split = Encoder(TOK, None, "auto", "split", 40).encode_table(batch(recs[2:], "chat"))
+    c = counts(split)
+    assert split.num_rows >= 2 and c["no_labels"] == 0 and c["no_label_pieces"] == split.num_rows - 1
+    assert kept_rows(split).num_rows == 1  # only the piece that holds the answer
+
+
+def test_a_label_on_the_first_token_counts_for_nothing():
+    """The loss predicts token t+1 from t: the first token's label is never seen (collate masks
+    it too), so an example labelled only there has no label token."""
+    from raypack.data.encode import counts
+
+    table = Encoder(TOK, None, "auto", "truncate", 64).encode_table(
+        batch([{"input_ids": [5, 6, 7], "labels": [5, IGNORE, IGNORE]}, {"input_ids": [5, 6], "labels": [5, 6]}], "tokenized"))
+    assert table["_label_tokens"].to_pylist() == [0, 1] and counts(table)["no_labels"] == 1

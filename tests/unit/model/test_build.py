@@ -36,6 +36,8 @@ def test_load_from_path_and_config_not_mutated(tmp_path):
     loaded = load_model(str(tmp_path), attention="sdpa_varlen", dtype="float32")
     assert loaded.config._attn_implementation == "raypack_sdpa_varlen" and not loaded.config.use_cache
     torch.testing.assert_close(loaded.lm_head.weight, model.lm_head.weight)
+    # from_pretrained alone gives eval mode, where transformers skips gradient checkpointing
+    assert loaded.training and all(m.training for m in loaded.modules())
 
 
 def test_a_raypack_model_config_is_not_guessed_at():

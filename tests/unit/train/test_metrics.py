@@ -41,3 +41,16 @@ def test_flops_grow_with_the_causal_context():
     cfg = tiny_config("llama")
     short, long = model_flops_per_token(cfg, 100.0**2), model_flops_per_token(cfg, 1000.0**2)
     assert long - short == pytest.approx(12 * 2 * 64 * (500 - 50))
+
+
+def test_steps_without_label_tokens_weigh_nothing_and_a_window_of_them_has_no_loss(capsys):
+    r = Reporter(rank=0, total_steps=3, report_every=1, static={})
+    step = {"tokens": 100.0, "step_time_s": 0.1, "data_wait_s": 0.0, "rank_imbalance": 1.0, "lr": 1e-3}
+    r.log_step(1, {**step, "loss": float("nan"), "label_tokens": 0.0, "skipped_steps": 1.0})
+    m = r.summary(1, 0)
+    assert m["loss"] is None and m["skipped_steps"] == 1.0  # not 0.0: nothing was trained
+    assert "step 1/3 loss - " in capsys.readouterr().out
+    r.log_step(2, {**step, "loss": float("nan"), "label_tokens": 0.0, "skipped_steps": 1.0})
+    r.log_step(3, {**step, "loss": 4.0, "label_tokens": 8.0, "skipped_steps": 0.0})
+    m = r.summary(3, 0)
+    assert m["loss"] == 4.0 and m["skipped_steps"] == 1.0

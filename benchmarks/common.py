@@ -1,0 +1,79 @@
+"""What the benchmark scripts share: where a results file goes, and the lines that say where and
+with what it ran. Imports only the standard library and torch (the GPU machine has no Ray until
+the wheels are installed).
+
+Results files are named `<theme>_<device>_<yyyymmdd>.md` (`..._smoke_...` for a --smoke run) and
+go to `--out` if given, else to `$RAYPACK_BENCH_OUT` if set, else to benchmarks/results/ (a real
+run, to commit) or the temp folder (a --smoke run, to throw away).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+OUT_ENV = "RAYPACK_BENCH_OUT"
+
+
+def device_name() -> str:
+    """`h100`, `h200`, ... on CUDA (the GPU's model); `cpu` otherwise."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name().lower().replace("nvidia ", "").split()[0]
+    return "cpu"
+
+
+def results_path(theme: str, smoke: bool = False, out: str | None = None) -> Path:
+    if out:
+        path = Path(out)
+    else:
+        folder = os.environ.get(OUT_ENV) or (tempfile.gettempdir() if smoke else str(RESULTS))
+        date = datetime.date.today().strftime("%Y%m%d")
+        path = Path(folder) / f"{theme}_{device_name()}{'_smoke' if smoke else ''}_{date}.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def command_line(script: str, argv: list[str] | None) -> str:
+    args = argv if argv is not None else sys.argv[1:]
+    return f"PYTHONPATH=. python benchmarks/{Path(script).name} {shlex.join(args)}".strip()
+
+
+def machine() -> str:
+    import torch
+
+    cpus = f"{os.cpu_count()} CPUs"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return f"{torch.cuda.get_device_name()} ({props.total_memory / 2**30:.0f} GiB), {cpus}"
+    return f"{platform.processor() or platform.machine()}, {cpus}, no GPU"
+
+
+def versions(*modules: str) -> str:
+    """python, torch (+CUDA), transformers, then each of `modules` that is importable."""
+    import torch
+    import transformers
+
+    parts = [f"python {platform.python_version()}", f"torch {torch.__version__}"]
+    if torch.version.cuda:
+        parts.append(f"CUDA {torch.version.cuda}")
+    parts.append(f"transformers {transformers.__version__}")
+    for name in modules:
+        try:
+            module = __import__(name)
+            parts.append(f"{name} {getattr(module, '__version__', '?')}")
+        except ImportError:
+            parts.append(f"{name} not installed")
+    return ", ".join(parts)
+
+
+def smoke_banner(smoke: bool) -> list[str]:
+    return ["**--smoke run: a tiny model on the CPU to prove the script works; these numbers are not results.**", ""] if smoke else []

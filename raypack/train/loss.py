@@ -1,0 +1,342 @@
+"""The training loss, Σ cross-entropy over label tokens, computed from the final hidden states so
+that the [T, V] logits never exist at once.
+
+    loss = make_loss(engine, cfg.train, padded=data.padded)   # once at setup; probes the model
+    loss_sum = loss(engine, batch)                           # batch: model kwargs + labels
+
+`full` (the reference) takes the model's logits for every position, upcasts them to fp32 and
+slices them: at 16k tokens and a 128k vocabulary that is 4 GB of bf16 logits, 8 GB of fp32 ones and
+their gradients, more than a 1B model's weights and optimizer state together. `chunked` (the
+default) asks the model for no logits at all:
+
+    hidden [T, H] ──keep label positions──> [N, H] ──per chunk of C rows──> logits [C, V]
+        ──> the model's own output transforms ──> fp32 cross-entropy ──> loss, dL/dhidden, dL/dW
+
+Each chunk's gradients are taken at once, inside the forward (a local autograd over that chunk
+only), and held until backward scales them by the incoming gradient: no chunk's logits outlive
+it and nothing is recomputed, so the loss costs O(C x V) memory and the same FLOPs as `full`.
+
+How it reaches the hidden states: during the model's own forward its output-embeddings module is
+swapped for a capture that records its input and returns empty logits; the loss then calls the
+real head module once, with the chunked computation as its forward. Calling the module (not its
+weight) is what lets DeepSpeed ZeRO-3 gather the partitioned weight for forward and backward and
+reduce its gradient as for any layer; tied embeddings are one parameter, so their two gradients
+add up as usual.
+
+Exact, or refused: the transforms a model applies after its head are detected from its config
+(Gemma 2/3 `final_logit_softcapping`, Granite `logits_scaling`, Cohere `logit_scale`) and applied
+per chunk in the model's own dtype and order. `make_loss` then probes the model once: its own
+logits on a few tokens against what the chunked path computes. Any other difference (a model
+whose logits are not head(hidden) plus those transforms) stops the run before training, naming
+`train.loss: full` as the way out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raypack.data.collate import IGNORE_INDEX, collate_packed
+
+LOSSES = ("chunked", "full")
+CHUNK_BYTES = 256 * 2**20
+"""Auto chunk size: as many label tokens as keep one chunk's fp32 logits within 256 MiB (the
+chunk's whole working set, bf16 logits, fp32 copy, softmax and gradients, is ~5x that)."""
+TARGET_KEYS = ("loss_positions", "loss_targets")
+"""Batch keys `label_targets` fills on the host; the loss pops them before the model's forward."""
+
+
+class UnsupportedLossError(ValueError):
+    """The chunked loss cannot reproduce this model's logits; `train.loss: full` still works."""
+
+
+# --- targets ------------------------------------------------------------------------------------
+
+
+def label_targets(labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Which hidden states carry loss, and their targets: position t predicts labels[t + 1].
+
+    Returns flat indices into the [B * L] positions and the target ids, both int64. Call it on
+    the host batch (the prefetcher does): on the device, finding them is a host sync."""
+    labels = labels if labels.dim() == 2 else labels.reshape(1, -1)
+    rows, cols = (labels[:, 1:] != IGNORE_INDEX).nonzero(as_tuple=True)
+    return {"loss_positions": rows * labels.shape[1] + cols, "loss_targets": labels[rows, cols + 1]}
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The `full` loss: Σ cross-entropy over label tokens, predicting token t+1 from position t."""
+    return F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+# --- the model's output head ------------------------------------------------------------------------
+
+Transform = Callable[[torch.Tensor], torch.Tensor]
+
+
+def output_transforms(config: Any) -> list[tuple[str, Transform]]:
+    """What the model does to head(hidden) before returning logits, from its config, in the order
+    transformers applies it (written as the model code writes it, so the rounding is the same)."""
+    found: list[tuple[str, Transform]] = []
+    if (divisor := getattr(config, "logits_scaling", None)) not in (None, 1, 1.0):  # Granite divides
+        found.append((f"logits / {divisor} (logits_scaling)", lambda z: z / divisor))
+    if (factor := getattr(config, "logit_scale", None)) not in (None, 1, 1.0):  # Cohere multiplies
+        found.append((f"logits * {factor} (logit_scale)", lambda z: z * factor))
+    if cap := getattr(config, "final_logit_softcapping", None):  # Gemma 2/3
+
+        def softcap(z: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(z / cap) * cap
+
+        found.append((f"tanh(logits / {cap}) * {cap} (final_logit_softcapping)", softcap))
+    return found
+
+
+def _compose(transforms: list[tuple[str, Transform]]) -> Transform:
+    def apply(z: torch.Tensor) -> torch.Tensor:
+        for _, fn in transforms:
+            z = fn(z)
+        return z
+
+    return apply
+
+
+class _Capture(nn.Module):
+    """Stands in for the output head during the model's forward: keeps its input, computes nothing."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.inputs: list[torch.Tensor] = []
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.inputs.append(hidden)
+        # Empty logits of the right rank and vocabulary, so any post-processing the model does runs on nothing.
+        return hidden.new_empty((*hidden.shape[:-2], 0, self.vocab))
+
+
+def _find_parent(model: nn.Module, child: nn.Module) -> tuple[nn.Module, str]:
+    for module in model.modules():
+        for name, sub in module.named_children():
+            if sub is child:
+                return module, name
+    raise UnsupportedLossError(f"{type(model).__name__}: its output embeddings are not a submodule")
+
+
+@contextlib.contextmanager
+def _forward_as(module: nn.Module, fn: Callable[..., Any]) -> Iterator[None]:
+    """Run `fn` as `module`'s forward: module hooks (DeepSpeed's gathers) still fire around it."""
+    module.forward = fn
+    try:
+        yield
+    finally:
+        del module.forward
+
+
+# --- the chunked cross-entropy -------------------------------------------------------------------
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Σ CE(transform(hidden @ W.T + b), targets), chunk by chunk, with the gradients taken in forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk: int, transform: Transform):
+        needs = ctx.needs_input_grad[:3]
+        grads = [
+            torch.empty_like(hidden) if needs[0] else None,
+            # Summed over chunks in fp32 and rounded once, as the one big matmul of `full` does.
+            torch.zeros(weight.shape, dtype=_accum_dtype(weight), device=weight.device) if needs[1] else None,
+            torch.zeros(bias.shape, dtype=_accum_dtype(bias), device=bias.device) if needs[2] else None,
+        ]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            end = min(start + chunk, hidden.shape[0])
+            with torch.enable_grad():
+                leaves = [
+                    t.detach().requires_grad_(need) if t is not None else None
+                    for t, need in zip((hidden[start:end], weight, bias), needs)
+                ]
+                logits = transform(F.linear(*leaves))
+                loss = F.cross_entropy(logits.float(), targets[start:end], reduction="sum")
+                wanted = [t for t, need in zip(leaves, needs) if need]
+                got = iter(torch.autograd.grad(loss, wanted)) if wanted else iter(())
+            for i, need in enumerate(needs):
+                if not need:
+                    continue
+                g = next(got)
+                if i == 0:
+                    grads[0][start:end] = g
+                else:
+                    grads[i] += g
+            total += loss.detach()
+        ctx.grads = grads
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        out = []
+        for g, dtype in zip(ctx.grads, ctx.dtypes):
+            out.append(None if g is None else g.mul_(grad_out).to(dtype))
+        ctx.grads = None
+        return (*out, None, None, None)
+
+
+def _accum_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float32 if t.dtype in (torch.bfloat16, torch.float16) else t.dtype
+
+
+def _loss_only(hidden, weight, bias, targets, chunk: int, transform: Transform) -> torch.Tensor:
+    """No gradients wanted (evaluation): the same chunks without the local autograd."""
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk):
+        logits = transform(F.linear(hidden[start : start + chunk], weight, bias))
+        total += F.cross_entropy(logits.float(), targets[start : start + chunk], reduction="sum")
+    return total
+
+
+# --- the loss object ----------------------------------------------------------------------------
+
+
+class CausalLMLoss:
+    """Σ token cross-entropy of a batch, `chunked` (default) or `full`; see the module docstring.
+
+    Built on the unwrapped model (`engine.module`) and called with whatever runs the forward (the
+    DeepSpeed engine, or the model itself)."""
+
+    def __init__(self, model: nn.Module, kind: str = "chunked", chunk_tokens: int = 0) -> None:
+        if kind not in LOSSES:
+            raise ValueError(f"train.loss: expected one of {', '.join(LOSSES)}, got {kind!r}")
+        self.kind = kind
+        self.model_name = type(model).__name__
+        if kind == "full":
+            return
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if not isinstance(head, nn.Linear):
+            raise UnsupportedLossError(
+                f"train.loss=chunked: {self.model_name}'s output embeddings are "
+                f"{type(head).__name__ if head is not None else 'missing'}, not a torch Linear layer, so the chunked "
+                "loss cannot apply them piecewise; set train.loss: full"
+            )
+        self.head = head
+        self.parent, self.attr = _find_parent(model, head)
+        self.vocab = head.out_features
+        self.transforms = output_transforms(model.config)
+        self.transform = _compose(self.transforms)
+        self.chunk = chunk_tokens or max(64, CHUNK_BYTES // (4 * self.vocab) // 64 * 64)
+
+    def __call__(self, forward: Callable[..., Any], batch: dict[str, Any]) -> torch.Tensor:
+        """Σ cross-entropy (fp32 scalar) over the label tokens of `batch`, a collated batch with
+        `labels` (and optionally `label_targets`' keys, found here otherwise)."""
+        batch = dict(batch)
+        labels = batch.pop("labels")
+        targets = {k: batch.pop(k) for k in TARGET_KEYS if k in batch}
+        if self.kind == "full":
+            return token_loss_sum(forward(**batch).logits, labels)
+        hidden = self.hidden_states(forward, batch)
+        if hidden.shape[:-1] != labels.shape:
+            raise UnsupportedLossError(
+                f"train.loss=chunked: {self.model_name}'s output head saw hidden states of shape "
+                f"{tuple(hidden.shape)} for labels of shape {tuple(labels.shape)}; set train.loss: full"
+            )
+        if len(targets) != len(TARGET_KEYS):
+            targets = label_targets(labels)  # finds the positions on the device: a host sync
+        selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, targets["loss_positions"])
+        return self._call_head(selected, targets["loss_targets"])
+
+    def hidden_states(self, forward: Callable[..., Any], batch: dict[str, Any]) -> torch.Tensor:
+        """Run the model with its output head captured: the head's input, no logits computed."""
+        capture = _Capture(self.vocab)
+        setattr(self.parent, self.attr, capture)
+        try:
+            forward(**batch)
+        finally:
+            setattr(self.parent, self.attr, self.head)
+        if len(capture.inputs) != 1:
+            raise UnsupportedLossError(
+                f"train.loss=chunked: {self.model_name} called its output head {len(capture.inputs)} times in one "
+                "forward (expected once); set train.loss: full"
+            )
+        return capture.inputs[0]
+
+    def _call_head(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        def chunked(h: torch.Tensor) -> torch.Tensor:
+            w, b = self.head.weight, self.head.bias
+            if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h, w, b)):
+                return _ChunkedCrossEntropy.apply(h, w, b, targets, self.chunk, self.transform)
+            return _loss_only(h, w, b, targets, self.chunk, self.transform)
+
+        with _forward_as(self.head, chunked):
+            return self.head(hidden)
+
+    def logits(self, forward: Callable[..., Any], batch: dict[str, Any]) -> torch.Tensor:
+        """The logits the chunked path trains on, all of them (for the probe; small batches only)."""
+        batch = {k: v for k, v in batch.items() if k != "labels" and k not in TARGET_KEYS}
+        return self.transform(self.head(self.hidden_states(forward, batch)))
+
+    def describe(self) -> str:
+        if self.kind == "full":
+            return "full logits"
+        extra = "; then " + ", ".join(name for name, _ in self.transforms) if self.transforms else ""
+        return f"chunked, {self.chunk} label tokens a chunk{extra}"
+
+
+# --- setup ---------------------------------------------------------------------------------------
+
+
+def probe_batch(vocab: int, padded: bool, seed: int = 0) -> dict[str, Any]:
+    """Two short examples of random ids, collated like training batches (packed or padded)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for n in (7, 5):
+        ids = torch.randint(0, vocab, (n,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": ids, "position_ids": list(range(n))})
+    return collate_packed(rows, padded=padded, pad_token_id=0)
+
+
+def probe(loss: CausalLMLoss, forward: Callable[..., Any], module: nn.Module, batch: dict[str, Any]) -> float:
+    """Compare the model's own logits with the chunked path's on `batch`; raise if they differ.
+    Returns the largest difference relative to the largest logit."""
+    was_training = module.training
+    module.eval()  # no dropout: both forwards must see the same function
+    try:
+        with torch.no_grad():
+            kwargs = {k: v for k, v in batch.items() if k != "labels"}
+            own = forward(**kwargs).logits.float()
+            ours = loss.logits(forward, kwargs).float()
+    finally:
+        module.train(was_training)
+    if own.shape != ours.shape:
+        raise UnsupportedLossError(
+            f"train.loss=chunked: {loss.model_name}'s logits have shape {tuple(own.shape)}, but its output head "
+            f"gives {tuple(ours.shape)}; set train.loss: full"
+        )
+    diff = ((own - ours).abs().max() / own.abs().max().clamp_min(1e-6)).item()
+    # Same ops in the same dtype; only kernel choice may differ. 16-bit: a few ulps of bf16.
+    tol = 1e-4 if own.dtype == torch.float32 and next(module.parameters()).dtype == torch.float32 else 2e-2
+    if not diff <= tol:
+        applied = ", ".join(name for name, _ in loss.transforms) or "none"
+        raise UnsupportedLossError(
+            f"train.loss=chunked: {loss.model_name}'s logits are not its output head applied to its last hidden "
+            f"states (with the transforms raypack knows from its config: {applied}); they differ by {diff:.2e} of "
+            f"the largest logit on a probe batch (tolerance {tol:.0e}). Set train.loss: full for this model."
+        )
+    return diff
+
+
+def make_loss(engine: Any, kind: str = "chunked", chunk_tokens: int = 0, padded: bool = False) -> CausalLMLoss:
+    """The loss for `engine` (a DeepSpeed engine or a plain model), probed once when chunked.
+
+    Every rank must call it (under ZeRO-3 the probe's forward gathers parameters collectively)."""
+    module = getattr(engine, "module", engine)
+    loss = CausalLMLoss(module, kind, chunk_tokens)
+    if kind == "chunked":
+        device = getattr(engine, "device", None) or next(module.parameters()).device
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in probe_batch(loss.vocab, padded).items()}
+        probe(loss, engine, module, batch)
+    return loss

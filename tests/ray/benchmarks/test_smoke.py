@@ -1,0 +1,77 @@
+"""No benchmark can rot (the Ray half; tests/unit/benchmarks/test_smoke.py has the rest and checks
+that every script is covered): the benchmark scripts that need Ray run their --smoke mode as
+commands, and `make bench-smoke`'s driver (tools/bench_gpu.py --smoke) runs its steps, installing
+wheels first as it does on the bare GPU machine."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from paths import REPO
+
+COMMANDS = {  # script -> what its results file must show
+    "pack_materialize.py": ["| routed |", "| shuffle |", "Rows identical between methods: True."],
+    "tokenize_throughput.py": ["| raypack tokenize_dataset, run 1 |", "| datasets map only, run 1 |"],
+    "sweep_prepare.py": ["| 1 | per trial |", "| 2 | once |", "Time saved per sweep"],
+    "sweep_spread.py": ["Per strategy, median [min, max]", "Median ratio bfd / balanced"],
+}
+
+
+def run(cmd: list[str], env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
+@pytest.mark.parametrize("script", sorted(COMMANDS))
+def test_smoke_run_writes_its_results_file(script, tmp_path):
+    out = tmp_path / f"{script}.md"
+    run([sys.executable, f"benchmarks/{script}", "--smoke", "--out", str(out)])
+    text = out.read_text()
+    assert text.startswith("# ") and "Command: `" in text and "--smoke run" in text
+    for expected in COMMANDS[script]:
+        assert expected in text, f"{script}: {expected!r} missing from\n{text}"
+
+
+def dummy_wheel(folder) -> str:
+    """A one-module wheel, standing in for the carried Ray/DeepSpeed wheels."""
+    folder.mkdir()
+    path = folder / "raypack_probe-0.1-py3-none-any.whl"
+    info = "raypack_probe-0.1.dist-info"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("raypack_probe.py", "VALUE = 42\n")
+        z.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: raypack_probe\nVersion: 0.1\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    return str(folder)
+
+
+def test_bench_smoke_driver(tmp_path):
+    """The driver end to end on the CPU: wheels installed and put first on every step's path, the
+    GPU tests (skipped here) and the train benchmark's smoke run, results files named
+    <theme>_<device>_smoke_<date>.md, and they and the combined log copied to $OUT."""
+    results, out, site = tmp_path / "results", tmp_path / "out", tmp_path / "site"
+    proc = run(
+        [sys.executable, "tools/bench_gpu.py", "--smoke", "--only", "gpu_tests", "train", "--install",
+         "--wheels", dummy_wheel(tmp_path / "whl"), "--site", str(site), "--results-dir", str(results)],
+        env={"OUT": str(out)},
+    )  # fmt: skip
+    log = proc.stdout
+    assert "installing 1 wheels" in log and (site / "raypack_probe.py").exists()
+    assert f"steps run with PYTHONPATH={site}{os.pathsep}" in log
+    assert "gpu_tests ok" in log and "train ok" in log
+    names = sorted(p.name for p in results.iterdir())
+    assert len(names) == 2 and names[0].startswith("gpu_tests_cpu_smoke_") and names[1].startswith("train_cpu_smoke_")
+    train = (results / names[1]).read_text()
+    assert "| full stack (Ray Train + DeepSpeed) |" in train and "train.loss chunked" in train
+    assert "| data wait / step time, full stack |" in train
+    copied = sorted(p.name for p in out.iterdir())
+    logs = [n for n in copied if n.startswith("bench_gpu_cpu_smoke_") and n.endswith(".log")]
+    assert len(logs) == 1 and sorted(set(copied) - set(logs)) == names
+    assert "[train] " in (out / logs[0]).read_text() and "[bench-gpu] done" in (out / logs[0]).read_text()

@@ -1,0 +1,63 @@
+"""`raypack train` end to end on a local Ray cluster: what the screen shows, what a finished run
+says when run again, and data that trains on nothing refused before training starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from raypack.cli import main
+
+from paths import REPO
+
+pytestmark = pytest.mark.ray
+
+
+def test_data_without_an_assistant_turn_fails_before_training(ray_local, tmp_path, capsys, monkeypatch):
+    import raypack.train.trainer
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(raypack.train.trainer, "TorchTrainer", no_training)
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}?"}]}) + "\n" for i in range(8)))
+    code = main(["train", f"run.storage_path={tmp_path / 'runs'}", "run.name=r", f"data.paths=[{path}]"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"nothing to train on: of 8 examples, 8 had no token that carries loss (first: {path}:1)" in err
+    assert not (tmp_path / "runs" / "r").exists(), "a failed start left a run folder behind"
+
+
+def test_a_run_prints_its_own_lines_once_and_a_rerun_says_it_is_complete(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("RAY_ADDRESS", None)  # its own local Ray instance
+    cmd = [sys.executable, "-m", "raypack.cli", "train", "--config", str(REPO / "jobs" / "configs" / "tiny_cpu.yaml"),
+           f"run.storage_path={tmp_path}", f"run.name=screen-{uuid.uuid4().hex[:6]}", "pack.budget=256",
+           "train.max_steps=4", "train.report_every_steps=2", "train.checkpoint_every_steps=0"]
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    screen = out.stdout + out.stderr
+    assert out.returncode == 0, screen[-5000:]
+    assert "[raypack] started a local Ray instance (listening on 127.0.0.1" in out.stdout
+    for step in (2, 4):
+        assert screen.count(f"[raypack] step {step}/4 ") == 1, screen[-5000:]  # once, not once per stream
+    for noise in ("PlacementGroupCleaner", "Reporting training result", "TrainingReport(", "Setting accelerator to CPU",
+                  "Writing model shards", "Started training worker group", "Execution plan of Dataset"):
+        assert noise not in screen, f"{noise!r} on the screen:\n{screen[-5000:]}"
+    finished = out.stdout.split("[raypack] training finished\n")[1]  # heading and values on one stream
+    assert finished.startswith("  step                 4\n") and "  checkpoint " in finished
+
+    from transformers import AutoTokenizer
+
+    checkpoint = finished.split("  checkpoint ")[1].split()[0]
+    assert AutoTokenizer.from_pretrained(f"{checkpoint}/model").chat_template  # the exported model is usable
+
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "is complete (4 steps); nothing to train" in again.stdout and checkpoint in again.stdout
+    assert "started a local Ray instance" not in again.stdout  # it knew without starting Ray

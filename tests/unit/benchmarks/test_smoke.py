@@ -1,0 +1,84 @@
+"""No benchmark can rot: every script in benchmarks/ has a --smoke mode, and a test runs each one
+end to end on the CPU, its results file included. Here the scripts that need no Ray, in this
+process (their imports are paid once) and with the very arguments `make bench-smoke` gives them;
+tests/ray/benchmarks/test_smoke.py runs the rest as commands, and `make bench-smoke`'s driver."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from paths import REPO
+
+sys.path.insert(0, str(REPO / "tools"))
+from bench_gpu import STEPS  # noqa: E402
+
+NO_RAY = {  # script -> what its results file must show
+    "attention_throughput.py": ["| flan | packed_varlen |", "| flan | pad |"],
+    # each case refused before Ray starts: exit code 2, Ray not started
+    "fail_fast.py": ["| unknown pack.strategy | this checkout |", "| 2 | 1 | no |", "| train.lr=inf | this checkout |"],
+    "loss_memory.py": ["| activations kept | chunked |", "| gradient checkpointing | full |"],
+    "pack_plan.py": ["| flan | 20,000 | 2048 | balanced |"],
+}
+NEEDS_RAY = {"train_throughput.py", "pack_materialize.py", "tokenize_throughput.py", "sweep_prepare.py", "sweep_spread.py"}
+"""Run by tests/ray/benchmarks/test_smoke.py (train_throughput through `make bench-smoke`'s driver)."""
+
+
+def scripts() -> set[str]:
+    """Every runnable script in benchmarks/ (modules without a __main__ block are libraries)."""
+    return {p.name for p in (REPO / "benchmarks").glob("*.py") if 'if __name__ == "__main__"' in p.read_text()}
+
+
+def test_every_benchmark_script_has_a_smoke_test():
+    assert scripts() == set(NO_RAY) | NEEDS_RAY, "a benchmark script without a smoke test (or a stale entry here)"
+    for name in scripts():
+        assert "--smoke" in (REPO / "benchmarks" / name).read_text(), f"{name} has no --smoke mode"
+
+
+def smoke_args(script: str) -> list[str]:
+    """The arguments `make bench-smoke` passes, where it runs the script; plain --smoke otherwise."""
+    step = next((s for s in STEPS if s.args and s.args[0] == f"benchmarks/{script}"), None)
+    return [*step.args[1:], *step.smoke_args] if step else ["--smoke"]
+
+
+def load(script: str):
+    spec = importlib.util.spec_from_file_location(f"smoke_{script[:-3]}", REPO / "benchmarks" / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def keep_torch_threads():
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)  # a smoke run pins one thread
+
+
+@pytest.mark.parametrize("script", sorted(NO_RAY))
+def test_smoke_run_writes_its_results_file(script, tmp_path, keep_torch_threads):
+    out = tmp_path / f"{script}.md"
+    assert load(script).main([*smoke_args(script), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.startswith("# ") and "Command: `" in text and "smoke" in text.lower()
+    for expected in NO_RAY[script]:
+        assert expected in text, f"{script}: {expected!r} missing from\n{text}"
+
+
+def test_gpu_benchmarks_refuse_the_cpu_without_smoke():
+    """Outside --smoke, the GPU benchmarks and `make bench-gpu` say they need a GPU (exit 2)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    for script in ("loss_memory.py", "attention_throughput.py"):
+        assert load(script).main([]) == 2
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "tools/bench_gpu.py"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "no CUDA GPU" in proc.stderr and "make bench-smoke" in proc.stderr, proc.stderr

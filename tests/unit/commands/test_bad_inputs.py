@@ -1,0 +1,174 @@
+"""`raypack train` on bad input: one line naming the field, file or row, exit code 2, before Ray
+starts (ray.init is replaced by a function that fails the test), and no run folder left behind.
+
+One test per class of bad input. One class needs the tokenized data, and so Ray: chats without
+an assistant turn (tests/ray/commands/test_train.py). Rows of data too large to check before Ray
+starts (over 16 MiB, or remote) are checked by the Ray read, with the same messages
+(tests/ray/data/test_sources.py, test_tokenize.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import ray
+
+from raypack.cli import main
+from raypack.config import ASSETS
+
+GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """Starting Ray fails the test, even in a session where another test's Ray is up (then
+    raypack would join it: `ray.is_initialized` is made to say no)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("Ray was started before the bad input was found")
+
+    monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+def jsonl(path, *records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def train(tmp_path, capsys, *overrides, command="train") -> str:
+    """Run the command; return its stderr after checking exit code 2, a single line, and that
+    nothing was written under the storage path."""
+    runs = tmp_path / "runs"
+    code = main([command, f"run.storage_path={runs}", "run.name=r", *overrides])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("raypack: ") and err.count("\n") == 1, err
+    assert not runs.exists(), "a failed start left files behind"
+    return err
+
+
+def test_malformed_json(tmp_path, capsys, no_ray):
+    path = jsonl(tmp_path / "chat.jsonl", GOOD, "{oops", GOOD)
+    err = train(tmp_path, capsys, f"data.paths=[{path}]")
+    assert f"{path}:2: malformed JSON" in err
+
+
+def test_missing_field(tmp_path, capsys, no_ray):
+    path = jsonl(tmp_path / "inst.jsonl", {"instruction": "add", "output": "3"}, {"instruction": "add 2"})
+    err = train(tmp_path, capsys, f"data.paths=[{path}]")
+    assert f"{path}:2: missing field `output` (instruction format)" in err
+
+
+def test_unknown_role(tmp_path, capsys, no_ray):
+    path = jsonl(tmp_path / "chat.jsonl", GOOD, {"messages": [{"role": "robot", "content": "beep"}]})
+    err = train(tmp_path, capsys, f"data.paths=[{path}]")
+    assert f"{path}:2: messages[0]: unknown role 'robot'" in err
+
+
+def test_non_string_content(tmp_path, capsys, no_ray):
+    path = jsonl(tmp_path / "chat.jsonl", {"messages": [{"role": "user", "content": 3}]}, GOOD)
+    err = train(tmp_path, capsys, f"data.paths=[{path}]")
+    assert f"{path}:1: messages[0]: content must be a string, got int" in err
+
+
+@pytest.mark.parametrize("kind", ["conversation", "file"])
+def test_empty_conversation_or_file(tmp_path, capsys, no_ray, kind):
+    path = jsonl(tmp_path / "chat.jsonl", GOOD, {"messages": []}) if kind == "conversation" else tmp_path / "chat.jsonl"
+    if kind == "file":
+        path.write_text("")
+    err = train(tmp_path, capsys, f"data.paths=[{path}]")
+    assert (f"{path}:2: empty conversation" if kind == "conversation" else f"{path}: empty file") in err
+
+
+def test_mixed_formats_in_one_file(tmp_path, capsys, no_ray):
+    path = jsonl(tmp_path / "data.jsonl", GOOD, {"prompt": "2+2=", "completion": "4"})
+    err = train(tmp_path, capsys, f"data.paths=[{path}]")
+    assert f"{path}:2: a completion example in a chat source" in err and "one format per file" in err
+
+
+def test_missing_path(tmp_path, capsys, no_ray):
+    err = train(tmp_path, capsys, f"data.paths=[{tmp_path / 'typo.jsonl'}]")
+    assert f"data.paths: {tmp_path / 'typo.jsonl'}: no such file or folder" in err
+
+
+def test_empty_folder(tmp_path, capsys, no_ray):
+    (tmp_path / "data").mkdir()
+    err = train(tmp_path, capsys, f"data.paths=[{tmp_path / 'data'}]")
+    assert f"data.paths: {tmp_path / 'data'}: folder holds no .jsonl" in err
+
+
+def test_unreachable_uri(tmp_path, capsys, no_ray, monkeypatch):
+    # An S3 endpoint that refuses connections: what a wrong region, endpoint or network gives,
+    # without leaving the machine.
+    for key, value in {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "x",
+                       "AWS_SECRET_ACCESS_KEY": "y", "AWS_EC2_METADATA_DISABLED": "true"}.items():
+        monkeypatch.setenv(key, value)
+    err = train(tmp_path, capsys, "data.paths=[s3://raypack-no-such-bucket/chat.jsonl]")
+    assert "data.paths: s3://raypack-no-such-bucket/chat.jsonl: can't read it (" in err
+
+
+def test_unknown_strategy(tmp_path, capsys, no_ray):
+    err = train(tmp_path, capsys, "pack.strategy=bogus")
+    assert err.startswith("raypack: config error: pack.strategy: expected one of pad, ") and "got 'bogus'" in err
+
+
+def test_infinite_lr(tmp_path, capsys, no_ray):
+    err = train(tmp_path, capsys, "train.lr=inf")
+    assert "train.lr: expected a finite number, got inf" in err
+
+
+def test_unknown_model(tmp_path, capsys, no_ray, monkeypatch):
+    import huggingface_hub.constants
+
+    # Offline, as this machine is: the hub is not asked (it retries for ~30 s without a network).
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    err = train(tmp_path, capsys, "model.name=no-such-org/no-such-model")
+    assert "model.name 'no-such-org/no-such-model': can't load its config" in err
+    err = train(tmp_path, capsys, "model.name=tiny-nope")
+    assert "model.name 'tiny-nope': unknown tiny model family 'nope'" in err
+
+
+def test_token_id_above_the_vocabulary(tmp_path, capsys, no_ray):
+    path = tmp_path / "tokens.parquet"
+    pq.write_table(pa.table({"input_ids": [[1, 5, 9], [1, 767, 768, 4]]}), path)  # the bundled tokenizer has 768
+    err = train(tmp_path, capsys, f"data.paths=[{path}]")
+    assert f"{path} row 1: input_ids[2] = 768 is outside the model's vocabulary (ids 0..767)" in err
+
+
+def test_changed_sources_under_an_existing_run(tmp_path, capsys, no_ray):
+    """The packed data's manifest, as prepare writes it, records the sources; one edited since
+    is refused. (tests/ray/data/test_prepare.py makes the manifest with a real prepare.)"""
+    from raypack.config import load
+    from raypack.data.fingerprint import sources_fingerprint
+    from raypack.data.prepare import fingerprint
+
+    path = jsonl(tmp_path / "chat.jsonl", GOOD, GOOD)
+    overrides = [f"run.storage_path={tmp_path / 'runs'}", "run.name=r", f"data.paths=[{path}]"]
+    cfg = load(None, overrides)
+    packed = tmp_path / "runs" / "r" / "packed"
+    packed.mkdir(parents=True)
+    manifest = {"fingerprint": fingerprint(cfg, cfg.train.num_workers), "sources": sources_fingerprint(cfg.data.paths), "prepared": {}}
+    (packed / "manifest.json").write_text(json.dumps(manifest))
+    jsonl(path, GOOD, GOOD, GOOD)  # edited in place
+    assert main(["train", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"data.paths changed since this run's data was prepared in {packed}: {path}: content changed" in err
+    assert "run.name=NEW_NAME" in err and "--reprepare" in err
+    assert sorted(p.name for p in (tmp_path / "runs" / "r").iterdir()) == ["packed"], "the run was touched"
+
+
+def test_debug_prints_the_traceback(tmp_path, capsys, no_ray):
+    assert main(["train", "--debug", f"run.storage_path={tmp_path}", f"data.paths=[{tmp_path / 'typo.jsonl'}]"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and err.splitlines()[-1].startswith("raypack: error: data.paths: ")
+
+
+def test_sample_data_passes(tmp_path, capsys, no_ray):
+    """Guard the guards: good input gets past every check, to the first Ray call."""
+    with pytest.raises(AssertionError, match="Ray was started"):
+        main(["train", f"run.storage_path={tmp_path}", f"data.paths=[{ASSETS / 'sample' / 'chat.jsonl'}]"])
