@@ -4,8 +4,9 @@
         --runtime-env-json '{"excludes": [".venv", ".git", ".cache", "results"]}' \
         -- python jobs/sweep.py --config jobs/configs/sweeps/packing.yaml
 
-Arguments are `raypack sweep`'s: --config FILE, then dotted overrides. Each trial is a full Ray
-Train run; the table and plot land in `<run.storage_path>/<run.name>/`.
+Arguments are `raypack sweep`'s: --config FILE, then dotted overrides, or --resume EXPERIMENT_DIR
+to continue an interrupted sweep. Each trial is a full Ray Train run; the table and plots land in
+`<run.storage_path>/<run.name>/`.
 """
 
 import sys

@@ -4,6 +4,7 @@
     raypack plan --config jobs/configs/qwen7b.yaml pack.budget=4096 train.num_workers=64
     raypack plan --lengths lengths.npy pack.budget=4096 train.num_workers=8 --strategy bfd balanced
     raypack sweep --config jobs/configs/sweeps/packing_cpu.yaml
+    raypack sweep --resume ./results/sweeps/sweep-packing-cpu   # continue an interrupted sweep
     raypack data --config jobs/configs/quickstart.yaml      # tokenize only, print a summary
 
 Each command's handler is `raypack.commands.<command>.run(args)`; this module and those are the
@@ -42,7 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokenize and pack the sources again after they changed (a run with no checkpoint yet)")
 
     p = sub.add_parser("sweep", parents=[common], help="Ray Tune sweep over packing strategies")
-    _add_config(p, required=True)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--config", help="YAML sweep config (see jobs/configs/sweeps/)")
+    src.add_argument("--resume", help="experiment dir (storage_path/name) of an interrupted sweep to continue")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. tune.num_samples=3 (with --config)")
 
     p = sub.add_parser("data", parents=[common], help="read and tokenize the configured data, print a summary")
     _add_config(p)

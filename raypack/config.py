@@ -51,6 +51,11 @@ class DataConfig:
     """`error` stops at the first bad row naming its file and line; `skip` counts and reports them."""
     eval_fraction: float = 0.1
     """Share of examples held out for eval loss, chosen by a seeded hash of `example_id`."""
+    cache_path: str | None = None
+    """Folder or URI that keeps the tokenized examples and the packed rows, each under a key of
+    everything that shaped it, so runs and sweep trials with the same data and tokenize config
+    tokenize once (and with the same pack config, pack once). None: tokenize in memory and pack
+    under the run dir. `raypack sweep` sets it to `<experiment>/cache` for its trials."""
 
     def __post_init__(self) -> None:
         _check(len(self.paths) > 0, "data.paths", "at least one path", self.paths)
@@ -93,8 +98,10 @@ class PackConfig:
     (the registry is raypack.data.strategies.STRATEGIES; a name not in it fails at load)."""
     budget: int = 1024
     """Tokens per packed row (the micro-batch for packed strategies)."""
-    batch_size: int = 8
-    """Examples per minibatch for pad, pad_sorted and flatten (the papers' B)."""
+    batch_size: float = 8
+    """Examples per minibatch for pad, pad_sorted and flatten (the papers' B). A fraction makes
+    minibatches of the two nearest whole sizes whose mean is B (2.5: 2, 3, 2, 3, ...); a sweep
+    uses that to give padded trials the packed trials' tokens per step (tune.equal_work)."""
     seed: int = 0
     """Seed for every random choice of the plan and of each epoch's step order (seeded by
     (seed, epoch)); the same seed rebuilds the same plan and orders on resume."""
@@ -105,7 +112,7 @@ class PackConfig:
 
     def __post_init__(self) -> None:
         _check(self.budget > 0, "pack.budget", "a positive int", self.budget)
-        _check(self.batch_size > 0, "pack.batch_size", "a positive int", self.batch_size)
+        _check(self.batch_size >= 1, "pack.batch_size", "a number >= 1", self.batch_size)
         # The one strategy registry lives with the strategies; imported here, at check time, so
         # that loading this module needs nothing else from raypack (the strategies import it).
         from raypack.data.strategies import check_repack, check_strategy_name
@@ -207,19 +214,86 @@ class RunConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class AshaConfig:
+    time_attr: Literal["step", "tokens_seen", "training_iteration"] = "step"
+    """What ASHA measures progress in: optimizer steps, real tokens trained, or Tune reports."""
+    grace_period: int = 10
+    """Progress (in `time_attr` units) every trial makes before it can be stopped."""
+    reduction_factor: float = 2.0
+    """At each rung a trial goes on only if it is in the best 1/reduction_factor so far."""
+    max_t: int | None = None
+    """Progress at which every trial stops; None: the sweep's longest planned trial."""
+    brackets: int = 1
+    """ASHA brackets; 1 is plain asynchronous successive halving."""
+
+    def __post_init__(self) -> None:
+        _check(self.grace_period > 0, "tune.asha.grace_period", "a positive int", self.grace_period)
+        _check(self.reduction_factor > 1, "tune.asha.reduction_factor", "a number > 1", self.reduction_factor)
+        _check(self.max_t is None or self.max_t > self.grace_period, "tune.asha.max_t",
+               f"null or an int > grace_period ({self.grace_period})", self.max_t)
+        _check(self.brackets > 0, "tune.asha.brackets", "a positive int", self.brackets)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class TuneConfig:
     strategies: tuple[str, ...] = ("pad", "flatten", "bfd", "balanced")
-    """Packing strategies swept, one trial each (times budgets times lrs)."""
+    """Packing strategies to sweep (names of raypack.data.strategies.STRATEGIES)."""
+    strategy_space: Literal["grid", "choice"] = "grid"
+    """`grid`: every strategy, once per sample; `choice`: each sample draws one."""
     budgets: tuple[int, ...] = ()
     """Pack budgets to sweep; empty keeps `pack.budget`."""
+    budget_space: Literal["grid", "choice"] = "grid"
+    """`grid` or `choice` over `budgets`, as for strategies."""
     lrs: tuple[float, ...] = ()
-    """Learning rates to sweep; empty keeps `train.lr`."""
+    """Learning rates: the values for `grid` / `choice`, or [low, high] for `loguniform`; empty keeps `train.lr`."""
+    lr_space: Literal["grid", "choice", "loguniform"] = "grid"
+    """How `lrs` is searched; `loguniform` draws from [low, high] on a log scale."""
+    num_samples: int = 1
+    """Tune's num_samples: the grid runs this many times, and random dimensions are drawn this many
+    times. Repeats of one grid point give the run-to-run spread (median and range in the table)."""
+    metric: str = "loss"
+    """Reported metric that the scheduler and search algorithm rank trials by (e.g. loss, eval_loss)."""
+    mode: Literal["min", "max"] = "min"
+    """Whether lower or higher `metric` is better."""
+    scheduler: Literal["none", "asha"] = "none"
+    """`asha` stops weak trials early (asynchronous successive halving, options under `asha`)."""
+    asha: AshaConfig = field(default_factory=AshaConfig)
+    """Options of `scheduler: asha`."""
+    search_alg: Literal["basic", "optuna"] = "basic"
+    """`basic`: grid plus seeded random draws (Ray's BasicVariantGenerator); `optuna`: Optuna's TPE
+    (pip install 'raypack[optuna]'; every swept dimension must then be `choice` or `loguniform`)."""
+    seed: int = 0
+    """Seed of the random draws, so a sweep (and its resume) draws the same trials."""
+    equal_work: Literal["tokens_per_step", "none"] = "tokens_per_step"
+    """`tokens_per_step`: pad / pad_sorted / flatten take budget / mean example length examples per
+    micro-batch, so every trial's optimizer step holds about budget x ranks x grad_accum real
+    tokens and the trials take about as many steps; `none`: `pack.batch_size` as configured."""
+    target_eval_loss: float | None = None
+    """Eval loss that "time to target" counts to; None: the worst final eval loss of the trials that ran to the end."""
     max_concurrent_trials: int = 1
     """Trials run at once; each is a full Ray Train run."""
 
     def __post_init__(self) -> None:
         _check(len(self.strategies) > 0, "tune.strategies", "at least one strategy", self.strategies)
+        from raypack.data.strategies import check_strategy_name  # as in PackConfig
+
+        for name in self.strategies:
+            check_strategy_name(name, "tune.strategies")
         _check(self.max_concurrent_trials > 0, "tune.max_concurrent_trials", "a positive int", self.max_concurrent_trials)
+        _check(self.num_samples > 0, "tune.num_samples", "a positive int", self.num_samples)
+        _check(all(b > 0 for b in self.budgets), "tune.budgets", "positive ints", self.budgets)
+        _check(all(lr > 0 for lr in self.lrs), "tune.lrs", "positive numbers", self.lrs)
+        if self.lr_space == "loguniform":
+            _check(len(self.lrs) == 2 and self.lrs[0] < self.lrs[1], "tune.lrs",
+                   "[low, high] with low < high for lr_space: loguniform", self.lrs)
+        _check(self.target_eval_loss is None or self.target_eval_loss > 0, "tune.target_eval_loss",
+               "null or a positive number", self.target_eval_loss)
+        if self.search_alg == "optuna":
+            # Optuna samples every dimension itself; Tune's grid_search is not one it can take.
+            for name, values, space in (("strategy", self.strategies, self.strategy_space),
+                                        ("budget", self.budgets, self.budget_space), ("lr", self.lrs, self.lr_space)):
+                _check(len(values) <= 1 or space != "grid", f"tune.{name}_space",
+                       "choice (or loguniform for lr) with search_alg: optuna, which cannot search a grid", space)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -266,11 +340,13 @@ def loads(text: str, overrides: Sequence[str] = (), source: str = "<string>") ->
         key, sep, value = item.partition("=")
         if not sep or "." not in key:
             raise ConfigError(f"override {item!r}: expected section.key=value, e.g. train.lr=2e-5")
-        section, _, name = key.partition(".")
-        raw.setdefault(section, {})
-        if not isinstance(raw[section], dict):
-            raise ConfigError(f"{source}: {section}: expected a mapping")
-        raw[section][name] = yaml.safe_load(value)
+        *parents, name = key.split(".")  # tune.asha.grace_period reaches a nested section
+        node = raw
+        for i, part in enumerate(parents):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{source}: {'.'.join(parents[: i + 1])}: expected a mapping")
+        node[name] = yaml.safe_load(value)
         source = f"{source} (with overrides)" if "overrides" not in source else source
     return Config.from_dict(raw, source)
 

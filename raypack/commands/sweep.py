@@ -1,19 +1,34 @@
-"""`raypack sweep --config FILE [overrides]`: run the Tune sweep, print its table, say where the files are."""
+"""`raypack sweep --config FILE [overrides]` or `raypack sweep --resume EXPERIMENT_DIR`: run or
+continue the Tune sweep, print its table, say where the files are."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
-from raypack.config import load
-from raypack.runtime import run_dir
+from raypack.config import ConfigError, load
 from raypack.train.preflight import preflight
-from raypack.tune.sweep import CSV, PLOT, TABLE, format_table, sweep
+from raypack.tune.space import check
+from raypack.tune.sweep import format_table, saved_config, sweep
+
+INTERRUPTED = 130
+"""Exit status of an interrupted sweep (as for a shell command stopped by Ctrl-C)."""
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = load(args.config, args.overrides)
+    if args.resume:
+        if args.overrides:
+            raise ConfigError("--resume continues a sweep with the config it was started with; drop the overrides")
+        cfg = saved_config(args.resume)
+    else:
+        cfg = load(args.config, args.overrides)
+    check(cfg)  # before any Ray work, like the per-section checks of `load`
     preflight(cfg)  # the base config's data, tokenizer and model, before Ray starts
-    rows = sweep(cfg)
-    print("\n" + format_table(rows))
-    print(f"[raypack] sweep results in {run_dir(cfg)}/: {TABLE}, {CSV}, {PLOT}")
-    return 0 if all(r["status"] == "OK" for r in rows) else 1
+    outcome = sweep(cfg, resume=bool(args.resume))
+    print("\n" + format_table(outcome.rows, outcome.context))
+    print(f"[raypack] sweep results in {outcome.directory}/: {', '.join(outcome.files)}", file=sys.stderr)
+    if outcome.interrupted:
+        print(f"[raypack] the sweep was interrupted; continue it with: raypack sweep --resume {outcome.directory}",
+              file=sys.stderr)
+        return INTERRUPTED
+    return 0 if all(r["status"] in ("OK", "STOPPED") for r in outcome.rows) else 1

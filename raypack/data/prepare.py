@@ -1,8 +1,8 @@
 """Driver-side data preparation: tokenize, hold out eval, plan globally, write per-rank packs.
 
-    tokenize_dataset ──> split by example_id hash ──> make_plan (lengths only) ──> materialize
-                                                                                   └─ <root>/train/rank=R/
-                                                                                   └─ <root>/eval/rank=R/
+    tokenized(cfg) ──> split by example_id hash ──> make_plan (lengths only) ──> materialize
+                                                                                └─ <root>/train/rank=R/
+                                                                                └─ <root>/eval/rank=R/
 
 The plan is `strategies.make_plan(lengths, cfg.pack, ranks, grad_accum)`, the same call `raypack
 plan` makes: built for ranks × accum virtual ranks and folded, so every optimizer step sees
@@ -10,10 +10,25 @@ ranks × accum packs balanced together. One set of rows serves every epoch (each
 its own order, see shards.py); under `pack.repack_each_epoch` each epoch gets its own plan and rows
 under `<root>/train_epoch=E/` instead. The folder carries a fingerprint of everything that shaped
 it, so a resumed run or a restarted worker group reuses it instead of re-planning: the config that
-shaped it (`fingerprint`), and the identity of every source file (`raypack.data.fingerprint`).
+shaped it (`packed_key`), and the identity of every source file (`raypack.data.fingerprint`).
 Same config but changed sources is an error, never a silent reuse and never a silent re-pack under
 a run whose checkpoints index the old packs. What the workers get is a `shards.Prepared` record;
 they read their rows with `shards.py` alone.
+
+Two keys, two caches. With `data.cache_path` set, the tokenized examples are kept as Parquet
+under `<cache>/tokenized/<tokenized_key>/` and the packed rows under
+`<cache>/packed/<packed_key>/`, so runs (and sweep trials) that differ only in the pack config
+tokenize once, and those with the same pack config pack once:
+
+    tokenized_key: data (less eval_fraction and cache_path), tokenize (less its speed knobs),
+                   the effective max_length (tokenize.max_length or pack.budget)
+    packed_key:    tokenized_key, pack, data.eval_fraction, ranks, grad_accum
+
+A cache entry is written into a fresh folder and committed by writing its manifest last, so a
+reader never sees a half-written entry and two runs that prepare the same entry at once each
+leave a complete one (the last manifest wins). A tokenized entry records its sources' identity
+too; one made from sources that have changed since is tokenized again (the packed-level check
+above still refuses to repack under an existing run).
 
 Before packing it refuses data that trains on nothing: no example with a label token, or a rank
 that would get none (more ranks x grad_accum than examples).
@@ -25,9 +40,12 @@ import dataclasses
 import hashlib
 import json
 import time
+import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import ray
 
 from raypack import storage
 from raypack.config import Config, InputError
@@ -38,30 +56,109 @@ from raypack.data.plan import Plan
 from raypack.data.shards import Prepared, group_steps_for
 from raypack.data.sources import ROW_SHIFT
 from raypack.data.strategies import make_plan
-from raypack.data.tokenize import lengths_and_ids, require_supervised, tokenize_dataset
+from raypack.data.tokenize import TokenizeStats, lengths_and_ids, require_supervised, tokenize_dataset
 
 FORMAT_VERSION = 5  # 4: rows without a label token are dropped; the manifest records the sources
 # 5: row groups of whole optimizer steps; epoch orders; per-epoch plans
+TOKENIZE_SPEED_KNOBS = ("batch_size", "num_actors", "num_cpus")
+"""tokenize fields that change how fast, never what: left out of the keys."""
 
 
 class SourcesChangedError(InputError):
     """The sources differ from those a run's packed data was made from."""
 
 
-def fingerprint(cfg: Config, num_ranks: int) -> str:
-    # Only what changes the packed rows: actor counts and batch sizes of tokenize do not.
-    tokenize = {k: v for k, v in dataclasses.asdict(cfg.tokenize).items() if k not in ("batch_size", "num_actors", "num_cpus")}
-    shaped_by = {
+def _digest(shaped_by: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(shaped_by, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def tokenized_key(cfg: Config) -> str:
+    """Hash of everything that shapes the tokenized examples (and nothing that only packs them)."""
+    tokenize = {k: v for k, v in dataclasses.asdict(cfg.tokenize).items() if k not in TOKENIZE_SPEED_KNOBS}
+    tokenize["max_length"] = cfg.tokenize.max_length or cfg.pack.budget  # what tokenize_dataset uses
+    data = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in ("eval_fraction", "cache_path")}
+    return _digest({"version": FORMAT_VERSION, "data": data, "tokenize": tokenize})
+
+
+def packed_key(cfg: Config, num_ranks: int) -> str:
+    """Hash of everything that shapes the packed rows: the tokenized examples, the eval split and the plan."""
+    return _digest({
         "version": FORMAT_VERSION,
-        "data": dataclasses.asdict(cfg.data),
-        "tokenize": tokenize,
+        "tokenized": tokenized_key(cfg),
+        "eval_fraction": cfg.data.eval_fraction,
         "pack": dataclasses.asdict(cfg.pack),
         "ranks": num_ranks,
         "accum": cfg.train.grad_accum,
         # how many per-epoch plans exist; without repacking every epoch reads the same rows
         "epochs": [cfg.train.epochs, cfg.train.max_steps] if cfg.pack.repack_each_epoch else None,
-    }
-    return hashlib.sha256(json.dumps(shaped_by, sort_keys=True).encode()).hexdigest()[:16]
+    })
+
+
+fingerprint = packed_key  # the name checkpoints and Prepared records have always used
+
+
+def packed_root(cfg: Config, num_ranks: int, run_dir: str) -> str:
+    """Where a run's packed rows go: the shared cache when `data.cache_path` is set, else `<run>/packed`."""
+    if cfg.data.cache_path:
+        return f"{storage.absolute(cfg.data.cache_path)}/packed/{packed_key(cfg, num_ranks)}"
+    return f"{run_dir}/packed"
+
+
+@dataclass
+class Tokenized:
+    """The tokenized examples, their lengths and ids (in example_id order), and how they came to be."""
+
+    key: str
+    """Its `tokenized_key`."""
+    ds: Any
+    """Materialized Ray Dataset: example_id, input_ids, labels, length."""
+    lengths: np.ndarray
+    ids: np.ndarray
+    stats: dict[str, Any]
+    """TokenizeStats' counts (not the lengths)."""
+    reused: bool
+    """True when read back from `data.cache_path` instead of tokenized now."""
+    seconds: float
+
+
+def tokenized(cfg: Config, vocab_size: int | None = None, sources: dict | None = None) -> Tokenized:
+    """Tokenize `cfg`'s data, or read it back from `data.cache_path` when an entry with the same
+    `tokenized_key`, made from sources that have not changed since, is there (then nothing is
+    tokenized). `vocab_size`: the model's, which bounds the ids of pre-tokenized rows. `sources`:
+    the sources' fingerprint, when the caller already has it."""
+    t0 = time.perf_counter()
+    key = tokenized_key(cfg)
+    if sources is None:
+        sources = sources_fingerprint(cfg.data.paths)  # before reading: an edit while we read shows next time
+    cache = cfg.data.cache_path
+    folder = f"{storage.absolute(cache)}/tokenized/{key}" if cache else None
+    if folder and storage.exists(f"{folder}/manifest.json"):
+        saved = json.loads(storage.read_text(f"{folder}/manifest.json"))
+        changes = changed_sources(saved.get("sources", {}), sources)
+        if not changes:
+            ds = ray.data.read_parquet(saved["data_dir"]).materialize()
+            lengths, ids = lengths_and_ids(ds)
+            print(f"[raypack] reusing tokenized data in {saved['data_dir']}", flush=True)
+            return Tokenized(saved["key"], ds, lengths, ids, saved["stats"], True, time.perf_counter() - t0)
+        print(f"[raypack] the sources changed since {folder} was tokenized ({changes[0]}): tokenizing again", flush=True)
+
+    print(f"[raypack] reading and tokenizing {len(sources)} source file(s)", flush=True)
+    ds, tok_stats = tokenize_dataset(cfg, vocab_size)
+    require_supervised(tok_stats, cfg)
+    stats = {k: v for k, v in dataclasses.asdict(tok_stats).items() if k != "lengths"}
+    lengths, ids = lengths_and_ids(ds)
+    print(f"[raypack] {tok_stats.examples_in} examples: {tok_stats.examples_out} rows, {tok_stats.tokens} tokens "
+          f"({tok_stats.label_tokens} with loss); dropped {tok_stats.dropped} over {tok_stats.max_length} tokens and "
+          f"{tok_stats.no_labels} without a label token, truncated {tok_stats.truncated}, split {tok_stats.split}, "
+          f"{tok_stats.bad_rows} bad rows skipped ({time.perf_counter() - t0:.1f} s)", flush=True)
+    if folder:
+        data_dir = f"{folder}/{uuid.uuid4().hex[:12]}"  # fresh: write_parquet appends, and a reader may hold an older one
+        ds.write_parquet(data_dir)
+        manifest = {"key": key, "data_dir": data_dir, "stats": stats, "sources": sources,
+                    "seconds": time.perf_counter() - t0}
+        storage.write_text(f"{folder}/manifest.json", json.dumps(manifest, indent=1))
+        print(f"[raypack] tokenized {len(ids)} examples into {data_dir}", flush=True)
+    return Tokenized(key, ds, lengths, ids, stats, False, time.perf_counter() - t0)
 
 
 def is_eval(example_ids: np.ndarray, fraction: float, seed: int) -> np.ndarray:
@@ -120,7 +217,7 @@ def reusable(cfg: Config, num_ranks: int, root: str, reprepare: bool = False, so
     if not storage.exists(manifest):
         return None
     saved = json.loads(storage.read_text(manifest))
-    if saved.get("fingerprint") != fingerprint(cfg, num_ranks):
+    if saved.get("fingerprint") != packed_key(cfg, num_ranks):
         return None
     changes = changed_sources(saved["sources"], sources if sources is not None else sources_fingerprint(cfg.data.paths))
     if not changes:
@@ -134,13 +231,15 @@ def reusable(cfg: Config, num_ranks: int, root: str, reprepare: bool = False, so
     )
 
 
-def prepare(cfg: Config, num_ranks: int, root: str, *, vocab_size: int | None = None, reprepare: bool = False) -> Prepared:
+def prepare(cfg: Config, num_ranks: int, root: str, *, vocab_size: int | None = None, reprepare: bool = False,
+            tok: Tokenized | None = None) -> Prepared:
     """Tokenize, split, plan and pack `cfg`'s data into `root` (a folder or URI every node can
-    read), or reuse what is already there (see `reusable`). `vocab_size`: the model's, which
-    bounds the ids of pre-tokenized rows."""
+    read; `packed_root` says which), or reuse what is already there (see `reusable`).
+    `vocab_size`: the model's, which bounds the ids of pre-tokenized rows. `tok`: `cfg`'s
+    tokenized examples, when the caller already has them (a sweep packs several configs from one)."""
     root = storage.absolute(root)
     manifest = f"{root}/manifest.json"
-    key = fingerprint(cfg, num_ranks)
+    key = packed_key(cfg, num_ranks)
     sources = sources_fingerprint(cfg.data.paths)  # before reading: an edit while we read shows next time
     found = reusable(cfg, num_ranks, root, reprepare, sources)
     if found is not None:
@@ -148,14 +247,16 @@ def prepare(cfg: Config, num_ranks: int, root: str, *, vocab_size: int | None = 
         return found
 
     t0 = time.perf_counter()
-    print(f"[raypack] reading and tokenizing {len(sources)} source file(s)", flush=True)
-    ds, tok_stats = tokenize_dataset(cfg, vocab_size)
-    require_supervised(tok_stats, cfg)
-    lengths, ids = lengths_and_ids(ds)
-    print(f"[raypack] {tok_stats.examples_in} examples: {tok_stats.examples_out} rows, {tok_stats.tokens} tokens "
-          f"({tok_stats.label_tokens} with loss); dropped {tok_stats.dropped} over {tok_stats.max_length} tokens and "
-          f"{tok_stats.no_labels} without a label token, truncated {tok_stats.truncated}, split {tok_stats.split}, "
-          f"{tok_stats.bad_rows} bad rows skipped ({time.perf_counter() - t0:.1f} s)", flush=True)
+    if tok is None:
+        tok = tokenized(cfg, vocab_size, sources)
+    elif tok.key != tokenized_key(cfg):
+        raise ValueError("prepare: the tokenized examples passed in were made with another data or tokenize config")
+    else:
+        require_supervised(TokenizeStats(**tok.stats), cfg)
+    ds, lengths, ids = tok.ds, tok.lengths, tok.ids
+    # In the shared cache, a fresh folder committed by the manifest (see the module docstring);
+    # a run's own packed/ folder is rewritten in place, as only that run uses it.
+    out = f"{root}/{uuid.uuid4().hex[:12]}" if cfg.data.cache_path else root
     held_out = held_out_mask(ids, cfg)
     held_ids = np.sort(ids[held_out])
 
@@ -165,7 +266,7 @@ def prepare(cfg: Config, num_ranks: int, root: str, *, vocab_size: int | None = 
         return batch.filter(mask)
 
     train_ds = ds.map_batches(keep, fn_kwargs={"want_eval": False}, batch_format="pyarrow") if len(held_ids) else ds
-    train_plan, stats, rank_labels = _plan_split(train_ds, lengths[~held_out], ids[~held_out], cfg, num_ranks, f"{root}/train")
+    train_plan, stats, rank_labels = _plan_split(train_ds, lengths[~held_out], ids[~held_out], cfg, num_ranks, f"{out}/train")
     if train_plan.num_steps < cfg.train.grad_accum:
         raise InputError(f"data.paths: {len(lengths)} examples make no full optimizer step for {num_ranks} ranks")
     idle = [r for r, n in enumerate(rank_labels) if n == 0]
@@ -184,15 +285,15 @@ def prepare(cfg: Config, num_ranks: int, root: str, *, vocab_size: int | None = 
         eval_pack = dataclasses.replace(cfg.pack, strategy="pad" if train_plan.padded else "bfd", repack_each_epoch=False)
         eval_cfg = dataclasses.replace(cfg, pack=eval_pack, train=dataclasses.replace(cfg.train, grad_accum=1))
         eval_ds = ds.map_batches(keep, fn_kwargs={"want_eval": True}, batch_format="pyarrow")
-        _plan_split(eval_ds, lengths[held_out], ids[held_out], eval_cfg, num_ranks, f"{root}/eval")
-        eval_dir = f"{root}/eval"
+        _plan_split(eval_ds, lengths[held_out], ids[held_out], eval_cfg, num_ranks, f"{out}/eval")
+        eval_dir = f"{out}/eval"
 
     tokenizer = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template)
     trained = lengths[~held_out].astype(np.float64)
     prepared = Prepared(
         root=root,
         fingerprint=key,
-        train_dir=f"{root}/train",
+        train_dir=f"{out}/train",
         eval_dir=eval_dir,
         steps_per_rank=int(train_plan.num_steps),
         padded=bool(train_plan.padded),
@@ -203,11 +304,14 @@ def prepare(cfg: Config, num_ranks: int, root: str, *, vocab_size: int | None = 
         grad_accum=cfg.train.grad_accum,
         group_steps=group_steps_for(cfg.pack.budget, cfg.train.grad_accum),
         order_seed=cfg.pack.seed,
-        epochs=(_repacked_epochs(train_ds, lengths[~held_out], ids[~held_out], cfg, num_ranks, root, train_plan, stats)
+        epochs=(_repacked_epochs(train_ds, lengths[~held_out], ids[~held_out], cfg, num_ranks, out, train_plan, stats)
                 if cfg.pack.repack_each_epoch else []),
         stats={
-            **{k: v for k, v in dataclasses.asdict(tok_stats).items() if k != "lengths"},
+            **tok.stats,
             **stats,
+            "tokenize_reused": tok.reused,
+            "tokenize_s": tok.seconds,
+            "prepare_s": time.perf_counter() - t0,
             "train_examples": int((~held_out).sum()),
             "eval_examples": int(held_out.sum()),
         },

@@ -93,17 +93,21 @@ def _whole(bins: np.ndarray, lengths: np.ndarray, order: np.ndarray | None = Non
 
 @dataclass(frozen=True)
 class Pad(Strategy):
-    """Minibatches of `batch_size` examples in seeded random order, padded to their longest."""
+    """Minibatches of `batch_size` examples in seeded random order, padded to their longest.
+
+    A fractional `batch_size` B gives minibatches of floor(B) and ceil(B) examples whose mean is
+    B (example i of the order goes to minibatch floor(i / B)): the knob a sweep turns to give
+    padded trials as many tokens per step as packed ones."""
 
     name: ClassVar[str] = "pad"
     padded: ClassVar[bool] = True
     random_packs: ClassVar[bool] = True
-    batch_size: int = 8
+    batch_size: float = 8
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.batch_size <= 0:
-            raise ValueError(f"{self.name}: batch_size must be positive, got {self.batch_size}")
+        if not self.batch_size >= 1:
+            raise ValueError(f"{self.name}: batch_size must be at least 1, got {self.batch_size}")
 
     def _order(self, lengths: np.ndarray) -> np.ndarray:
         return self.rng(0).permutation(len(lengths))
@@ -111,7 +115,7 @@ class Pad(Strategy):
     def pack(self, lengths: np.ndarray) -> Packing:
         order = self._order(lengths)
         bins = np.empty(len(lengths), dtype=np.int64)
-        bins[order] = np.arange(len(lengths)) // self.batch_size
+        bins[order] = (np.arange(len(lengths)) // self.batch_size).astype(np.int64)
         return _whole(bins, lengths, order)
 
 

@@ -63,6 +63,10 @@ class TrainState:
     """Fingerprint of the packed data this position indexes; a resume onto another plan is refused."""
     steps_log: list[tuple[int, int, list[int]]] = field(default_factory=list)
     """(optimizer step, epoch, example_ids) per step this rank took: what the final model trained on."""
+    tokens_seen: float = 0.0
+    train_time_s: float = 0.0
+    eval_time_s: float = 0.0
+    """The Reporter's cumulative counts at the checkpoint, so curves and clocks go on after a restart."""
 
 
 # --- setup --------------------------------------------------------------------------------------
@@ -276,21 +280,21 @@ def train_loop_per_worker(config: dict) -> None:
         rank=rank,
         total_steps=total_steps,
         report_every=cfg.train.report_every_steps,
-        static=data.report_stats(),
+        static=_epoch_static(data, state.epoch, total_steps),  # renewed each epoch below
         tb_dir=config.get("tensorboard_dir") if cfg.train.tensorboard else None,
         mlflow_uri=(os.environ.get("MLFLOW_TRACKING_URI") or config.get("mlflow_uri")) if cfg.train.mlflow else None,
         run_name=cfg.run.name,
         # From the config, not the parameters: under ZeRO-3 each rank holds only a partition.
         flops_per_token=model_flops_per_token(model_config, data.length_sq_mean, data.length_mean),
     )
-    reporter.resume_from(state.step)
+    reporter.resume_from(state.step, state.tokens_seen, state.train_time_s, state.eval_time_s)
     accum = cfg.train.grad_accum
 
     for epoch in range(state.epoch, cfg.train.epochs):
         if epoch != state.epoch:
             state.epoch, state.micro_step = epoch, 0
         folder, epoch_steps, _ = data.epoch_rows(epoch)
-        reporter.static = data.report_stats(epoch)  # per-epoch plans have their own balance
+        reporter.static = _epoch_static(data, epoch, total_steps)  # per-epoch plans have their own balance
         rows = iter_epoch_packs(data, rank, epoch, start_step=state.micro_step)
         # The plan gives every rank the same multiple of `accum` steps, so a short group is the epoch end.
         with Prefetcher(rows, accum, _preparer(data, engine.device)) as steps:
@@ -311,8 +315,12 @@ def train_loop_per_worker(config: dict) -> None:
                 ckpt_due = final or _every(state.step, cfg.train.checkpoint_every_steps)
                 eval_due = final or _every(state.step, cfg.train.eval_every_steps)
                 if ckpt_due or eval_due or reporter.due(state.step):
+                    t_eval = time.perf_counter()
                     extra = {"eval_loss": evaluate(engine, data, rank, loss)} if eval_due else {}
+                    reporter.exclude(time.perf_counter() - t_eval)
                     metrics = reporter.summary(state.step, epoch, extra)
+                    state.tokens_seen, state.train_time_s, state.eval_time_s = (
+                        reporter.tokens_seen, reporter.train_time_s, reporter.eval_time_s)
                     tokenizer = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template) if final and rank == 0 else None
                     report_and_checkpoint(engine, state, metrics, rank, checkpoint=ckpt_due, final=final, tokenizer=tokenizer)
         if state.step >= total_steps:
@@ -325,6 +333,12 @@ def train_loop_per_worker(config: dict) -> None:
                 f"{folder}/rank={rank}; is run.storage_path shared by every node?"
             )
     reporter.close()
+
+
+def _epoch_static(data: Prepared, epoch: int, total_steps: int) -> dict[str, float]:
+    """What every report of this epoch carries besides the step's values."""
+    _, epoch_steps, _ = data.epoch_rows(epoch)
+    return {**data.report_stats(epoch), "total_steps": total_steps, "steps_per_epoch": epoch_steps // data.grad_accum}
 
 
 def _every(step: int, every: int) -> bool:

@@ -4,6 +4,13 @@ throttled reporting.
 `ray.train.report` blocks until the Train controller drains its one-slot queue on a health-check
 poll (2 s by default), so reporting every step costs seconds a step. `Reporter` therefore writes
 every step to TensorBoard (cheap, local) and calls `ray.train.report` only every N steps.
+
+Time. `train_time_s` is the run's training wall time: its steps, data reads, reports and
+checkpoints, but not start-up (model build, restore) and not evaluation, which the loop times
+and hands to `Reporter.exclude`. Throughput (`tokens_per_s`, per report window) is real tokens
+over that time, so an eval pass in a short window no longer halves it. `tokens_seen`,
+`train_time_s` and `eval_time_s` are cumulative and survive a restart (the loop keeps them in
+its checkpointed state), which is what learning curves and time-to-quality need.
 """
 
 from __future__ import annotations
@@ -17,6 +24,15 @@ from typing import Any
 
 import torch
 from tensorboardX import SummaryWriter
+
+REPORTED = (
+    "step", "epoch", "loss", "eval_loss", "lr", "tokens_per_s", "tokens_per_step", "tokens_seen",
+    "train_time_s", "eval_time_s", "step_time_s", "data_wait_s", "rank_imbalance", "peak_memory_gb",
+    "mfu", "total_steps", "steps_per_epoch", "packing_efficiency", "padding_fraction",
+    "token_imbalance", "attention_imbalance",
+)
+"""Every metric a report can carry (`Reporter.summary` and the static values the loop adds);
+what a sweep may rank trials by."""
 
 # Dense bf16 peak FLOP/s per device, for MFU. Unknown devices (and the CPU) report no MFU.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
@@ -82,6 +98,11 @@ class Reporter:
     _start: float = field(default_factory=time.perf_counter)
     _start_step: int = 0
     _last: float = field(default_factory=time.perf_counter)
+    _excluded: float = 0.0
+    tokens_seen: float = 0.0
+    """Real tokens trained so far (all ranks)."""
+    train_time_s: float = 0.0
+    eval_time_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.rank == 0 and self.tb_dir:
@@ -98,9 +119,15 @@ class Reporter:
             mlflow.log_params({k: v for k, v in self.static.items()})
             self._mlflow = mlflow
 
-    def resume_from(self, step: int) -> None:
+    def resume_from(self, step: int, tokens_seen: float = 0.0, train_time_s: float = 0.0, eval_time_s: float = 0.0) -> None:
+        """Start the clocks now (after start-up), continuing the cumulative counts of a restored run."""
         self._start_step, self._start = step, time.perf_counter()
-        self._last = self._start
+        self._last, self._excluded = self._start, 0.0
+        self.tokens_seen, self.train_time_s, self.eval_time_s = tokens_seen, train_time_s, eval_time_s
+
+    def exclude(self, seconds: float) -> None:
+        """Time spent since the last report on something that is not training (evaluation)."""
+        self._excluded += seconds
 
     def log_step(self, step: int, values: dict[str, float]) -> None:
         self._window.append(values)
@@ -117,8 +144,13 @@ class Reporter:
         tokens = sum(w["tokens"] for w in window)
         # Wall time since the last report, so that blocking reports, checkpoints and data reads
         # between steps count against throughput; step_time_s is the time inside train_step.
+        # Evaluation does not: it is not training, and its share of a short window is large.
         now = time.perf_counter()
-        seconds, self._last = now - self._last, now
+        seconds = max(now - self._last - self._excluded, 0.0)
+        self.eval_time_s += self._excluded
+        self._last, self._excluded = now, 0.0
+        self.tokens_seen += tokens
+        self.train_time_s += seconds
         # Steps without a label token (skipped, see loop.train_step) weigh nothing; a window of
         # only those has no loss, not a loss of 0.
         trained = [w for w in window if w["label_tokens"] > 0]
@@ -129,6 +161,10 @@ class Reporter:
             "loss": sum(w["loss"] * w["label_tokens"] for w in trained) / label_tokens if label_tokens else None,
             "skipped_steps": sum(w.get("skipped_steps", 0.0) for w in window),
             "tokens_per_s": tokens / seconds if seconds else 0.0,
+            "tokens_per_step": tokens / max(len(window), 1),
+            "tokens_seen": self.tokens_seen,
+            "train_time_s": self.train_time_s,
+            "eval_time_s": self.eval_time_s,
             "step_time_s": sum(w["step_time_s"] for w in window) / max(len(window), 1),
             "data_wait_s": sum(w["data_wait_s"] for w in window) / max(len(window), 1),
             "rank_imbalance": max((w["rank_imbalance"] for w in window), default=1.0),

@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raypack import storage
-from raypack.config import Config, ConfigError
+from raypack.config import Config
 from raypack.data.formats import FormatError, detect
 from raypack.data.shards import Prepared
 from raypack.data.sources import SourceError, check_rows_here, list_sources
@@ -64,8 +64,6 @@ class Checked:
 def preflight(cfg: Config, *, reprepare: bool = False) -> Checked:
     """Check `cfg` and its inputs without Ray; raises an InputError naming what is wrong."""
     cfg = absolute_paths(cfg)
-    if cfg.pack.strategy not in STRATEGIES:
-        raise ConfigError(f"pack.strategy: expected one of {', '.join(STRATEGIES)}, got {cfg.pack.strategy!r}")
     formats = source_formats(cfg)
     # Rows of text formats need no vocabulary bound: check them before the slow imports.
     bound = any(f in ("tokenized", "auto") for f in formats.values())
@@ -75,9 +73,10 @@ def preflight(cfg: Config, *, reprepare: bool = False) -> Checked:
     vocab = check_model_and_tokenizer(cfg, tok)
     if bound:
         _check_rows(cfg, formats, vocab)
-    from raypack.data.prepare import reusable  # Ray Data: imported once the cheap checks passed
+    from raypack.data.prepare import packed_root, reusable  # Ray Data: imported once the cheap checks passed
 
-    prepared = reusable(cfg, cfg.train.num_workers, f"{run_dir(cfg)}/packed", reprepare)
+    n = cfg.train.num_workers
+    prepared = reusable(cfg, n, packed_root(cfg, n, run_dir(cfg)), reprepare)
     return Checked(cfg=cfg, vocab_size=vocab, formats=formats, prepared=prepared)
 
 

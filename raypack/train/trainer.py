@@ -4,7 +4,7 @@
         ──> TorchTrainer.fit          workers: raypack.train.loop.train_loop_per_worker
 
 Runs land in `<run.storage_path>/<run.name>/`: Ray's result files and checkpoints, `packed/`
-(the plan's per-rank packs) and `tensorboard/`. Fitting again with the same name and storage path
+(the plan's per-rank packs, or under `data.cache_path` when set) and `tensorboard/`. Fitting again with the same name and storage path
 resumes from that run's last checkpoint; that is what `raypack train --resume PATH` does.
 
 Failures: Ray Train restarts the worker group from the last checkpoint up to
@@ -24,7 +24,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from raypack import storage
 from raypack.config import Config, ConfigError, InputError
-from raypack.data.prepare import prepare
+from raypack.data.prepare import packed_root, prepare
 from raypack.runtime import init_ray, run_dir, storage_path
 from raypack.train.preflight import Checked, preflight
 
@@ -79,7 +79,8 @@ def build_trainer(
     root = run_dir(cfg)
     if t.mlflow and storage.is_uri(root) and not os.environ.get("MLFLOW_TRACKING_URI"):
         raise ConfigError("train.mlflow: with a URI run.storage_path, set MLFLOW_TRACKING_URI to a tracking server")
-    prepared = prepare(cfg, t.num_workers, f"{root}/packed", vocab_size=checked.vocab_size, reprepare=reprepare)
+    prepared = prepare(cfg, t.num_workers, packed_root(cfg, t.num_workers, root), vocab_size=checked.vocab_size,
+                       reprepare=reprepare)
     loop_config = {
         "cfg": cfg.to_dict(),
         "data": prepared.to_dict(),

@@ -1,221 +1,194 @@
-"""Ray Tune sweep over packing strategies: one Ray Train run per trial, then a table and a plot.
+"""Ray Tune sweep over packing strategies (and budgets, learning rates): one Ray Train run per
+trial, live metrics into Tune, early stopping, resume, then a report.
 
     raypack sweep --config jobs/configs/sweeps/packing_cpu.yaml run.storage_path=/tmp/sweeps
+    raypack sweep --resume /tmp/sweeps/sweep-packing-cpu        # continue an interrupted sweep
 
-    Tuner ──> trial (a small driver function, ~no resources)
-                └─> raypack.train.trainer.fit(trial cfg)   (in a task outside the trial's reservation)
-                      └─> its own Ray Train workers (train.num_workers of them)
-              <── one ray.tune.report of the run's final metrics
+    driver: check config ──> prepare data once (raypack/tune/data.py) ──> Tuner.fit / Tuner.restore
+              trial (raypack/tune/trial.py: a Trainable with ~no resources of its own)
+                └─> its own Ray Train run (train.num_workers workers)
+                      every ray.train.report ──> Tune (scheduler: ASHA may stop the trial)
+            ──> report (raypack/tune/report.py, plots.py)
 
-The grid is `tune.strategies` x `tune.budgets` x `tune.lrs` (empty budgets or lrs keep the
-config's `pack.budget` / `train.lr`). Ray Train V2 refuses `Tuner(trainer)`, hence the driver
-function. A failed trial is a row with status ERROR, never the end of the sweep.
+The search space, scheduler and search algorithm come from the `tune:` section
+(raypack/tune/space.py). Ray Train V2 refuses `Tuner(trainer)`, hence the driver function. A
+failed trial is a row with status ERROR, never the end of the sweep.
 
-Each trial reports once, at the end. Ray's `TuneReportCallback` would stream every Train report
-to Tune, but its results travel through a one-slot queue that Tune's main thread drains into
-another one-slot queue; any report of the trial's own (needed, since the callback's last one
-can arrive after the trial returns and be dropped) can then deadlock the trial. A grid sweep
-needs only the final numbers; live progress is in each run's own logs and TensorBoard.
+Everything lands in the experiment directory `<run.storage_path>/<run.name>/`: the sweep's
+config (`raypack_sweep.yaml`, what `--resume` reads), the shared data cache (`cache/`), Tune's
+trial folders and experiment state, each trial's Train run under `runs/`, and the report:
+`sweep_results.md`, `sweep_results.csv`, `sweep_throughput_vs_loss.png`,
+`sweep_learning_curves.png`, `sweep_eval_vs_time.png`.
 
-Everything lands in the experiment directory `<run.storage_path>/<run.name>/`: Tune's trial
-folders, each trial's Train run under `runs/`, and `sweep_results.md`, `sweep_results.csv` and
-`sweep_throughput_vs_loss.png`. The table and plot writers are pure functions of a list of row
-dicts, so they are tested without Ray.
+Resume. Tune keeps its experiment state in the experiment directory; `Tuner.restore` runs the
+trials that had not ended (an interrupted trial starts again, and its Train run, which has the
+same name, continues from its last checkpoint) and leaves finished ones alone. The data cache is
+reused, so nothing is tokenized or packed again, and the report covers every trial.
 """
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import io
-import itertools
-import math
-from collections.abc import Sequence
-from pathlib import Path
+import json
+from dataclasses import dataclass
 from typing import Any
 
-import ray
 import ray.tune
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raypack import storage
-from raypack.config import Config
+from raypack.config import Config, ConfigError, dumps, loads
 from raypack.runtime import absolute_paths, init_ray, run_dir, storage_path
-from raypack.train.trainer import fit
+from raypack.tune import plots
+from raypack.tune.data import SweepData, prepare_sweep_data, takes_batch_size
+from raypack.tune.report import Context, format_csv, format_table, result_row, with_targets
+from raypack.tune.space import check, dimensions, param_space, planned_trials, tune_config
+from raypack.tune.trial import TrainRun
 
+CONFIG = "raypack_sweep.yaml"
 TABLE = "sweep_results.md"
 CSV = "sweep_results.csv"
 PLOT = "sweep_throughput_vs_loss.png"
-COLUMNS = (
-    "strategy", "budget", "lr", "tokens_per_s", "peak_memory_gb", "loss", "eval_loss",
-    "packing_efficiency", "steps", "status",
-)
+CURVES = "sweep_learning_curves.png"
+EVAL_PLOT = "sweep_eval_vs_time.png"
+OUTPUTS = (TABLE, CSV, PLOT, CURVES, EVAL_PLOT)
 
 
-# --- the grid and each trial's config ------------------------------------------------------------
+@dataclass
+class Outcome:
+    rows: list[dict[str, Any]]
+    context: Context
+    directory: str
+    files: dict[str, str]
+    data: SweepData
+
+    @property
+    def interrupted(self) -> bool:
+        return self.context.not_started > 0 or any(r["status"] == "UNFINISHED" for r in self.rows)
 
 
-def grid(cfg: Config) -> list[dict[str, Any]]:
-    """One dict per trial: strategy x budget x lr."""
-    budgets = cfg.tune.budgets or (cfg.pack.budget,)
-    lrs = cfg.tune.lrs or (cfg.train.lr,)
-    return [
-        {"strategy": s, "budget": b, "lr": lr}
-        for s, b, lr in itertools.product(cfg.tune.strategies, budgets, lrs)
-    ]
+def saved_config(experiment_dir: str) -> Config:
+    """The config a sweep in `experiment_dir` was started with, its run paths pointing at that
+    directory wherever it now is."""
+    path = f"{storage.absolute(experiment_dir)}/{CONFIG}"
+    if not storage.exists(path):
+        raise ConfigError(f"{experiment_dir}: not a raypack sweep (no {CONFIG}); start one with --config")
+    cfg = loads(storage.read_text(path), source=path)
+    parent, _, name = storage.absolute(experiment_dir).rpartition("/")
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, storage_path=parent, name=name))
 
 
-def trial_name(params: dict[str, Any]) -> str:
-    return f"{params['strategy']}-b{params['budget']}-lr{params['lr']:g}"
-
-
-def trial_config(base: Config, params: dict[str, Any], runs_dir: str, suffix: str = "") -> Config:
-    """The base config with the trial's strategy, budget and lr, its Train run under `runs_dir`
-    with a name no other trial (or earlier sweep) uses: a reused name would resume that run."""
-    name = trial_name(params) + (f"-{suffix}" if suffix else "")
-    return dataclasses.replace(
-        base,
-        pack=dataclasses.replace(base.pack, strategy=params["strategy"], budget=params["budget"]),
-        train=dataclasses.replace(base.train, lr=params["lr"]),
-        run=dataclasses.replace(base.run, name=name, storage_path=runs_dir),
-    )
-
-
-def _run_trial(config: dict[str, Any], base: Config, runs_dir: str) -> None:
-    """The Tune trainable: a driver that fits one Ray Train run and reports its final metrics."""
-    cfg = trial_config(base, config["trial"], runs_dir, ray.tune.get_context().get_trial_id())
-    # Tune puts every task a trial starts into the trial's (tiny) placement group; the data
-    # preparation's tasks and actors would not fit there. The fit runs outside it.
-    outside = PlacementGroupSchedulingStrategy(placement_group=None)
-    fit_task = ray.remote(num_cpus=0, max_retries=0)(_fit_task).options(scheduling_strategy=outside)
-    metrics, error = ray.get(fit_task.remote(cfg))
-    if error:
-        raise RuntimeError(error)  # Tune records it as the trial's error
-    ray.tune.report(metrics or {})
-
-
-def _fit_task(cfg: Config) -> tuple[dict | None, str | None]:
-    result = fit(cfg)
-    if result.error is not None:
-        return None, f"{type(result.error).__name__}: {result.error}"
-    return dict(result.metrics or {}), None
-
-
-# --- running the sweep ---------------------------------------------------------------------------
-
-
-def sweep(cfg: Config) -> list[dict[str, Any]]:
-    """Run every trial of the grid; returns the table rows (also written to the experiment dir)."""
-    init_ray()
+def sweep(cfg: Config, resume: bool = False) -> Outcome:
+    """Run (or with `resume`, continue) the sweep `cfg` describes; returns its rows and report."""
+    check(cfg)
     base = absolute_paths(cfg)  # trials run in actors whose working dir is not ours
-    experiment_dir = run_dir(base)
-    trials = grid(cfg)
-    trainable = ray.tune.with_parameters(_run_trial, base=base, runs_dir=f"{experiment_dir}/runs")
-    # The driver only waits on its Train run; the run's workers hold the real resources.
+    experiment = run_dir(base)
+    started = ray.tune.Tuner.can_restore(experiment)
+    if resume and not started:
+        raise ConfigError(f"{experiment}: no Tune experiment state to resume (the sweep stopped before its first trial?)")
+    if not resume and started:
+        raise ConfigError(f"{experiment}: a sweep already ran there; resume it with --resume {experiment} "
+                          "or pick another run.name")
+    init_ray()
+    if not resume:
+        # With absolute paths, so that --resume works from any directory (and keys the same data).
+        storage.write_text(f"{experiment}/{CONFIG}", dumps(base))
+    cache = f"{experiment}/cache"
+    data = prepare_sweep_data(base, cache)
+    trial_base = dataclasses.replace(base, data=dataclasses.replace(base.data, cache_path=cache))
+    trainable = ray.tune.with_parameters(TrainRun, base=trial_base, runs_dir=f"{experiment}/runs",
+                                         batch_sizes=data.batch_sizes)
+    # The trial only waits on its Train run; the run's workers hold the real resources.
     trainable = ray.tune.with_resources(trainable, {"CPU": 0.01})
-    tuner = ray.tune.Tuner(
-        trainable,
-        param_space={"trial": ray.tune.grid_search(trials)},
-        tune_config=ray.tune.TuneConfig(max_concurrent_trials=cfg.tune.max_concurrent_trials),
-        run_config=ray.tune.RunConfig(
-            name=cfg.run.name,
-            storage_path=storage_path(base),
-            failure_config=ray.tune.FailureConfig(max_failures=0, fail_fast=False),
-            verbose=1,
-        ),
-    )
+    if resume:
+        tuner = ray.tune.Tuner.restore(experiment, trainable, resume_unfinished=True, resume_errored=False)
+    else:
+        tuner = ray.tune.Tuner(
+            trainable,
+            param_space=param_space(cfg),
+            tune_config=tune_config(cfg, data.max_t(cfg.tune.asha.time_attr)),
+            run_config=ray.tune.RunConfig(
+                name=base.run.name,
+                storage_path=storage_path(base),
+                failure_config=ray.tune.FailureConfig(max_failures=0, fail_fast=False),
+                verbose=1,
+            ),
+        )
     results = tuner.fit()
-    rows = [result_row(r.config["trial"], r.metrics or {}, r.error) for r in results]
-    order = {trial_name(t): i for i, t in enumerate(trials)}
-    rows.sort(key=lambda r: order.get(trial_name(r), len(order)))
-    write_report(rows, experiment_dir)
+    rows = collect_rows(results, experiment, cfg, data)
+    context = report_context(cfg, data)
+    # Tune creates trials as it starts them; those an interruption kept from starting have no row.
+    context.not_started = max(planned_trials(cfg) - len(rows), 0) if cfg.tune.search_alg == "basic" else 0
+    return Outcome(rows, context, experiment, write_report(rows, experiment, context), data)
+
+
+def collect_rows(results, experiment: str, cfg: Config, data: SweepData) -> list[dict[str, Any]]:
+    """One row per trial of a ResultGrid, in the order of the config's lists."""
+    # Tune's state on disk, written before it stopped the trials: a trial an interruption cut
+    # short is RUNNING (or PENDING) there, while in memory every stopped trial looks TERMINATED.
+    saved = {t.path: t.status for t in ray.tune.ExperimentAnalysis(experiment).trials}
+    rows = []
+    for r in results:
+        params = {k: r.config[k] for k in ("strategy", "budget", "lr")}
+        params["batch_size"] = data.batch_sizes.get(f"{params['strategy']}/{params['budget']}")
+        frame = r.metrics_dataframe
+        history = frame.to_dict("records") if frame is not None and len(frame) else ([r.metrics] if r.metrics else [])
+        trial = (r.metrics or {}).get("trial_id") or r.path.rstrip("/").rsplit("/", 1)[-1]
+        rows.append(result_row(params, history, r.error, saved.get(r.path), trial))
+    order = {name: {v: i for i, v in enumerate(values)} for name, values in dimensions(cfg).items()}
+    rows.sort(key=lambda row: (order["strategy"].get(row["strategy"], 99), row["budget"], row["lr"], row["trial"]))
     return rows
 
 
-def result_row(params: dict[str, Any], metrics: dict[str, Any], error: BaseException | None) -> dict[str, Any]:
-    """One table row from a trial's parameters and its last reported metrics."""
-    row = {**params, "status": "ERROR" if error is not None else "OK"}
-    for key in ("tokens_per_s", "peak_memory_gb", "loss", "eval_loss", "packing_efficiency"):
-        row[key] = metrics.get(key)
-    row["steps"] = metrics.get("step")
-    if error is not None:
-        # A trial's error is a RayTaskError whose last line is the exception that ended the run.
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        row["error"] = (lines[-1] if len(lines) > 1 else f"{type(error).__name__}: {''.join(lines)}")[:300]
-    return row
+def report_context(cfg: Config, data: SweepData) -> Context:
+    t, tr = cfg.tune, cfg.train
+    per_step = " x ".join(str(v) for v in (cfg.pack.budget, tr.num_workers, tr.grad_accum))
+    takes = [s for s in t.strategies if takes_batch_size(s)]
+    if t.equal_work == "tokens_per_step" and takes:
+        sizes = "; ".join(f"budget {b}: {b} / {data.mean_length[b]:.1f} = {b / data.mean_length[b]:.3f}"
+                          for b in sorted(data.mean_length))
+        rule = (f"Equal work per optimizer step (tune.equal_work: tokens_per_step): a packed strategy's step holds at "
+                f"most budget x ranks x grad_accum real tokens ({per_step} for pack.budget); {', '.join(takes)} "
+                f"take{'s' if len(takes) == 1 else ''} "
+                f"budget / mean training example length examples per micro-batch on average ({sizes}), so their "
+                "steps hold as many real tokens on average and every trial takes about as many steps. "
+                "tokens_per_step is what each trial measured.")
+    elif takes:
+        rule = (f"No equal-work rule (tune.equal_work: none): {', '.join(takes)} take pack.batch_size = "
+                f"{cfg.pack.batch_size:g} examples per micro-batch, packed strategies one row of the budget; "
+                "compare tokens_per_step before comparing losses.")
+    else:
+        rule = f"Every trial packs rows of the budget: up to budget x ranks x grad_accum ({per_step}) real tokens per step."
+    search = f"{t.search_alg} search, num_samples {t.num_samples}"
+    if t.num_samples > 1:
+        search += " (repeats of a grid point use the same seeds: their spread is run-to-run noise)"
+    if t.scheduler == "asha":
+        a = t.asha
+        sched = (f"ASHA on {t.metric} ({t.mode}): time_attr {a.time_attr}, grace period {a.grace_period}, "
+                 f"reduction factor {a.reduction_factor:g}, max_t {a.max_t or data.max_t(a.time_attr)}")
+    else:
+        sched = "no scheduler: every trial runs to the end"
+    notes = [
+        rule,
+        (f"Data: tokenized once ({data.examples} examples, {data.tokenize_s:.1f} s)" if data.tokenizations == 1 else
+         f"Data: tokenized {data.tokenizations} times, once per effective tokenize.max_length ({data.tokenize_s:.1f} s)"
+         if data.tokenizations else f"Data: tokenized examples reused from the cache ({data.examples} examples, read in "
+         f"{data.tokenize_s:.1f} s)") + f", then {data.packed_configs} pack config(s) packed or reused ({data.pack_s:.1f} s); "
+        f"the trials read them from {data.cache} and neither tokenize nor pack.",
+        f"Trials: {tr.num_workers} {'GPU' if tr.use_gpu else 'CPU'} worker(s), grad_accum {tr.grad_accum}, "
+        f"{tr.epochs} epoch(s){f', max_steps {tr.max_steps}' if tr.max_steps else ''}; {search}; {sched}.",
+    ]
+    return Context(title=f"Packing sweep {cfg.run.name}", on_cpu=not tr.use_gpu, notes=notes,
+                   target_eval_loss=t.target_eval_loss)
 
 
-# --- the report: pure functions of rows ----------------------------------------------------------
-
-
-def _fmt(value: Any) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
-    return str(value)
-
-
-def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    """A Markdown table, one line per trial, failed trials included (with their error below)."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_fmt(row.get(c)) for c in COLUMNS) + " |" for row in rows]
-    errors = [f"- {trial_name(r)}: {r['error']}" for r in rows if r.get("error")]
-    if errors:
-        lines += ["", "Failed trials:", *errors]
-    return "\n".join(lines) + "\n"
-
-
-def format_csv(rows: Sequence[dict[str, Any]]) -> str:
-    out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=[*COLUMNS, "error"], extrasaction="ignore")
-    writer.writeheader()
-    for row in rows:
-        writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in writer.fieldnames})
-    return out.getvalue()
-
-
-def plot(rows: Sequence[dict[str, Any]], path: str | Path) -> str | Path:
-    """Throughput against final train loss, one marker per trial, one colour per strategy, as a
-    PNG at `path` (a local file or a URI)."""
-    # Imported here: pyplot takes ~0.9 s to import, and every trial's process imports this module
-    # to run `_run_trial` but never draws; only the sweep's driver does, once, at the end.
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
-    for i, strategy in enumerate(strategies):
-        points = [r for r in rows if r["strategy"] == strategy and r.get("tokens_per_s") is not None
-                  and r.get("loss") is not None]
-        if not points:
-            continue
-        ax.scatter([p["loss"] for p in points], [p["tokens_per_s"] for p in points],
-                   color=f"C{i % 10}", label=strategy, s=50)
-        for p in points:
-            ax.annotate(f"b{p['budget']} lr{p['lr']:g}", (p["loss"], p["tokens_per_s"]),
-                        fontsize=7, xytext=(4, 3), textcoords="offset points")
-    failed = [trial_name(r) for r in rows if r.get("status") != "OK"]
-    title = "Packing sweep: throughput vs final loss"
-    ax.set_title(title + (f"\n(failed: {', '.join(failed)})" if failed else ""), fontsize=9)
-    ax.set_xlabel("final train loss")
-    ax.set_ylabel("tokens/s (real tokens)")
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(title="strategy", fontsize=8)
-    fig.tight_layout()
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=120)
-    plt.close(fig)
-    storage.write_bytes(str(path), png.getvalue())
-    return path
-
-
-def write_report(rows: Sequence[dict[str, Any]], directory: str) -> dict[str, str]:
-    """Write the table, the CSV and the plot into `directory` (a local folder or a URI)."""
-    storage.write_text(f"{directory}/{TABLE}", format_table(rows))
-    storage.write_text(f"{directory}/{CSV}", format_csv(rows))
-    plot(rows, f"{directory}/{PLOT}")
-    return {name: f"{directory}/{name}" for name in (TABLE, CSV, PLOT)}
+def write_report(rows: list[dict[str, Any]], directory: str, context: Context | None = None) -> dict[str, str]:
+    """Write the table, the CSV and the three plots into `directory` (a local folder or a URI)."""
+    context = context or Context()
+    storage.write_text(f"{directory}/{TABLE}", format_table(rows, context))
+    storage.write_text(f"{directory}/{CSV}", format_csv(rows, context))
+    targeted, target = with_targets(rows, context.target_eval_loss)
+    plots.throughput_vs_loss(targeted, f"{directory}/{PLOT}", context.on_cpu)
+    plots.learning_curves(targeted, f"{directory}/{CURVES}", context.on_cpu)
+    plots.eval_vs_time(targeted, f"{directory}/{EVAL_PLOT}", target, context.on_cpu)
+    storage.write_text(f"{directory}/sweep_rows.json", json.dumps(rows, indent=1, default=str))
+    return {name: f"{directory}/{name}" for name in OUTPUTS}

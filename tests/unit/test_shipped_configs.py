@@ -13,6 +13,7 @@ import yaml
 
 from raypack.config import load
 from raypack.train.engine import PRESETS as PRESET_DIR
+from raypack.tune.space import check as check_sweep
 
 from paths import REPO
 
@@ -47,6 +48,8 @@ def test_run_config_loads(path):
     assert "budget" in raw["pack"] and "num_workers" in raw["train"] and "grad_accum" in raw["train"]
     assert "storage_path" in raw["run"] and "name" in raw["run"]
     assert "#" in path.read_text()  # sizing comments
+    if "sweeps" in path.parts:
+        check_sweep(cfg)  # what `raypack sweep` checks before any Ray work
     if cfg.train.deepspeed_preset:
         assert (PRESET_DIR / f"{cfg.train.deepspeed_preset}.json").exists()
     if cfg.train.use_gpu:

@@ -26,7 +26,8 @@ NO_RAY = {  # script -> what its results file must show
     "loss_memory.py": ["| activations kept | chunked |", "| gradient checkpointing | full |"],
     "pack_plan.py": ["| flan | 20,000 | 2048 | balanced |", "## Balance at budget 2048", "| flan | 20,000 | 512 |"],
 }
-NEEDS_RAY = {"train_throughput.py", "pack_materialize.py", "tokenize_throughput.py", "prepare_scale.py"}
+NEEDS_RAY = {"train_throughput.py", "pack_materialize.py", "tokenize_throughput.py", "prepare_scale.py", "sweep_prepare.py",
+             "sweep_spread.py"}
 """Run by tests/ray/benchmarks/test_smoke.py (train_throughput through `make bench-smoke`'s driver)."""
 
 

@@ -13,3 +13,37 @@ def test_eval_split_is_stable_and_near_the_fraction():
     assert 0.09 < held.mean() < 0.11
     assert (held == is_eval(ids, 0.1, seed=0)).all()
     assert not is_eval(ids, 0.0, seed=0).any()
+
+
+def test_tokenized_key_covers_what_shapes_tokens_and_nothing_else():
+    from raypack.config import load
+    from raypack.data.prepare import packed_key, tokenized_key
+
+    base = load(None, ["pack.budget=512"])
+    same = ["pack.strategy=pad", "pack.batch_size=2.5", "pack.seed=3", "data.eval_fraction=0.2",
+            "data.cache_path=/elsewhere", "tokenize.num_actors=4", "tokenize.batch_size=8", "train.grad_accum=4"]
+    for override in same:
+        assert tokenized_key(load(None, ["pack.budget=512", override])) == tokenized_key(base), override
+    # The effective max_length is tokenize.max_length, else the budget: a budget change re-tokenizes
+    # unless max_length is set.
+    assert tokenized_key(load(None, ["pack.budget=256"])) != tokenized_key(base)
+    assert tokenized_key(load(None, ["pack.budget=256", "tokenize.max_length=256"])) == tokenized_key(
+        load(None, ["pack.budget=512", "tokenize.max_length=256"]))
+    for override in ("tokenize.overlength=split", "tokenize.label_mask=all", "data.on_bad_rows=skip", "data.paths=[x.jsonl]"):
+        assert tokenized_key(load(None, ["pack.budget=512", override])) != tokenized_key(base), override
+    # The packed key covers the pack config, the eval split, ranks and accumulation on top.
+    for override in same[:5] + ["train.grad_accum=4"]:
+        if override.startswith(("data.cache_path", "tokenize.")):
+            assert packed_key(load(None, ["pack.budget=512", override]), 2) == packed_key(base, 2), override
+        else:
+            assert packed_key(load(None, ["pack.budget=512", override]), 2) != packed_key(base, 2), override
+    assert packed_key(base, 2) != packed_key(base, 4)
+
+
+def test_packed_root_is_the_cache_when_set():
+    from raypack.config import load
+    from raypack.data.prepare import packed_key, packed_root
+
+    assert packed_root(load(None, []), 2, "/runs/a") == "/runs/a/packed"
+    cfg = load(None, ["data.cache_path=/shared/cache"])
+    assert packed_root(cfg, 2, "/runs/a") == f"/shared/cache/packed/{packed_key(cfg, 2)}"

@@ -1,73 +1,41 @@
-"""The sweep's table, CSV and plot, from fake rows: no Ray."""
+"""The sweep's driver-side pieces that need no Ray: its saved config and the report's notes."""
 
 from __future__ import annotations
 
-import csv
-import io
+import pytest
 
-from raypack.config import load
-from raypack.tune.sweep import (
-    COLUMNS, CSV, PLOT, TABLE, format_csv, format_table, grid, plot, result_row, trial_config, write_report,
-)
-
-ROWS = [
-    result_row({"strategy": "pad", "budget": 256, "lr": 3e-3},
-               {"tokens_per_s": 812.5, "peak_memory_gb": 0.41, "loss": 5.91, "eval_loss": 5.95,
-                "packing_efficiency": 0.58, "step": 6}, None),
-    result_row({"strategy": "bfd", "budget": 256, "lr": 3e-3},
-               {"tokens_per_s": 1530.0, "peak_memory_gb": 0.38, "loss": 5.62, "eval_loss": 5.70,
-                "packing_efficiency": 0.99, "step": 6}, None),
-    result_row({"strategy": "balanced", "budget": 512, "lr": 1e-3}, {},
-               RuntimeError("ray::ImplicitFunc.train() (pid=1)\n  File ...\nRuntimeError: worker died")),
-]
+from raypack.config import ConfigError, dumps, load
+from raypack.tune.data import SweepData
+from raypack.tune.sweep import CONFIG, report_context, saved_config
 
 
-def test_rows_carry_status_and_error():
-    assert [r["status"] for r in ROWS] == ["OK", "OK", "ERROR"]
-    assert ROWS[2]["error"] == "RuntimeError: worker died"
-    assert ROWS[2]["tokens_per_s"] is None
-    assert result_row({"strategy": "pad", "budget": 8, "lr": 1.0}, {}, ValueError("boom"))["error"] == "ValueError: boom"
+def test_saved_config_points_at_where_the_sweep_now_is(tmp_path):
+    cfg = load(None, ["run.storage_path=/somewhere/else", "run.name=old", "tune.num_samples=3"])
+    moved = tmp_path / "sweeps" / "mine"
+    moved.mkdir(parents=True)
+    (moved / CONFIG).write_text(dumps(cfg))
+    back = saved_config(str(moved))
+    assert back.run.storage_path == str(tmp_path / "sweeps") and back.run.name == "mine"
+    assert back.tune == cfg.tune
+    with pytest.raises(ConfigError, match="not a raypack sweep"):
+        saved_config(str(tmp_path))
 
 
-def test_markdown_table_has_every_trial():
-    table = format_table(ROWS)
-    lines = table.splitlines()
-    assert lines[0] == "| " + " | ".join(COLUMNS) + " |"
-    body = [l for l in lines[2:] if l.startswith("| ")]
-    assert len(body) == 3
-    assert body[0].startswith("| pad | 256 | 0.003 | 812.5 |")
-    assert "| balanced | 512 | 0.001 | - |" in body[2] and body[2].endswith("| ERROR |")
-    assert "balanced-b512-lr0.001: RuntimeError: worker died" in table
+def data(**kw):
+    return SweepData(cache="/exp/cache", tokenizations=1, examples=300, tokenize_s=3.0, pack_s=2.0, packed_configs=4,
+                     mean_length={512: 215.3}, batch_sizes={"pad/512": 2.378, "flatten/512": 2.378},
+                     steps={"pad/512": 113, "bfd/512": 114}, **kw)
 
 
-def test_csv_has_every_trial():
-    rows = list(csv.DictReader(io.StringIO(format_csv(ROWS))))
-    assert [r["strategy"] for r in rows] == ["pad", "bfd", "balanced"]
-    assert rows[1]["tokens_per_s"] == "1530.0" and rows[1]["status"] == "OK"
-    assert rows[2]["status"] == "ERROR" and rows[2]["loss"] == "" and "worker died" in rows[2]["error"]
-
-
-def test_plot_is_a_png(tmp_path):
-    path = plot(ROWS, tmp_path / "p.png")
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # all trials failed: still a (empty) plot, never an exception
-    assert plot(ROWS[2:], tmp_path / "empty.png").stat().st_size > 0
-
-
-def test_write_report(tmp_path):
-    files = write_report(ROWS, str(tmp_path / "exp"))
-    assert set(files) == {TABLE, CSV, PLOT}
-    assert (tmp_path / "exp" / PLOT).read_bytes()[:4] == b"\x89PNG"
-    assert "ERROR" in (tmp_path / "exp" / TABLE).read_text()
-    assert len((tmp_path / "exp" / CSV).read_text().splitlines()) == 4
-
-
-def test_grid_and_trial_config():
-    cfg = load(None, ["tune.strategies=[pad, bfd]", "tune.budgets=[256, 512]", "train.lr=0.01"])
-    trials = grid(cfg)
-    assert len(trials) == 4 and {t["lr"] for t in trials} == {0.01}
-    t = trial_config(cfg, trials[3], "/tmp/exp/runs", "abc")
-    assert (t.pack.strategy, t.pack.budget, t.train.lr) == ("bfd", 512, 0.01)
-    assert t.run.name == "bfd-b512-lr0.01-abc" and t.run.storage_path == "/tmp/exp/runs"
-    # the other sections are the base config's
-    assert t.model == cfg.model and t.data == cfg.data
+def test_report_context_states_the_rule_and_the_device():
+    cfg = load(None, ["pack.budget=512", "train.num_workers=1", "tune.strategies=[pad, flatten, bfd, balanced]"])
+    ctx = report_context(cfg, data())
+    rule = ctx.notes[0]
+    assert rule.startswith("Equal work per optimizer step (tune.equal_work: tokens_per_step)")
+    assert "(512 x 1 x 1 for pack.budget)" in rule and "pad, flatten take" in rule and "512 / 215.3 = 2.378" in rule
+    assert "Data: tokenized once (300 examples" in ctx.notes[1] and ctx.on_cpu
+    off = report_context(load(None, ["tune.equal_work=none", "pack.batch_size=4"]), data())
+    assert off.notes[0].startswith("No equal-work rule") and "pack.batch_size = 4" in off.notes[0]
+    assert not report_context(load(None, ["train.use_gpu=true"]), data()).on_cpu
+    asha = report_context(load(None, ["tune.scheduler=asha", "tune.asha.grace_period=4"]), data())
+    assert "ASHA on loss (min): time_attr step, grace period 4, reduction factor 2, max_t 115" in asha.notes[2]

@@ -1,0 +1,91 @@
+"""The `tune:` section: checks before any Ray work, and the Tune objects built from it."""
+
+from __future__ import annotations
+
+import pytest
+from ray.tune.schedulers import AsyncHyperBandScheduler
+from ray.tune.search import BasicVariantGenerator
+from ray.tune.search.sample import Categorical, Float
+
+from raypack.config import ConfigError, load
+from raypack.tune.space import check, pack_configs, param_space, planned_trials, scheduler, search_alg, tune_config
+
+
+def cfg(*overrides):
+    return load(None, list(overrides))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["tune.metric=accuracy"], "tune.metric: expected one of"),
+    (["tune.scheduler=asha", "tune.metric=eval_loss"], "tune.metric: eval_loss with scheduler 'asha'"),
+    (["tune.scheduler=asha", "tune.metric=eval_loss", "train.eval_every_steps=4", "train.report_every_steps=10"],
+     "needs an eval in every report"),
+    (["tune.scheduler=asha", "tune.asha.time_attr=training_iteration"], "tune.asha.max_t: set it"),
+])
+def test_check_refuses_with_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        check(cfg(*overrides))
+
+
+def test_check_accepts_what_works():
+    check(cfg())
+    check(cfg("tune.scheduler=asha", "tune.metric=eval_loss", "train.eval_every_steps=5", "train.report_every_steps=10"))
+    check(cfg("tune.strategies=[wrapped, greedy]", "tune.metric=tokens_per_s", "tune.mode=max"))
+
+
+def test_field_checks_at_load():
+    with pytest.raises(ConfigError, match="tune.strategies: unknown packing strategy 'bfdd'"):
+        cfg("tune.strategies=[pad, bfdd]")
+    with pytest.raises(ConfigError, match="tune.lrs: expected \\[low, high\\]"):
+        cfg("tune.lr_space=loguniform", "tune.lrs=[1e-2, 1e-4]")
+    with pytest.raises(ConfigError, match="tune.strategy_space: expected choice"):
+        cfg("tune.search_alg=optuna")  # the default strategies are a grid
+    with pytest.raises(ConfigError, match="tune.asha.max_t"):
+        cfg("tune.asha.grace_period=8", "tune.asha.max_t=4")
+    with pytest.raises(ConfigError, match="tune.num_samples"):
+        cfg("tune.num_samples=0")
+
+
+def test_param_space_per_kind():
+    space = param_space(cfg("tune.strategies=[pad, bfd]", "tune.budgets=[256, 512]", "tune.budget_space=choice",
+                            "tune.lrs=[1e-4, 1e-2]", "tune.lr_space=loguniform"))
+    assert space["strategy"] == {"grid_search": ["pad", "bfd"]}
+    assert isinstance(space["budget"], Categorical) and space["budget"].categories == [256, 512]
+    assert isinstance(space["lr"], Float) and (space["lr"].lower, space["lr"].upper) == (1e-4, 1e-2)
+    # one value is a constant, and empty lists keep the base config's value
+    space = param_space(cfg("tune.strategies=[bfd]", "pack.budget=333", "train.lr=0.5"))
+    assert space == {"strategy": "bfd", "budget": 333, "lr": 0.5}
+
+
+def test_pack_configs_cover_every_draw():
+    assert pack_configs(cfg("tune.strategies=[pad, bfd]", "tune.budgets=[256, 512]", "tune.budget_space=choice")) == [
+        ("pad", 256), ("pad", 512), ("bfd", 256), ("bfd", 512)]
+
+
+def test_scheduler_and_search():
+    assert scheduler(cfg(), 100) is None
+    asha = scheduler(cfg("tune.scheduler=asha", "tune.asha.grace_period=4", "tune.asha.reduction_factor=3"), 13)
+    assert isinstance(asha, AsyncHyperBandScheduler) and asha._max_t == 13 and asha._time_attr == "step"
+    assert scheduler(cfg("tune.scheduler=asha", "tune.asha.max_t=50"), 13)._max_t == 50
+    basic = search_alg(cfg("tune.max_concurrent_trials=2"))
+    assert isinstance(basic, BasicVariantGenerator) and basic.max_concurrent == 2  # Tune would not set it
+    tc = tune_config(cfg("tune.num_samples=3", "tune.metric=eval_loss"), 10)
+    assert (tc.num_samples, tc.metric, tc.mode, tc.reuse_actors) == (3, "eval_loss", "min", False)
+
+
+def test_planned_trials():
+    assert planned_trials(cfg("tune.strategies=[pad, bfd]", "tune.budgets=[1, 2, 3]", "tune.num_samples=2")) == 12
+    assert planned_trials(cfg("tune.strategies=[pad, bfd]", "tune.strategy_space=choice", "tune.num_samples=5",
+                              "tune.lrs=[1e-4, 1e-2]", "tune.lr_space=loguniform")) == 5
+
+
+def test_optuna_draws_from_the_space():
+    pytest.importorskip("optuna")
+    c = cfg("tune.search_alg=optuna", "tune.strategies=[pad, bfd]", "tune.strategy_space=choice",
+            "tune.lrs=[1e-4, 1e-2]", "tune.lr_space=loguniform", "tune.seed=3")
+    check(c)
+    searcher = search_alg(c)
+    assert searcher.set_search_properties(c.tune.metric, c.tune.mode, param_space(c))
+    drawn = [searcher.suggest(f"t{i}") for i in range(4)]
+    assert all(d["strategy"] in ("pad", "bfd") and 1e-4 <= d["lr"] <= 1e-2 for d in drawn)  # constants: merged by Tune
+    assert len({d["lr"] for d in drawn}) == 4
