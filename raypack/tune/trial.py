@@ -18,8 +18,10 @@ MainThread in `Queue.put` under `_get_result_from_queues`). Ray 2.60; reproduced
 at all, see tests/ray/tune/test_trial.py. A class Trainable has no session queues: Tune calls
 `step()` for each result, and it returns the next report, so there is one thread and one queue.
 
-Stopping. A scheduler (or the sweep's end or interruption) stops a trial by calling the actor's
-`stop()`, whose `cleanup()` here aborts the Train run through its controller (whose handle the
+Stopping. Each report waits in the callback until Tune asks the trial for the next result, so a
+run is never more than one report interval past the result a scheduler stops it on. A scheduler
+(or the sweep's end or interruption) stops a trial by calling the actor's `stop()`, whose
+`cleanup()` here lets the waiting callback return, then aborts the Train run through its controller (whose handle the
 callback sends along with the first report) and waits for it: the controller shuts the workers
 down and removes their placement group. Then the actor exits. Killing the run instead would leave
 the placement group to Train's PlacementGroupCleaner, which asks the State API whether the
@@ -73,11 +75,17 @@ def trial_config(base: Config, params: dict[str, Any], runs_dir: str, suffix: st
 
 class ForwardReports(UserCallback):
     """Ray Train callback, run by the Train controller: ("report", rank 0's metrics) for every
-    `ray.train.report`, after ("controller", its own handle) once. The queue is unbounded, so the
-    controller never waits on Tune."""
+    `ray.train.report`, after ("controller", its own handle) once.
 
-    def __init__(self, queue: Queue):
+    With `acks`, each report then waits until Tune asks the trial for the next result (or stops
+    it), as a function trainable's report would: the workers can then run at most one report
+    interval past the one a scheduler stops on (each worker's result queue holds one report, and
+    the controller takes the next only after this returns). Without it, a run stopped by ASHA
+    could finish its remaining steps before the stop reached it."""
+
+    def __init__(self, queue: Queue, acks: Queue | None = None):
         self.queue = queue
+        self.acks = acks
         self._sent_controller = False
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
@@ -88,6 +96,14 @@ class ForwardReports(UserCallback):
         if checkpoint is not None:
             out["checkpoint_path"] = checkpoint.path
         self.queue.put(("report", out))
+        while self.acks is not None:
+            try:
+                self.acks.get(timeout=POLL_S)
+                return
+            except Empty:
+                continue
+            except ray.exceptions.RayError:
+                return  # the trial ended and took its queues with it
 
     @staticmethod
     def controller():
@@ -125,16 +141,25 @@ class TrainRun(ray.tune.Trainable):
         # run would not fit there. The run and the queue go outside it.
         outside = PlacementGroupSchedulingStrategy(placement_group=None)
         self.queue = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": outside})
+        self.acks = Queue(actor_options={"num_cpus": 0, "scheduling_strategy": outside})
         self.controller = None
         self.ended = False
-        self.run_ref = self.start_run(cfg, ForwardReports(self.queue), outside)
+        self.unacked = False  # a report went to Tune, and the run waits to hear that Tune wants more
+        self.run_ref = self.start_run(cfg, ForwardReports(self.queue, self.acks), outside)
 
     def start_run(self, cfg: Config, callback: ForwardReports, strategy) -> ray.ObjectRef:
         """Start the Train run; returns the ref of a task that ends with it (an error text or None)."""
         task = ray.remote(num_cpus=0, max_retries=0)(_fit_task).options(scheduling_strategy=strategy)
         return task.remote(cfg, callback)
 
+    def release(self) -> None:
+        """Let the Train run go on past its last report (Tune asked for more, or is stopping it)."""
+        if self.unacked:
+            self.acks.put(True)
+            self.unacked = False
+
     def step(self) -> dict[str, Any]:
+        self.release()
         while True:
             item = next_item(self.run_ref, self.queue)
             if item is None:
@@ -147,6 +172,7 @@ class TrainRun(ray.tune.Trainable):
             if kind == "controller":
                 self.controller = payload
                 continue
+            self.unacked = True
             return payload
 
     # The Train run checkpoints itself under its own run dir, and a trial that Tune restarts (say
@@ -160,8 +186,10 @@ class TrainRun(ray.tune.Trainable):
 
     def cleanup(self) -> None:
         if not self.ended:
+            self.release()  # the controller may be waiting in the callback: abort() runs after it
             self.abort_run()
         ray.kill(self.queue.actor)
+        ray.kill(self.acks.actor)
 
     def abort_run(self) -> None:
         """Stop the Train run and release its workers before this actor exits (module docstring)."""
