@@ -99,7 +99,8 @@ def trl_bfd(lengths: np.ndarray, budget: int, batch_size: int | None) -> tuple[i
 
 
 def attention_floor(lengths: np.ndarray, ranks: int, budget: int) -> float:
-    """A lower bound on Σ_steps max / Σ_steps mean attention for any plan of whole examples.
+    """A lower bound on Σ_steps max / Σ_steps mean attention for any plan of whole examples in
+    packs of at most `budget` tokens (not `pad`'s minibatches, which are not bounded by it).
 
     Order the steps by their longest example. An example longer than budget/2 shares its pack
     with no other such example, so steps 1..k hold at most k*ranks of them and step k's longest

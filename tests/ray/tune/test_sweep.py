@@ -46,17 +46,23 @@ def data_entries(exp: Path, kind: str) -> list[Path]:
     return [p for p in (exp / "cache" / kind).glob("*/*") if p.is_dir()]
 
 
-def held_by_train(grace_s: float = 30.0) -> list[str]:
-    """Train actors still alive and placement groups still reserved, once `grace_s` has passed
-    without them all going (actors and groups are torn down asynchronously). The GCS tables, not
-    the state API: the shared test cluster runs without a dashboard."""
+def train_held() -> dict[str, str]:
+    """Train actors alive and placement groups reserved now, by id. The GCS tables, not the state
+    API: the shared test cluster runs without a dashboard."""
     import ray
     from ray._private.state import actors
 
+    held = {k: v["ActorClassName"] for k, v in actors().items() if v["State"] == "ALIVE" and "Train" in v["ActorClassName"]}
+    held.update({k: f"placement group {k}" for k, v in ray.util.placement_group_table().items() if v["state"] == "CREATED"})
+    return held
+
+
+def held_by_train(before: dict[str, str], grace_s: float = 30.0) -> list[str]:
+    """What this test's runs still hold (anything not in `before`, what earlier tests on the shared
+    cluster left), once `grace_s` has passed without it all going (torn down asynchronously)."""
     deadline = time.time() + grace_s
     while True:
-        left = [v["ActorClassName"] for v in actors().values() if v["State"] == "ALIVE" and "Train" in v["ActorClassName"]]
-        left += [f"placement group {k}" for k, v in ray.util.placement_group_table().items() if v["state"] == "CREATED"]
+        left = [name for k, name in train_held().items() if k not in before]
         if not left or time.time() > deadline:
             return left
         time.sleep(1)
@@ -78,6 +84,7 @@ def test_asha_stops_the_stalled_trial(ray_local, tmp_path, monkeypatch, attempt)
     # could: its worker holds one report while the controller waits on Tune).
     cfg = tiny(tmp_path, name, "tune.strategies=[bfd]", "tune.lrs=[1e-3, 2e-3, 1e-6, 3e-3]", "train.report_every_steps=1",
                "tune.scheduler=asha", "tune.metric=loss", "tune.asha.grace_period=4", "tune.asha.reduction_factor=2")
+    before = train_held()
     faulthandler.dump_traceback_later(900, exit=True)  # a hang fails the run, with every thread's stack
     try:
         outcome = sweep(cfg)
@@ -101,7 +108,7 @@ def test_asha_stops_the_stalled_trial(ray_local, tmp_path, monkeypatch, attempt)
     (stalled,) = (exp / "runs").glob("bfd-b256-lr1e-06-*")
     (healthy,) = (exp / "runs").glob("bfd-b256-lr0.003-*")
     assert not list(stalled.glob("checkpoint_*")) and list(healthy.glob("checkpoint_*"))
-    assert held_by_train() == []
+    assert held_by_train(before) == []
     table = (exp / TABLE).read_text()
     assert "bfd-b256-lr1e-06" in table and "stopped early by the scheduler at step 4 of 8" in table
     # Tokenized once, packed once (one pack config), and no trial prepared data of its own.

@@ -28,7 +28,9 @@ BENCH = _bench()
 def test_attention_floor_is_never_beaten(budget, ranks, data):
     lengths = np.array(data.draw(st.lists(st.integers(1, budget), min_size=1, max_size=60)))
     floor = BENCH.attention_floor(lengths, ranks, budget)
-    for name in ("balanced", "bfd", "greedy", "random", "pad"):
+    # Strategies whose packs hold at most `budget` tokens, the floor's premise (a `pad` minibatch
+    # can hold more: hypothesis found [2, 10, 11] at budget 11 beating it with one).
+    for name in ("balanced", "bfd", "greedy", "random"):
         att = plan_for(name, lengths, budget, ranks, 4, 0).stats()["attention_imbalance"]
         assert att >= floor - 1e-9, (name, att, floor)
 
