@@ -187,7 +187,7 @@ class TrainConfig:
     never holds the [tokens, vocab] logits (raypack/train/loss.py; a model it can't reproduce exactly
     is refused at setup); `full` takes the model's own logits, for any model."""
     loss_chunk_tokens: int = 0
-    """Label tokens per chunk of the chunked loss; 0 sizes chunks so one chunk's fp32 logits take 256 MiB."""
+    """Label tokens per chunk of the chunked loss; 0: 2048, fewer where one chunk's fp32 logits would pass 1 GiB."""
     tensorboard: bool = True
     """Write per-step TensorBoard events into <run>/tensorboard (local storage paths only)."""
     mlflow: bool = False

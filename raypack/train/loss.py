@@ -12,9 +12,10 @@ default) asks the model for no logits at all:
     hidden [T, H] ──keep label positions──> [N, H] ──per chunk of C rows──> logits [C, V]
         ──> the model's own output transforms ──> fp32 cross-entropy ──> loss, dL/dhidden, dL/dW
 
-Each chunk's gradients are taken at once, inside the forward (a local autograd over that chunk
-only), and held until backward scales them by the incoming gradient: no chunk's logits outlive
-it and nothing is recomputed, so the loss costs O(C x V) memory and the same FLOPs as `full`.
+Each chunk's gradients are taken at once, inside the forward (autograd from the chunk's loss to its
+logits, then the head's two matmuls, dW summed in fp32), and held until backward scales them by the
+incoming gradient: no chunk's logits outlive it and nothing is recomputed, so the loss costs
+O(C x V) memory and the same FLOPs as `full`.
 
 How it reaches the hidden states: during the model's own forward its output-embeddings module is
 swapped for a capture that records its input and returns empty logits; the loss then calls the
@@ -44,9 +45,17 @@ from torch import nn
 from raypack.data.collate import IGNORE_INDEX, collate_packed
 
 LOSSES = ("chunked", "full")
-CHUNK_BYTES = 256 * 2**20
-"""Auto chunk size: as many label tokens as keep one chunk's fp32 logits within 256 MiB (the
-chunk's whole working set, bf16 logits, fp32 copy, softmax and gradients, is ~5x that)."""
+CHUNK_TOKENS = 2048
+"""Auto chunk size, in label tokens. Every chunk adds its dW (as large as the head, V x H) into an fp32
+sum, a fixed cost per chunk, so fewer, larger chunks are faster; the cost relative to the chunk's
+matmuls depends on the chunk's rows only, not on V or H. On an H100 (1.2B model, 128k vocabulary,
+16k tokens a step; benchmarks/results/loss_memory_h100_20261123_chunk*.md) a train step ran at
+0.94x / 0.98x / 1.00x of the full loss's tokens/s with 512 / 1024 / 2048-token chunks, for 1.7 to 2.9
+GiB more peak memory at 2048 than at 512 (the full loss peaked at 32 GiB with gradient checkpointing,
+59 GiB without)."""
+CHUNK_BYTES = 2**30
+"""...capped so that one chunk's fp32 logits stay within 1 GiB (the chunk's whole working set, bf16
+logits, fp32 copy, softmax and gradients, is ~5x that): 2048 tokens up to a 131k vocabulary."""
 TARGET_KEYS = ("loss_positions", "loss_targets")
 """Batch keys `label_targets` fills on the host; the loss pops them before the model's forward."""
 
@@ -156,23 +165,19 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             end = min(start + chunk, hidden.shape[0])
+            h = hidden[start:end]
+            # Only dL/dlogits comes from autograd (through the transforms and the fp32 cross-entropy);
+            # the head's two gradient matmuls are written out so that dW goes straight into its fp32 sum.
+            logits = F.linear(h, weight, bias).requires_grad_()
             with torch.enable_grad():
-                leaves = [
-                    t.detach().requires_grad_(need) if t is not None else None
-                    for t, need in zip((hidden[start:end], weight, bias), needs)
-                ]
-                logits = transform(F.linear(*leaves))
-                loss = F.cross_entropy(logits.float(), targets[start:end], reduction="sum")
-                wanted = [t for t, need in zip(leaves, needs) if need]
-                got = iter(torch.autograd.grad(loss, wanted)) if wanted else iter(())
-            for i, need in enumerate(needs):
-                if not need:
-                    continue
-                g = next(got)
-                if i == 0:
-                    grads[0][start:end] = g
-                else:
-                    grads[i] += g
+                loss = F.cross_entropy(transform(logits).float(), targets[start:end], reduction="sum")
+                (dlogits,) = torch.autograd.grad(loss, logits)
+            if needs[0]:
+                torch.mm(dlogits, weight, out=grads[0][start:end])
+            if needs[1]:
+                _add_matmul(grads[1], dlogits.t(), h)
+            if needs[2]:
+                grads[2] += dlogits.sum(0, dtype=grads[2].dtype)
             total += loss.detach()
         ctx.grads = grads
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
@@ -189,6 +194,21 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
 def _accum_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float32 if t.dtype in (torch.bfloat16, torch.float16) else t.dtype
+
+
+def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, where acc may be fp32 and a, b 16-bit.
+
+    The dW of one chunk is as large as W (V x H), so how it is added up matters: on CUDA one cuBLAS
+    call accumulates the 16-bit product in fp32 straight into the fp32 sum (addmm's out_dtype),
+    where a bf16 product added in a second kernel would write, read and round a V x H tensor more
+    per chunk."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:  # the CPU has no mixed-dtype matmul
+        acc += (a @ b).to(acc.dtype)
 
 
 def _loss_only(hidden, weight, bias, targets, chunk: int, transform: Transform) -> torch.Tensor:
@@ -228,7 +248,7 @@ class CausalLMLoss:
         self.vocab = head.out_features
         self.transforms = output_transforms(model.config)
         self.transform = _compose(self.transforms)
-        self.chunk = chunk_tokens or max(64, CHUNK_BYTES // (4 * self.vocab) // 64 * 64)
+        self.chunk = chunk_tokens or min(CHUNK_TOKENS, max(64, CHUNK_BYTES // (4 * self.vocab) // 64 * 64))
 
     def __call__(self, forward: Callable[..., Any], batch: dict[str, Any]) -> torch.Tensor:
         """Σ cross-entropy (fp32 scalar) over the label tokens of `batch`, a collated batch with

@@ -99,11 +99,11 @@ def test_label_targets_pick_the_shifted_label_positions():
     assert t["loss_targets"].tolist() == [7, 8, 3, 4]
 
 
-def test_auto_chunk_holds_a_bounded_slice_of_the_vocabulary():
-    cfg = tiny_config("llama", vocab_size=128256)
-    model = load_model(cfg, dtype="float32")
+@pytest.mark.parametrize(("vocab", "chunk"), [(32000, 2048), (128256, 2048), (262144, 1024)])
+def test_auto_chunk_holds_a_bounded_slice_of_the_vocabulary(vocab, chunk):
+    model = load_model(tiny_config("llama", vocab_size=vocab), dtype="float32")
     loss = CausalLMLoss(model, "chunked")
-    assert loss.chunk == 512  # 512 x 128256 x 4 B = 250 MiB of fp32 logits a chunk
+    assert loss.chunk == chunk  # 2048 tokens unless a chunk's fp32 logits would pass 1 GiB (Gemma's 262k vocabulary)
     assert loss.chunk * loss.vocab * 4 <= loss_mod.CHUNK_BYTES
 
 
