@@ -133,6 +133,34 @@ def test_tokenized_passes_through():
     assert [r["labels"] for r in rows] == [[5, 6, 7], [IGNORE, 6, 7]]
 
 
+@pytest.mark.parametrize("overlength", ["truncate", "drop", "split"])
+@pytest.mark.parametrize("label_mask", ["auto", "all"])
+def test_tokenized_rows_column_wise_match_the_per_row_path(monkeypatch, overlength, label_mask):
+    """Pre-tokenized batches take a column-wise path; it keeps and counts exactly what the
+    per-row path does (rows with and without labels, all-masked ones, rows over max_length)."""
+    from raypack.data.encode import counts, kept_rows
+
+    rng = np.random.default_rng(0)
+    recs = []
+    for _ in range(200):
+        ids = rng.integers(0, 500, rng.integers(1, 60)).tolist()
+        kind = rng.integers(3)  # no labels / some masked / all masked
+        if kind == 0:
+            recs.append({"input_ids": ids})
+        else:
+            labels = [IGNORE if kind == 2 or rng.random() < 0.4 else t for t in ids]
+            recs.append({"input_ids": ids, "labels": labels})
+    table = batch(recs, "tokenized")
+    enc = Encoder(TOK, None, label_mask, overlength, 32)
+    fast = enc.encode_table(table)
+    monkeypatch.setattr(Encoder, "_tokenized_table", lambda self, b: None)
+    slow = enc.encode_table(table)
+    assert kept_rows(fast).equals(kept_rows(slow))
+    got, want = counts(fast), counts(slow)
+    assert got.pop("lengths").tolist() == want.pop("lengths").tolist() and got == want
+    assert fast.num_rows == slow.num_rows or overlength == "split"
+
+
 def test_overlength_policies(tok):
     recs = [{"prompt": "a " * n, "completion": "b " * n} for n in (3, 40, 100)]
     (full_short, full_mid, full_long) = encode(recs, "completion")
