@@ -42,6 +42,12 @@ import ray
 from raypack import storage
 from raypack.data.plan import Plan
 
+FINISH_BYTES_PER_TOKEN = 64
+"""Peak bytes per token of a rank's finishing task (sorting, assembling and writing its pieces:
+token, label and position columns, each copied a few times), measured by prepare_scale.py's
+largest worker RSS (benchmarks/results/prepare_scale_cpu_*.md)."""
+FINISH_BASE_BYTES = 256 * 2**20
+"""A worker's own memory (Python, pyarrow) before any rows."""
 ROWS_PER_FILE = 4096
 """Packed rows per output Parquet file, rounded down to whole row groups (files are named in step order)."""
 
@@ -171,8 +177,10 @@ def _write_rank(rows: pa.Table, out: str, rank: int, num_steps: int, num_ranks: 
     row groups of `group_rows` rows."""
     have = np.zeros(num_steps, dtype=bool)
     have[rows["step"].to_numpy()] = True
-    rows = pa.concat_tables([rows, _empty_rows(rank, np.flatnonzero(~have), num_ranks)])
-    rows = rows.sort_by("step")
+    if not have.all():
+        # Rows come sorted by pack, which within a rank is step order; re-sorting (a copy of every
+        # token) is needed only to put the empty packs in their places.
+        rows = pa.concat_tables([rows, _empty_rows(rank, np.flatnonzero(~have), num_ranks)]).sort_by("step")
     fs, path = storage.resolve(out)  # a local folder or object storage shared by every node
     fs.create_dir(path, recursive=True)
     per_file = max(1, ROWS_PER_FILE // group_rows) * group_rows
@@ -218,6 +226,17 @@ def _finish_and_count(out: str, rank: int, num_steps: int, num_ranks: int, reset
     return _write_rank(rows, out, rank, num_steps, num_ranks, group_rows), label_tokens(rows)
 
 
+def finish_memory(plan: Plan) -> np.ndarray:
+    """Bytes of memory to reserve for each rank's finishing task, so that Ray runs only as many at
+    once as the nodes' memory holds (at 1M examples on one 24 GiB machine, all 8 at once ran it
+    out of memory). A rank's rows are assembled in one process, at up to FINISH_BYTES_PER_TOKEN;
+    capped at what the largest node offers, or the task could never be scheduled."""
+    tokens = np.bincount(plan.rank, weights=plan.end - plan.start, minlength=plan.num_ranks)
+    largest = max((n["Resources"].get("memory", 0) for n in ray.nodes() if n["Alive"]), default=0)
+    want = tokens * FINISH_BYTES_PER_TOKEN + FINISH_BASE_BYTES
+    return np.minimum(want, 0.8 * largest) if largest else want
+
+
 def materialize(ds: ray.data.Dataset, plan: Plan, example_ids: np.ndarray, out_dir: str,
                 group_rows: int = ROWS_PER_FILE) -> dict[str, Any]:
     """Write the packed rows of `plan` under `out_dir/rank=<r>/` (replacing what was there), in
@@ -234,7 +253,9 @@ def materialize(ds: ray.data.Dataset, plan: Plan, example_ids: np.ndarray, out_d
     if plan.num_ranks == 1:
         parts = [[p] for p in parts]
     finish = ray.remote(num_cpus=0.5)(_finish_and_count)
-    done = ray.get([finish.remote(f"{out}/rank={r}", r, *args, *[p[r] for p in parts], group_rows=group_rows)
+    memory = finish_memory(plan)
+    done = ray.get([finish.options(memory=int(memory[r])).remote(f"{out}/rank={r}", r, *args, *[p[r] for p in parts],
+                                                                 group_rows=group_rows)
                     for r in range(plan.num_ranks)])
     return {"rows": sum(n for n, _ in done), "rank_label_tokens": [t for _, t in done], "method": "routed",
             "seconds": time.perf_counter() - t0}

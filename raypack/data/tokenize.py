@@ -34,6 +34,10 @@ from raypack.data.encode import Encoder, TokenizeError, check_chat_template, cou
 from raypack.data.sources import SourceError, list_sources, read_rows, read_sources_with_report, row_location
 
 
+TOKENIZED_BATCH = 4096
+"""Least rows per batch for `data.format: tokenized`."""
+
+
 @dataclass
 class TokenizeStats:
     examples_in: int = 0
@@ -129,18 +133,21 @@ def tokenize_dataset(cfg: Config, vocab_size: int | None = None) -> tuple[ray.da
     # Fail on the driver, with a config-level message, before any actor starts.
     tok = load_tokenizer(t.tokenizer, t.chat_template)
     src, _ = read_rows(cfg.data, vocab_size)
+    # Declared pre-tokenized data runs no tokenizer: small batches would only add per-batch cost
+    # (at 1M rows, 4,000 batches of 256).
+    batch_size = max(t.batch_size, TOKENIZED_BATCH) if cfg.data.format == "tokenized" else t.batch_size
     counter = _Counts.remote()
     try:
         # Blocks of a few batches let every actor take a share of a large read unit, and the
         # streaming repartition keeps reading and tokenizing overlapped.
-        out = src.repartition(target_num_rows_per_block=4 * t.batch_size).map_batches(
+        out = src.repartition(target_num_rows_per_block=4 * batch_size).map_batches(
             _SourceEncoder,
             fn_constructor_kwargs=dict(
                 on_bad_rows=cfg.data.on_bad_rows, tokenizer=t.tokenizer, chat_template=t.chat_template,
                 label_mask=t.label_mask, overlength=t.overlength, max_length=max_length,
                 report=functools.partial(_send, counter),
             ),
-            batch_size=t.batch_size,
+            batch_size=batch_size,
             batch_format="pyarrow",
             # The non-deprecated form of concurrency=N; fractional CPUs leave the read tasks room.
             compute=ray.data.ActorPoolStrategy(size=t.num_actors),
