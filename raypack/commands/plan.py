@@ -40,16 +40,16 @@ def _from_config(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
     # Imported here, not at the top: these take 3 s to import on 2 cores (Ray Data and the
     # tokenizer stack), which a dry run over a --lengths file, 0.2 s in all, never needs.
     from raypack.data.prepare import held_out_mask
-    from raypack.data.tokenize import lengths_and_ids, require_supervised, tokenize_dataset
+    from raypack.data.tokenize import ordered, require_supervised, tokenize_dataset
     from raypack.runtime import absolute_paths, init_ray
     from raypack.train.preflight import check_data
 
     cfg = absolute_paths(cfg)
     check_data(cfg)  # before Ray starts
     init_ray()
-    ds, stats = tokenize_dataset(cfg)
+    _, stats = tokenize_dataset(cfg)
     require_supervised(stats, cfg)
-    lengths, ids = lengths_and_ids(ds)
+    lengths, ids = ordered(stats.lengths, stats.ids)
     train = ~held_out_mask(ids, cfg)
     return lengths[train], ids[train]
 

@@ -283,6 +283,7 @@ def counts(table: pa.Table) -> dict:
         "no_label_examples": parents[unsupervised][:5].tolist(),
         "label_tokens": int(label_tokens[kept].sum()),
         "lengths": table["length"].to_numpy()[kept],
+        "ids": eid[kept],
     }
 
 

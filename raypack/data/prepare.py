@@ -56,7 +56,7 @@ from raypack.data.plan import Plan
 from raypack.data.shards import Prepared, group_steps_for
 from raypack.data.sources import ROW_SHIFT
 from raypack.data.strategies import make_plan
-from raypack.data.tokenize import TokenizeStats, lengths_and_ids, require_supervised, tokenize_dataset
+from raypack.data.tokenize import TokenizeStats, lengths_and_ids, ordered, require_supervised, tokenize_dataset
 
 FORMAT_VERSION = 5  # 4: rows without a label token are dropped; the manifest records the sources
 # 5: row groups of whole optimizer steps; epoch orders; per-epoch plans
@@ -145,8 +145,8 @@ def tokenized(cfg: Config, vocab_size: int | None = None, sources: dict | None =
     print(f"[raypack] reading and tokenizing {len(sources)} source file(s)", flush=True)
     ds, tok_stats = tokenize_dataset(cfg, vocab_size)
     require_supervised(tok_stats, cfg)
-    stats = {k: v for k, v in dataclasses.asdict(tok_stats).items() if k != "lengths"}
-    lengths, ids = lengths_and_ids(ds)
+    stats = {k: v for k, v in dataclasses.asdict(tok_stats).items() if k not in ("lengths", "ids")}
+    lengths, ids = ordered(tok_stats.lengths, tok_stats.ids)
     print(f"[raypack] {tok_stats.examples_in} examples: {tok_stats.examples_out} rows, {tok_stats.tokens} tokens "
           f"({tok_stats.label_tokens} with loss); dropped {tok_stats.dropped} over {tok_stats.max_length} tokens and "
           f"{tok_stats.no_labels} without a label token, truncated {tok_stats.truncated}, split {tok_stats.split}, "

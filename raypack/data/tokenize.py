@@ -2,7 +2,7 @@
 
     ds, stats = tokenize_dataset(cfg)     # ds: example_id, input_ids, labels, length
     print(stats.summary())                # what `raypack data` prints
-    lengths, ids = lengths_and_ids(ds)    # the planner's input, ordered by example_id
+    lengths, ids = ordered(stats.lengths, stats.ids)  # the planner's input, ordered by example_id
 
 Output contract (the planner and packer depend on it):
 
@@ -65,6 +65,8 @@ class TokenizeStats:
     formats: dict[str, int] = field(default_factory=dict)
     lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), repr=False)
     """Every output row's length, in no particular order (what the planner needs)."""
+    ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
+    """Every output row's example_id, in the order of `lengths`."""
 
     def summary(self) -> str:
         pct = np.percentile(self.lengths, [0, 50, 90, 99, 100]).astype(int) if len(self.lengths) else [0] * 5
@@ -175,6 +177,7 @@ def tokenize_dataset(cfg: Config, vocab_size: int | None = None) -> tuple[ray.da
     stats.examples_in = sum(stats.formats.values())
     stats.bad_examples = [msg for _, msg in sorted(e for b in batches for e in b["bad_examples"])[:5]]
     stats.lengths = np.concatenate([b["lengths"] for b in batches]) if batches else np.zeros(0, np.int32)
+    stats.ids = np.concatenate([b["ids"] for b in batches]) if batches else np.zeros(0, np.int64)
     stats.examples_out, stats.tokens = len(stats.lengths), int(stats.lengths.sum())
     if stats.examples_out != out.count():  # cheap on a materialized dataset; guards the counting
         raise RuntimeError(f"tokenize counted {stats.examples_out} rows but produced {out.count()}")
@@ -208,13 +211,19 @@ def require_supervised(stats: TokenizeStats, cfg: Config) -> None:
 
 
 def lengths_and_ids(ds) -> tuple[np.ndarray, np.ndarray]:
-    """(lengths, example_ids) of a tokenized dataset, both ordered by example_id."""
+    """(lengths, example_ids) of a tokenized dataset, both ordered by example_id: one pass over
+    the dataset (a cached one); `ordered(stats.lengths, stats.ids)` gives the same without it."""
     ids, lengths = [], []
     for batch in ds.select_columns(["example_id", "length"]).iter_batches(batch_size=65536, batch_format="numpy"):
         ids.append(np.asarray(batch["example_id"], dtype=np.int64))
         lengths.append(np.asarray(batch["length"], dtype=np.int64))
-    ids_arr = np.concatenate(ids) if ids else np.zeros(0, np.int64)
-    len_arr = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    return ordered(np.concatenate(lengths) if lengths else np.zeros(0, np.int64),
+                   np.concatenate(ids) if ids else np.zeros(0, np.int64))
+
+
+def ordered(lengths: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths, example_ids) as int64, ordered by example_id; refuses a repeated id."""
+    ids_arr, len_arr = np.asarray(ids, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
     order = np.argsort(ids_arr, kind="stable")
     ids_arr, len_arr = ids_arr[order], len_arr[order]
     if len(ids_arr) > 1 and (np.diff(ids_arr) == 0).any():

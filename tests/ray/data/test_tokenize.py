@@ -6,13 +6,14 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pyarrow as pa
 import pytest
 
 from raypack.config import ASSETS, Config, DataConfig, TokenizeConfig, load
 from raypack.data.encode import TokenizeError
 from raypack.data.sources import SourceError
-from raypack.data.tokenize import tokenize_dataset
+from raypack.data.tokenize import lengths_and_ids, ordered, tokenize_dataset
 
 pytestmark = pytest.mark.ray
 SAMPLE = ASSETS / "sample"
@@ -49,6 +50,10 @@ def test_tokenize_contract_and_overlength_counts(ray_local):
     assert stats.examples_out == 600 - stats.split + stats.pieces - stats.no_label_pieces
     assert stats.tokens == sum(rows["length"]) and stats.label_tokens == sum(x != -100 for l in rows["labels"] for x in l[1:])
     assert sorted(stats.lengths.tolist()) == sorted(rows["length"])
+    # The counts carry each row's id with its length: the planner's input without a pass over the rows.
+    by_id = ordered(stats.lengths, stats.ids)
+    assert all(np.array_equal(a, b) for a, b in zip(by_id, lengths_and_ids(ds)))
+    assert by_id[1].tolist() == sorted(rows["example_id"])
     whole_tokens = stats.tokens
 
     drop = dataclasses.replace(base, tokenize=dataclasses.replace(base.tokenize, overlength="drop", num_actors=1))
