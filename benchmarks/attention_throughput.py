@@ -128,6 +128,7 @@ def main(argv=None) -> int:
     warmup = args.warmup if args.warmup is not None else 1 if args.smoke else 3
     args.examples_per_step = args.examples_per_step or (4 if args.smoke else 16)
     max_length = args.max_length or (128 if args.smoke else 4096)
+    torch.manual_seed(args.seed)  # the random init too: same seed, same first-step losses run to run
     if args.smoke:
         model = load_model("tiny-llama", attention="sdpa", dtype="float32")
     else:
