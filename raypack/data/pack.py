@@ -175,11 +175,12 @@ def _write_rank(rows: pa.Table, out: str, rank: int, num_steps: int, num_ranks: 
                 group_rows: int = ROWS_PER_FILE) -> int:
     """Add the rank's empty packs, sort by step, write files whose names sort in step order, in
     row groups of `group_rows` rows."""
+    steps = rows["step"].to_numpy()
     have = np.zeros(num_steps, dtype=bool)
-    have[rows["step"].to_numpy()] = True
-    if not have.all():
-        # Rows come sorted by pack, which within a rank is step order; re-sorting (a copy of every
-        # token) is needed only to put the empty packs in their places.
+    have[steps] = True
+    # assemble_rows sorts by pack, which within a rank is step order: sorting again (a copy of
+    # every token) is needed only to slot in empty packs, or for rows from elsewhere.
+    if not have.all() or (np.diff(steps) < 0).any():
         rows = pa.concat_tables([rows, _empty_rows(rank, np.flatnonzero(~have), num_ranks)]).sort_by("step")
     fs, path = storage.resolve(out)  # a local folder or object storage shared by every node
     fs.create_dir(path, recursive=True)
