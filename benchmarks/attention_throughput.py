@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import command_line, device_name, machine, results_path, smoke_banner, versions  # noqa: E402
+from benchmarks.common import command_line, device_name, gpu_or_smoke, machine, results_path, smoke_banner, versions  # noqa: E402
 from raypack.data.collate import collate_packed, count_label_tokens, move_batch  # noqa: E402
 from raypack.data.synthetic import sample_lengths  # noqa: E402
 from raypack.model import attention as attn  # noqa: E402
@@ -117,12 +117,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="results file (default: see benchmarks/common.py)")
     args = p.parse_args(argv)
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.smoke:
-        torch.set_num_threads(1)  # a tiny model gains nothing from more, and a shared CI box oversubscribes
-    if device == "cpu" and not args.smoke:
-        print("attention_throughput.py compares CUDA attention kernels: it needs a GPU; --smoke runs it on the CPU",
-              file=sys.stderr)  # fmt: skip
+    device = gpu_or_smoke(__file__, args.smoke, "compares CUDA attention kernels")
+    if device is None:
         return 2
     steps = args.steps or (1 if args.smoke else 10)
     warmup = args.warmup if args.warmup is not None else 1 if args.smoke else 3

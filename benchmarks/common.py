@@ -15,6 +15,7 @@ import platform
 import shlex
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,6 +30,22 @@ def device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name().lower().replace("nvidia ", "").split()[0]
     return "cpu"
+
+
+def gpu_or_smoke(script: str, smoke: bool, what: str) -> str | None:
+    """The device a GPU benchmark runs on: "cuda", or "cpu" for a --smoke run (one torch thread:
+    a tiny model gains nothing from more, and a shared CI box oversubscribes). None, after saying
+    why on stderr, when there is no GPU and no --smoke (the caller exits 2)."""
+    import torch
+
+    if smoke:
+        torch.set_num_threads(1)
+    if torch.cuda.is_available():
+        return "cuda"
+    if smoke:
+        return "cpu"
+    print(f"{Path(script).name} {what}: it needs CUDA; --smoke runs it on the CPU", file=sys.stderr)
+    return None
 
 
 def results_path(theme: str, smoke: bool = False, out: str | None = None) -> Path:
@@ -66,14 +83,43 @@ def versions(*modules: str) -> str:
     if torch.version.cuda:
         parts.append(f"CUDA {torch.version.cuda}")
     parts.append(f"transformers {transformers.__version__}")
-    for name in modules:
+    return ", ".join(parts + module_versions(modules))
+
+
+def module_versions(names) -> list[str]:
+    out = []
+    for name in names:
         try:
             module = __import__(name)
-            parts.append(f"{name} {getattr(module, '__version__', '?')}")
+            out.append(f"{name} {getattr(module, '__version__', '?')}")
         except ImportError:
-            parts.append(f"{name} not installed")
-    return ", ".join(parts)
+            out.append(f"{name} not installed")
+    return out
+
+
+def host_now() -> tuple[str, float]:
+    """When a CPU benchmark starts and the host's 1-minute load average then, for `cpu_header`."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), os.getloadavg()[0]
+
+
+def cpu_header(title: str, script: str, argv: list[str] | None, smoke: bool, started: tuple[str, float],
+               modules: tuple[str, ...] = (), notes: str = "") -> list[str]:
+    """The first lines of a CPU benchmark's results file: title, smoke banner, command, machine
+    (with the load average at the start and now: the host is shared, so times are upper bounds)
+    and the versions of python and `modules`. No torch import: the CPU benchmarks need none."""
+    at, load = started
+    return [
+        f"# {title}" + (" -- SMOKE RUN: not results" if smoke else ""),
+        "",
+        *smoke_banner(smoke),
+        f"Command: `{command_line(script, argv)}`",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; started {at}; load average "
+        f"{load:.1f} at start, {os.getloadavg()[0]:.1f} at end (shared machine: times are upper bounds).{' ' + notes if notes else ''}",
+        f"Versions: {', '.join([f'python {platform.python_version()}', *module_versions(modules)])}.",
+    ]
 
 
 def smoke_banner(smoke: bool) -> list[str]:
-    return ["**--smoke run: a tiny model on the CPU to prove the script works; these numbers are not results.**", ""] if smoke else []
+    return ["**--smoke run: a tiny model or a few examples on the CPU, to prove the script works; these numbers "
+            "are not results.**", ""] if smoke else []

@@ -23,8 +23,6 @@ For each: seconds to write, bytes on disk (and the Parquet footers' share), read
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -37,7 +35,7 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import results_path  # noqa: E402
+from benchmarks.common import cpu_header, host_now, results_path  # noqa: E402
 from raypack.config import PackConfig  # noqa: E402
 from raypack.data.pack import ROWS_PER_FILE, _write_rank, assemble_rows  # noqa: E402
 from raypack.data.shards import Prepared, group_steps_for, iter_epoch_packs  # noqa: E402
@@ -117,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.steps, args.budget = 256, 512
     scratch = args.dir or tempfile.mkdtemp(prefix="epoch_rows_")
-    started, load = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), os.getloadavg()
+    started = host_now()
     rows = rank_rows(args.steps, args.budget)
     assert rows.num_rows == args.steps, rows.num_rows
     steps, group = rows.num_rows, group_steps_for(args.budget, 1)
@@ -150,15 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     if args.out or args.smoke:
         lines = [
-            "# Epoch orders: storage layouts (CPU, local disk)" + (" -- SMOKE RUN: not results" if args.smoke else ""),
-            "",
-            *(["**--smoke run: a few examples, to prove the script works; these numbers are not results.**", ""]
-              if args.smoke else []),
-            f"Command: `python benchmarks/{Path(__file__).name} {' '.join(argv if argv is not None else sys.argv[1:])}`",
-            "",
-            f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; started {started}; load "
-            f"average {load[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end (shared machine: times are upper bounds).",
-            f"Versions: python {platform.python_version()}, numpy {np.__version__}, pyarrow {pa.__version__}.",
+            *cpu_header("Epoch orders: storage layouts (CPU, local disk)", __file__, argv, args.smoke, started,
+                        ("numpy", "pyarrow")),
             "",
             f"One rank: {steps} packed rows of up to {args.budget} tokens ({int(rows['num_tokens'].to_numpy().sum()):,} "
             "tokens), accum 1.",

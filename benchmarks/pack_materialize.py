@@ -12,8 +12,6 @@ that they wrote identical rows, then reports wall time and tokens/s.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -26,7 +24,7 @@ import ray
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import results_path  # noqa: E402
+from benchmarks.common import cpu_header, host_now, results_path  # noqa: E402
 from benchmarks.pack_baselines import METHODS, materialize  # noqa: E402
 from raypack.config import PackConfig  # noqa: E402
 from raypack.data.pack import _Router, _routing, assemble_rows  # noqa: E402
@@ -89,7 +87,7 @@ def main(argv=None) -> int:
     plan = make_plan(lengths, PackConfig(strategy="balanced", budget=args.budget), args.ranks)
     tokens = int(lengths.sum())
     results, outputs = [], {}
-    load = os.getloadavg()
+    started = host_now()
     # Warm-up: start the worker processes and import everything once, so no method pays for it.
     if not args.smoke:  # a smoke run times nothing worth warming up for
         small = ray.data.from_arrow(tokenized(2000, args.budget, 4)).materialize()
@@ -114,17 +112,9 @@ def main(argv=None) -> int:
     ray.shutdown()
     if args.out or args.smoke:
         lines = [
-            "# Pack stage: routed pieces vs global shuffle (CPU)",
-            "",
-            f"Command: `python benchmarks/{Path(__file__).name} {' '.join(sys.argv[1:] if argv is None else argv)}`",
-            "",
-            *(["**--smoke run: a few hundred examples to prove the script works; these numbers are not results.**", ""]
-              if args.smoke else []),
-            f"Machine: {os.cpu_count()} cores, {platform.platform()}, local Ray (num_cpus=4 logical), "
-            f"load average before the runs {load[0]:.1f}, after {os.getloadavg()[0]:.1f} (the 2 cores are shared "
-            "with other engineers' jobs, so absolute times are inflated; compare methods within the table). "
-            "One warm-up pass per method first; runs interleaved. "
-            f"Ray {ray.__version__}, pyarrow {pa.__version__}.",
+            *cpu_header("Pack stage: routed pieces vs global shuffle (CPU)", __file__, argv, args.smoke, started,
+                        ("numpy", "pyarrow", "ray"), notes="Local Ray (num_cpus=4 logical); one warm-up pass per "
+                        "method first; runs interleaved, so compare methods within the table."),
             "",
             f"Data: {args.n:,} FLAN-like examples, {tokens:,} tokens, {args.blocks} blocks; plan `balanced`, "
             f"budget {args.budget}, {args.ranks} ranks, {plan.num_packs:,} packs.",

@@ -39,8 +39,6 @@ ranks, and no plan can balance them.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -49,7 +47,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import results_path  # noqa: E402
+from benchmarks.common import cpu_header, host_now, results_path  # noqa: E402
 from raypack.config import PackConfig  # noqa: E402
 from raypack.data.plan import even_out, place  # noqa: E402
 from raypack.data.strategies import STRATEGIES, get_strategy, make_plan  # noqa: E402
@@ -246,16 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.sizes, args.budgets, args.kinds, args.ref_max = [20_000], [2048], ["flan"], 20_000
     sizes = args.sizes or [1_000_000, 10_000_000]
-    import pyarrow
-
     try:
         import trl
     except ImportError:
         trl = None
         print("TRL is not installed (pip install -e '.[bench]'): its rows are left out", file=sys.stderr)
 
-    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    load = os.getloadavg()
+    started = host_now()
     t0 = time.perf_counter()
     sections: list[str] = []
     if args.balance or args.smoke:
@@ -273,19 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t0
     if args.out or args.smoke:
         lines = [
-            "# Packing plan benchmark (CPU)" + (" -- SMOKE RUN: these numbers are not results" if args.smoke else ""),
-            "",
-            f"Command: `python benchmarks/{Path(__file__).name} {' '.join(sys.argv[1:] if argv is None else argv)}`",
-            "",
-            f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; "
-            f"started {started}; load average at start {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}, "
-            f"at end {os.getloadavg()[0]:.1f} (the machine is shared with other engineers' jobs: "
-            "wall times are upper bounds; cpu s is this process's CPU time). Every method runs on one core.",
-            "",
-            *(["**--smoke run: few lengths, to prove the script works; these numbers are not results.**", ""]
-              if args.smoke else []),
-            f"Versions: python {platform.python_version()}, numpy {np.__version__}, pyarrow {pyarrow.__version__}, "
-            f"trl {trl.__version__ if trl else 'not installed (its rows are left out)'}. Total wall {wall:.0f} s.",
+            *cpu_header("Packing plan benchmark (CPU)", __file__, argv, args.smoke, started, ("numpy", "pyarrow", "trl"),
+                        notes=f"cpu s is this process's CPU time; every method runs on one core. Total wall {wall:.0f} s."),
             "",
             *sections,
         ]

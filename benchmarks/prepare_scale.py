@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shutil
 import subprocess
@@ -47,7 +46,7 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import results_path  # noqa: E402
+from benchmarks.common import cpu_header, host_now, results_path  # noqa: E402
 from raypack.config import load  # noqa: E402
 from raypack.data.synthetic import sample_lengths  # noqa: E402
 
@@ -242,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         fn = child_raypack if args.child == "raypack" else child_floor
         print(json.dumps(fn(args, str(scratch / "input"), str(scratch / args.child))))
         return 0
-    started, load_avg = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), os.getloadavg()
+    started = host_now()
     t0 = time.perf_counter()
     marker = scratch / f"input-{args.n}-{args.budget}-{args.files}.json"  # beside, not in, the data
     if marker.exists():  # a --dir kept from an earlier run with the same input
@@ -272,21 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dir:
         shutil.rmtree(scratch, ignore_errors=True)
     if args.out or args.smoke:
-        import ray
-
         rows = [f"| {k} | {v['wall']:.1f} | {v['cpu']:.0f} | {v['rss_before_mib']:.0f} | {v['peak_rss_mib']:.0f} | "
                 f"{v['worker_peak_rss_mib']:.0f} | {v['store_peak_mib']:.0f} | {v['spilled_mib']:.0f} | {v['steps']} |"
                 for k, v in results.items()]
         lines = [
-            "# prepare at scale vs a single-process pyarrow floor (CPU)" + (" -- SMOKE RUN: not results" if args.smoke else ""),
-            "",
-            *(["**--smoke run: a few examples, to prove the script works; these numbers are not results.**", ""]
-              if args.smoke else []),
-            f"Command: `python benchmarks/{Path(__file__).name} {' '.join(argv if argv is not None else sys.argv[1:])}`",
-            "",
-            f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; started {started}; load "
-            f"average {load_avg[0]:.1f} at start, {os.getloadavg()[0]:.1f} at end (shared machine: times are upper bounds).",
-            f"Versions: python {platform.python_version()}, numpy {np.__version__}, pyarrow {pa.__version__}, ray {ray.__version__}.",
+            *cpu_header("prepare at scale vs a single-process pyarrow floor (CPU)", __file__, argv, args.smoke, started,
+                        ("numpy", "pyarrow", "ray")),
             "",
             f"Input: {data['examples']:,} pre-tokenized examples, {data['tokens']:,} tokens (WildChat-like lengths clipped "
             f"to {args.budget}), {data['input_mib']:.0f} MiB of Parquet in {args.files} files; plan: balanced, budget "

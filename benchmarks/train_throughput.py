@@ -69,7 +69,7 @@ except ImportError as e:  # the GPU machine has neither until the wheels are ins
              "them from the wheels in .whl (tools/gpu_wheels.sh gathers them)")  # fmt: skip
 
 from benchmarks.attention_throughput import LLAMA_1B  # noqa: E402
-from benchmarks.common import command_line, device_name, machine, results_path, smoke_banner, versions  # noqa: E402
+from benchmarks.common import command_line, device_name, gpu_or_smoke, machine, results_path, smoke_banner, versions  # noqa: E402
 
 from raypack.config import Config, DataConfig, ModelConfig, PackConfig, RunConfig, TokenizeConfig, TrainConfig  # noqa: E402
 from raypack.data.synthetic import sample_lengths  # noqa: E402
@@ -276,13 +276,10 @@ def main(argv=None) -> int:
     if args.warmup < 1:
         p.error("--warmup must be >= 1")
 
-    cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
-    if args.smoke:
-        torch.set_num_threads(1)  # a tiny model gains nothing from more, and a shared CI box oversubscribes
-    if not cuda and not args.smoke:
-        print("train_throughput.py is a GPU benchmark: it needs CUDA; --smoke runs it on the CPU", file=sys.stderr)
+    device = gpu_or_smoke(__file__, args.smoke, "is a GPU benchmark")
+    if device is None:
         return 2
+    cuda = device == "cuda"
     total_steps = args.warmup + args.steps
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="raypack_train_bench_"))
     workdir.mkdir(parents=True, exist_ok=True)
