@@ -45,7 +45,7 @@ from raypack.data.plan import Plan
 FINISH_BYTES_PER_TOKEN = 96
 """Peak bytes per token of a rank's finishing task (sorting, assembling and writing its pieces:
 token, label and position columns, each copied a few times). prepare_scale.py at 1M examples, 8
-ranks of 52M tokens: the largest worker's RSS was 4.9 GiB, object-store pages it read included."""
+ranks of 52M tokens: the largest worker's RSS was 4.7-4.8 GiB, object-store pages it read included."""
 FINISH_BASE_BYTES = 256 * 2**20
 """A worker's own memory (Python, pyarrow) before any rows."""
 ROWS_PER_FILE = 4096
