@@ -47,8 +47,8 @@ from raypack.data.collate import IGNORE_INDEX, collate_packed
 LOSSES = ("chunked", "full")
 CHUNK_TOKENS = 2048
 """Auto chunk size, in label tokens. Every chunk adds its dW (as large as the head, V x H) into an fp32
-sum, a fixed cost per chunk, so fewer, larger chunks are faster; the cost relative to the chunk's
-matmuls depends on the chunk's rows only, not on V or H. On an H100 (1.2B model, 128k vocabulary,
+sum, a fixed cost per chunk, so fewer, larger chunks are faster: that sum moves O(V x H) bytes a
+chunk against the chunk's O(C x V x H) matmul FLOPs, so its share depends on C, not on V or H. On an H100 (1.2B model, 128k vocabulary,
 16k tokens a step; benchmarks/results/loss_memory_h100_20261123_chunk*.md) a train step ran at
 0.94x / 0.98x / 1.00x of the full loss's tokens/s with 512 / 1024 / 2048-token chunks, for 1.7 to 2.9
 GiB more peak memory at 2048 than at 512 (the full loss peaked at 32 GiB with gradient checkpointing,
