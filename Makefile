@@ -1,6 +1,10 @@
 # Everything a newcomer needs, from a machine with nothing but Python 3.10+.
 #   make run    set up .venv and run the main job on the embedded default (local Ray, tiny model, sample data)
 #   make test   set up .venv and run the test suite
+#   Both install exactly the versions in constraints.txt (the lock, shared with the cluster image).
+#   make lock         regenerate constraints.txt after a change to pyproject.toml's dependencies
+#   make test-latest  the suite on the newest versions pyproject.toml's ranges allow (.venv-latest;
+#                     not in CI: it finds a dependency's new release before the lock moves to it)
 #   make bench-gpu    on a CUDA machine: GPU tests + benchmarks in < 9 min (tools/bench_gpu.py); Ray and
 #                     DeepSpeed come from the wheels in .whl (tools/gpu_wheels.sh) where they are missing
 #   make bench-smoke  the same steps on the CPU with every benchmark's --smoke
@@ -8,17 +12,21 @@ PYTHON ?= python3
 VENV   ?= .venv
 # Pinned so pip takes the CPU build where one is on disk; override for a CUDA machine.
 TORCH  ?= torch==2.13.0
+LOCK   := constraints.txt
 BIN    := $(VENV)/bin
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup run test bench-gpu bench-smoke clean
+.PHONY: setup run test test-latest lock bench-gpu bench-smoke clean
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# torch first, from $(TORCH) (another version on a CUDA box: the lock's torch pin is left out of
+# the constraints then), then raypack and everything else at the lock's versions.
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev]"
+	mkdir -p .cache && grep -v '^torch==' $(LOCK) > .cache/constraints-without-torch.txt
+	$(BIN)/pip install -q -c .cache/constraints-without-torch.txt -e ".[dev]"
 	touch $@
 
 run: setup
@@ -26,6 +34,16 @@ run: setup
 
 test: setup
 	$(BIN)/pytest -q tests
+
+test-latest:
+	rm -rf .venv-latest && $(PYTHON) -m venv .venv-latest
+	.venv-latest/bin/pip install -q --upgrade pip "$(TORCH)"
+	.venv-latest/bin/pip install -q --upgrade --upgrade-strategy eager -e ".[dev]"
+	.venv-latest/bin/pip freeze --exclude-editable | diff $(LOCK) - | grep '^[<>]' || true
+	.venv-latest/bin/pytest -q tests
+
+lock:
+	TORCH="$(TORCH)" PYTHON=$(PYTHON) tools/lock.sh
 
 # No setup for bench-gpu: the GPU machine has no network; it uses the venv where there is one.
 BENCH_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
@@ -36,4 +54,4 @@ bench-smoke: setup
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(BIN)/python tools/bench_gpu.py --smoke
 
 clean:
-	rm -rf $(VENV) .cache
+	rm -rf $(VENV) .venv-latest .cache

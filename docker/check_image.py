@@ -1,11 +1,15 @@
-"""Check an environment against docker/constraints.txt: the last step of the image build.
+"""Check an environment against constraints.txt, the lock: the last step of the image build.
 
     python docker/check_image.py                     # versions only (any venv, e.g. the dev one)
     python docker/check_image.py --image             # in the image: also prebuilt DeepSpeed ops,
                                                      # presets from the installed package, EFA plugin
+    python docker/check_image.py --requirements tracking,peft   # raypack's dependencies and
+                                                     # those extras' (what the image installs)
 
-Exits non-zero naming every mismatch, so a build that drifted from the pins fails instead of
-shipping. A local version label (torch 2.13.0+cu128, +cpu) matches its pin (2.13.0).
+Every installed package the lock pins must be at its pin, and raypack's own dependencies must be
+installed; the lock also pins dev tools, which an image need not have. Exits non-zero naming
+every mismatch, so a build that drifted from the pins fails instead of shipping. A local version
+label (torch 2.13.0+cu128, +cpu) matches its pin (2.13.0).
 """
 
 from __future__ import annotations
@@ -15,9 +19,14 @@ import glob
 import importlib.metadata as md
 import re
 import sys
+import tomllib
 from pathlib import Path
 
-CONSTRAINTS = Path(__file__).with_name("constraints.txt")
+ROOT = Path(__file__).resolve().parents[1]
+CONSTRAINTS = ROOT / "constraints.txt"
+PYPROJECT = ROOT / "pyproject.toml"
+IMAGE_EXTRAS = ("tracking", "peft")
+"""The optional dependencies a cluster run uses, installed in the image beside the required ones."""
 PREBUILT_OPS = ("cpu_adam", "fused_adam")
 """DeepSpeed ops raypack can use on GPUs: CPU Adam for optimizer offload, fused Adam otherwise."""
 
@@ -40,16 +49,32 @@ def normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def version_mismatches(expected: dict[str, str]) -> list[str]:
+def requirements(extras: tuple[str, ...] = (), path: Path = PYPROJECT) -> list[str]:
+    """pyproject.toml's dependencies and those of `extras`, as requirement strings."""
+    project = tomllib.loads(path.read_text())["project"]
+    reqs = list(project["dependencies"])
+    for extra in extras:
+        reqs += project["optional-dependencies"][extra]
+    return reqs
+
+
+def requirement_name(req: str) -> str:
+    return normalize(re.match(r"[A-Za-z0-9_.-]+", req)[0])
+
+
+def version_mismatches(expected: dict[str, str], required: tuple[str, ...] = ()) -> list[str]:
+    """Installed packages of `expected` at another version, and `required` names not installed."""
     errors = []
     for name, want in expected.items():
         try:
             have = md.version(name)
         except md.PackageNotFoundError:
-            errors.append(f"{name}: not installed, pinned {want}")
+            if name in required:
+                errors.append(f"{name}: not installed, pinned {want}")
             continue
         if have.split("+", 1)[0] != want:
             errors.append(f"{name}: installed {have}, pinned {want}")
+    errors += [f"{name}: required but not pinned by {CONSTRAINTS.name}" for name in required if name not in expected]
     return errors
 
 
@@ -73,8 +98,13 @@ def image_mismatches() -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--image", action="store_true", help="also check what only the built image has")
+    parser.add_argument("--requirements", metavar="EXTRAS", help="print raypack's requirements and those of these extras")
     args = parser.parse_args(argv)
-    errors = version_mismatches(pins())
+    if args.requirements is not None:
+        print("\n".join(requirements(tuple(e for e in args.requirements.split(",") if e))))
+        return 0
+    required = tuple(requirement_name(r) for r in requirements(IMAGE_EXTRAS)) if args.image else ()
+    errors = version_mismatches(pins(), required)
     if args.image:
         errors += image_mismatches()
     for e in errors:

@@ -1,7 +1,11 @@
-"""The cluster image recipe (docker/) installs exactly the versions pyproject.toml allows and this
-project tested, builds DeepSpeed's ops in, and ships raypack as a package whose DeepSpeed presets
-resolve from an installed wheel. No Docker engine runs here: the recipe is checked as text, the
-wheel is built and imported for real."""
+"""The lock (constraints.txt) pins versions inside pyproject.toml's ranges, and both the dev setup
+(`make setup`, hence CI) and the cluster image install with it; the image builds DeepSpeed's ops in
+and ships raypack as a package whose DeepSpeed presets resolve from an installed wheel. No Docker
+engine runs here: the recipe is checked as text, the wheel is built and imported for real.
+
+What is checked is the lock itself, against pyproject.toml and the recipes that read it, never the
+live environment against the lock: a newer release of a dependency must not fail this suite
+(`make test-latest` is where it is found)."""
 
 from __future__ import annotations
 
@@ -31,31 +35,62 @@ sys.path.insert(0, str(DOCKER))
 import check_image  # noqa: E402
 
 PINS = check_image.pins()
-TESTED = ("torch", "ray", "transformers", "deepspeed", "datasets", "pyarrow")
+MAKEFILE = (REPO / "Makefile").read_text()
+LOCKED_EXTRAS = ("dev", "bench", "tracking", "optuna", "peft")
+"""The extras tools/lock.sh installs to make the lock (its LOCK_EXTRAS); `flash` needs CUDA to build."""
 
 
-def requirements() -> dict[str, Requirement]:
-    reqs = [Requirement(r) for r in PYPROJECT["project"]["dependencies"]]
+def requirements(extras: tuple[str, ...] = ()) -> dict[str, Requirement]:
+    reqs = [Requirement(r) for r in check_image.requirements(extras)]
     return {check_image.normalize(r.name): r for r in reqs}
 
 
 def test_every_dependency_is_pinned_inside_pyprojects_range():
-    for name, req in requirements().items():
-        assert name in PINS, f"{name} is a dependency but docker/constraints.txt does not pin it"
+    for name, req in requirements(LOCKED_EXTRAS).items():
+        assert name in PINS, f"{name} is a dependency but constraints.txt does not pin it"
         assert req.specifier.contains(Version(PINS[name]), prereleases=False), (
             f"{name}=={PINS[name]} is outside pyproject.toml's {req.specifier}")
-    assert set(TESTED) <= set(PINS)
+    assert set(check_image.IMAGE_EXTRAS) <= set(LOCKED_EXTRAS)
+    assert set(PYPROJECT["project"]["optional-dependencies"]) - set(LOCKED_EXTRAS) == {"flash"}
 
 
-def test_pins_are_the_versions_tested_here():
-    # The dev venv that runs this suite is what "tested" means; torch's +cpu label is ignored.
-    assert check_image.version_mismatches({n: PINS[n] for n in TESTED}) == []
+def test_the_lock_is_closed_under_dependencies():
+    """Whatever a pinned package needs is pinned too, so no version is left to the day of install.
+    Read from the installed packages' metadata (names only: this checks the lock, not the venv)."""
+    from packaging.markers import default_environment
+
+    env = {**default_environment(), "extra": ""}
+    missing = []
+    for name in PINS:
+        try:
+            needs = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue  # pinned for an extra or platform this venv does not have
+        for raw in needs:
+            req = Requirement(raw)
+            if req.marker is None or req.marker.evaluate(env):
+                if check_image.normalize(req.name) not in PINS:
+                    missing.append(f"{name} needs {req.name}")
+    assert not missing, missing
+
+
+def test_the_dev_setup_and_the_image_install_with_the_lock():
+    # make setup (make run, make test and CI) takes every version but torch's from the lock...
+    assert "LOCK   := constraints.txt" in MAKEFILE
+    assert "grep -v '^torch==' $(LOCK) > .cache/constraints-without-torch.txt" in MAKEFILE
+    assert '$(BIN)/pip install -q -c .cache/constraints-without-torch.txt -e ".[dev]"' in MAKEFILE
+    # ...and torch at the lock's version unless a CUDA box asks for another
+    assert re.search(r"^TORCH\s+\?= torch==(\S+)$", MAKEFILE, re.M)[1] == PINS["torch"]
+    assert "make lock" in (REPO / "tools" / "lock.sh").read_text()
 
 
 def test_check_image_fails_on_a_drifted_pin(tmp_path):
     have = importlib.metadata.version("torch")
     assert check_image.version_mismatches({"torch": "2.11.0"}) == [f"torch: installed {have}, pinned 2.11.0"]
-    assert check_image.version_mismatches({"no-such-package-here": "1.0"})
+    # pinned but not installed: an error only when the image needs it
+    assert check_image.version_mismatches({"no-such-package-here": "1.0"}) == []
+    assert check_image.version_mismatches({"no-such-package-here": "1.0"}, ("no-such-package-here",))
+    assert check_image.version_mismatches({}, ("torch",)) == ["torch: required but not pinned by constraints.txt"]
     loose = tmp_path / "constraints.txt"
     loose.write_text("torch>=2.11\n")
     with pytest.raises(ValueError, match="not an exact pin"):
@@ -93,14 +128,17 @@ def test_every_pip_install_takes_its_version_from_the_constraints_file():
             if req == ".":
                 assert "--no-deps" in cmd, "raypack goes in after its pinned dependencies, adding none"
                 continue
-            sed_pin = re.fullmatch(r"([\w-]+)==\$\(sed -n 's/\^\1==//p' docker/constraints\.txt\)", req)
-            assert sed_pin or req in BUILD_TOOLS, f"not pinned by docker/constraints.txt: {req!r} in {cmd.strip()}"
-        if any(r not in BUILD_TOOLS | {"."} for r in _requirements_of(cmd)):
+            sed_pin = re.fullmatch(r"([\w-]+)==\$\(sed -n 's/\^\1==//p' constraints\.txt\)", req)
+            assert sed_pin or req in BUILD_TOOLS, f"not pinned by constraints.txt: {req!r} in {cmd.strip()}"
+        if any(r not in BUILD_TOOLS | {"."} for r in _requirements_of(cmd)) or "-r " in cmd:
             # Whatever else resolves must resolve at the pins too (torch's own index has none).
-            assert "-c docker/constraints.txt" in cmd or "-r docker/constraints.txt" in cmd or "--index-url" in cmd, cmd
+            assert "-c constraints.txt" in cmd or "--index-url" in cmd, cmd
     assert any("torch==$(sed" in c and "--index-url" in c for c in installs), "torch from the CUDA index"
     assert any("deepspeed==$(sed" in c for c in installs)
-    assert any("-r docker/constraints.txt" in c for c in installs)
+    # raypack's requirements and the image's extras, from pyproject.toml, at the lock's versions
+    extras = ",".join(check_image.IMAGE_EXTRAS)
+    assert f"python docker/check_image.py --requirements {extras} > /tmp/requirements.txt" in DOCKERFILE
+    assert any("-c constraints.txt -r /tmp/requirements.txt" in c for c in installs)
 
 
 def test_cuda_flavour_is_consistent():
