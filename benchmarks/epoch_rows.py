@@ -4,7 +4,7 @@
     PYTHONPATH=. python benchmarks/epoch_rows.py --smoke --out /tmp/epoch_rows.md     # seconds
 
 One rank's packed rows (bfd packs of WildChat-like lengths at `--budget`, random token ids, 30%
-of labels masked), written by raypack's own writer (`raypack.data.pack._write_rank`) in four
+of labels masked), written by raypack's own writer (`raypack.data.pack.write_rank`) in four
 layouts and read back, on the local disk, in one run:
 
 - `file_groups`: one row group per file of 4096 rows (raypack before epochs had orders). Epoch 1
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import cpu_header, host_now, results_path  # noqa: E402
 from raypack.config import PackConfig  # noqa: E402
-from raypack.data.pack import ROWS_PER_FILE, _write_rank, assemble_rows  # noqa: E402
+from raypack.data.pack import ROWS_PER_FILE, write_rank, assemble_rows  # noqa: E402
 from raypack.data.shards import Prepared, group_steps_for, iter_epoch_packs  # noqa: E402
 from raypack.data.strategies import make_plan  # noqa: E402
 from raypack.data.synthetic import sample_lengths  # noqa: E402
@@ -67,7 +67,7 @@ def rank_rows(steps: int, budget: int, seed: int = 0) -> pa.Table:
 def write(rows: pa.Table, folder: str, steps: int, group_rows: int) -> tuple[float, int, int]:
     shutil.rmtree(folder, ignore_errors=True)
     t0 = time.perf_counter()
-    _write_rank(rows, f"{folder}/rank=0", 0, steps, 1, group_rows)
+    write_rank(rows, f"{folder}/rank=0", 0, steps, 1, group_rows)
     seconds = time.perf_counter() - t0
     files = sorted(Path(f"{folder}/rank=0").glob("*.parquet"))
     footer = sum(pq.read_metadata(f).serialized_size for f in files)

@@ -1,6 +1,6 @@
 """The pack stage's baselines, for benchmarks/pack_materialize.py and its test; raypack uses neither.
 
-Both build the same pieces as raypack/data/pack.py's routed method (its `_Router`) and write each
+Both build the same pieces as raypack/data/pack.py's routed method (its `Router`) and write each
 rank's rows with its writer, so the three methods differ only in how tokens reach their rank:
 
 - `routed_files`: the pieces from a Ray Data `map_batches`, written once partitioned by rank
@@ -24,7 +24,7 @@ import ray
 
 from raypack import storage
 from raypack.data import pack
-from raypack.data.pack import _empty_rows, _finish_rank_tables, _Router, _routing, _write_rank, assemble_rows
+from raypack.data.pack import Router, assemble_rows, empty_rows, finish_rank_tables, plan_routing, write_rank
 from raypack.data.plan import Plan
 
 METHODS = ("routed", "routed_files", "shuffle")
@@ -39,7 +39,7 @@ def materialize(ds: ray.data.Dataset, plan: Plan, example_ids: np.ndarray, out_d
     t0 = time.perf_counter()
     out = out_dir.rstrip("/")
     storage.remove_dir(out)  # write_parquet appends by default; a stale shard would corrupt a rank
-    routing = ray.put(_routing(plan, example_ids))
+    routing = ray.put(plan_routing(plan, example_ids))
     pieces = ds.map_batches(_route_with_ref, fn_kwargs={"routing": routing}, batch_format="pyarrow", num_cpus=0.5)
     if method == "routed_files":
         tmp = f"{out}/_pieces"
@@ -59,8 +59,8 @@ def materialize(ds: ray.data.Dataset, plan: Plan, example_ids: np.ndarray, out_d
                 by_rank[r].append(table.filter(pa.array(ranks == r)))
         rows = 0
         for r, tables in by_rank.items():
-            t = pa.concat_tables(tables) if tables else _empty_rows(r, np.zeros(0, np.int64), plan.num_ranks)
-            rows += _write_rank(t, f"{out}/rank={r}", r, plan.num_steps, plan.num_ranks)
+            t = pa.concat_tables(tables) if tables else empty_rows(r, np.zeros(0, np.int64), plan.num_ranks)
+            rows += write_rank(t, f"{out}/rank={r}", r, plan.num_steps, plan.num_ranks)
     return {"rows": rows, "method": method, "seconds": time.perf_counter() - t0}
 
 
@@ -69,10 +69,10 @@ def _finish_rank(pieces_dir: str, out: str, rank: int, num_steps: int, num_ranks
     tables = [pq.read_table(f, filesystem=fs) for f in storage.list_files(pieces_dir, ".parquet")]
     tables = [t if "rank" in t.column_names else t.append_column("rank", pa.array(np.full(t.num_rows, rank), pa.int32()))
               for t in tables]
-    return _finish_rank_tables(out, rank, num_steps, num_ranks, reset, *tables)
+    return finish_rank_tables(out, rank, num_steps, num_ranks, reset, *tables)
 
 
-_ROUTER_CACHE: tuple[Any, _Router] | None = None
+_ROUTER_CACHE: tuple[Any, Router] | None = None
 
 
 def _route_with_ref(batch: pa.Table, routing) -> pa.Table:
@@ -81,5 +81,5 @@ def _route_with_ref(batch: pa.Table, routing) -> pa.Table:
     global _ROUTER_CACHE
     key = routing.hex() if hasattr(routing, "hex") else id(routing)
     if _ROUTER_CACHE is None or _ROUTER_CACHE[0] != key:
-        _ROUTER_CACHE = (key, _Router(ray.get(routing) if hasattr(routing, "hex") else routing))
+        _ROUTER_CACHE = (key, Router(ray.get(routing) if hasattr(routing, "hex") else routing))
     return _ROUTER_CACHE[1](batch)

@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.common import cpu_header, host_now, results_path  # noqa: E402
 from benchmarks.pack_baselines import METHODS, materialize  # noqa: E402
 from raypack.config import PackConfig  # noqa: E402
-from raypack.data.pack import _Router, _routing, assemble_rows  # noqa: E402
+from raypack.data.pack import Router, assemble_rows, plan_routing  # noqa: E402
 from raypack.data.shards import iter_rank_packs  # noqa: E402
 from raypack.data.strategies import make_plan  # noqa: E402
 from raypack.data.synthetic import sample_lengths  # noqa: E402
@@ -56,7 +56,7 @@ def tokenized(n: int, budget: int, blocks: int) -> list[pa.Table]:
 def compute_floor(blocks: list[pa.Table], plan, ids: np.ndarray) -> float:
     """The routed method's work in this process with no Ray at all: what the cluster adds is overhead."""
     t0 = time.perf_counter()
-    pieces = pa.concat_tables([_Router(_routing(plan, ids))(b) for b in blocks])
+    pieces = pa.concat_tables([Router(plan_routing(plan, ids))(b) for b in blocks])
     rank = pieces["rank"].to_numpy()
     for r in range(plan.num_ranks):
         assemble_rows(pieces.filter(pa.array(rank == r)), plan.reset_positions)

@@ -12,7 +12,7 @@ written once as Parquet in `--files` files. Then, each in its own process, one a
   stage and the write of each rank's rows (eval_fraction 0, so exactly the floor's work, plus
   validation and counting).
 - `floor`: one process, no Ray: read every file with pyarrow, the same plan (make_plan), and the
-  same vectorized routing and row assembly functions (`_route_block`, `_finish_rank_tables`),
+  same vectorized routing and row assembly functions (`route_block`, `finish_rank_tables`),
   writing the same rows. It is what the work costs without Ray's distribution (and its ability
   to run on more than one machine).
 
@@ -79,6 +79,7 @@ def child_raypack(args, data: str, out: str) -> dict:
     import ray
     from ray._private.internal_api import get_memory_info_reply, get_state_from_address
 
+    from raypack.data.listing import Sources
     from raypack.data.prepare import prepare
     from raypack.runtime import init_ray
 
@@ -108,7 +109,8 @@ def child_raypack(args, data: str, out: str) -> dict:
     thread.start()
     before = rss_mib()
     t0 = time.perf_counter()
-    prepared = prepare(config(args, data), args.ranks, out)
+    cfg = config(args, data)
+    prepared = prepare(cfg, args.ranks, out, Sources.of(cfg.data.paths))
     wall = time.perf_counter() - t0
     done.set()
     thread.join()
@@ -146,7 +148,7 @@ def largest_child_rss() -> list[int]:
 
 
 def child_floor(args, data: str, out: str) -> dict:
-    from raypack.data.pack import _finish_rank_tables, _route_block, _routing
+    from raypack.data.pack import finish_rank_tables, plan_routing, route_block
     from raypack.data.shards import group_steps_for
     from raypack.data.sources import example_id
     from raypack.data.strategies import make_plan
@@ -167,14 +169,14 @@ def child_floor(args, data: str, out: str) -> dict:
         lengths.append(n)
     ids, lengths = np.concatenate(ids), np.concatenate(lengths)
     plan = make_plan(lengths, cfg.pack, args.ranks, cfg.train.grad_accum)
-    routing = _routing(plan, ids)
+    routing = plan_routing(plan, ids)
     parts = []
     while tables:  # route file by file, dropping each file's tokens once routed
-        routed = _route_block(tables.pop(0), routing, args.ranks)
+        routed = route_block(tables.pop(0), routing, args.ranks)
         parts.append(list(routed) if args.ranks > 1 else [routed])
     group_rows = group_steps_for(cfg.pack.budget, cfg.train.grad_accum) * cfg.train.grad_accum
     for r in range(args.ranks):
-        _finish_rank_tables(f"{out}/train/rank={r}", r, plan.num_steps, args.ranks, plan.reset_positions,
+        finish_rank_tables(f"{out}/train/rank={r}", r, plan.num_steps, args.ranks, plan.reset_positions,
                             *[p[r] for p in parts], group_rows=group_rows)
         for p in parts:
             p[r] = None  # this rank's pieces are written

@@ -40,12 +40,13 @@ STRATEGIES = ("pad", "flatten", "bfd", "balanced")
 
 
 def per_trial(base: Config, root: str) -> float:
+    from raypack.data.listing import Sources
     from raypack.data.prepare import prepare
 
     t0 = time.perf_counter()
     for s in STRATEGIES:
         cfg = dataclasses.replace(base, pack=dataclasses.replace(base.pack, strategy=s))
-        prepare(cfg, base.train.num_workers, f"{root}/{s}/packed")
+        prepare(cfg, base.train.num_workers, f"{root}/{s}/packed", Sources.of(cfg.data.paths))
     return time.perf_counter() - t0
 
 

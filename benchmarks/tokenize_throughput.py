@@ -66,6 +66,7 @@ def run_datasets(path: str, tokenizer: str, cores: int, batch_size: int, cache: 
 
 
 def run_ray(path: str, tokenizer: str, cores: int, batch_size: int) -> tuple[float, int, int]:
+    from raypack.data.listing import Sources
     from raypack.data.tokenize import tokenize_dataset
 
     cfg = Config(
@@ -73,7 +74,7 @@ def run_ray(path: str, tokenizer: str, cores: int, batch_size: int) -> tuple[flo
         tokenize=TokenizeConfig(tokenizer=tokenizer, max_length=1 << 20, batch_size=batch_size, num_actors=cores, num_cpus=0.5),
     )
     t0 = time.perf_counter()
-    ds, stats = tokenize_dataset(cfg)
+    ds, stats = tokenize_dataset(cfg, Sources.of(cfg.data.paths))
     dt = time.perf_counter() - t0
     return dt, stats.examples_out, stats.tokens
 

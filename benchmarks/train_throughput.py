@@ -9,7 +9,7 @@ One run, same data, same model init, same lr schedule, both paths back to back:
 1. Data: FLAN-like lengths (raypack.data.synthetic.sample_lengths) with random token ids, written as a
    pre-tokenized Parquet file (`input_ids`). raypack's own `prepare` (tokenize passthrough, balanced
    plan for 1 rank, pack) writes the packed folder once, under the run directory.
-2. Full stack: `raypack.train.trainer.build_trainer(cfg).fit()` on one worker: the unmodified
+2. Full stack: `raypack.train.trainer.start(cfg)` on one worker: the unmodified
    `train_loop_per_worker` (it reuses the packed folder: same fingerprint). Throughput comes from
    the per-step TensorBoard events rank 0 writes (tokens, step time, data wait, wall time), so the
    measured window is exactly steps warmup+1..warmup+steps and includes everything between steps
@@ -160,12 +160,11 @@ def window(step_tokens: list[float], step_times: list[float], waits: list[float]
 
 
 def run_full_stack(cfg: Config, warmup: int, steps: int) -> dict:
-    from raypack.runtime import run_dir
-    from raypack.train.trainer import build_trainer
+    from raypack.runs import run_dir
+    from raypack.train.trainer import start
 
-    trainer = build_trainer(cfg)
     t0 = time.perf_counter()
-    result = trainer.fit()
+    result = start(cfg).result
     fit_s = time.perf_counter() - t0
     if result.error is not None:
         raise RuntimeError(f"full-stack run failed: {result.error}")
@@ -284,8 +283,10 @@ def main(argv=None) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="raypack_train_bench_"))
     workdir.mkdir(parents=True, exist_ok=True)
     try:
+        from raypack.data.listing import Sources
         from raypack.data.prepare import prepare
-        from raypack.runtime import absolute_paths, init_ray, run_dir
+        from raypack.runs import absolute_paths, run_dir
+        from raypack.runtime import init_ray
 
         # Model: tiny-llama (vocab sized to the bundled tokenizer), or a random-init ~1B Llama saved
         # once so that the Ray worker and this process load identical weights by path.
@@ -299,8 +300,8 @@ def main(argv=None) -> int:
         cfg = absolute_paths(cfg)
 
         init_ray()
-        # The same call build_trainer makes; build_trainer then reuses this folder (same fingerprint).
-        prepared = prepare(cfg, cfg.train.num_workers, f"{run_dir(cfg)}/packed")
+        # The same call start makes; start then reuses this folder (same fingerprint).
+        prepared = prepare(cfg, cfg.train.num_workers, f"{run_dir(cfg)}/packed", Sources.of(cfg.data.paths))
         if prepared.steps_per_rank < total_steps:
             raise RuntimeError(f"the plan has {prepared.steps_per_rank} packs, fewer than {total_steps} steps")
         print(f"data: {data['examples']} examples, {data['tokens']} tokens, {prepared.steps_per_rank} packs of "

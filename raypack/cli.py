@@ -9,7 +9,7 @@
 
 Each command's handler is `raypack.commands.<command>.run(args)`; this module and those are the
 only ones that see an argparse namespace. Bad input (a config value, a data file or row, a
-tokenizer, a model: any `raypack.config.InputError`) prints one line and exits with 2; `--debug`
+tokenizer, a model: any `raypack.errors.InputError`) prints one line and exits with 2; `--debug`
 prints the traceback too.
 """
 
@@ -20,7 +20,8 @@ import importlib
 import sys
 import traceback
 
-from raypack.config import ConfigError, InputError, load
+from raypack.config import load
+from raypack.errors import ConfigError, InputError
 
 
 def _add_config(p: argparse.ArgumentParser, required: bool = False) -> None:
@@ -64,8 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if getattr(args, "config", None) and not getattr(args, "resume", None):
-            load(args.config, args.overrides)  # a config error in 0.3 s, before the imports below
+        if hasattr(args, "overrides") and not getattr(args, "resume", None):
+            from raypack.data.strategies import check_strategies
+
+            # a config error in 0.3 s, before the imports below
+            check_strategies(load(args.config, args.overrides), args.config or "")
         # Only the command that runs is imported: `raypack --help` takes 0.1 s, while the command
         # modules bring in Ray, torch and transformers (3 to 10 s on 2 cores).
         command = importlib.import_module(f"raypack.commands.{args.command}")

@@ -3,18 +3,24 @@
     cfg = load("jobs/configs/tiny_cpu.yaml", ["train.lr=2e-5", "pack.strategy=bfd"])
     cfg = loads(dumps(cfg))                 # a run saves its config as YAML and resumes from it
 
-Every field has a type and a docstring. `load` checks the YAML against the dataclasses, so an
-unknown key, a wrong type or an out-of-range value fails before any Ray work starts, with an
-error that names the key, the expected form and the file. `to_dict()` turns a config back into
-plain data so that it can travel as Ray Train's `train_loop_config` and be logged.
+Every field has a type and a docstring. `load` checks the YAML against the dataclasses
+(raypack/typed.py), so an unknown key, a wrong type or an out-of-range value fails before any Ray
+work starts, with an error that names the key, the expected form and the file. `to_dict()` turns
+a config into plain data, each value in its field's type, so that it can be saved, hashed, travel
+as Ray Train's `train_loop_config` and be logged, and reload to an equal config.
+
+What needs another module's registry is checked there, on the loaded config: strategy names and
+traits by `raypack.data.strategies.check_strategies` (the command line runs it right after
+`load`, and preflight before every run). This module imports nothing from raypack but the errors
+and the typed loader, so every module can import it.
+
+Paths: a local path is relative to the working folder, except `raypack/assets/...`, which names
+the bundled assets wherever raypack is installed. A run saves its config with every path made
+absolute (raypack/runs.py), so resuming it does not depend on where you stand.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import types
-import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,23 +28,13 @@ from typing import Any, Literal
 
 import yaml
 
+from raypack.errors import ConfigError
+from raypack.typed import build, check as _check, plain
+
 ASSETS = Path(__file__).parent / "assets"
 """Bundled tiny tokenizer and sample data: the embedded default needs nothing from a hub."""
-
-
-class InputError(ValueError):
-    """Input raypack can't use: a config value, a data source, a tokenizer or a model. Running
-    again fails the same way, so it is reported as one line (exit code 2 from the command line)
-    and never retried by Ray Train. Every error about the user's input derives from it."""
-
-
-class ConfigError(InputError):
-    """A config value is unknown, of the wrong type or out of range."""
-
-
-def _check(ok: bool, name: str, expected: str, value: Any) -> None:
-    if not ok:
-        raise ConfigError(f"{name}: expected {expected}, got {value!r}")
+ASSETS_PREFIX = "raypack/assets/"
+"""A config path that starts with this names a file under ASSETS, wherever raypack is installed."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,7 +72,7 @@ class TokenizeConfig:
     """An example no token of which carries loss (a chat without an assistant turn, a prompt that
     truncate cut before its answer) is dropped and counted, or is an error naming it."""
     max_length: int | None = None
-    """Longest example kept whole; None means `pack.budget`."""
+    """Longest example kept whole; None means `pack.budget` (`Config.max_length` says which applies)."""
     batch_size: int = 256
     """Rows per `map_batches` call (at least 4096 under `data.format: tokenized`, where no tokenizer runs)."""
     num_actors: int = 1
@@ -95,10 +91,10 @@ class TokenizeConfig:
 class PackConfig:
     strategy: str = "balanced"
     """Packing strategy by name: pad, pad_sorted, flatten, wrapped, wrapped_noreset, random, greedy, bfd, balanced
-    (the registry is raypack.data.strategies.STRATEGIES; a name not in it fails at load)."""
+    (the registry is raypack.data.strategies.STRATEGIES, which checks the name)."""
     budget: int = 1024
     """Tokens per packed row (the micro-batch for packed strategies)."""
-    batch_size: float = 8
+    batch_size: float = 8.0
     """Examples per minibatch for pad, pad_sorted and flatten (the papers' B). A fraction makes
     minibatches of the two nearest whole sizes whose mean is B (2.5: 2, 3, 2, 3, ...); a sweep
     uses that to give padded trials the packed trials' tokens per step (tune.equal_work)."""
@@ -113,13 +109,6 @@ class PackConfig:
     def __post_init__(self) -> None:
         _check(self.budget > 0, "pack.budget", "a positive int", self.budget)
         _check(self.batch_size >= 1, "pack.batch_size", "a number >= 1", self.batch_size)
-        # The one strategy registry lives with the strategies; imported here, at check time, so
-        # that loading this module needs nothing else from raypack (the strategies import it).
-        from raypack.data.strategies import check_repack, check_strategy_name
-
-        check_strategy_name(self.strategy, "pack.strategy")
-        if self.repack_each_epoch:
-            check_repack(self.strategy, "pack.repack_each_epoch")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -275,10 +264,6 @@ class TuneConfig:
 
     def __post_init__(self) -> None:
         _check(len(self.strategies) > 0, "tune.strategies", "at least one strategy", self.strategies)
-        from raypack.data.strategies import check_strategy_name  # as in PackConfig
-
-        for name in self.strategies:
-            check_strategy_name(name, "tune.strategies")
         _check(self.max_concurrent_trials > 0, "tune.max_concurrent_trials", "a positive int", self.max_concurrent_trials)
         _check(self.num_samples > 0, "tune.num_samples", "a positive int", self.num_samples)
         _check(all(b > 0 for b in self.budgets), "tune.budgets", "positive ints", self.budgets)
@@ -306,13 +291,19 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)
 
+    @property
+    def max_length(self) -> int:
+        """Longest example, in tokens, that tokenize keeps whole: `tokenize.max_length` or `pack.budget`."""
+        return self.tokenize.max_length or self.pack.budget
+
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain data, every value in its field's type: what is saved, hashed and sent to workers."""
+        return plain(self)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "<dict>") -> Config:
         try:
-            return _build(cls, raw, "")
+            return build(cls, raw, "")
         except ConfigError as e:
             raise ConfigError(f"{source}: {e}") from None
 
@@ -352,78 +343,5 @@ def loads(text: str, overrides: Sequence[str] = (), source: str = "<string>") ->
 
 
 def dumps(cfg: Config) -> str:
-    """YAML that `loads` reads back into an equal config (safe_dump writes tuples as lists)."""
+    """YAML that `loads` reads back into an equal config, field for field and type for type."""
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
-
-
-# --- validation: YAML values against the dataclass annotations ---------------------------------
-
-
-def _build(cls: type, raw: Any, prefix: str) -> Any:
-    where = prefix.rstrip(".") or "config"
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a mapping, got {raw!r}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - names)
-    if unknown:
-        raise ConfigError(f"{prefix}{unknown[0]}: unknown key; expected one of {', '.join(sorted(names))}")
-    kwargs = {}
-    for name, value in raw.items():
-        hint = hints[name]
-        if dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, value if value is not None else {}, f"{prefix}{name}.")
-        else:
-            kwargs[name] = _coerce(hint, value, f"{prefix}{name}")
-    return cls(**kwargs)
-
-
-def _coerce(hint: Any, value: Any, name: str) -> Any:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        options = [a for a in args if a is not type(None)]
-        errors = []
-        for option in options:
-            try:
-                return _coerce(option, value, name)
-            except ConfigError as e:
-                errors.append(e)
-        raise ConfigError(f"{name}: expected {_describe(hint)}, got {value!r}")
-    if origin is Literal:
-        _check(value in args, name, "one of " + ", ".join(map(repr, args)), value)
-        return value
-    if origin is tuple:
-        if isinstance(value, (str, int, float)):  # a single value where a list is allowed
-            value = [value]
-        _check(isinstance(value, (list, tuple)), name, _describe(hint), value)
-        return tuple(_coerce(args[0], v, f"{name}[{i}]") for i, v in enumerate(value))
-    if hint is bool:
-        _check(isinstance(value, bool), name, "true or false", value)
-    elif hint is int:
-        _check(isinstance(value, int) and not isinstance(value, bool), name, "an integer", value)
-    elif hint is float:
-        if isinstance(value, str):  # PyYAML reads 2e-5 (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
-        _check(isinstance(value, (int, float)) and not isinstance(value, bool), name, "a number", value)
-        # inf passes every `> 0` check (train.lr=inf trains on NaNs) and nan any negated one.
-        _check(math.isfinite(value), name, "a finite number", value)
-        return float(value)
-    elif hint is str:
-        _check(isinstance(value, str), name, "a string", value)
-    return value
-
-
-def _describe(hint: Any) -> str:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join("null" if a is type(None) else _describe(a) for a in args)
-    if origin is Literal:
-        return "one of " + ", ".join(map(repr, args))
-    if origin is tuple:
-        return f"a list of {_describe(args[0])}"
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))

@@ -1,10 +1,10 @@
-"""Process set-up shared by every command: start or join Ray, and where a run's files live.
+"""Process set-up shared by every command: start or join Ray.
 
     init_ray()                      # join RAY_ADDRESS's cluster, else start a local instance
-    cfg = absolute_paths(cfg)       # before the config travels to processes with another cwd
-    run_dir(cfg)                    # <run.storage_path>/<run.name>, absolute or a URI
+    init_ray(RaySettings(num_cpus=8, dashboard=False))   # the same path, other settings (tests)
 
-One policy for every command, so `raypack data`, `plan`, `train` and `sweep` start Ray alike:
+One policy for every command, so `raypack data`, `plan`, `train` and `sweep` start Ray alike
+(where a run's files live is raypack/runs.py's):
 
 - a local instance listens on 127.0.0.1 only (GCS, raylet, dashboard, the Prometheus metrics
   endpoints), with the dashboard on, which Ray Train's State API queries need;
@@ -14,16 +14,13 @@ One policy for every command, so `raypack data`, `plan`, `train` and `sweep` sta
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import socket
-from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Any
 
 import ray
-
-from raypack import storage
-from raypack.config import Config
 
 # ray.train.report blocks until the controller's health-check poll drains it (every 2 s by
 # default); a short interval keeps a report near 0.07 s. Ray reads it when it starts, and the
@@ -37,18 +34,34 @@ on Linux). Off, Ray binds every server to 127.0.0.1 instead of the node's addres
 interfaces; raypack turns it off for the local instance it starts (set it to 1 to undo that)."""
 
 
-def init_ray() -> None:
-    """Join the cluster named by RAY_ADDRESS (as under `ray job submit`), else start a local one."""
+@dataclass(frozen=True)
+class RaySettings:
+    """How a local instance starts. The defaults are what every command uses."""
+
+    num_cpus: int | None = None
+    """Logical CPUs; None: max(8, 2 x cores). More than the cores: workers and Ray Data actors
+    that took every CPU would leave the read tasks none, and a job would hang on a small machine."""
+    dashboard: bool = True
+    """Ray Train's placement-group cleaner queries the State API, which the dashboard serves."""
+    log_to_driver: bool = True
+    """Workers' output on this process's screen (tests read it from Ray's log files instead)."""
+    runtime_env: dict[str, Any] = field(default_factory=dict)
+    """Passed to ray.init (tests put the repository on the workers' PYTHONPATH)."""
+
+
+def init_ray(settings: RaySettings = RaySettings()) -> None:
+    """Join the cluster named by RAY_ADDRESS (as under `ray job submit`), else start a local one
+    with `settings`."""
     quiet_ray_data()
     if ray.is_initialized():
         return
     if os.environ.get("RAY_ADDRESS"):
         ray.init(logging_level=logging.WARNING)
     else:
-        _init_local()
+        _init_local(settings)
 
 
-def _init_local() -> None:
+def _init_local(settings: RaySettings) -> None:
     from ray._private import ray_constants
 
     port = _free_port()
@@ -58,7 +71,7 @@ def _init_local() -> None:
     # - where this instance's State API answers. Ray Train's placement-group cleaner queries it,
     #   and without an address looks for Ray instances on the machine and fails when it finds
     #   more than one (another user's, another test's).
-    env = {LOOPBACK_ONLY: "0", "RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}
+    env = {LOOPBACK_ONLY: "0", **({"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"} if settings.dashboard else {})}
     saved_env = {k: os.environ.get(k) for k in env}
     saved_flag = ray_constants.ENABLE_RAY_CLUSTER
     os.environ.update({k: v for k, v in env.items() if saved_env[k] is None})
@@ -66,11 +79,12 @@ def _init_local() -> None:
     try:
         context = ray.init(
             address="local",
-            # More logical CPUs than cores: workers and Ray Data actors that took every CPU would
-            # leave the read tasks none, and the job would hang on a small machine.
-            num_cpus=max(8, 2 * (os.cpu_count() or 2)),
+            num_cpus=settings.num_cpus or max(8, 2 * (os.cpu_count() or 2)),
+            include_dashboard=settings.dashboard,
             dashboard_host="127.0.0.1",
             dashboard_port=port,
+            log_to_driver=settings.log_to_driver,
+            runtime_env=settings.runtime_env or None,
             logging_level=logging.WARNING,
         )
     finally:
@@ -100,29 +114,3 @@ def quiet_ray_data() -> None:
     for handler in logging.getLogger("ray.data").handlers:
         if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
             handler.setLevel(max(handler.level, logging.WARNING))
-
-
-def absolute_paths(cfg: Config) -> Config:
-    """Relative local paths resolved against the current directory, which is the job's working
-    directory under `ray job submit`. Ray workers may run elsewhere, so they get absolute paths.
-    Paths that don't exist here (hub names, `tiny-llama`) and URIs are left as they are."""
-
-    def absolute(p: str) -> str:
-        return p if storage.is_uri(p) or not Path(p).exists() else str(Path(p).resolve())
-
-    return dataclasses.replace(
-        cfg,
-        data=dataclasses.replace(cfg.data, paths=tuple(absolute(p) for p in cfg.data.paths)),
-        tokenize=dataclasses.replace(cfg.tokenize, tokenizer=absolute(cfg.tokenize.tokenizer)),
-        model=dataclasses.replace(cfg.model, name=absolute(cfg.model.name)),
-    )
-
-
-def storage_path(cfg: Config) -> str:
-    """`run.storage_path`, absolute when local (Ray Train requires it), a URI left as it is."""
-    return storage.absolute(cfg.run.storage_path)
-
-
-def run_dir(cfg: Config) -> str:
-    """Where one run's files go: Ray Train's results and checkpoints, packed/, tensorboard/."""
-    return f"{storage_path(cfg)}/{cfg.run.name}"

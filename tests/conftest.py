@@ -43,23 +43,25 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def ray_local():
-    """A local Ray instance for the whole session. `address="local"` never joins a cluster that
-    some other process (or a test using `ray start`) left running on this machine."""
+    """A local Ray instance for the whole session, started the way every raypack command starts
+    one (`raypack.runtime.init_ray`: loopback only, quiet Ray Data), with the tests' settings.
+    Without RAY_ADDRESS it never joins a cluster that some other process (or a test using
+    `ray start`) left running on this machine."""
     import ray
+
+    from raypack.runtime import RaySettings, init_ray
 
     if ray.is_initialized():
         ray.shutdown()
-    # More logical CPUs than cores: trainer workers and Ray Data actors would otherwise take every
-    # CPU and leave read tasks none (the job hangs on 2 cores).
+    os.environ.pop("RAY_ADDRESS", None)
     # Workers unpickle test-defined functions by module name (tests.ray.<package>.test_<module>,
     # benchmarks.pack_baselines), so they need the repository root; tests/ holds the helpers.
     paths = [str(REPO), str(TESTS)]
-    ray.init(
-        address="local",
-        num_cpus=8,
-        include_dashboard=False,
+    init_ray(RaySettings(
+        num_cpus=8,  # more logical CPUs than cores: Ray Data's read tasks always find one free
+        dashboard=False,  # seconds and memory saved; no test here needs Train's State API
         log_to_driver=False,
         runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(paths)}},
-    )
+    ))
     yield ray
     ray.shutdown()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from raypack.data.shards import iter_rank_packs
+from raypack.data.strategies import STRATEGIES
 
 
 def make_examples(n: int, budget: int, seed: int = 0) -> list[dict]:
@@ -48,7 +49,7 @@ def check_rows(out_dir, plan, ids, source):
             assert row["position_ids"] == want_pos
             assert row["example_ids"] == [int(ids[plan.example[e]]) for e in sel]
             assert row["num_tokens"] == len(want_ids)
-            assert plan.padded or plan.strategy == "flatten" or len(want_ids) <= plan.budget
+            assert not STRATEGIES[plan.strategy].bounded_rows or len(want_ids) <= plan.budget
     tokens = sorted((eid, s + i) for eid, s, t in seen for i in range(t - s))
     assert tokens == sorted((r["example_id"], i) for r in source for i in range(r["length"]))
     assert list(iter_rank_packs(out_dir, 0, start_step=plan.num_steps - 1))[0]["step"] == plan.num_steps - 1

@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from raypack.config import PackConfig
 from raypack.data.plan import Plan
-from raypack.data.strategies import make_plan
+from raypack.data.strategies import STRATEGIES, make_plan
 
-PACKED = ("wrapped", "wrapped_noreset", "random", "greedy", "bfd", "balanced")
+PACKED = tuple(name for name, s in STRATEGIES.items() if s.bounded_rows)
 """Strategies whose packs are rows of at most `budget` tokens (the others are minibatches)."""
 
 

@@ -5,9 +5,10 @@
                  [--strategy NAME ... | --strategy all] [--json] [--out PLAN.parquet]
 
 The config and dotted overrides are every other command's (`pack.budget=4096 train.num_workers=64`);
-the plan is `strategies.make_plan(lengths, cfg.pack, train.num_workers, train.grad_accum)`, the
-call data preparation makes, so with --config (which holds out `data.eval_fraction` exactly as
-training does) the printed plan is the plan training uses. --lengths plans every given length
+the plan is `strategies.make_plan(lengths, cfg.pack, train.num_workers, train.grad_accum)` over
+`prepare.training_examples`, the calls data preparation makes (tokenized, or read back from
+`data.cache_path`, and `data.eval_fraction` held out exactly as training does), so the printed
+plan is the plan training uses. --lengths plans every given length
 (no eval hold-out). --strategy compares other strategies under the same config (default: the
 configured `pack.strategy`).
 
@@ -21,14 +22,17 @@ example (per piece for wrapped): example_id, pack, rank, step, start, end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
 from dataclasses import replace
 
 import numpy as np
 import pyarrow.parquet as pq
 
-from raypack.config import Config, ConfigError, load
+from raypack.config import Config, load
 from raypack.data.strategies import STRATEGIES, check_strategy_name, make_plan
+from raypack.errors import ConfigError
 
 COLUMNS = ("strategy", "packs", "steps", "optimizer_steps", "tokens_per_optimizer_step", "efficiency",
            "padding_fraction", "token_imbalance", "attention_imbalance", "token_imbalance_worst",
@@ -39,19 +43,14 @@ def _from_config(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
     """Lengths and example ids of the examples a training run plans over (eval held out)."""
     # Imported here, not at the top: these take 3 s to import on 2 cores (Ray Data and the
     # tokenizer stack), which a dry run over a --lengths file, 0.2 s in all, never needs.
-    from raypack.data.prepare import held_out_mask
-    from raypack.data.tokenize import ordered, require_supervised, tokenize_dataset
-    from raypack.runtime import absolute_paths, init_ray
+    from raypack.data.cache import tokenized
+    from raypack.data.prepare import training_examples
+    from raypack.runtime import init_ray
     from raypack.train.preflight import check_data
 
-    cfg = absolute_paths(cfg)
-    check_data(cfg)  # before Ray starts
+    checked = check_data(cfg)  # before Ray starts
     init_ray()
-    _, stats = tokenize_dataset(cfg)
-    require_supervised(stats, cfg)
-    lengths, ids = ordered(stats.lengths, stats.ids)
-    train = ~held_out_mask(ids, cfg)
-    return lengths[train], ids[train]
+    return training_examples(tokenized(checked.cfg, checked.sources), checked.cfg)
 
 
 def _load_lengths(path: str) -> np.ndarray:
@@ -77,7 +76,9 @@ def run(args: argparse.Namespace) -> int:
         lengths = _load_lengths(args.lengths)
         ids = np.arange(len(lengths), dtype=np.int64)
     else:
-        lengths, ids = _from_config(cfg)
+        # With --json, stdout holds the JSON alone: the progress lines of preparing go to stderr.
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            lengths, ids = _from_config(cfg)
     ranks, accum = cfg.train.num_workers, cfg.train.grad_accum
     rows = []
     for i, name in enumerate(names):

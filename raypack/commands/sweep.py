@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from raypack.config import ConfigError, load
-from raypack.train.preflight import preflight
-from raypack.tune.space import check
-from raypack.tune.sweep import format_table, saved_config, sweep
+from raypack.config import load
+from raypack.errors import ConfigError
+from raypack.runs import SWEEP_CONFIG, saved_config
+from raypack.tune.sweep import format_table, sweep
 
 INTERRUPTED = 130
 """Exit status of an interrupted sweep (as for a shell command stopped by Ctrl-C)."""
@@ -19,12 +19,10 @@ def run(args: argparse.Namespace) -> int:
     if args.resume:
         if args.overrides:
             raise ConfigError("--resume continues a sweep with the config it was started with; drop the overrides")
-        cfg = saved_config(args.resume)
+        cfg = saved_config(args.resume, file=SWEEP_CONFIG, what="sweep")
     else:
         cfg = load(args.config, args.overrides)
-    check(cfg)  # before any Ray work, like the per-section checks of `load`
-    preflight(cfg)  # the base config's data, tokenizer and model, before Ray starts
-    outcome = sweep(cfg, resume=bool(args.resume))
+    outcome = sweep(cfg, resume=bool(args.resume))  # checks the config and its inputs before Ray starts
     print("\n" + format_table(outcome.rows, outcome.context))
     print(f"[raypack] sweep results in {outcome.directory}/: {', '.join(outcome.files)}", file=sys.stderr)
     if outcome.interrupted:

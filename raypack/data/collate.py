@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
+from raypack.data.formats import IGNORE_INDEX
 
 
 def example_starts(position_ids: np.ndarray) -> np.ndarray:

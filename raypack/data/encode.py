@@ -41,10 +41,10 @@ import pyarrow.compute as pc
 from transformers import AutoTokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from raypack.config import InputError
+from raypack.data.formats import IGNORE_INDEX
 from raypack.data.turns import TurnError, TurnLocator
+from raypack.errors import InputError
 
-IGNORE = -100
 MAX_PIECES = 1 << 10
 # Row flags, kept in a column until tokenize's stats pass has counted them.
 OK, TRUNCATED, SPLIT, DROPPED = 0, 1, 2, 3
@@ -167,7 +167,7 @@ class Encoder:
         else:  # the template ended with EOS already (Phi-3): it trains like the one raypack appends
             keep = keep.copy()
             keep[-1] |= eos_loss
-        return ids, np.where(keep, ids, np.int32(IGNORE)).astype(np.int32)
+        return ids, np.where(keep, ids, np.int32(IGNORE_INDEX)).astype(np.int32)
 
     # --- the batch callable -----------------------------------------------------------------------
 
@@ -299,7 +299,7 @@ def _columns(eids: np.ndarray, lengths: np.ndarray, ids: np.ndarray, labels: np.
     np.cumsum(lengths, out=offsets[1:])
     # Label tokens the loss sees: a row's first token predicts nothing before it (collate masks
     # every example start), so a label there counts for nothing.
-    seen = labels != IGNORE
+    seen = labels != IGNORE_INDEX
     seen[offsets[:-1][lengths > 0]] = False
     supervised = np.concatenate([[0], np.cumsum(seen)])
     label_tokens = supervised[offsets[1:]] - supervised[offsets[:-1]]

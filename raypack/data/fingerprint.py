@@ -1,9 +1,10 @@
 """What identifies the source files, so that data prepared from them is never reused once they change.
 
-    now = sources_fingerprint(cfg.data.paths)      # {file: {"size", "mtime_ns" | "sha256" | "etag"}}
-    changed = changed_sources(saved, now)          # ["chat.jsonl: size 8123 -> 8190", ...]; [] if none
+    now = sources_fingerprint(files)      # {file: {"size", "mtime_ns" | "sha256" | "etag"}}
+    changed = changed_sources(saved, now) # ["chat.jsonl: size 8123 -> 8190", ...]; [] if none
 
-Per file, in the order `raypack.data.sources.list_sources` gives (the example_id file order):
+`files` is the listing of `data.paths` (raypack/data/listing.py's `Sources.of` computes both, once
+per command). Per file, in that order (the example_id file order):
 
 - a local file up to `HASH_BYTES`: a SHA-256 of its content, which alone decides, so copying or
   touching it without changing a byte keeps the prepared data;
@@ -13,7 +14,7 @@ Per file, in the order `raypack.data.sources.list_sources` gives (the example_id
   listing gives (S3's LastModified has one-second resolution: a same-size re-upload within the
   second goes unnoticed there).
 
-Cost: one listing per configured path (the one `list_sources` does anyway), one stat per file
+Cost: no listing of its own (it is given the one a command made), one stat per file
 (or one HEAD per object for the ETag), and reading only the small files. It does not grow with
 rows: 10M rows in 100 JSONL files of 100 MB is 100 stats and no reads; 10M rows in 10M tiny files
 would hash 10M files, where a sharded layout (fewer, larger files) is the fix anyway.
@@ -26,17 +27,16 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from raypack.data.sources import list_sources
 from raypack.storage import is_uri, resolve
 
 HASH_BYTES = 1 << 20
 """Local files up to this size are identified by a content hash, larger ones by size and mtime."""
 
 
-def sources_fingerprint(paths: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """{file: identity} for every file `paths` stand for; see the module docstring."""
+def sources_fingerprint(files) -> dict[str, dict[str, Any]]:
+    """{file: identity} for every (file, kind) of `files`; see the module docstring."""
     out = {}
-    for path, _ in list_sources(paths):
+    for path, _ in files:
         fs, p = resolve(path)
         info = fs.get_file_info(p)
         if is_uri(path):

@@ -25,6 +25,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 ROLES = ("system", "user", "assistant")
+IGNORE_INDEX = -100
+"""The label of a token that carries no loss: in tokenized rows, packed rows and batches alike."""
 
 
 class FormatError(ValueError):
@@ -131,7 +133,7 @@ def _vocab_error(ids, labels, vocab_size: int) -> str | None:
     # An id past the embedding is an IndexError in a worker (a device-side assert on a GPU)
     # that names no row; here it names the file and the line.
     for key, values in (("input_ids", ids), ("labels", labels or ())):
-        bad = next((j for j, t in enumerate(values) if t >= vocab_size or (t < 0 and t != -100)), None)
+        bad = next((j for j, t in enumerate(values) if t >= vocab_size or (t < 0 and t != IGNORE_INDEX)), None)
         if bad is not None:
             return (f"{key}[{bad}] = {values[bad]} is outside the model's vocabulary (ids 0..{vocab_size - 1}"
                     + (", or -100 for no loss)" if key == "labels" else ")"))
@@ -190,7 +192,7 @@ def tokenized_columns(table: pa.Table, vocab_size: int | None = None) -> tuple[p
                      else f"`labels` has {label_lengths[i]} entries but `input_ids` has {lengths[i]}")
     if vocab_size is not None:  # only the few flagged rows go through Python, for validate's message
         outside = lambda v: pc.fill_null(pc.or_(pc.greater_equal(v, vocab_size),  # noqa: E731
-                                                pc.and_(pc.less(v, 0), pc.not_equal(v, -100))), False)
+                                                pc.and_(pc.less(v, 0), pc.not_equal(v, IGNORE_INDEX))), False)
         flagged = _rows_with(ids, outside(values)) | _rows_with(labels, outside(label_values))
         for i in np.flatnonzero(flagged).tolist():
             if errors[i] is None:

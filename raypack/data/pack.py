@@ -40,6 +40,7 @@ import pyarrow.parquet as pq
 import ray
 
 from raypack import storage
+from raypack.data.formats import IGNORE_INDEX
 from raypack.data.plan import Plan
 
 FINISH_BYTES_PER_TOKEN = 96
@@ -72,7 +73,7 @@ def _as_lists(column) -> pa.ListArray:
     return lists
 
 
-class _Router:
+class Router:
     """map_batches callable: cut each example into the pieces the plan places, tag each piece."""
 
     def __init__(self, routing: dict[str, np.ndarray]):
@@ -104,7 +105,7 @@ class _Router:
         return pa.table(out)
 
 
-def _routing(plan, example_ids: np.ndarray) -> dict[str, np.ndarray]:
+def plan_routing(plan, example_ids: np.ndarray) -> dict[str, np.ndarray]:
     n = len(example_ids)
     pack_first = np.searchsorted(plan.pack, plan.pack)  # entries are ordered by pack
     by_example = np.argsort(plan.example, kind="stable")
@@ -154,13 +155,13 @@ def assemble_rows(pieces: pa.Table, reset_positions: bool) -> pa.Table:
     )
 
 
-def _empty_rows(rank: int, steps: np.ndarray, num_ranks: int) -> pa.Table:
+def empty_rows(rank: int, steps: np.ndarray, num_ranks: int) -> pa.Table:
     k = len(steps)
     ones = np.arange(k + 1, dtype=np.int32)
     return pa.table(
         {
             "input_ids": _list_array(ones, np.zeros(k, np.int32), pa.int32()),
-            "labels": _list_array(ones, np.full(k, -100, np.int32), pa.int32()),
+            "labels": _list_array(ones, np.full(k, IGNORE_INDEX, np.int32), pa.int32()),
             "position_ids": _list_array(ones, np.zeros(k, np.int32), pa.int32()),
             "example_ids": _list_array(np.zeros(k + 1, np.int32), np.zeros(0, np.int64), pa.int64()),
             "pack": pa.array(steps.astype(np.int64) * num_ranks + rank, pa.int64()),
@@ -171,7 +172,7 @@ def _empty_rows(rank: int, steps: np.ndarray, num_ranks: int) -> pa.Table:
     )
 
 
-def _write_rank(rows: pa.Table, out: str, rank: int, num_steps: int, num_ranks: int,
+def write_rank(rows: pa.Table, out: str, rank: int, num_steps: int, num_ranks: int,
                 group_rows: int = ROWS_PER_FILE) -> int:
     """Add the rank's empty packs, sort by step, write files whose names sort in step order, in
     row groups of `group_rows` rows."""
@@ -181,7 +182,7 @@ def _write_rank(rows: pa.Table, out: str, rank: int, num_steps: int, num_ranks: 
     # assemble_rows sorts by pack, which within a rank is step order: sorting again (a copy of
     # every token) is needed only to slot in empty packs, or for rows from elsewhere.
     if not have.all() or (np.diff(steps) < 0).any():
-        rows = pa.concat_tables([rows, _empty_rows(rank, np.flatnonzero(~have), num_ranks)]).sort_by("step")
+        rows = pa.concat_tables([rows, empty_rows(rank, np.flatnonzero(~have), num_ranks)]).sort_by("step")
     fs, path = storage.resolve(out)  # a local folder or object storage shared by every node
     fs.create_dir(path, recursive=True)
     per_file = max(1, ROWS_PER_FILE // group_rows) * group_rows
@@ -191,9 +192,9 @@ def _write_rank(rows: pa.Table, out: str, rank: int, num_steps: int, num_ranks: 
     return rows.num_rows
 
 
-def _route_block(block: pa.Table, routing: dict[str, np.ndarray], num_ranks: int):
+def route_block(block: pa.Table, routing: dict[str, np.ndarray], num_ranks: int):
     """One block's pieces, split by rank (a task with num_returns=num_ranks)."""
-    pieces = _Router(routing)(block)
+    pieces = Router(routing)(block)
     rank = pieces["rank"].to_numpy()
     order = np.argsort(rank, kind="stable")
     bounds = np.searchsorted(rank[order], np.arange(num_ranks + 1))
@@ -207,24 +208,24 @@ def label_tokens(rows: pa.Table) -> int:
     (collate masks every example start; wrapped_noreset restarts only at a row's start)."""
     labels = pc.list_flatten(rows["labels"]).to_numpy(zero_copy_only=False)
     positions = pc.list_flatten(rows["position_ids"]).to_numpy(zero_copy_only=False)
-    return int(((labels != -100) & (positions != 0)).sum())
+    return int(((labels != IGNORE_INDEX) & (positions != 0)).sum())
 
 
 def _rank_rows(rank: int, num_ranks: int, reset: bool, parts) -> pa.Table:
     parts = [t for t in parts if t.num_rows]
-    return assemble_rows(pa.concat_tables(parts), reset) if parts else _empty_rows(rank, np.zeros(0, np.int64), num_ranks)
+    return assemble_rows(pa.concat_tables(parts), reset) if parts else empty_rows(rank, np.zeros(0, np.int64), num_ranks)
 
 
-def _finish_rank_tables(out: str, rank: int, num_steps: int, num_ranks: int, reset: bool, *parts,
+def finish_rank_tables(out: str, rank: int, num_steps: int, num_ranks: int, reset: bool, *parts,
                         group_rows: int = ROWS_PER_FILE) -> int:
-    return _write_rank(_rank_rows(rank, num_ranks, reset, parts), out, rank, num_steps, num_ranks, group_rows)
+    return write_rank(_rank_rows(rank, num_ranks, reset, parts), out, rank, num_steps, num_ranks, group_rows)
 
 
 def _finish_and_count(out: str, rank: int, num_steps: int, num_ranks: int, reset: bool, *parts,
                       group_rows: int = ROWS_PER_FILE) -> tuple[int, int]:
     """Rows written and label tokens, for one rank."""
     rows = _rank_rows(rank, num_ranks, reset, parts)
-    return _write_rank(rows, out, rank, num_steps, num_ranks, group_rows), label_tokens(rows)
+    return write_rank(rows, out, rank, num_steps, num_ranks, group_rows), label_tokens(rows)
 
 
 def finish_memory(plan: Plan) -> np.ndarray:
@@ -247,9 +248,9 @@ def materialize(ds: ray.data.Dataset, plan: Plan, example_ids: np.ndarray, out_d
     t0 = time.perf_counter()
     out = out_dir.rstrip("/")
     storage.remove_dir(out)  # write_parquet appends by default; a stale shard would corrupt a rank
-    routing = ray.put(_routing(plan, example_ids))
+    routing = ray.put(plan_routing(plan, example_ids))
     args = (plan.num_steps, plan.num_ranks, plan.reset_positions)
-    route = ray.remote(num_cpus=0.5, num_returns=plan.num_ranks)(_route_block)
+    route = ray.remote(num_cpus=0.5, num_returns=plan.num_ranks)(route_block)
     parts = [route.remote(block, routing, plan.num_ranks) for block in ds.to_arrow_refs()]
     if plan.num_ranks == 1:
         parts = [[p] for p in parts]

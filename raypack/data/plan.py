@@ -21,7 +21,7 @@ two pieces is split in two (at the piece where its tokens pass half), repeatedly
 When no pack can be split any more (fewer pieces than cells), empty packs fill the grid; the pack
 stage turns an empty pack into a 1-token row whose label is -100, so it adds zero loss.
 
-Order. Which pack goes to which cell is the strategy's choice (`Strategy.arrange`): by default
+Order. Which pack goes to which cell is the strategy's choice (`Strategy.layout`): by default
 steps are shuffled with `seed` so training never runs sorted by length, and ranks within a step
 are shuffled too. Everything is seeded: the same lengths, config and rank count rebuild exactly
 the same plan (a resumed run relies on it).
@@ -38,7 +38,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from raypack.data.stats import plan_stats
 
@@ -113,9 +112,6 @@ class Plan:
                 "end": self.end,
             }
         )
-
-    def write_parquet(self, path: str) -> None:
-        pq.write_table(self.to_table(), path)
 
 
 # --- from a Packing to a Plan ---------------------------------------------------------------------

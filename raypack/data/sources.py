@@ -1,10 +1,9 @@
-"""Stage 1: read JSONL, Parquet and `save_to_disk` datasets into one Ray Dataset of raw examples.
+"""Stage 1b: read JSONL, Parquet and `save_to_disk` datasets into one Ray Dataset of raw examples.
 
-    ds, report = read_sources_with_report(cfg.data)  # good rows; report.bad_rows, report.formats, ...
-    files = list_sources(cfg.data.paths)             # the listing alone, no reads, no Ray
-    check_rows_here(cfg.data, vocab_size)            # every row validated in this process, no Ray
+    ds, report = read_sources_with_report(cfg.data, sources)  # good rows; report.bad_rows, .formats
+    check_rows_here(cfg.data, sources, vocab_size)            # every row validated here, no Ray
 
-Each input file is one or more read units (a JSONL file or a newline-aligned byte range of a large
+`sources` is the command's one listing of `data.paths` (raypack/data/listing.py). Each input file is one or more read units (a JSONL file or a newline-aligned byte range of a large
 one, a Parquet row group, an Arrow file of a `save_to_disk` folder) that a Ray task parses and
 validates, so every row keeps its file and its line or row number. That gives every example a stable identity and every bad row an error that
 says where it is:
@@ -30,19 +29,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import ray
 
-from raypack.config import DataConfig, InputError
+from raypack.config import DataConfig
 from raypack.data.formats import FormatError, detect, tokenized_columns, validate
-from raypack.storage import is_uri, resolve  # local paths and s3://, gs:// URIs through one pyarrow filesystem
+from raypack.data.listing import MAX_ROWS, Sources, read_units
+from raypack.errors import SourceError
+from raypack.storage import resolve  # local paths and s3://, gs:// URIs through one pyarrow filesystem
 
 FILE_SHIFT, ROW_SHIFT = 42, 10
-CHUNK_BYTES = 4 << 20
-"""A JSONL file larger than this is read as several units of about this size, so that one large
-file still reads on every core and its first rows reach tokenize before its last are parsed."""
-MAX_FILES, MAX_ROWS = 1 << 21, 1 << 32
 SCHEMA = pa.schema(
     [
         ("example_id", pa.int64()),
@@ -59,10 +55,6 @@ SCHEMA = pa.schema(
         ("fatal", pa.bool_()),
     ]
 )
-
-
-class SourceError(InputError):
-    """A source file or row is unreadable or invalid; the message names the file and the row."""
 
 
 @dataclass
@@ -89,130 +81,10 @@ def locate(eid: int) -> tuple[int, int, int]:
 
 def row_location(eid: int, files: list[tuple[str, str]]) -> str:
     """`file:line` (JSONL) or `file row N` of an example id, as bad-row messages name rows;
-    `files` is `list_sources(cfg.paths)`."""
+    `files` is `Sources.files`."""
     file_index, row, _ = locate(int(eid))
     path, kind = files[file_index]
     return f"{path}:{row + 1}" if kind == "jsonl" else f"{path} row {row}"
-
-
-# --- listing: paths -> read units -----------------------------------------------------------------
-
-
-def _kind(path: str) -> str | None:
-    for suffix, kind in ((".jsonl", "jsonl"), (".json", "jsonl"), (".parquet", "parquet"), (".arrow", "arrow")):
-        if path.endswith(suffix):
-            return kind
-    return None
-
-
-def _expand(path: str) -> list[tuple[str, str]]:
-    """(path, kind) of every file a configured path stands for."""
-    try:
-        return _expand_reachable(path)
-    except OSError as e:
-        # pyarrow's own message is about bucket regions, credentials or curl codes; say which
-        # configured path it was, and keep pyarrow's first line for the reason.
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise SourceError(f"data.paths: {path}: can't read it ({reason})") from e
-
-
-def _expand_reachable(path: str) -> list[tuple[str, str]]:
-    fs, p = resolve(path)
-    info = fs.get_file_info(p)
-    prefix = path[: len(path) - len(p)] if is_uri(path) else ""
-    if info.type == pafs.FileType.NotFound:
-        raise SourceError(f"data.paths: {path}: no such file or folder")
-    if info.type == pafs.FileType.File:
-        if _kind(p) is None:
-            raise SourceError(f"data.paths: {path}: unknown file type; expected .jsonl, .json, .parquet or a save_to_disk folder")
-        return [(path, _kind(p))]
-    names = {i.base_name for i in fs.get_file_info(pafs.FileSelector(p))}
-    if "dataset_dict.json" in names:  # a DatasetDict: read its train split
-        if "train" not in names:
-            raise SourceError(f"{path}: a saved DatasetDict without a `train` split; point data.paths at a split folder")
-        return _expand_reachable(f"{path.rstrip('/')}/train")
-    if "state.json" in names:  # Dataset.save_to_disk: Arrow stream files listed in state.json
-        with fs.open_input_stream(f"{p}/state.json") as f:
-            state = json.loads(f.read())
-        return [(f"{prefix}{p}/{d['filename']}", "arrow") for d in state["_data_files"]]
-    files = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(p)) if i.is_file and _kind(i.path))
-    if not files:
-        raise SourceError(f"data.paths: {path}: folder holds no .jsonl, .json or .parquet files")
-    return [(prefix + f, _kind(f)) for f in files]
-
-
-def list_sources(paths: tuple[str, ...]) -> list[tuple[str, str]]:
-    """(path, kind) of every source file, in example_id file order; kind is jsonl, parquet or arrow.
-    One listing per configured path and no reads: a missing path, an empty folder or an
-    unreachable URI fails here, before any Ray work, naming `data.paths`."""
-    return [f for p in paths for f in _expand(p)]
-
-
-def _units(paths: tuple[str, ...]) -> tuple[list[dict], int]:
-    files = list_sources(paths)
-    if len(files) >= MAX_FILES:
-        raise SourceError(f"data.paths: {len(files)} files; at most {MAX_FILES - 1} are supported")
-    units = []
-    for i, (path, kind) in enumerate(files):
-        if kind == "parquet":  # one unit per row group, so one large file still reads in parallel
-            fs, p = resolve(path)
-            meta = pq.ParquetFile(p, filesystem=fs).metadata
-            if meta.num_rows == 0:
-                raise SourceError(f"{path}: empty file (no rows)")
-            if meta.num_rows > MAX_ROWS:
-                raise SourceError(f"{path}: more than {MAX_ROWS} rows in one file; split the file")
-            offset = 0
-            for g in range(meta.num_row_groups):
-                units.append(_unit(i, path, kind, row_group=g, row_offset=offset))
-                offset += meta.row_group(g).num_rows
-        elif kind == "jsonl":
-            units += _jsonl_units(i, path)
-        else:
-            units.append(_unit(i, path, kind))
-    return units, len(files)
-
-
-def _unit(file_index: int, path: str, kind: str, row_group=-1, row_offset=0, start=0, stop=-1, keys="") -> dict:
-    # Every unit has every field: Ray Data wants one schema across the units' blocks.
-    return dict(file_index=file_index, path=path, kind=kind, row_group=row_group, row_offset=row_offset, start=start, stop=stop, keys=keys)
-
-
-def _jsonl_units(i: int, path: str) -> list[dict]:
-    """The whole file, or byte ranges of about CHUNK_BYTES cut after a newline. The driver reads the
-    file once to count the newlines before each cut (each unit's first line number, for ids and
-    error messages) and to find the first JSON object, whose fields pick every unit's format."""
-    whole = _unit(i, path, "jsonl")
-    fs, p = resolve(path)
-    size = fs.get_file_info(p).size
-    if size <= CHUNK_BYTES:
-        return [whole]
-    units, start, line, keys, nonblank = [], 0, 0, None, False
-    with fs.open_input_file(p) as f:
-        while start < size:
-            n = CHUNK_BYTES
-            while True:
-                data = f.read_at(n, start)
-                cut = len(data) if start + len(data) >= size else data.rfind(b"\n") + 1
-                if cut:
-                    break
-                n *= 2  # one line longer than a chunk
-            data = data[:cut]
-            nonblank = nonblank or bool(data.strip())
-            for raw in data.split(b"\n") if keys is None else ():
-                try:
-                    rec = json.loads(raw)
-                except ValueError:  # malformed or blank; the read task reports it
-                    continue
-                if isinstance(rec, dict):
-                    keys = sorted(rec)
-                    break
-            units.append({**whole, "row_offset": line, "start": start, "stop": start + cut})
-            line, start = line + data.count(b"\n"), start + cut
-    if not nonblank:
-        return [whole]  # the read task reports the empty file
-    if line >= MAX_ROWS:
-        raise SourceError(f"{path}: more than {MAX_ROWS} lines in one file; split the file")
-    return [{**u, "keys": json.dumps(keys or [])} for u in units]
 
 
 # --- reading and validating one unit --------------------------------------------------------------
@@ -322,21 +194,20 @@ def _drop_bad(batch: pa.Table) -> pa.Table:
     return batch.filter(pc.is_null(batch["error"])).drop_columns(["error", "fatal"])
 
 
-def read_rows(cfg: DataConfig, vocab_size: int | None = None) -> tuple[ray.data.Dataset, int]:
-    """Every row of `cfg.paths` in SCHEMA, bad ones carrying `error` (and `fatal` for a file-level
-    problem), as a lazy dataset that streams into the next stage; and the number of files."""
-    units, n_files = _units(cfg.paths)
-    ds = ray.data.from_items(units, override_num_blocks=len(units)).map_batches(
+def read_rows(cfg: DataConfig, sources: Sources, vocab_size: int | None = None) -> ray.data.Dataset:
+    """Every row of `sources` in SCHEMA, bad ones carrying `error` (and `fatal` for a file-level
+    problem), as a lazy dataset that streams into the next stage."""
+    units = read_units(sources.files)
+    return ray.data.from_items(units, override_num_blocks=len(units)).map_batches(
         read_unit, batch_size=1, fn_kwargs={"declared": cfg.format, "vocab_size": vocab_size}, num_cpus=0.5
     )
-    return ds, n_files
 
 
-def check_rows_here(cfg: DataConfig, vocab_size: int | None = None) -> int:
+def check_rows_here(cfg: DataConfig, sources: Sources, vocab_size: int | None = None) -> int:
     """Validate every row on this process, without Ray, raising the SourceError that reading
     them with Ray would (the first bad row in file order). For small local data, so that a bad
     row fails in a second instead of after Ray starts; returns the number of good rows."""
-    units, _ = _units(cfg.paths)
+    units = read_units(sources.files)
     rows, errors, fatal = 0, [], []
     for unit in units:
         table = read_unit({k: [v] for k, v in unit.items()}, cfg.format, vocab_size)
@@ -360,11 +231,11 @@ def _raise_bad_rows(errors: list[tuple[int, str]], fatal: list[tuple[int, str]],
         raise SourceError(first[1] + more)
 
 
-def read_sources_with_report(cfg: DataConfig, vocab_size: int | None = None) -> tuple[ray.data.Dataset, SourceReport]:
+def read_sources_with_report(cfg: DataConfig, sources: Sources,
+                             vocab_size: int | None = None) -> tuple[ray.data.Dataset, SourceReport]:
     """Read and validate every source; the dataset holds only good rows, materialized."""
-    ds, n_files = read_rows(cfg, vocab_size)
-    ds = ds.materialize()
-    report = SourceReport(files=n_files)
+    ds = read_rows(cfg, sources, vocab_size).materialize()
+    report = SourceReport(files=len(sources.files))
     errors, fatal = [], []
     for batch in ds.select_columns(["format", "error", "fatal", "example_id"]).iter_batches(batch_format="pyarrow", batch_size=65536):
         bad = pc.is_valid(batch["error"])

@@ -14,14 +14,21 @@ a pack is one row of at most `budget` tokens: one micro-batch for one rank at on
 pad / pad_sorted / flatten a pack is one minibatch of `batch_size` examples; pad pads it to its
 longest example, flatten concatenates the same minibatch into one row, so both have the same
 packs and steps. Only `wrapped*` splits examples (into rows of exactly `budget`, the last row
-may be short); every other strategy places each example whole, once. `Strategy.padded` is the
-one answer to "does this strategy pad?"; it reaches the workers as `Plan.padded` and
-`Prepared.padded`. `Strategy.random_packs` is the one answer to "does the seed change which
-examples share a pack?" (what `pack.repack_each_epoch` needs).
+may be short); every other strategy places each example whole, once.
 
-Strategy names are checked when a config loads: raypack/config.py calls `check_strategy_name`
-and `check_repack` (imported inside PackConfig's check, so config.py needs nothing from here
-at import time; this module imports config as usual).
+Traits. What the rest of raypack needs to know about a strategy is a class attribute of it, the
+one answer everywhere (preflight, the sweep, the workers, the tests):
+
+    padded            rows are padded minibatches, attended with a padding mask (Plan.padded,
+                      Prepared.padded on the workers)
+    bounded_rows      every row holds at most `budget` tokens (flatten's and pad's minibatches
+                      hold `batch_size` examples, however long)
+    takes_batch_size  packs are minibatches of `pack.batch_size` examples (what tune.equal_work sizes)
+    random_packs      the seed decides which examples share a pack (what pack.repack_each_epoch needs)
+    splits_examples, reset_positions   wrapped's pieces; wrapped_noreset's running positions
+
+`check_strategies(cfg)` checks a loaded config's strategy names and the traits its options need;
+the command line runs it right after loading a config, and preflight before every run.
 """
 
 from __future__ import annotations
@@ -33,10 +40,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from raypack.config import ConfigError, PackConfig
+from raypack.config import Config, PackConfig
 from raypack.data import binpack
 from raypack.data.balance import balanced_layout
 from raypack.data.plan import Packing, Plan, check_lengths, even_out, fold_accumulation, place
+from raypack.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -45,6 +53,11 @@ class Strategy:
 
     name: ClassVar[str]
     padded: ClassVar[bool] = False
+    """Rows are padded minibatches (collated with a padding mask, attended by the model's own SDPA)."""
+    bounded_rows: ClassVar[bool] = True
+    """Every row holds at most `budget` tokens."""
+    takes_batch_size: ClassVar[bool] = False
+    """Packs are minibatches of `batch_size` examples (pack.batch_size)."""
     reset_positions: ClassVar[bool] = True
     splits_examples: ClassVar[bool] = False
     random_packs: ClassVar[bool] = False
@@ -101,8 +114,10 @@ class Pad(Strategy):
 
     name: ClassVar[str] = "pad"
     padded: ClassVar[bool] = True
+    bounded_rows: ClassVar[bool] = False
+    takes_batch_size: ClassVar[bool] = True
     random_packs: ClassVar[bool] = True
-    batch_size: float = 8
+    batch_size: float = 8.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -222,9 +237,23 @@ STRATEGIES: dict[str, type[Strategy]] = {
 
 
 def check_strategy_name(name: str, field: str = "pack.strategy") -> None:
-    """ConfigError naming `field` unless `name` is a registered strategy (config loading calls it)."""
+    """ConfigError naming `field` unless `name` is a registered strategy."""
     if name not in STRATEGIES:
         raise ConfigError(f"{field}: unknown packing strategy {name!r}; expected one of {', '.join(STRATEGIES)}")
+
+
+def check_strategies(cfg: Config, source: str = "") -> None:
+    """Every strategy `cfg` names is registered (pack.strategy, tune.strategies) and has the traits
+    its options need (pack.repack_each_epoch); a ConfigError naming the field, and `source` (the
+    config file) when given, otherwise."""
+    try:
+        check_strategy_name(cfg.pack.strategy, "pack.strategy")
+        if cfg.pack.repack_each_epoch:
+            check_repack(cfg.pack.strategy, "pack.repack_each_epoch")
+        for name in cfg.tune.strategies:
+            check_strategy_name(name, "tune.strategies")
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}" if source else str(e)) from None
 
 
 def check_repack(name: str, field: str = "pack.repack_each_epoch") -> None:

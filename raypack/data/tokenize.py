@@ -1,6 +1,6 @@
 """Stage 2: tokenize the raw examples with Ray Data, one tokenizer per actor, and count what happened.
 
-    ds, stats = tokenize_dataset(cfg)     # ds: example_id, input_ids, labels, length
+    ds, stats = tokenize_dataset(cfg, sources)   # ds: example_id, input_ids, labels, length
     print(stats.summary())                # what `raypack data` prints
     lengths, ids = ordered(stats.lengths, stats.ids)  # the planner's input, ordered by example_id
 
@@ -31,7 +31,9 @@ import ray
 
 from raypack.config import Config
 from raypack.data.encode import Encoder, TokenizeError, check_chat_template, counts, kept_rows, load_tokenizer
-from raypack.data.sources import SourceError, list_sources, read_rows, read_sources_with_report, row_location
+from raypack.data.listing import Sources
+from raypack.data.sources import read_rows, read_sources_with_report, row_location
+from raypack.errors import SourceError
 
 
 TOKENIZED_BATCH = 4096
@@ -62,6 +64,10 @@ class TokenizeStats:
     no_label_examples: list[str] = field(default_factory=list)
     """Where the first few of the `no_labels` examples are (file:line)."""
     max_length: int = 0
+    pad_token_id: int = 0
+    """The tokenizer's pad id (its EOS where it has none): what padded batches and empty packs hold."""
+    tokenizer_size: int = 0
+    """len(tokenizer): a tiny model is built with this vocabulary."""
     formats: dict[str, int] = field(default_factory=dict)
     lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), repr=False)
     """Every output row's length, in no particular order (what the planner needs)."""
@@ -127,14 +133,15 @@ class _SourceEncoder(Encoder):
         return kept_rows(table)
 
 
-def tokenize_dataset(cfg: Config, vocab_size: int | None = None) -> tuple[ray.data.Dataset, TokenizeStats]:
-    """Stages 1 and 2: read `cfg.data`, tokenize by `cfg.tokenize`; max_length defaults to `pack.budget`.
-    `vocab_size` (the model's), when given, bounds the ids of pre-tokenized rows."""
+def tokenize_dataset(cfg: Config, sources: Sources, vocab_size: int | None = None) -> tuple[ray.data.Dataset, TokenizeStats]:
+    """Stages 1 and 2: read `sources` (the listing of `cfg.data.paths`), tokenize by
+    `cfg.tokenize`, keep examples of up to `cfg.max_length` tokens whole. `vocab_size` (the
+    model's), when given, bounds the ids of pre-tokenized rows."""
     t = cfg.tokenize
-    max_length = t.max_length or cfg.pack.budget
+    max_length = cfg.max_length
     # Fail on the driver, with a config-level message, before any actor starts.
     tok = load_tokenizer(t.tokenizer, t.chat_template)
-    src, _ = read_rows(cfg.data, vocab_size)
+    src = read_rows(cfg.data, sources, vocab_size)
     # Declared pre-tokenized data runs no tokenizer: small batches would only add per-batch cost
     # (at 1M rows, 4,000 batches of 256).
     batch_size = max(t.batch_size, TOKENIZED_BATCH) if cfg.data.format == "tokenized" else t.batch_size
@@ -159,18 +166,18 @@ def tokenize_dataset(cfg: Config, vocab_size: int | None = None) -> tuple[ray.da
     except Exception:
         # A bad row or chat data without a template stopped the pipeline inside an actor, where
         # Ray wraps the error. Raise ours instead, in the order the checks used to run.
-        _, report = read_sources_with_report(cfg.data, vocab_size)
+        _, report = read_sources_with_report(cfg.data, sources, vocab_size)
         if report.formats.get("chat"):
             check_chat_template(tok, t.tokenizer)
         raise
     finally:
         ray.kill(counter)
 
-    stats = TokenizeStats(max_length=max_length)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    stats = TokenizeStats(max_length=max_length, pad_token_id=int(pad), tokenizer_size=len(tok))
     for key in ("dropped", "truncated", "split", "pieces", "no_labels", "no_label_pieces", "label_tokens", "bad_rows"):
         setattr(stats, key, sum(b[key] for b in batches))
-    files = list_sources(cfg.data.paths)
-    stats.no_label_examples = [row_location(e, files) for e in sorted(e for b in batches for e in b["no_label_examples"])[:5]]
+    stats.no_label_examples = [row_location(e, sources.files) for e in sorted(e for b in batches for e in b["no_label_examples"])[:5]]
     for b in batches:
         for fmt, n in b["formats"].items():
             stats.formats[fmt] = stats.formats.get(fmt, 0) + n

@@ -26,7 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from raypack.config import InputError
+from raypack.errors import InputError
 from raypack.model import attention as attn
 from raypack.model.traits import UnsupportedModelError, check_packable
 

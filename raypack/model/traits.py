@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 import torch
 
-from raypack.config import InputError
+from raypack.errors import InputError
 
 EXACT_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention",
                                "moe", "sparse", "dense"})  # fmt: skip

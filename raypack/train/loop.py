@@ -1,13 +1,15 @@
-"""`train_loop_per_worker`: what every Ray Train worker runs.
+"""`train_loop_per_worker`: what every Ray Train worker runs, in named phases.
 
-    setup  ──> restore ──> for each optimizer step: train_step ──> [evaluate] ──> report_and_checkpoint
+    setup_worker (engine, loss probe, restore, reporter)
+      └─ for each epoch: train_epoch
+           └─ for each optimizer step: train_step ──> after_step: [evaluate] ──> report_and_checkpoint
 
 Each worker reads only its own rank's packs from the folder the driver wrote, in the order of the
 current epoch (raypack/data/shards.py: the plan's order in epoch 1, a seeded reorder of whole
 optimizer steps after). The data position (epoch, micro-step within that epoch's order) travels
-in every checkpoint, so a restarted worker group resumes exactly after the last checkpointed
-step: the steps lost with a failure are redone, and no example is skipped or trained twice in an
-epoch by the final model.
+in every checkpoint (raypack/train/checkpoint.py), so a restarted worker group resumes exactly
+after the last checkpointed step: the steps lost with a failure are redone, and no example is
+skipped or trained twice in an epoch by the final model.
 
 Loss: one optimizer step's loss is Σ token losses / N, where N counts the label tokens of all its
 micro-batches on all ranks. DeepSpeed divides each backward by the accumulation steps and averages
@@ -24,50 +26,26 @@ between steps, and syncs once at its end, which times the compute and reads the 
 from __future__ import annotations
 
 import os
-import tempfile
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
+from typing import Any
 
 import deepspeed
-import numpy as np
 import ray.train
 import torch
 import torch.distributed as dist
 from transformers.integrations import HfDeepSpeedConfig
 
-from raypack.config import Config, InputError
+from raypack.config import Config
 from raypack.data.collate import move_batch
 from raypack.data.encode import load_tokenizer
 from raypack.data.shards import Prepared, iter_epoch_packs, iter_rank_packs
 from raypack.model.build import load_model, resolve_dtype
 from raypack.train.engine import deepspeed_config, setup_engine
+from raypack.train.checkpoint import TrainState, report_and_checkpoint, restore
 from raypack.train.loss import CausalLMLoss, make_loss
 from raypack.train.metrics import Reporter, model_flops_per_token
 from raypack.train.prefetch import Prefetcher, StepBatch, prepare_step
-
-CKPT_TAG = "ds"  # one fixed DeepSpeed tag: every Ray checkpoint folder holds exactly one
-
-
-@dataclass
-class TrainState:
-    """Where the run is; saved with every checkpoint and restored after a failure."""
-
-    epoch: int = 0
-    micro_step: int = 0
-    """Micro-steps of this epoch's order already run (a multiple of grad_accum): the position in
-    `shards.epoch_order`, not a stored step."""
-    step: int = 0
-    """Optimizer steps taken so far."""
-    plan: str = ""
-    """Fingerprint of the packed data this position indexes; a resume onto another plan is refused."""
-    steps_log: list[tuple[int, int, list[int]]] = field(default_factory=list)
-    """(optimizer step, epoch, example_ids) per step this rank took: what the final model trained on."""
-    tokens_seen: float = 0.0
-    train_time_s: float = 0.0
-    eval_time_s: float = 0.0
-    """The Reporter's cumulative counts at the checkpoint, so curves and clocks go on after a restart."""
-
 
 # --- setup --------------------------------------------------------------------------------------
 
@@ -96,26 +74,6 @@ def setup(cfg: Config, data: Prepared, world_size: int):
     engine, scheduler = setup_engine(model, cfg.train, dtype=model.dtype, world_size=world_size, total_steps=total)
     del zero3
     return engine, scheduler, total
-
-
-def restore(engine, rank: int, plan: str) -> TrainState:
-    """Load the last reported checkpoint, if any: weights, optimizer, schedule and data position."""
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None:
-        return TrainState(plan=plan)
-    with checkpoint.as_directory() as path:
-        _, client = engine.load_checkpoint(path, tag=CKPT_TAG)
-        state = TrainState(**{k: v for k, v in client["train_state"].items() if k != "steps_log"})
-        state.steps_log = read_steps_log(Path(path) / f"steps_rank{rank}.npz")
-    if state.plan != plan:
-        # The position is an index into one plan's packs; on another plan it would skip or
-        # repeat examples. Changing data, tokenize, pack, ranks or grad_accum needs a new run.
-        raise InputError(
-            f"checkpoint {checkpoint.path} was taken on packed data {state.plan or '<unknown>'}, but this run's "
-            f"data is {plan}: the data, tokenize or pack config, num_workers or grad_accum changed. "
-            "Resume with the original config, or start a new run.name."
-        )
-    return state
 
 
 # --- one optimizer step -----------------------------------------------------------------------
@@ -209,63 +167,40 @@ def _preparer(data: Prepared, device: torch.device):
     return prepare
 
 
-# --- report and checkpoint -----------------------------------------------------------------------
-
-
-def report_and_checkpoint(
-    engine, state: TrainState, metrics: dict, rank: int, checkpoint: bool, final: bool, tokenizer=None
-) -> None:
-    """Report `metrics`, with a checkpoint if due; the final one also holds a Hugging Face
-    `model/` folder (with `tokenizer`, when given, so AutoTokenizer loads from it too)."""
-    if not checkpoint:
-        ray.train.report(metrics)
-        return
-    with tempfile.TemporaryDirectory(prefix="raypack-ckpt-") as path:
-        client = {"train_state": {k: v for k, v in asdict(state).items() if k != "steps_log"}}
-        engine.save_checkpoint(path, tag=CKPT_TAG, client_state=client)
-        write_steps_log(Path(path) / f"steps_rank{rank}.npz", state.steps_log)
-        if final:
-            save_hf_model(engine, Path(path) / "model", rank, tokenizer)
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(path))
-
-
-def write_steps_log(path: Path, log: list[tuple[int, int, list[int]]]) -> None:
-    """The step log as flat arrays (8 bytes an example), not JSON: it is rewritten every checkpoint."""
-    ids = [np.asarray(example_ids, dtype=np.int64) for _, _, example_ids in log]
-    np.savez(
-        path,
-        step=np.array([s for s, _, _ in log], dtype=np.int64),
-        epoch=np.array([e for _, e, _ in log], dtype=np.int64),
-        offsets=np.cumsum([0] + [len(i) for i in ids]),
-        example_ids=np.concatenate(ids) if ids else np.zeros(0, np.int64),
-    )
-
-
-def read_steps_log(path: Path) -> list[tuple[int, int, list[int]]]:
-    if not path.exists():
-        return []
-    z = np.load(path)
-    o = z["offsets"]
-    return [(int(s), int(e), z["example_ids"][o[i]:o[i + 1]].tolist()) for i, (s, e) in enumerate(zip(z["step"], z["epoch"]))]
-
-
-def save_hf_model(engine, path: Path, rank: int, tokenizer=None) -> None:
-    """A plain Hugging Face folder next to the DeepSpeed state, loadable with from_pretrained:
-    the model, and the tokenizer it was trained with."""
-    if engine.zero_optimization_stage() == 3:
-        state = engine._zero3_consolidated_16bit_state_dict()  # a collective: every rank calls it
-    else:
-        state = engine.module.state_dict()
-    if rank == 0:
-        engine.module.save_pretrained(path, state_dict=state, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(path)
-
-
 # --- the loop -------------------------------------------------------------------------------------
 
 
+@dataclass
+class Worker:
+    """One worker's run: what every phase below reads, and the state it advances."""
+
+    cfg: Config
+    data: Prepared
+    rank: int
+    engine: Any
+    scheduler: Any
+    loss: CausalLMLoss
+    state: TrainState
+    reporter: Reporter
+    total_steps: int
+    config: dict[str, Any]
+    """The train_loop_config the worker was started with."""
+    tokenizer: Any = None
+    """Rank 0's tokenizer, saved with the final model (loaded at setup, not in the step loop)."""
+
+
 def train_loop_per_worker(config: dict) -> None:
+    w = setup_worker(config)
+    for epoch in range(w.state.epoch, w.cfg.train.epochs):
+        train_epoch(w, epoch)
+        if w.state.step >= w.total_steps:
+            break
+        check_epoch_read(w, epoch)
+    w.reporter.close()
+
+
+def setup_worker(config: dict) -> Worker:
+    """Build the engine, probe the loss, restore the last checkpoint and start the clocks."""
     cfg = Config.from_dict(config["cfg"])
     data = Prepared.from_dict(config["data"])
     ctx = ray.train.get_context()
@@ -275,64 +210,72 @@ def train_loop_per_worker(config: dict) -> None:
     # reproduce exactly stops here, before any step.
     loss = make_loss(engine, cfg.train.loss, cfg.train.loss_chunk_tokens, padded=data.padded)
     state = restore(engine, rank, data.fingerprint)
-    model_config = engine.module.config
     reporter = Reporter(
         rank=rank,
         total_steps=total_steps,
         report_every=cfg.train.report_every_steps,
-        static=_epoch_static(data, state.epoch, total_steps),  # renewed each epoch below
+        static=_epoch_static(data, state.epoch, total_steps),  # renewed each epoch
         tb_dir=config.get("tensorboard_dir") if cfg.train.tensorboard else None,
         mlflow_uri=(os.environ.get("MLFLOW_TRACKING_URI") or config.get("mlflow_uri")) if cfg.train.mlflow else None,
         run_name=cfg.run.name,
         # From the config, not the parameters: under ZeRO-3 each rank holds only a partition.
-        flops_per_token=model_flops_per_token(model_config, data.length_sq_mean, data.length_mean),
+        flops_per_token=model_flops_per_token(engine.module.config, data.length_sq_mean, data.length_mean),
+        totals=state.totals,
     )
-    reporter.resume_from(state.step, state.tokens_seen, state.train_time_s, state.eval_time_s)
-    accum = cfg.train.grad_accum
+    reporter.start_clocks(state.step)
+    tokenizer = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template) if rank == 0 else None
+    return Worker(cfg, data, rank, engine, scheduler, loss, state, reporter, total_steps, config, tokenizer)
 
-    for epoch in range(state.epoch, cfg.train.epochs):
-        if epoch != state.epoch:
-            state.epoch, state.micro_step = epoch, 0
-        folder, epoch_steps, _ = data.epoch_rows(epoch)
-        reporter.static = _epoch_static(data, epoch, total_steps)  # per-epoch plans have their own balance
-        rows = iter_epoch_packs(data, rank, epoch, start_step=state.micro_step)
-        # The plan gives every rank the same multiple of `accum` steps, so a short group is the epoch end.
-        with Prefetcher(rows, accum, _preparer(data, engine.device)) as steps:
-            while state.step < total_steps:
-                t0 = time.perf_counter()
-                if (step := next(steps, None)) is None:
-                    break
-                values = train_step(engine, step, loss, wait_s=time.perf_counter() - t0)
-                values["lr"] = scheduler.get_last_lr()[0]
-                if values["skipped_steps"] and rank == 0:
-                    print(f"[raypack] step {state.step + 1}: no rank has a label token; skipped (no update)", flush=True)
-                state.step += 1
-                state.micro_step += accum
-                state.steps_log.append((state.step, epoch, step.example_ids))
-                reporter.log_step(state.step, values)
 
-                final = state.step == total_steps
-                ckpt_due = final or _every(state.step, cfg.train.checkpoint_every_steps)
-                eval_due = final or _every(state.step, cfg.train.eval_every_steps)
-                if ckpt_due or eval_due or reporter.due(state.step):
-                    t_eval = time.perf_counter()
-                    extra = {"eval_loss": evaluate(engine, data, rank, loss)} if eval_due else {}
-                    reporter.exclude(time.perf_counter() - t_eval)
-                    metrics = reporter.summary(state.step, epoch, extra)
-                    state.tokens_seen, state.train_time_s, state.eval_time_s = (
-                        reporter.tokens_seen, reporter.train_time_s, reporter.eval_time_s)
-                    tokenizer = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template) if final and rank == 0 else None
-                    report_and_checkpoint(engine, state, metrics, rank, checkpoint=ckpt_due, final=final, tokenizer=tokenizer)
-        if state.step >= total_steps:
-            break
-        if state.micro_step != epoch_steps:
-            # Every rank must run the plan's steps; fewer means a shard is missing or unreadable
-            # from this node (e.g. a node-local storage_path on a multi-node cluster).
-            raise RuntimeError(
-                f"rank {rank} read {state.micro_step} of {epoch_steps} packs from "
-                f"{folder}/rank={rank}; is run.storage_path shared by every node?"
-            )
-    reporter.close()
+def train_epoch(w: Worker, epoch: int) -> None:
+    """Train epoch `epoch` from the state's position in it, up to the run's last step."""
+    state, accum = w.state, w.cfg.train.grad_accum
+    if epoch != state.epoch:
+        state.epoch, state.micro_step = epoch, 0
+    w.reporter.static = _epoch_static(w.data, epoch, w.total_steps)  # per-epoch plans have their own balance
+    rows = iter_epoch_packs(w.data, w.rank, epoch, start_step=state.micro_step)
+    # The plan gives every rank the same multiple of `accum` steps, so a short group is the epoch end.
+    with Prefetcher(rows, accum, _preparer(w.data, w.engine.device)) as steps:
+        while state.step < w.total_steps:
+            t0 = time.perf_counter()
+            if (step := next(steps, None)) is None:
+                break
+            values = train_step(w.engine, step, w.loss, wait_s=time.perf_counter() - t0)
+            values["lr"] = w.scheduler.get_last_lr()[0]
+            if values["skipped_steps"] and w.rank == 0:
+                print(f"[raypack] step {state.step + 1}: no rank has a label token; skipped (no update)", flush=True)
+            state.step += 1
+            state.micro_step += accum
+            state.steps_log.append((state.step, epoch, step.example_ids))
+            w.reporter.log_step(state.step, values)
+            after_step(w, epoch)
+
+
+def after_step(w: Worker, epoch: int) -> None:
+    """Evaluate, report and checkpoint, each when it is due (all of them at the last step)."""
+    t, step = w.cfg.train, w.state.step
+    final = step == w.total_steps
+    ckpt_due = final or _every(step, t.checkpoint_every_steps)
+    eval_due = final or _every(step, t.eval_every_steps)
+    if not (ckpt_due or eval_due or w.reporter.due(step)):
+        return
+    t_eval = time.perf_counter()
+    extra = {"eval_loss": evaluate(w.engine, w.data, w.rank, w.loss)} if eval_due else {}
+    w.reporter.exclude(time.perf_counter() - t_eval)
+    metrics = w.reporter.summary(step, epoch, extra)
+    report_and_checkpoint(w.engine, w.state, metrics, w.rank, checkpoint=ckpt_due, final=final,
+                          tokenizer=w.tokenizer if final else None)
+
+
+def check_epoch_read(w: Worker, epoch: int) -> None:
+    """Every rank must run the plan's steps; fewer means a shard is missing or unreadable from
+    this node (e.g. a node-local storage_path on a multi-node cluster)."""
+    folder, epoch_steps, _ = w.data.epoch_rows(epoch)
+    if w.state.micro_step != epoch_steps:
+        raise RuntimeError(
+            f"rank {w.rank} read {w.state.micro_step} of {epoch_steps} packs from "
+            f"{folder}/rank={w.rank}; is run.storage_path shared by every node?"
+        )
 
 
 def _epoch_static(data: Prepared, epoch: int, total_steps: int) -> dict[str, float]:

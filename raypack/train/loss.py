@@ -12,10 +12,9 @@ default) asks the model for no logits at all:
     hidden [T, H] ──keep label positions──> [N, H] ──per chunk of C rows──> logits [C, V]
         ──> the model's own output transforms ──> fp32 cross-entropy ──> loss, dL/dhidden, dL/dW
 
-Each chunk's gradients are taken at once, inside the forward (autograd from the chunk's loss to its
-logits, then the head's two matmuls, dW summed in fp32), and held until backward scales them by the
-incoming gradient: no chunk's logits outlive it and nothing is recomputed, so the loss costs
-O(C x V) memory and the same FLOPs as `full`.
+Each chunk's gradients are taken at once, inside the forward, and held until backward scales them
+(raypack/train/chunked_ce.py): no chunk's logits outlive it and nothing is recomputed, so the loss
+costs O(C x V) memory and the same FLOPs as `full`.
 
 How it reaches the hidden states: during the model's own forward its output-embeddings module is
 swapped for a capture that records its input and returns empty logits; the loss then calls the
@@ -42,7 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raypack.data.collate import IGNORE_INDEX, collate_packed
+from raypack.data.collate import collate_packed
+from raypack.data.formats import IGNORE_INDEX
+from raypack.train.chunked_ce import Transform, chunked_cross_entropy
 
 LOSSES = ("chunked", "full")
 CHUNK_TOKENS = 2048
@@ -85,9 +86,6 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 # --- the model's output head ------------------------------------------------------------------------
-
-Transform = Callable[[torch.Tensor], torch.Tensor]
-
 
 def output_transforms(config: Any) -> list[tuple[str, Transform]]:
     """What the model does to head(hidden) before returning logits, from its config, in the order
@@ -145,79 +143,6 @@ def _forward_as(module: nn.Module, fn: Callable[..., Any]) -> Iterator[None]:
         yield
     finally:
         del module.forward
-
-
-# --- the chunked cross-entropy -------------------------------------------------------------------
-
-
-class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Σ CE(transform(hidden @ W.T + b), targets), chunk by chunk, with the gradients taken in forward."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk: int, transform: Transform):
-        needs = ctx.needs_input_grad[:3]
-        grads = [
-            torch.empty_like(hidden) if needs[0] else None,
-            # Summed over chunks in fp32 and rounded once, as the one big matmul of `full` does.
-            torch.zeros(weight.shape, dtype=_accum_dtype(weight), device=weight.device) if needs[1] else None,
-            torch.zeros(bias.shape, dtype=_accum_dtype(bias), device=bias.device) if needs[2] else None,
-        ]
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start in range(0, hidden.shape[0], chunk):
-            end = min(start + chunk, hidden.shape[0])
-            h = hidden[start:end]
-            # Only dL/dlogits comes from autograd (through the transforms and the fp32 cross-entropy);
-            # the head's two gradient matmuls are written out so that dW goes straight into its fp32 sum.
-            logits = F.linear(h, weight, bias).requires_grad_()
-            with torch.enable_grad():
-                loss = F.cross_entropy(transform(logits).float(), targets[start:end], reduction="sum")
-                (dlogits,) = torch.autograd.grad(loss, logits)
-            if needs[0]:
-                torch.mm(dlogits, weight, out=grads[0][start:end])
-            if needs[1]:
-                _add_matmul(grads[1], dlogits.t(), h)
-            if needs[2]:
-                grads[2] += dlogits.sum(0, dtype=grads[2].dtype)
-            total += loss.detach()
-        ctx.grads = grads
-        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        out = []
-        for g, dtype in zip(ctx.grads, ctx.dtypes):
-            out.append(None if g is None else g.mul_(grad_out).to(dtype))
-        ctx.grads = None
-        return (*out, None, None, None)
-
-
-def _accum_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float32 if t.dtype in (torch.bfloat16, torch.float16) else t.dtype
-
-
-def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc += a @ b, where acc may be fp32 and a, b 16-bit.
-
-    The dW of one chunk is as large as W (V x H), so how it is added up matters: on CUDA one cuBLAS
-    call accumulates the 16-bit product in fp32 straight into the fp32 sum (addmm's out_dtype),
-    where a bf16 product added in a second kernel would write, read and round a V x H tensor more
-    per chunk."""
-    if acc.dtype == a.dtype:
-        acc.addmm_(a, b)
-    elif acc.is_cuda:
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-    else:  # the CPU has no mixed-dtype matmul
-        acc += (a @ b).to(acc.dtype)
-
-
-def _loss_only(hidden, weight, bias, targets, chunk: int, transform: Transform) -> torch.Tensor:
-    """No gradients wanted (evaluation): the same chunks without the local autograd."""
-    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    for start in range(0, hidden.shape[0], chunk):
-        logits = transform(F.linear(hidden[start : start + chunk], weight, bias))
-        total += F.cross_entropy(logits.float(), targets[start : start + chunk], reduction="sum")
-    return total
 
 
 # --- the loss object ----------------------------------------------------------------------------
@@ -286,10 +211,7 @@ class CausalLMLoss:
 
     def _call_head(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         def chunked(h: torch.Tensor) -> torch.Tensor:
-            w, b = self.head.weight, self.head.bias
-            if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h, w, b)):
-                return _ChunkedCrossEntropy.apply(h, w, b, targets, self.chunk, self.transform)
-            return _loss_only(h, w, b, targets, self.chunk, self.transform)
+            return chunked_cross_entropy(h, self.head.weight, self.head.bias, targets, self.chunk, self.transform)
 
         with _forward_as(self.head, chunked):
             return self.head(hidden)

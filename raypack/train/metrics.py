@@ -8,9 +8,10 @@ every step to TensorBoard (cheap, local) and calls `ray.train.report` only every
 Time. `train_time_s` is the run's training wall time: its steps, data reads, reports and
 checkpoints, but not start-up (model build, restore) and not evaluation, which the loop times
 and hands to `Reporter.exclude`. Throughput (`tokens_per_s`, per report window) is real tokens
-over that time, so an eval pass in a short window no longer halves it. `tokens_seen`,
-`train_time_s` and `eval_time_s` are cumulative and survive a restart (the loop keeps them in
-its checkpointed state), which is what learning curves and time-to-quality need.
+over that time, so an eval pass in a short window no longer halves it. The running `Totals`
+(`tokens_seen`, `train_time_s`, `eval_time_s`) are cumulative and survive a restart: the
+Reporter adds to the one `Totals` object the loop's checkpointed state holds, which is what
+learning curves and time-to-quality need.
 """
 
 from __future__ import annotations
@@ -79,6 +80,17 @@ def model_flops_per_token(model_config: Any, seq_len_sq_mean: float, seq_len_mea
 
 
 @dataclass
+class Totals:
+    """Running totals of a run, carried across restarts in its checkpoints."""
+
+    tokens_seen: float = 0.0
+    """Real tokens trained so far (all ranks)."""
+    train_time_s: float = 0.0
+    """Training wall time so far: steps, data reads, reports and checkpoints (not start-up, not eval)."""
+    eval_time_s: float = 0.0
+
+
+@dataclass
 class Reporter:
     """Aggregates per-step values between reports; rank 0 also logs TensorBoard and progress."""
 
@@ -92,6 +104,8 @@ class Reporter:
     """Log each report to MLflow too (rank 0); MLFLOW_TRACKING_URI overrides it."""
     run_name: str = "raypack"
     flops_per_token: float | None = None
+    totals: Totals = field(default_factory=Totals)
+    """Added to at every report; the loop passes the one its checkpointed state holds."""
     _window: list[dict[str, float]] = field(default_factory=list)
     _writer: Any = None
     _mlflow: Any = None
@@ -99,10 +113,6 @@ class Reporter:
     _start_step: int = 0
     _last: float = field(default_factory=time.perf_counter)
     _excluded: float = 0.0
-    tokens_seen: float = 0.0
-    """Real tokens trained so far (all ranks)."""
-    train_time_s: float = 0.0
-    eval_time_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.rank == 0 and self.tb_dir:
@@ -119,11 +129,10 @@ class Reporter:
             mlflow.log_params({k: v for k, v in self.static.items()})
             self._mlflow = mlflow
 
-    def resume_from(self, step: int, tokens_seen: float = 0.0, train_time_s: float = 0.0, eval_time_s: float = 0.0) -> None:
-        """Start the clocks now (after start-up), continuing the cumulative counts of a restored run."""
+    def start_clocks(self, step: int) -> None:
+        """Start the clocks now (after start-up), at optimizer step `step` (a restored run's)."""
         self._start_step, self._start = step, time.perf_counter()
         self._last, self._excluded = self._start, 0.0
-        self.tokens_seen, self.train_time_s, self.eval_time_s = tokens_seen, train_time_s, eval_time_s
 
     def exclude(self, seconds: float) -> None:
         """Time spent since the last report on something that is not training (evaluation)."""
@@ -147,10 +156,11 @@ class Reporter:
         # Evaluation does not: it is not training, and its share of a short window is large.
         now = time.perf_counter()
         seconds = max(now - self._last - self._excluded, 0.0)
-        self.eval_time_s += self._excluded
+        totals = self.totals
+        totals.eval_time_s += self._excluded
         self._last, self._excluded = now, 0.0
-        self.tokens_seen += tokens
-        self.train_time_s += seconds
+        totals.tokens_seen += tokens
+        totals.train_time_s += seconds
         # Steps without a label token (skipped, see loop.train_step) weigh nothing; a window of
         # only those has no loss, not a loss of 0.
         trained = [w for w in window if w["label_tokens"] > 0]
@@ -162,9 +172,9 @@ class Reporter:
             "skipped_steps": sum(w.get("skipped_steps", 0.0) for w in window),
             "tokens_per_s": tokens / seconds if seconds else 0.0,
             "tokens_per_step": tokens / max(len(window), 1),
-            "tokens_seen": self.tokens_seen,
-            "train_time_s": self.train_time_s,
-            "eval_time_s": self.eval_time_s,
+            "tokens_seen": totals.tokens_seen,
+            "train_time_s": totals.train_time_s,
+            "eval_time_s": totals.eval_time_s,
             "step_time_s": sum(w["step_time_s"] for w in window) / max(len(window), 1),
             "data_wait_s": sum(w["data_wait_s"] for w in window) / max(len(window), 1),
             "rank_imbalance": max((w["rank_imbalance"] for w in window), default=1.0),

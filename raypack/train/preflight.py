@@ -1,14 +1,16 @@
 """Everything about a run's input that can be checked without Ray, checked before Ray starts.
 
     checked = preflight(cfg)            # an InputError (ConfigError, SourceError, ...) or a record
-    fit(cfg, checked=checked)           # raypack.train.trainer; fit runs preflight itself if not given
+    checked.cfg, checked.sources        # the config with absolute paths; data.paths listed once
 
 A bad input then fails in seconds, on one line naming the field, the file or the row, before a
 Ray instance starts or a file is written. In order, cheapest first:
 
-1. `pack.strategy` names a registered strategy;
+1. `pack.strategy` (and `tune.strategies`) name registered strategies with the traits the
+   config's options need (`strategies.check_strategies`);
 2. every path in `data.paths` exists or its URI answers, is a known file type (a folder holds
-   some), and each file's format is told from its first record;
+   some), and each file's format is told from its first record. The listing is made here, once
+   (`listing.Sources`), and every later stage of the command is handed it;
 3. `tokenize.tokenizer` loads, with a chat template if a file holds chats;
 4. `model.name` resolves to a config (a tiny family, a local folder or the hub; no weights are
    loaded) of a causal LM that, if the strategy packs, trains exactly on packed rows with the
@@ -36,10 +38,12 @@ import pyarrow.parquet as pq
 from raypack import storage
 from raypack.config import Config
 from raypack.data.formats import FormatError, detect
+from raypack.data.listing import Sources
 from raypack.data.shards import Prepared
-from raypack.data.sources import SourceError, check_rows_here, list_sources
-from raypack.data.strategies import STRATEGIES, Pad
-from raypack.runtime import absolute_paths, run_dir
+from raypack.data.sources import check_rows_here
+from raypack.data.strategies import STRATEGIES, check_strategies
+from raypack.errors import SourceError
+from raypack.runs import absolute_paths, run_dir
 
 ROW_CHECK_BYTES = 16 << 20
 """Local data up to this size has every row checked on the driver before Ray starts (1.3 s for
@@ -53,41 +57,45 @@ class Checked:
 
     cfg: Config
     """The config with local paths made absolute (what the workers get)."""
-    vocab_size: int
-    """The model's vocabulary size: every token id must be below it."""
+    sources: Sources
+    """The listing of `data.paths` and its fingerprint, made once: every stage after uses it."""
     formats: dict[str, str]
     """Format of every source file."""
-    prepared: Prepared | None
+    vocab_size: int | None = None
+    """The model's vocabulary size: every token id must be below it (None: no model checked)."""
+    prepared: Prepared | None = None
     """The run's packed data, if it was already made from this config and these sources."""
 
 
 def preflight(cfg: Config, *, reprepare: bool = False) -> Checked:
     """Check `cfg` and its inputs without Ray; raises an InputError naming what is wrong."""
-    cfg = absolute_paths(cfg)
-    formats = source_formats(cfg)
+    checked = check_data(cfg, rows=False)
+    cfg, formats = checked.cfg, checked.formats
     # Rows of text formats need no vocabulary bound: check them before the slow imports.
     bound = any(f in ("tokenized", "auto") for f in formats.values())
     if not bound:
-        _check_rows(cfg, formats, None)
-    tok = _tokenizer(cfg, formats)
-    vocab = check_model_and_tokenizer(cfg, tok)
+        _check_rows(checked, None)
+    vocab = check_model_and_tokenizer(cfg, _tokenizer(cfg, formats))
     if bound:
-        _check_rows(cfg, formats, vocab)
-    from raypack.data.prepare import packed_root, reusable  # Ray Data: imported once the cheap checks passed
+        _check_rows(checked, vocab)
+    from raypack.data.cache import packed_root, reusable  # Ray Data: imported once the cheap checks passed
 
     n = cfg.train.num_workers
-    prepared = reusable(cfg, n, packed_root(cfg, n, run_dir(cfg)), reprepare)
-    return Checked(cfg=cfg, vocab_size=vocab, formats=formats, prepared=prepared)
+    prepared = reusable(cfg, n, packed_root(cfg, n, run_dir(cfg)), checked.sources, reprepare)
+    return Checked(cfg=cfg, sources=checked.sources, formats=formats, vocab_size=vocab, prepared=prepared)
 
 
-def check_data(cfg: Config) -> dict[str, str]:
-    """Steps 2, 3 and 5 alone, what `raypack data` and `raypack plan` need (no model, so no
-    vocabulary bound on token ids). Returns {file: format}."""
+def check_data(cfg: Config, *, rows: bool = True) -> Checked:
+    """Steps 1, 2, 3 and 5 alone, what `raypack data` and `raypack plan` need (no model, so no
+    vocabulary bound on token ids)."""
+    check_strategies(cfg)
     cfg = absolute_paths(cfg)
-    formats = source_formats(cfg)
-    _tokenizer(cfg, formats)
-    _check_rows(cfg, formats, None)
-    return formats
+    sources = Sources.of(cfg.data.paths)
+    checked = Checked(cfg=cfg, sources=sources, formats=source_formats(cfg, sources))
+    if rows:
+        _tokenizer(cfg, checked.formats)
+        _check_rows(checked, None)
+    return checked
 
 
 def _tokenizer(cfg: Config, formats: dict[str, str]):
@@ -99,9 +107,10 @@ def _tokenizer(cfg: Config, formats: dict[str, str]):
     return tok
 
 
-def _check_rows(cfg: Config, formats: dict[str, str], vocab_size: int | None) -> None:
-    if all(not storage.is_uri(p) for p in formats) and sum(_size(p) for p in formats) <= ROW_CHECK_BYTES:
-        check_rows_here(cfg.data, vocab_size)
+def _check_rows(checked: Checked, vocab_size: int | None) -> None:
+    files = checked.formats
+    if all(not storage.is_uri(p) for p in files) and sum(_size(p) for p in files) <= ROW_CHECK_BYTES:
+        check_rows_here(checked.cfg.data, checked.sources, vocab_size)
 
 
 def check_model_and_tokenizer(cfg: Config, tok) -> int:
@@ -133,18 +142,18 @@ def check_packed_model(cfg: Config, config=None) -> None:
 
     m = cfg.model
     strategy = STRATEGIES[cfg.pack.strategy]
-    # every packed strategy but flatten keeps a row within the budget; flatten's rows are
-    # minibatches, unbounded by it (the attention function checks those rows as they come)
-    max_row = None if issubclass(strategy, Pad) else cfg.pack.budget
+    # flatten's rows are minibatches, unbounded by the budget (the attention function checks
+    # those rows as they come)
+    max_row = cfg.pack.budget if strategy.bounded_rows else None
     check_model(config if config is not None else m.name, attention=m.attention,
                 device_type="cuda" if cfg.train.use_gpu else "cpu", trust_remote_code=m.trust_remote_code,
                 max_row_tokens=max_row, name=m.name, packed=not strategy.padded)  # fmt: skip
 
 
-def source_formats(cfg: Config) -> dict[str, str]:
+def source_formats(cfg: Config, sources: Sources) -> dict[str, str]:
     """{file: format} for every source file, from its first record (or `data.format`)."""
     out = {}
-    for path, kind in list_sources(cfg.data.paths):
+    for path, kind in sources.files:
         try:
             keys = _first_record_keys(path, kind)
             out[path] = detect(keys, cfg.data.format, path) if keys is not None else cfg.data.format

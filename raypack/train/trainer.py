@@ -1,11 +1,18 @@
-"""Ray Train assembly: check the inputs, prepare the packed data on the driver, fit a `TorchTrainer`.
+"""Starting a run: the one way `raypack train` and every sweep trial train a config.
 
-    cfg ──> preflight (no Ray) ──> init_ray ──> prepare (tokenize, plan, pack; once, reused on resume)
-        ──> TorchTrainer.fit          workers: raypack.train.loop.train_loop_per_worker
+    outcome = start(cfg)                     # check, prepare, fit; or say the run is complete
+    outcome = start(cfg, resume=True)        # cfg from the run's saved config (runs.saved_config)
 
-Runs land in `<run.storage_path>/<run.name>/`: Ray's result files and checkpoints, `packed/`
-(the plan's per-rank packs, or under `data.cache_path` when set) and `tensorboard/`. Fitting again with the same name and storage path
-resumes from that run's last checkpoint; that is what `raypack train --resume PATH` does.
+    cfg ──> preflight (no Ray) ──> can this run continue? ──> init_ray
+        ──> prepare (tokenize, plan, pack; once, reused on resume) ──> TorchTrainer.fit
+                                                 workers: raypack.train.loop.train_loop_per_worker
+
+Runs land in `<run.storage_path>/<run.name>/` (raypack/runs.py): the saved config, Ray's result
+files and checkpoints, `packed/` (the plan's per-rank packs, or under `data.cache_path` when set)
+and `tensorboard/`. Starting the same name and storage path again continues from that run's last
+checkpoint (what `raypack train --resume RUN` and a restarted sweep trial do), provided nothing
+that shaped its packed data changed: that is decided before anything is prepared, so a refused
+resume leaves the run's `packed/` as it was. A run that already took every step says so.
 
 Failures: Ray Train restarts the worker group from the last checkpoint up to
 `train.max_failures` times, which is right for a crash (a killed worker, a lost node). An
@@ -17,19 +24,26 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import ray.train
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from raypack import storage
-from raypack.config import Config, ConfigError, InputError
-from raypack.data.prepare import packed_root, prepare
-from raypack.runtime import init_ray, run_dir, storage_path
+from raypack import runs, storage
+from raypack.config import Config
+from raypack.data.cache import packed_key, packed_root
+from raypack.data.prepare import prepare
+from raypack.errors import ConfigError, InputError
+from raypack.runtime import init_ray
 from raypack.train.preflight import Checked, preflight
 
+SUMMARY = ("step", "loss", "eval_loss", "tokens_per_s", "packing_efficiency", "peak_memory_gb")
+"""The metrics a finished run records in its result file and prints."""
 
-def _train_loop(config: dict) -> None:
+
+def worker_loop(config: dict) -> None:
     """The workers' function. Imported here, in the worker, so that the driver never loads
     DeepSpeed (seconds of imports, and a warning on machines without a GPU)."""
     try:
@@ -60,27 +74,102 @@ class StopOnInputError(ray.train.UserCallback):
                 raise cause
 
 
-def build_trainer(
-    cfg: Config,
-    *,
-    checked: Checked | None = None,
-    reprepare: bool = False,
-    callbacks: Sequence = (),
-    loop: Callable[[dict], None] | None = None,
-    extra_loop_config: dict | None = None,
-):
-    """The `TorchTrainer` for `cfg`, with its packed data prepared (or reused) under the run dir.
-    `checked`: `preflight(cfg)`'s record, if the caller ran it (else it runs here); `reprepare`
-    packs the data again from changed sources. `loop` replaces the per-worker function (tests
-    wrap it); `extra_loop_config` adds to its config."""
-    checked = checked or preflight(cfg, reprepare=reprepare)
+@dataclass
+class Outcome:
+    """How `start` ended: trained now, or found complete from an earlier start."""
+
+    root: str
+    """The run folder."""
+    complete_before: bool
+    """True when the run had already taken every step (nothing was trained now)."""
+    metrics: dict[str, Any]
+    """The SUMMARY metrics of the last step."""
+    checkpoint: str | None
+    tensorboard: str | None
+    result: Any = None
+    """Ray Train's `Result` of the fit, when one ran."""
+
+
+def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbacks: Sequence = ()) -> Outcome:
+    """Train the run `cfg` names, or continue it from its last checkpoint; see the module doc.
+    `resume`: `cfg` is the run's own saved config (with overrides), so it is not compared with
+    what the run was started with. `reprepare` packs changed sources again (a run with no
+    checkpoint yet). `callbacks`: Ray Train callbacks (a sweep trial forwards reports with one)."""
+    root = runs.run_dir(cfg)
+    trained = runs.has_checkpoint(root)
+    if not resume:
+        runs.check_same_config(cfg, root)
+    if reprepare and trained:
+        raise ConfigError(
+            f"--reprepare: run {cfg.run.name!r} in {root} has checkpoints taken on its packed data, which a resume "
+            "on new packs would mix up; start a new run with run.name=NEW_NAME"
+        )
+    checked = preflight(cfg, reprepare=reprepare)
+    cfg = checked.cfg
+    tensorboard = f"{root}/tensorboard" if cfg.train.tensorboard and not storage.is_uri(root) else None
+    if done := _finished(root, checked):
+        print(f"[raypack] run {cfg.run.name!r} is complete ({done['step']} steps); nothing to train. "
+              f"Start a new run with run.name=NEW_NAME, or train on with --resume {root} train.epochs=N", flush=True)
+        return Outcome(root, True, done["metrics"], done.get("checkpoint"), tensorboard)
+    if trained:
+        _check_same_data(cfg, root, checked)
+        print(f"[raypack] run {cfg.run.name!r} exists in {root}: continuing from its last checkpoint", flush=True)
+
+    fresh = not storage.exists(root)
+    init_ray()
+    try:
+        trainer = build_trainer(checked, reprepare=reprepare, callbacks=callbacks)
+    except BaseException:
+        if fresh:  # a start that failed leaves nothing that looks like a run
+            storage.remove_dir(root)
+        raise
+    runs.save_config(cfg)
+    result = fit_trainer(trainer)
+    metrics = dict(result.metrics or {})
+    checkpoint = result.checkpoint.path if result.checkpoint else None
+    summary = {k: metrics.get(k) for k in SUMMARY}
+    runs.write_result(root, metrics.get("step", 0), summary, checkpoint)
+    return Outcome(root, False, summary, checkpoint, tensorboard, result)
+
+
+def _finished(root: str, checked: Checked) -> dict | None:
+    """The run's saved result if it already took every step this config asks for."""
+    result = runs.read_result(root)
+    if checked.prepared is None or result is None:
+        return None
+    t = checked.cfg.train
+    total = checked.prepared.total_steps(t.grad_accum, t.epochs, t.max_steps)
+    return result if result.get("step", 0) >= total else None
+
+
+def _check_same_data(cfg: Config, root: str, checked: Checked) -> None:
+    """A run with checkpoints continues only on the packed data they index: refuse, before
+    anything is prepared, a config whose packed data differs from the one the run saved."""
+    n = cfg.train.num_workers
+    if checked.prepared is not None:
+        return  # this config's packed data is there, made from these sources
+    saved = runs.saved_config(root)
+    if packed_key(saved, saved.train.num_workers) == packed_key(cfg, n):
+        return  # same config, its packed folder gone: packing again makes the same rows
+    shaping = ("data.", "tokenize.", "pack.", "train.num_workers", "train.grad_accum", "train.epochs", "train.max_steps")
+    diff = [d for d in runs.differences(saved, cfg) if d.startswith(shaping)]
+    raise InputError(
+        f"run {cfg.run.name!r} in {root} has checkpoints taken on packed data that this config would change "
+        f"({', '.join(diff[:3]) or 'it was packed by another raypack version'}); resume it without those overrides, "
+        "or start a new run with run.name=NEW_NAME"
+    )
+
+
+def build_trainer(checked: Checked, *, reprepare: bool = False, callbacks: Sequence = ()) -> TorchTrainer:
+    """The `TorchTrainer` for `checked.cfg` (preflight's record), with its packed data prepared
+    (or reused) under the run dir; `reprepare` packs the data again from changed sources."""
     cfg = checked.cfg
     t = cfg.train
-    root = run_dir(cfg)
+    root = runs.run_dir(cfg)
     if t.mlflow and storage.is_uri(root) and not os.environ.get("MLFLOW_TRACKING_URI"):
         raise ConfigError("train.mlflow: with a URI run.storage_path, set MLFLOW_TRACKING_URI to a tracking server")
-    prepared = prepare(cfg, t.num_workers, packed_root(cfg, t.num_workers, root), vocab_size=checked.vocab_size,
-                       reprepare=reprepare)
+    prepared = prepare(cfg, t.num_workers, packed_root(cfg, t.num_workers, root), checked.sources,
+                       vocab_size=checked.vocab_size, reprepare=reprepare)
     loop_config = {
         "cfg": cfg.to_dict(),
         "data": prepared.to_dict(),
@@ -88,7 +177,6 @@ def build_trainer(
         # MLFLOW_TRACKING_URI at a tracking server instead.
         "tensorboard_dir": None if storage.is_uri(root) else f"{root}/tensorboard",
         "mlflow_uri": None if storage.is_uri(root) else f"file://{root}/mlruns",
-        **(extra_loop_config or {}),
     }
     resources = {"CPU": t.cpus_per_worker, **({"GPU": 1} if t.use_gpu else {})}
     env = {k: os.environ[k] for k in ("TORCH_EXTENSIONS_DIR", "HF_HOME", "MLFLOW_TRACKING_URI") if k in os.environ}
@@ -105,7 +193,7 @@ def build_trainer(
     }
     env.update({k: os.environ.get(k, v) for k, v in quiet.items()})  # the user's own settings win
     return TorchTrainer(
-        loop or _train_loop,
+        worker_loop,
         train_loop_config=loop_config,
         torch_config=TorchConfig(backend="nccl" if t.use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(
@@ -116,7 +204,7 @@ def build_trainer(
         ),
         run_config=ray.train.RunConfig(
             name=cfg.run.name,
-            storage_path=storage_path(cfg),
+            storage_path=runs.storage_path(cfg),
             failure_config=ray.train.FailureConfig(max_failures=t.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
             callbacks=[StopOnInputError(), *callbacks],
@@ -126,14 +214,6 @@ def build_trainer(
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
         ),
     )
-
-
-def fit(cfg: Config, *, checked: Checked | None = None, reprepare: bool = False, callbacks: Sequence = (), **kwargs):
-    """Check, prepare and train; returns Ray Train's `Result` (metrics, checkpoint, path).
-    Raises an InputError for bad input, found before Ray starts where it can be (`preflight`)."""
-    checked = checked or preflight(cfg, reprepare=reprepare)
-    init_ray()
-    return fit_trainer(build_trainer(cfg, checked=checked, reprepare=reprepare, callbacks=callbacks, **kwargs))
 
 
 def fit_trainer(trainer: TorchTrainer):

@@ -27,14 +27,11 @@ from typing import Any
 import numpy as np
 
 from raypack.config import Config
-from raypack.data.prepare import held_out_mask, packed_root, prepare, tokenized, tokenized_key
+from raypack.data.cache import packed_root, tokenized, tokenized_key
+from raypack.data.listing import Sources
+from raypack.data.prepare import prepare, training_examples
 from raypack.data.strategies import STRATEGIES
 from raypack.tune.space import pack_configs
-
-
-def takes_batch_size(strategy: str) -> bool:
-    """Whether a strategy builds its packs from a number of examples (pad, pad_sorted, flatten)."""
-    return "batch_size" in {f.name for f in dataclasses.fields(STRATEGIES[strategy])}
 
 
 def equal_work_batch_size(budget: int, mean_length: float) -> float:
@@ -72,9 +69,10 @@ class SweepData:
         return dataclasses.asdict(self)
 
 
-def prepare_sweep_data(base: Config, cache: str) -> SweepData:
+def prepare_sweep_data(base: Config, sources: Sources, cache: str) -> SweepData:
     """Tokenize once per distinct tokenization, then plan and pack every (strategy, budget) the
-    sweep can draw, into `cache`. Returns the equal-work batch sizes and what it cost."""
+    sweep can draw, into `cache`. Returns the equal-work batch sizes and what it cost. `sources`:
+    the listing of `base.data.paths` (preflight's)."""
     out = SweepData(cache=cache)
     ranks, accum = base.train.num_workers, base.train.grad_accum
     tokenizations: dict[str, Any] = {}
@@ -83,19 +81,19 @@ def prepare_sweep_data(base: Config, cache: str) -> SweepData:
         key = tokenized_key(cfg)  # budgets may share one (tokenize.max_length set) or not
         if key not in tokenizations:
             t0 = time.perf_counter()
-            tokenizations[key] = tok = tokenized(cfg)
+            tokenizations[key] = tok = tokenized(cfg, sources)
             out.tokenize_s += time.perf_counter() - t0
             out.tokenizations += not tok.reused
             out.examples = max(out.examples, len(tok.ids))
         tok = tokenizations[key]
-        train_lengths = tok.lengths[~held_out_mask(tok.ids, cfg)]
+        train_lengths, _ = training_examples(tok, cfg)
         out.mean_length[budget] = float(train_lengths.mean())
         name = f"{strategy}/{budget}"
-        if base.tune.equal_work == "tokens_per_step" and takes_batch_size(strategy):
+        if base.tune.equal_work == "tokens_per_step" and STRATEGIES[strategy].takes_batch_size:
             out.batch_sizes[name] = equal_work_batch_size(budget, out.mean_length[budget])
             cfg = with_pack(base, cache, strategy, budget, out.batch_sizes[name])
         t0 = time.perf_counter()
-        prepared = prepare(cfg, ranks, packed_root(cfg, ranks, ""), tok=tok)
+        prepared = prepare(cfg, ranks, packed_root(cfg, ranks, ""), sources, tok=tok)
         out.pack_s += time.perf_counter() - t0
         out.packed_configs += 1
         per_epoch = prepared.steps_per_rank // accum

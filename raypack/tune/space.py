@@ -13,8 +13,9 @@ and the checks a sweep config gets before any Ray work starts.
       asha: {time_attr: step, grace_period: 50, reduction_factor: 2}
 
 The per-field checks live in raypack/config.py (TuneConfig, AshaConfig); `check` adds what needs
-other modules or sections: strategy names against the registry, the metric against what a run
-reports, and that a metric the scheduler or searcher reads is in every report.
+other modules or sections: strategy names against the registry (`strategies.check_strategies`),
+the metric against what a run reports, and that a metric the scheduler or searcher reads is in
+every report.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ import ray.tune
 from ray.tune.schedulers import AsyncHyperBandScheduler
 from ray.tune.search import BasicVariantGenerator
 
-from raypack.config import Config, ConfigError
+from raypack.config import Config
+from raypack.data.strategies import check_strategies
+from raypack.errors import ConfigError
 from raypack.train.metrics import REPORTED
 
 
@@ -45,6 +48,7 @@ def _space(cfg: Config) -> dict[str, str]:
 
 def check(cfg: Config) -> None:
     """Raise ConfigError (naming the key) for a sweep config Ray Tune would fail on later."""
+    check_strategies(cfg)
     t = cfg.tune
     if t.metric not in REPORTED:
         raise ConfigError(f"tune.metric: expected one of {', '.join(REPORTED)}, got {t.metric!r}")

@@ -36,15 +36,18 @@ from typing import Any
 import ray.tune
 
 from raypack import storage
-from raypack.config import Config, ConfigError, dumps, loads
-from raypack.runtime import absolute_paths, init_ray, run_dir, storage_path
+from raypack.config import Config
+from raypack.data.strategies import STRATEGIES
+from raypack.errors import ConfigError
+from raypack.runs import SWEEP_CONFIG, run_dir, save_config, storage_path
+from raypack.runtime import init_ray
+from raypack.train.preflight import preflight
 from raypack.tune import plots
-from raypack.tune.data import SweepData, prepare_sweep_data, takes_batch_size
+from raypack.tune.data import SweepData, prepare_sweep_data
 from raypack.tune.report import Context, format_csv, format_table, result_row, with_targets
 from raypack.tune.space import check, dimensions, param_space, planned_trials, tune_config
 from raypack.tune.trial import TrainRun
 
-CONFIG = "raypack_sweep.yaml"
 TABLE = "sweep_results.md"
 CSV = "sweep_results.csv"
 PLOT = "sweep_throughput_vs_loss.png"
@@ -66,21 +69,12 @@ class Outcome:
         return self.context.not_started > 0 or any(r["status"] == "UNFINISHED" for r in self.rows)
 
 
-def saved_config(experiment_dir: str) -> Config:
-    """The config a sweep in `experiment_dir` was started with, its run paths pointing at that
-    directory wherever it now is."""
-    path = f"{storage.absolute(experiment_dir)}/{CONFIG}"
-    if not storage.exists(path):
-        raise ConfigError(f"{experiment_dir}: not a raypack sweep (no {CONFIG}); start one with --config")
-    cfg = loads(storage.read_text(path), source=path)
-    parent, _, name = storage.absolute(experiment_dir).rpartition("/")
-    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, storage_path=parent, name=name))
-
-
 def sweep(cfg: Config, resume: bool = False) -> Outcome:
-    """Run (or with `resume`, continue) the sweep `cfg` describes; returns its rows and report."""
-    check(cfg)
-    base = absolute_paths(cfg)  # trials run in actors whose working dir is not ours
+    """Run (or with `resume`, continue) the sweep `cfg` describes (with `resume`, the config the
+    sweep saved: `runs.saved_config(DIR, file=SWEEP_CONFIG)`); returns its rows and report."""
+    check(cfg)  # the tune: section, before any Ray work
+    checked = preflight(cfg)  # the base config's data, tokenizer and model, before Ray starts
+    base = checked.cfg  # absolute paths: trials run in actors whose working dir is not ours
     experiment = run_dir(base)
     started = ray.tune.Tuner.can_restore(experiment)
     if resume and not started:
@@ -90,10 +84,9 @@ def sweep(cfg: Config, resume: bool = False) -> Outcome:
                           "or pick another run.name")
     init_ray()
     if not resume:
-        # With absolute paths, so that --resume works from any directory (and keys the same data).
-        storage.write_text(f"{experiment}/{CONFIG}", dumps(base))
+        save_config(base, SWEEP_CONFIG)  # with absolute paths: --resume works from any folder
     cache = f"{experiment}/cache"
-    data = prepare_sweep_data(base, cache)
+    data = prepare_sweep_data(base, checked.sources, cache)
     trial_base = dataclasses.replace(base, data=dataclasses.replace(base.data, cache_path=cache))
     trainable = ray.tune.with_parameters(TrainRun, base=trial_base, runs_dir=f"{experiment}/runs",
                                          batch_sizes=data.batch_sizes)
@@ -142,7 +135,7 @@ def collect_rows(results, experiment: str, cfg: Config, data: SweepData) -> list
 def report_context(cfg: Config, data: SweepData) -> Context:
     t, tr = cfg.tune, cfg.train
     per_step = " x ".join(str(v) for v in (cfg.pack.budget, tr.num_workers, tr.grad_accum))
-    takes = [s for s in t.strategies if takes_batch_size(s)]
+    takes = [s for s in t.strategies if STRATEGIES[s].takes_batch_size]
     if t.equal_work == "tokens_per_step" and takes:
         sizes = "; ".join(f"budget {b}: {b} / {data.mean_length[b]:.1f} = {b / data.mean_length[b]:.3f}"
                           for b in sorted(data.mean_length))

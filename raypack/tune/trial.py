@@ -31,7 +31,6 @@ stopped trial's workers' CPUs would stay reserved until the sweep ends (ray-proj
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 import threading
 from typing import Any
@@ -44,33 +43,13 @@ from ray.util.queue import Empty, Queue
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raypack.config import Config
-from raypack.train.trainer import fit
+from raypack.runs import trial_config
+from raypack.train.trainer import start
 
 POLL_S = 0.5
 """How long a step waits on the queue before checking whether the Train run ended."""
 ABORT_TIMEOUT_S = 120.0
 """How long a stopped trial waits for its Train run's abort (workers shut down, group removed)."""
-
-
-def trial_name(params: dict[str, Any]) -> str:
-    return f"{params['strategy']}-b{params['budget']}-lr{params['lr']:.3g}"
-
-
-def trial_config(base: Config, params: dict[str, Any], runs_dir: str, suffix: str = "",
-                 batch_size: float | None = None) -> Config:
-    """The base config with the trial's strategy, budget, lr (and equal-work `batch_size`), its
-    Train run under `runs_dir` with a name no other trial (or earlier sweep) uses: a reused name
-    would resume that run."""
-    name = trial_name(params) + (f"-{suffix}" if suffix else "")
-    pack = dataclasses.replace(base.pack, strategy=params["strategy"], budget=params["budget"])
-    if batch_size is not None:
-        pack = dataclasses.replace(pack, batch_size=batch_size)
-    return dataclasses.replace(
-        base,
-        pack=pack,
-        train=dataclasses.replace(base.train, lr=params["lr"]),
-        run=dataclasses.replace(base.run, name=name, storage_path=runs_dir),
-    )
 
 
 class ForwardReports(UserCallback):
@@ -212,7 +191,7 @@ class TrainRun(ray.tune.Trainable):
 def _fit_task(cfg: Config, callback: ForwardReports) -> str | None:
     previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
     try:
-        result = fit(cfg, callbacks=[callback])
+        outcome = start(cfg, callbacks=[callback])
     except Exception as e:  # Train V2 raises a failed run's error from fit()
         return f"{type(e).__name__}: {e}"
     finally:
@@ -220,6 +199,5 @@ def _fit_task(cfg: Config, callback: ForwardReports) -> str | None:
         # pooled worker it would keep the finished controller actor alive.
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
-    if result.error is not None:
-        return f"{type(result.error).__name__}: {result.error}"
-    return None
+    error = outcome.result.error if outcome.result is not None else None
+    return f"{type(error).__name__}: {error}" if error is not None else None

@@ -1,7 +1,7 @@
-"""The import graph runs one way, and the GPU-side modules import without Ray or DeepSpeed.
+"""The import graph runs one way, has no cycle, and the GPU-side modules import without Ray or DeepSpeed.
 
-    cli ──> commands ──> tune ──> train ──> data, model ──> config, storage
-                         runtime (Ray start-up, run paths): used by commands, train and tune
+    cli ──> commands ──> tune ──> train ──> data, model ──> config ──> typed, storage ──> errors
+                                    └──> runs (run folders), runtime (Ray start-up) ──> config
 
 Library modules take typed configs; only the command layer (cli.py, commands/) sees argparse.
 """
@@ -20,20 +20,22 @@ import raypack
 
 PACKAGE = Path(raypack.__file__).parent
 COMMAND_LAYER = ("raypack.cli", "raypack.commands")
-NEVER_IMPORTS = {
-    # a module under the key imports nothing under any of the values
-    "raypack.data": ("raypack.train", "raypack.tune", "raypack.runtime", *COMMAND_LAYER),
-    "raypack.model": ("raypack.data", "raypack.train", "raypack.tune", "raypack.runtime", *COMMAND_LAYER),
-    "raypack.train": ("raypack.tune", *COMMAND_LAYER),
-    "raypack.tune": COMMAND_LAYER,
-    "raypack.runtime": COMMAND_LAYER,
-    "raypack.config": ("raypack.",),
-    "raypack.storage": ("raypack.",),
-}
-ALLOWED = {
-    # config checks pack.strategy against the one strategy registry, importing it inside the
-    # check (not at module level), so the strategies can import config as every data module does.
-    ("raypack.config", "raypack.data.strategies"),
+LAYERS = (
+    ("raypack.errors",),
+    ("raypack.storage", "raypack.typed"),
+    ("raypack.config",),
+    ("raypack.data", "raypack.model", "raypack.runs", "raypack.runtime"),
+    ("raypack.train",),
+    ("raypack.tune",),
+    COMMAND_LAYER,
+)
+"""Bottom to top: a module imports from its own layer's package and from lower layers only."""
+SIBLINGS_APART = {
+    # packages of one layer that never import each other
+    "raypack.data": ("raypack.model", "raypack.runs", "raypack.runtime"),
+    "raypack.model": ("raypack.data", "raypack.runs", "raypack.runtime"),
+    "raypack.runs": ("raypack.data", "raypack.model", "raypack.runtime"),
+    "raypack.runtime": ("raypack.data", "raypack.model", "raypack.runs"),
 }
 
 
@@ -66,31 +68,69 @@ def _under(module: str, prefix: str) -> bool:
     return module == prefix.rstrip(".") or module.startswith(prefix if prefix.endswith(".") else prefix + ".")
 
 
+def layer_of(name: str) -> tuple[int, str]:
+    """(layer index, the package of that layer the module is under)."""
+    for i, layer in enumerate(LAYERS):
+        for package in layer:
+            if _under(name, package):
+                return i, package
+    raise AssertionError(f"{name} is in no layer of test_imports.LAYERS; add it")
+
+
+def raypack_imports(name: str) -> set[str]:
+    return {m for m in imports_of(name) if m in MODULES}
+
+
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_imports_run_one_way(name):
-    for layer, forbidden in NEVER_IMPORTS.items():
-        if _under(name, layer):
-            bad = sorted(m for m in imports_of(name) for f in forbidden
-                         if _under(m, f) and m in MODULES and (name, m) not in ALLOWED)
-            assert not bad, f"{name} imports {bad}"
+    if name == "raypack":
+        return
+    mine, package = layer_of(name)
+    for m in raypack_imports(name) - {"raypack"}:
+        theirs, other = layer_of(m)
+        assert theirs <= mine, f"{name} imports {m}, a layer above it"
+        assert theirs < mine or other == package or other not in SIBLINGS_APART.get(package, ()), (
+            f"{name} imports {m}: {package} and {other} stay apart")
     if not any(_under(name, layer) for layer in COMMAND_LAYER):
         bad = sorted(m for m in imports_of(name) if any(_under(m, layer) for layer in COMMAND_LAYER))
         assert not bad, f"{name} imports the command layer: {bad}"
         assert "argparse" not in imports_of(name), f"{name} parses arguments; that is the command layer's job"
 
 
+def test_no_import_cycle():
+    """Module by module, at the top or inside functions: no chain of imports comes back to its start."""
+    graph = {name: raypack_imports(name) - {name, "raypack"} for name in MODULES}
+    done, path = set(), []
+
+    def visit(node: str) -> None:
+        if node in path:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(node):] + [node]))
+        if node in done:
+            return
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt)
+        path.pop()
+        done.add(node)
+
+    for name in sorted(graph):
+        visit(name)
+
+
 def test_the_graph_check_sees_imports():
     """Guard the guard: the walk finds known edges, top-level, relative and inside functions."""
     assert "raypack.data.plan" in imports_of("raypack.data.strategies")
-    assert "raypack.storage" in imports_of("raypack.runtime")
-    assert "raypack.data.tokenize" in imports_of("raypack.commands.plan")  # imported inside a function
-    assert "raypack.data.strategies" in imports_of("raypack.config")  # the one allowed exception
+    assert "raypack.storage" in imports_of("raypack.runs")
+    assert "raypack.data.cache" in imports_of("raypack.commands.plan")  # imported inside a function
+    assert "raypack.data.strategies" in imports_of("raypack.cli")  # inside main
+    assert layer_of("raypack.config") < layer_of("raypack.data.strategies")
 
 
-def test_config_imports_without_the_strategies():
-    """The allowed config -> strategies edge is taken only when a PackConfig is checked, so
-    importing config alone loads no other raypack module (no import cycle at import time)."""
-    code = "import sys, raypack.config; bad = [m for m in sys.modules if m.startswith('raypack.data')]; assert not bad, bad"
+def test_config_and_errors_import_nothing_above_them():
+    """Loading a config (or raising an input error) loads no data, model or training module."""
+    code = ("import sys, raypack.config, raypack.errors; "
+            "bad = [m for m in sys.modules if m.startswith(('raypack.data', 'raypack.model', 'raypack.train'))]; "
+            "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -41,6 +41,30 @@ def test_everything_is_found():
 
 
 @pytest.mark.parametrize("path", RUN_CONFIGS, ids=_id)
+def test_run_config_saves_and_reloads_with_every_key_unchanged(path, tmp_path, monkeypatch):
+    """What `raypack train --resume` relies on: the config a run saves reloads to exactly the
+    config it trained, and every key computed from it (tokenized data, packed data, which
+    checkpoints a resume may continue from) is the same, wherever the resume runs from."""
+    from raypack.config import dumps
+    from raypack.data.cache import packed_key, tokenized_key
+    from raypack.data.strategies import check_strategies
+    from raypack.runs import absolute_paths, at, save_config, saved_config
+
+    monkeypatch.chdir(REPO)  # the shipped configs' relative paths are the repository's
+    cfg = absolute_paths(at(load(path), str(tmp_path / "run")))
+    check_strategies(cfg)
+    save_config(cfg)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    back = saved_config(str(tmp_path / "run"))
+    assert back == cfg and dumps(back) == dumps(cfg)
+    n = cfg.train.num_workers
+    assert tokenized_key(back) == tokenized_key(cfg) and packed_key(back, n) == packed_key(cfg, n)
+    assert json.dumps(back.to_dict(), sort_keys=True) == json.dumps(cfg.to_dict(), sort_keys=True)
+
+
+@pytest.mark.parametrize("path", RUN_CONFIGS, ids=_id)
 def test_run_config_loads(path):
     cfg = load(path)
     raw = yaml.safe_load(path.read_text())

@@ -18,11 +18,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from raypack.cli import main
-from raypack.config import ASSETS, InputError, load
+from raypack.config import ASSETS, load
 from raypack.data.encode import TokenizeError
-from raypack.data.prepare import SourcesChangedError, prepare, reusable
+from raypack.errors import InputError
+from raypack.data.cache import SourcesChangedError, reusable
+from raypack.data.listing import Sources
+from raypack.data.prepare import prepare
 from raypack.data.shards import iter_epoch_packs, iter_rank_packs
-from raypack.runtime import absolute_paths
+from raypack.runs import absolute_paths
 
 from paths import REPO
 
@@ -30,6 +33,11 @@ pytestmark = pytest.mark.ray
 
 CONFIG = str(REPO / "jobs" / "configs" / "tiny_cpu.yaml")
 LINES = (ASSETS / "sample" / "chat.jsonl").read_text().splitlines()[:40]
+
+
+def pack(cfg, ranks, root, **kw):
+    """prepare(), listing the sources now as a command would (after any edit the test made)."""
+    return prepare(cfg, ranks, root, Sources.of(cfg.data.paths), **kw)
 
 
 def _cells(rows_by_rank) -> dict[tuple[int, int], list[int]]:
@@ -44,7 +52,7 @@ def test_plan_command_shows_the_plan_prepare_trains(ray_local, tmp_path, capsys)
     shown = json.loads(capsys.readouterr().out)[0]
 
     cfg = absolute_paths(load(CONFIG, overrides))
-    prepared = prepare(cfg, 2, str(tmp_path / "packed"))
+    prepared = pack(cfg, 2, str(tmp_path / "packed"))
     assert shown["steps"] == prepared.steps_per_rank and shown["optimizer_steps"] == prepared.steps_per_rank // 2
     for key in ("packs", "token_imbalance", "attention_imbalance", "token_imbalance_worst"):
         assert shown[key] == prepared.stats[key], key
@@ -61,7 +69,7 @@ def test_repack_each_epoch_writes_new_packs_per_epoch(ray_local, tmp_path):
     overrides = ["pack.strategy=random", "pack.repack_each_epoch=true", "pack.budget=256", "train.epochs=3",
                  "train.num_workers=2", "train.grad_accum=1"]
     cfg = absolute_paths(load(CONFIG, overrides))
-    prepared = prepare(cfg, 2, str(tmp_path / "packed"))
+    prepared = pack(cfg, 2, str(tmp_path / "packed"))
     assert len(prepared.epochs) == 3
     packs_per_epoch = []
     for epoch in range(3):
@@ -74,7 +82,7 @@ def test_repack_each_epoch_writes_new_packs_per_epoch(ray_local, tmp_path):
 
     # max_steps inside the first epoch: the other epochs' plans would never be read
     short = absolute_paths(load(CONFIG, [*overrides, "train.max_steps=1"]))
-    assert len(prepare(short, 2, str(tmp_path / "short")).epochs) == 1
+    assert len(pack(short, 2, str(tmp_path / "short")).epochs) == 1
 
 
 def cfg_for(path, *overrides):
@@ -85,17 +93,17 @@ def test_a_source_edited_under_an_existing_run_is_refused(ray_local, tmp_path):
     path = tmp_path / "chat.jsonl"
     path.write_text("\n".join(LINES) + "\n")
     cfg, root = cfg_for(path), str(tmp_path / "packed")
-    first = prepare(cfg, 2, root)
+    first = pack(cfg, 2, root)
     os.utime(path, ns=(1, 1))  # touched: same bytes, reused
-    assert prepare(cfg, 2, root) == first
+    assert pack(cfg, 2, root) == first
 
     path.write_text("\n".join(LINES[:-1] + [LINES[0]]) + "\n")  # the last line edited in place
     with pytest.raises(SourcesChangedError, match=rf"data.paths changed since .*: {path}: content changed.*run.name="):
-        reusable(cfg, 2, root)
+        reusable(cfg, 2, root, Sources.of(cfg.data.paths))
     with pytest.raises(SourcesChangedError):
-        prepare(cfg, 2, root)  # never a silent reuse of the old packs
-    again = prepare(cfg, 2, root, reprepare=True)
-    assert again.stats["examples_in"] == first.stats["examples_in"] and again == prepare(cfg, 2, root)
+        pack(cfg, 2, root)  # never a silent reuse of the old packs
+    again = pack(cfg, 2, root, reprepare=True)
+    assert again.stats["examples_in"] == first.stats["examples_in"] and again == pack(cfg, 2, root)
     manifest = json.loads((tmp_path / "packed" / "manifest.json").read_text())
     assert list(manifest["sources"]) == [str(path)]
 
@@ -105,7 +113,7 @@ def test_data_without_a_label_token_is_refused_before_packing(ray_local, tmp_pat
     no_answer = {"messages": [{"role": "user", "content": "hello?"}]}
     path.write_text((json.dumps(no_answer) + "\n") * 6)
     with pytest.raises(TokenizeError, match=rf"nothing to train on: of 6 examples, 6 had no token that carries loss \(first: {path}:1\)"):
-        prepare(cfg_for(path), 2, str(tmp_path / "packed"))
+        pack(cfg_for(path), 2, str(tmp_path / "packed"))
     assert not (tmp_path / "packed").exists()
 
 
@@ -113,4 +121,4 @@ def test_a_rank_without_a_label_token_is_refused(ray_local, tmp_path):
     path = tmp_path / "chat.jsonl"
     path.write_text(LINES[0] + "\n")  # one example for two ranks
     with pytest.raises(InputError, match="rank 1 of 2 gets no label token"):
-        prepare(cfg_for(path, "data.eval_fraction=0"), 2, str(tmp_path / "packed"))
+        pack(cfg_for(path, "data.eval_fraction=0"), 2, str(tmp_path / "packed"))

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from raypack.config import ASSETS, DataConfig
-from raypack.data.sources import SourceError, locate, read_sources_with_report
+from raypack.data.listing import Sources
+from raypack.data.sources import locate, read_sources_with_report
+from raypack.errors import SourceError
 
 pytestmark = pytest.mark.ray
 SAMPLE = ASSETS / "sample"
@@ -20,13 +22,13 @@ def test_reads_all_source_kinds_with_stable_ids(ray_local, tmp_path):
     datasets.Dataset.from_dict({"prompt": ["p0", "p1", "p2"], "completion": ["c0", "c1", "c2"]}).save_to_disk(tmp_path / "hf")
     paths = (str(SAMPLE / "chat.jsonl"), str(SAMPLE / "tokenized.parquet"), str(tmp_path / "hf"))
     cfg = DataConfig(paths=paths)
-    ds, report = read_sources_with_report(cfg)
+    ds, report = read_sources_with_report(cfg, Sources.of(cfg.paths))
     assert report.files == 3 and report.bad_rows == 0
     assert report.formats == {"chat": 300, "tokenized": 300, "completion": 3} and report.rows == 603
     ids = np.sort(ds.to_pandas()["example_id"].to_numpy())
     assert len(np.unique(ids)) == len(ids)
     assert sorted({locate(int(i))[0] for i in ids}) == [0, 1, 2]
-    again = np.sort(read_sources_with_report(cfg)[0].to_pandas()["example_id"].to_numpy())
+    again = np.sort(read_sources_with_report(cfg, Sources.of(cfg.paths))[0].to_pandas()["example_id"].to_numpy())
     assert np.array_equal(ids, again)
 
 
@@ -35,9 +37,9 @@ def test_bad_rows_error(ray_local, tmp_path):
     good = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
     path.write_text("\n".join([good, "{oops", good, json.dumps({"messages": []}), good]) + "\n")
     with pytest.raises(SourceError) as e:
-        read_sources_with_report(DataConfig(paths=(str(path),)))
+        read_sources_with_report(DataConfig(paths=(str(path),)), Sources.of((str(path),)))
     assert str(e.value).startswith(f"{path}:2: malformed JSON") and "1 more bad rows" in str(e.value)
     # a file-level error raised inside a read task reaches the caller as our message
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(SourceError, match=r"empty\.jsonl: empty file"):
-        read_sources_with_report(DataConfig(paths=(str(tmp_path / "empty.jsonl"),)))
+        read_sources_with_report(DataConfig(paths=(str(tmp_path / "empty.jsonl"),)), Sources.of((str(tmp_path / "empty.jsonl"),)))

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import uuid
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest
 import ray.train
 
 from raypack.config import load
-from raypack.train import loop
+from raypack.train import loop, trainer
 
 from paths import REPO
 
@@ -44,7 +45,7 @@ def tiny_cfg(tmp_path: Path, *overrides: str, name: str | None = None):
 
 def trained_ids(checkpoint_dir: Path) -> tuple[list[int], list[int]]:
     """Example ids and optimizer steps the final model took, from every rank's step log."""
-    from raypack.train.loop import read_steps_log
+    from raypack.train.checkpoint import read_steps_log
 
     ids, steps = [], []
     for log in sorted(checkpoint_dir.glob("steps_rank*.npz")):
@@ -56,20 +57,28 @@ def trained_ids(checkpoint_dir: Path) -> tuple[list[int], list[int]]:
 
 def planned_train_ids(cfg) -> list[int]:
     """Every example the data pipeline kept for training, read back independently of the run."""
-    from raypack.data.prepare import is_eval
+    from raypack.data.holdout import is_eval
+    from raypack.data.listing import Sources
     from raypack.data.tokenize import lengths_and_ids, tokenize_dataset
-    from raypack.runtime import absolute_paths
+    from raypack.runs import absolute_paths
 
-    ds, _ = tokenize_dataset(absolute_paths(cfg))
+    cfg = absolute_paths(cfg)
+    ds, _ = tokenize_dataset(cfg, Sources.of(cfg.data.paths))
     _, ids = lengths_and_ids(ds)
     return sorted(ids[~is_eval(ids, cfg.data.eval_fraction, cfg.pack.seed)].tolist())
 
 
-def loop_killed_once(config: dict) -> None:
+def with_worker_loop(monkeypatch, fn, **kwargs) -> None:
+    """Run `fn(config, **kwargs)` in the workers instead of the production loop: the trainer
+    hands Ray Train its module's `worker_loop`, which Ray pickles by reference (this module is
+    importable in the workers, tests/conftest.py puts it on their path)."""
+    monkeypatch.setattr(trainer, "worker_loop", functools.partial(fn, **kwargs))
+
+
+def loop_killed_once(config: dict, fault: dict) -> None:
     """The production loop, but worker `rank` exits right after logging optimizer step `step`,
     once (a marker file remembers it), so the run must recover from its last checkpoint. Ray
     Train runs this in its own worker processes, so the patched step hook dies with them."""
-    fault = config["fault"]
     rank = ray.train.get_context().get_world_rank()
     log_step = loop.Reporter.log_step
 
@@ -83,12 +92,11 @@ def loop_killed_once(config: dict) -> None:
     loop.train_loop_per_worker(config)
 
 
-def test_worker_killed_midrun_resumes_from_checkpoint_exactly_once(ray_local, tmp_path):
-    from raypack.train.trainer import fit
-
+def test_worker_killed_midrun_resumes_from_checkpoint_exactly_once(ray_local, tmp_path, monkeypatch):
     cfg = tiny_cfg(tmp_path, "train.max_failures=1")
     marker = tmp_path / "fault-fired"
-    result = fit(cfg, loop=loop_killed_once, extra_loop_config={"fault": {"rank": 1, "step": 3, "marker": str(marker)}})
+    with_worker_loop(monkeypatch, loop_killed_once, fault={"rank": 1, "step": 3, "marker": str(marker)})
+    result = trainer.start(cfg).result
 
     assert marker.exists(), "the injected worker failure never fired"
     assert result.error is None
@@ -103,10 +111,8 @@ def test_worker_killed_midrun_resumes_from_checkpoint_exactly_once(ray_local, tm
 def test_stopped_run_resumes_and_finishes(ray_local, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from raypack.train.trainer import fit
-
     cfg = tiny_cfg(tmp_path, "train.max_steps=3", "data.eval_fraction=0.2")
-    first = fit(cfg)
+    first = trainer.start(cfg).result
     assert first.metrics["step"] == 3
     for key in ("loss", "eval_loss", "tokens_per_s", "packing_efficiency", "padding_fraction",
                 "peak_memory_gb", "step_time_s", "data_wait_s", "rank_imbalance", "token_imbalance",
@@ -114,8 +120,11 @@ def test_stopped_run_resumes_and_finishes(ray_local, tmp_path):
         assert first.metrics[key] is not None, key
     assert 0.5 < first.metrics["packing_efficiency"] <= 1.0
 
-    # Same name and storage path: Ray Train restores the run's last checkpoint (what --resume does).
-    resumed = fit(tiny_cfg(tmp_path, "data.eval_fraction=0.2", name=cfg.run.name))
+    # The run's saved config, without max_steps: it continues from its last checkpoint (what
+    # `raypack train --resume RUN train.max_steps=null` does).
+    from raypack.runs import run_dir, saved_config
+
+    resumed = trainer.start(saved_config(run_dir(cfg), ["train.max_steps=null"]), resume=True).result
     assert resumed.error is None
     assert resumed.metrics["loss"] < first.metrics["loss"], "the loss did not fall"
     ids, steps = trained_ids(Path(resumed.checkpoint.path))
@@ -135,13 +144,12 @@ def test_stopped_run_resumes_and_finishes(ray_local, tmp_path):
     assert len(tokenizer) == model.config.vocab_size and tokenizer.chat_template
 
 
-def loop_killed_in_epoch_two(config: dict) -> None:
+def loop_killed_in_epoch_two(config: dict, fault: dict) -> None:
     """The production loop, but worker `rank` dies once when asked for the rows of its eleventh
     optimizer step of the second epoch (after checkpoints inside that epoch: the prefetcher reads
     up to three steps ahead of the one training, and Ray registers a reported checkpoint
     asynchronously, so the margin is several checkpoints), and the restarted
     run records whether it resumed from the middle of that epoch."""
-    fault = config["fault"]
     rank = ray.train.get_context().get_world_rank()
     read = loop.iter_epoch_packs
 
@@ -158,13 +166,13 @@ def loop_killed_in_epoch_two(config: dict) -> None:
     loop.train_loop_per_worker(config)
 
 
-def test_killed_in_epoch_two_resumes_mid_epoch_each_example_once_per_epoch_new_order(ray_local, tmp_path):
-    from raypack.train.loop import read_steps_log
-    from raypack.train.trainer import fit
+def test_killed_in_epoch_two_resumes_mid_epoch_each_example_once_per_epoch_new_order(ray_local, tmp_path, monkeypatch):
+    from raypack.train.checkpoint import read_steps_log
 
     cfg = tiny_cfg(tmp_path, "train.max_failures=1", "train.epochs=2", "pack.budget=512")
     fault = {"rank": 0, "marker": str(tmp_path / "fault-fired"), "resumed": str(tmp_path / "resumed-at")}
-    result = fit(cfg, loop=loop_killed_in_epoch_two, extra_loop_config={"fault": fault})
+    with_worker_loop(monkeypatch, loop_killed_in_epoch_two, fault=fault)
+    result = trainer.start(cfg).result
 
     assert Path(fault["marker"]).exists(), "the injected worker failure never fired"
     assert result.error is None
@@ -184,23 +192,23 @@ def test_killed_in_epoch_two_resumes_mid_epoch_each_example_once_per_epoch_new_o
         assert first != second  # ... in a different step order
 
 
-def loop_with_bad_input(config: dict) -> None:
+def loop_with_bad_input(config: dict, attempts: str) -> None:
     """Every attempt of every rank leaves a file, then fails as a deterministic error would."""
     from raypack.model.build import UnsupportedModelError
 
     rank = ray.train.get_context().get_world_rank()
-    Path(config["attempts"], f"rank{rank}-{uuid.uuid4().hex[:6]}").touch()
+    Path(attempts, f"rank{rank}-{uuid.uuid4().hex[:6]}").touch()
     raise UnsupportedModelError("model.name 'x' can't train on packed rows")
 
 
-def test_input_error_in_a_worker_is_not_retried(ray_local, tmp_path):
+def test_input_error_in_a_worker_is_not_retried(ray_local, tmp_path, monkeypatch):
     from raypack.model.build import UnsupportedModelError
-    from raypack.train.trainer import fit
 
     cfg = tiny_cfg(tmp_path, "train.max_failures=2")
     attempts = tmp_path / "attempts"
     attempts.mkdir()
+    with_worker_loop(monkeypatch, loop_with_bad_input, attempts=str(attempts))
     with pytest.raises(UnsupportedModelError, match="can't train on packed rows"):
-        fit(cfg, loop=loop_with_bad_input, extra_loop_config={"attempts": str(attempts)})
+        trainer.start(cfg)
     # one attempt per rank: no restart of the worker group (max_failures=2 would make it 3 each)
     assert sorted(p.name[:5] for p in attempts.iterdir()) == ["rank0", "rank1"]

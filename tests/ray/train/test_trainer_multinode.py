@@ -20,14 +20,14 @@ pytestmark = pytest.mark.ray
 
 SCRIPT = textwrap.dedent(
     """
-    import json, sys
+    import functools, json, sys
     from pathlib import Path
 
     import ray
     from ray.cluster_utils import Cluster
 
     from raypack.config import load
-    from raypack.train.trainer import build_trainer
+    from raypack.train import trainer
 
     out = Path(sys.argv[1])
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
@@ -36,19 +36,20 @@ SCRIPT = textwrap.dedent(
     cluster.wait_for_nodes()
     ray.init(address=cluster.address)
 
-    def loop(config):
+    def loop(config, out):
         import ray.train
         from raypack.train.loop import train_loop_per_worker
 
         rank = ray.train.get_context().get_world_rank()
-        (Path(config["out"]) / f"node-rank{rank}").write_text(ray.get_runtime_context().get_node_id())
+        (Path(out) / f"node-rank{rank}").write_text(ray.get_runtime_context().get_node_id())
         train_loop_per_worker(config)
 
     cfg = load(str(Path.cwd() / "jobs/configs/tiny_cpu.yaml"), [
         f"run.storage_path={out}", "run.name=multinode", "pack.budget=256", "train.max_steps=2",
         "train.placement_strategy=STRICT_SPREAD", "train.checkpoint_every_steps=0", "train.report_every_steps=1",
     ])
-    result = build_trainer(cfg, loop=loop, extra_loop_config={"out": str(out)}).fit()
+    trainer.worker_loop = functools.partial(loop, out=str(out))  # the workers record their node
+    result = trainer.start(cfg).result
     nodes = [(out / f"node-rank{r}").read_text() for r in range(2)]
     print("RESULT", json.dumps({"step": result.metrics["step"], "nodes": nodes, "all": len(ray.nodes())}))
     ray.shutdown()

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from raypack.config import load
-from raypack.tune.sweep import CONFIG, CSV, CURVES, EVAL_PLOT, PLOT, TABLE
+from raypack.runs import SWEEP_CONFIG as CONFIG
+from raypack.tune.sweep import CSV, CURVES, EVAL_PLOT, PLOT, TABLE
 
 from paths import REPO
 
@@ -70,7 +71,7 @@ def held_by_train(before: dict[str, str], grace_s: float = 30.0) -> list[str]:
 
 @pytest.mark.parametrize("attempt", [1, 2, 3])
 def test_asha_stops_the_stalled_trial(ray_local, tmp_path, monkeypatch, attempt):
-    import raypack.data.prepare as prepare_module
+    import raypack.data.cache as prepare_module
     from raypack.tune.sweep import sweep
 
     calls = []

@@ -146,15 +146,17 @@ def test_changed_sources_under_an_existing_run(tmp_path, capsys, no_ray):
     """The packed data's manifest, as prepare writes it, records the sources; one edited since
     is refused. (tests/ray/data/test_prepare.py makes the manifest with a real prepare.)"""
     from raypack.config import load
-    from raypack.data.fingerprint import sources_fingerprint
-    from raypack.data.prepare import fingerprint
+    from raypack.data.cache import packed_key
+    from raypack.data.listing import Sources
+    from raypack.runs import absolute_paths
 
     path = jsonl(tmp_path / "chat.jsonl", GOOD, GOOD)
     overrides = [f"run.storage_path={tmp_path / 'runs'}", "run.name=r", f"data.paths=[{path}]"]
-    cfg = load(None, overrides)
+    cfg = absolute_paths(load(None, overrides))  # what preflight keys the run's data by
     packed = tmp_path / "runs" / "r" / "packed"
     packed.mkdir(parents=True)
-    manifest = {"fingerprint": fingerprint(cfg, cfg.train.num_workers), "sources": sources_fingerprint(cfg.data.paths), "prepared": {}}
+    manifest = {"fingerprint": packed_key(cfg, cfg.train.num_workers), "sources": Sources.of(cfg.data.paths).fingerprint,
+                "prepared": {}}
     (packed / "manifest.json").write_text(json.dumps(manifest))
     jsonl(path, GOOD, GOOD, GOOD)  # edited in place
     assert main(["train", *overrides]) == 2

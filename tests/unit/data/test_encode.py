@@ -10,7 +10,8 @@ from transformers import AutoTokenizer
 from raypack.config import ASSETS
 from raypack.data import sources
 from raypack.data.formats import validate
-from raypack.data.encode import DROPPED, IGNORE, OK, SPLIT, TRUNCATED, Encoder, TokenizeError
+from raypack.data.encode import DROPPED, OK, SPLIT, TRUNCATED, Encoder, TokenizeError
+from raypack.data.formats import IGNORE_INDEX as IGNORE
 
 TOK = str(ASSETS / "tokenizer")
 CONV = [

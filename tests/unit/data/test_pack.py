@@ -7,7 +7,7 @@ import pyarrow as pa
 import pytest
 
 from raypack.config import PackConfig
-from raypack.data.pack import _finish_rank_tables, _route_block, _routing
+from raypack.data.pack import finish_rank_tables, plan_routing, route_block
 from raypack.data.strategies import make_plan
 
 from packcheck import check_rows, make_examples
@@ -28,10 +28,10 @@ def test_rows_follow_plan(tmp_path, strategy, ranks):
     order = np.argsort(table["example_id"].to_numpy())
     ids, lengths = table["example_id"].to_numpy()[order], table["length"].to_numpy()[order]
     plan = make_plan(lengths, PackConfig(strategy=strategy, budget=budget, batch_size=4, seed=5), ranks)
-    routing = _routing(plan, ids)
-    parts = [_route_block(block, routing, ranks) for block in (table.slice(0, 40), table.slice(40))]
+    routing = plan_routing(plan, ids)
+    parts = [route_block(block, routing, ranks) for block in (table.slice(0, 40), table.slice(40))]
     parts = [p if ranks > 1 else (p,) for p in parts]
     for r in range(ranks):
-        _finish_rank_tables(str(tmp_path / f"rank={r}"), r, plan.num_steps, ranks, plan.reset_positions,
+        finish_rank_tables(str(tmp_path / f"rank={r}"), r, plan.num_steps, ranks, plan.reset_positions,
                             *[p[r] for p in parts])
     check_rows(str(tmp_path), plan, ids, source)

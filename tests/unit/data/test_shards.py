@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from raypack.data.pack import _empty_rows, _write_rank
+from raypack.data.pack import empty_rows, write_rank
 from raypack.data.shards import WINDOW_GROUPS, Prepared, epoch_order, group_steps_for, iter_epoch_packs
 
 
@@ -47,10 +47,10 @@ def test_epoch_order_keeps_few_row_groups_open_and_mixes_them():
 def _write_shards(root, ranks: int, steps: int, accum: int, group: int) -> None:
     """Rows whose example_ids name (rank, stored step), written as the pack stage writes them."""
     for rank in range(ranks):
-        rows = _empty_rows(rank, np.arange(steps), ranks)
+        rows = empty_rows(rank, np.arange(steps), ranks)
         ids = pa.array([[rank * 10_000 + s] for s in range(steps)], pa.list_(pa.int64()))
         rows = rows.set_column(rows.schema.get_field_index("example_ids"), "example_ids", ids)
-        _write_rank(rows, f"{root}/rank={rank}", rank, steps, ranks, group * accum)
+        write_rank(rows, f"{root}/rank={rank}", rank, steps, ranks, group * accum)
 
 
 def _prepared(root, steps: int, accum: int, group: int, **extra) -> Prepared:

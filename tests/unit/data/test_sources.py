@@ -8,12 +8,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from raypack.data import sources
-from raypack.data.sources import SourceError, example_id, locate
+from raypack.data import listing, sources
+from raypack.data.listing import list_sources, read_units
+from raypack.data.sources import example_id, locate
+from raypack.errors import SourceError
 
 
 def read(path, declared="auto"):
-    units, _ = sources._units((str(path),))
+    units = read_units(list_sources((str(path),)))
     tables = [sources.read_unit({k: [u[k]] for k in u}, declared) for u in units]
     rows = pa.concat_tables(tables).to_pylist()
     for r in rows:  # what read_sources_with_report does with a file-level problem
@@ -153,8 +155,8 @@ def test_large_jsonl_reads_in_chunks_with_exact_lines_and_ids(tmp_path, monkeypa
     lines[10] = {"prompt": "x" * 300, "completion": "a line longer than a chunk"}
     path = jsonl(tmp_path / "big.jsonl", lines)
     whole = read(path)
-    monkeypatch.setattr(sources, "CHUNK_BYTES", 64)  # about 3 lines a chunk
-    units, _ = sources._units((str(path),))
+    monkeypatch.setattr(listing, "CHUNK_BYTES", 64)  # about 3 lines a chunk
+    units = read_units(list_sources((str(path),)))
     assert len(units) > 20 and [u["row_offset"] for u in units] == sorted(u["row_offset"] for u in units)
     # each unit on its own, in reverse order, gives the same rows as the file read whole
     tables = [sources.read_unit({k: [u[k]] for k in u}, "auto") for u in reversed(units)]
@@ -201,7 +203,7 @@ def test_tokenized_columnwise_vocab_bound_matches_per_record(tmp_path, monkeypat
     labels = [[-100, 2, 3], [1, 2], [-100, 64], [-5, 1], None]
     path = tmp_path / "tok.parquet"
     pq.write_table(pa.table({"input_ids": ids, "labels": labels}), path)
-    units, _ = sources._units((str(path),))
+    units = read_units(list_sources((str(path),)))
 
     def rows():
         return sources.read_unit({k: [units[0][k]] for k in units[0]}, "tokenized", vocab_size=64).to_pylist()

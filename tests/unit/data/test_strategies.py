@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import numpy as np
 import pytest
+import yaml
 from hypothesis import given, settings
 
-from raypack.data.strategies import STRATEGIES, get_strategy
+from raypack.config import load
+from raypack.data.strategies import STRATEGIES, check_strategies, get_strategy
+from raypack.errors import ConfigError
 from raypack.data.synthetic import sample_lengths
 
 from planning import plan_for, problems
@@ -68,3 +72,48 @@ def test_random_packs_is_the_truth_about_the_seed(name):
     changed = packs(seed=1) != base and packs(seed=0, epoch=1) != base
     assert changed == STRATEGIES[name].random_packs
     assert packs(seed=0) == base and packs(seed=0, epoch=0) == base  # epoch 0 is the plan as ever
+
+
+def _write(tmp_path, data) -> str:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_unknown_pack_strategy_is_refused_naming_field_choices_and_file(tmp_path):
+    path = _write(tmp_path, {"pack": {"strategy": "bdf"}})
+    with pytest.raises(ConfigError) as e:
+        check_strategies(load(path), path)
+    msg = str(e.value)
+    assert path in msg and "pack.strategy: unknown packing strategy 'bdf'" in msg and "balanced" in msg
+    with pytest.raises(ConfigError, match=r"tune.strategies: unknown packing strategy 'nope'"):
+        check_strategies(load(None, ["tune.strategies=[bfd, nope]"]))
+
+
+def test_the_command_line_refuses_an_unknown_strategy_before_any_import(tmp_path, capsys):
+    from raypack.cli import main
+
+    path = _write(tmp_path, {"pack": {"strategy": "bdf"}})
+    assert main(["train", "--config", path]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and path in err and "unknown packing strategy 'bdf'" in err
+
+
+def test_repack_each_epoch_needs_a_strategy_whose_packs_depend_on_the_seed():
+    for name, strategy in STRATEGIES.items():
+        cfg = load(None, [f"pack.strategy={name}", "pack.repack_each_epoch=true"])
+        if strategy.random_packs:
+            check_strategies(cfg)
+            assert cfg.pack.repack_each_epoch
+        else:
+            with pytest.raises(ConfigError, match=rf"pack.repack_each_epoch: {name} packs the same examples"):
+                check_strategies(cfg)
+    assert {n for n, s in STRATEGIES.items() if s.random_packs} == {"pad", "flatten", "wrapped", "wrapped_noreset", "random"}
+
+
+def test_traits_are_answered_by_the_strategies():
+    assert {n for n, s in STRATEGIES.items() if not s.bounded_rows} == {"pad", "pad_sorted", "flatten"}
+    assert {n for n, s in STRATEGIES.items() if s.takes_batch_size} == {"pad", "pad_sorted", "flatten"}
+    # a strategy that takes a batch size has the field its packs are built from
+    for name, s in STRATEGIES.items():
+        assert s.takes_batch_size == ("batch_size" in {f.name for f in dataclasses.fields(s)}), name

@@ -16,7 +16,8 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from raypack.config import ASSETS
 from raypack.data import sources
-from raypack.data.encode import IGNORE, Encoder, TokenizeError
+from raypack.data.encode import Encoder, TokenizeError
+from raypack.data.formats import IGNORE_INDEX as IGNORE
 from raypack.data.formats import validate
 
 TOK = str(ASSETS / "tokenizer")

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer, BloomConfig
 from raypack.config import ASSETS, Config, ModelConfig, PackConfig, TrainConfig, load
 from raypack.data.encode import TokenizeError
 from raypack.model.build import UnsupportedModelError, tiny_config
+from raypack.data.listing import Sources
 from raypack.train.preflight import check_packed_model, preflight, source_formats
 
 
@@ -50,7 +51,7 @@ def test_chat_data_needs_a_chat_template(tmp_path):
 def test_formats_of_every_source_kind():
     sample = ASSETS / "sample"
     cfg = load(None, [f"data.paths=[{sample}]"])
-    assert sorted(source_formats(cfg).values()) == ["chat", "completion", "instruction", "tokenized"]
+    assert sorted(source_formats(cfg, Sources.of(cfg.data.paths)).values()) == ["chat", "completion", "instruction", "tokenized"]
 
 
 # The packed-model check (check_packed_model): model traits against the run's strategy, backend and budget.

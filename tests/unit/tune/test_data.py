@@ -9,7 +9,7 @@ import pytest
 from raypack.config import PackConfig
 from raypack.data.strategies import STRATEGIES, make_plan
 from raypack.data.synthetic import sample_lengths
-from raypack.tune.data import equal_work_batch_size, takes_batch_size
+from raypack.tune.data import equal_work_batch_size
 
 
 def tokens_per_step(lengths, strategy, budget, batch_size, ranks=1):
@@ -18,7 +18,7 @@ def tokens_per_step(lengths, strategy, budget, batch_size, ranks=1):
 
 
 def test_the_trait_not_the_name():
-    assert {s for s in STRATEGIES if takes_batch_size(s)} == {"pad", "pad_sorted", "flatten"}
+    assert {s for s in STRATEGIES if STRATEGIES[s].takes_batch_size} == {"pad", "pad_sorted", "flatten"}
 
 
 @pytest.mark.parametrize("kind, budget", [("flan", 512), ("flan", 2048), ("orcamath", 1024)])

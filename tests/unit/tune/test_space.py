@@ -7,7 +7,8 @@ from ray.tune.schedulers import AsyncHyperBandScheduler
 from ray.tune.search import BasicVariantGenerator
 from ray.tune.search.sample import Categorical, Float
 
-from raypack.config import ConfigError, load
+from raypack.config import load
+from raypack.errors import ConfigError
 from raypack.tune.space import check, pack_configs, param_space, planned_trials, scheduler, search_alg, tune_config
 
 
@@ -33,9 +34,12 @@ def test_check_accepts_what_works():
     check(cfg("tune.strategies=[wrapped, greedy]", "tune.metric=tokens_per_s", "tune.mode=max"))
 
 
-def test_field_checks_at_load():
+def test_strategy_names_are_checked_with_the_sweep():
     with pytest.raises(ConfigError, match="tune.strategies: unknown packing strategy 'bfdd'"):
-        cfg("tune.strategies=[pad, bfdd]")
+        check(cfg("tune.strategies=[pad, bfdd]"))
+
+
+def test_field_checks_at_load():
     with pytest.raises(ConfigError, match="tune.lrs: expected \\[low, high\\]"):
         cfg("tune.lr_space=loguniform", "tune.lrs=[1e-2, 1e-4]")
     with pytest.raises(ConfigError, match="tune.strategy_space: expected choice"):

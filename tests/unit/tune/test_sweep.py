@@ -1,24 +1,12 @@
-"""The sweep's driver-side pieces that need no Ray: its saved config and the report's notes."""
+"""The sweep's driver-side pieces that need no Ray: the report's notes (its saved config: tests/unit/test_runs.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from raypack.config import ConfigError, dumps, load
+from raypack.config import load
 from raypack.tune.data import SweepData
-from raypack.tune.sweep import CONFIG, report_context, saved_config
-
-
-def test_saved_config_points_at_where_the_sweep_now_is(tmp_path):
-    cfg = load(None, ["run.storage_path=/somewhere/else", "run.name=old", "tune.num_samples=3"])
-    moved = tmp_path / "sweeps" / "mine"
-    moved.mkdir(parents=True)
-    (moved / CONFIG).write_text(dumps(cfg))
-    back = saved_config(str(moved))
-    assert back.run.storage_path == str(tmp_path / "sweeps") and back.run.name == "mine"
-    assert back.tune == cfg.tune
-    with pytest.raises(ConfigError, match="not a raypack sweep"):
-        saved_config(str(tmp_path))
+from raypack.tune.sweep import report_context
 
 
 def data(**kw):

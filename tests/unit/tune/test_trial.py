@@ -1,20 +1,9 @@
-"""A trial's config and its report callback, without Ray (the stream itself: tests/ray/tune/test_trial.py)."""
+"""A trial's report callback, without Ray (the stream itself: tests/ray/tune/test_trial.py; its
+config and name: tests/unit/test_runs.py)."""
 
 from __future__ import annotations
 
-from raypack.config import load
-from raypack.tune.trial import ForwardReports, trial_config, trial_name
-
-
-def test_trial_config():
-    cfg = load(None, ["train.lr=0.01", "pack.batch_size=4"])
-    params = {"strategy": "pad", "budget": 512, "lr": 3e-3}
-    t = trial_config(cfg, params, "/tmp/exp/runs", "abc_00001", batch_size=2.378)
-    assert (t.pack.strategy, t.pack.budget, t.pack.batch_size, t.train.lr) == ("pad", 512, 2.378, 3e-3)
-    assert t.run.name == "pad-b512-lr0.003-abc_00001" and t.run.storage_path == "/tmp/exp/runs"
-    assert t.model == cfg.model and t.data == cfg.data  # the rest is the base config's
-    assert trial_config(cfg, {**params, "strategy": "bfd"}, "/r").pack.batch_size == 4  # no equal-work size: as set
-    assert trial_name({"strategy": "bfd", "budget": 256, "lr": 1e-6}) == "bfd-b256-lr1e-06"
+from raypack.tune.trial import ForwardReports
 
 
 class _Queue:

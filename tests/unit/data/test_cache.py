@@ -1,23 +1,11 @@
-"""Driver-side preparation without Ray: the held-out eval split."""
+"""The keys of the prepared-data caches, without Ray: what each one covers, and that it hashes typed values."""
 
 from __future__ import annotations
-
-import numpy as np
-
-from raypack.data.prepare import is_eval
-
-
-def test_eval_split_is_stable_and_near_the_fraction():
-    ids = np.arange(0, 200_000, 7)
-    held = is_eval(ids, 0.1, seed=0)
-    assert 0.09 < held.mean() < 0.11
-    assert (held == is_eval(ids, 0.1, seed=0)).all()
-    assert not is_eval(ids, 0.0, seed=0).any()
 
 
 def test_tokenized_key_covers_what_shapes_tokens_and_nothing_else():
     from raypack.config import load
-    from raypack.data.prepare import packed_key, tokenized_key
+    from raypack.data.cache import packed_key, tokenized_key
 
     base = load(None, ["pack.budget=512"])
     same = ["pack.strategy=pad", "pack.batch_size=2.5", "pack.seed=3", "data.eval_fraction=0.2",
@@ -42,8 +30,19 @@ def test_tokenized_key_covers_what_shapes_tokens_and_nothing_else():
 
 def test_packed_root_is_the_cache_when_set():
     from raypack.config import load
-    from raypack.data.prepare import packed_key, packed_root
+    from raypack.data.cache import packed_key, packed_root
 
     assert packed_root(load(None, []), 2, "/runs/a") == "/runs/a/packed"
     cfg = load(None, ["data.cache_path=/shared/cache"])
     assert packed_root(cfg, 2, "/runs/a") == f"/shared/cache/packed/{packed_key(cfg, 2)}"
+
+
+def test_keys_hash_typed_values_not_their_text():
+    """A saved config reloads with a float written `8` as 8.0: the keys must not change with it."""
+    from raypack.config import dumps, load, loads
+    from raypack.data.cache import packed_key, tokenized_key
+
+    for cfg in (load(), load(None, ["pack.batch_size=8", "tune.lrs=[1]"]), load(None, ["pack.batch_size=8.0"])):
+        again = loads(dumps(cfg))
+        assert tokenized_key(again) == tokenized_key(cfg) and packed_key(again, 2) == packed_key(cfg, 2)
+    assert packed_key(load(None, ["pack.batch_size=8"]), 2) == packed_key(load(), 2)  # 8 is the default 8.0

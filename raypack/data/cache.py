@@ -1,0 +1,189 @@
+"""What shaped the prepared data, and where it is kept: the keys, the caches and their manifests.
+
+Two keys, two caches. With `data.cache_path` set, the tokenized examples are kept as Parquet
+under `<cache>/tokenized/<tokenized_key>/` and the packed rows under `<cache>/packed/<packed_key>/`,
+so runs (and sweep trials) that differ only in the pack config tokenize once, and those with the
+same pack config pack once; without it, a run's packed rows are `<run>/packed/`:
+
+    tokenized_key: data (less eval_fraction and cache_path), tokenize (less its speed knobs),
+                   the effective max_length (Config.max_length)
+    packed_key:    tokenized_key, pack, data.eval_fraction, ranks, grad_accum
+
+Both hash the config's canonical values (`Config.to_dict()`: every value in its field's type),
+never its text, so a saved config that reloads (a float written `8` comes back as `8.0`) keys the
+same data. A checkpoint records the packed key of the data its position indexes (`fingerprint`).
+
+A cache entry is written into a fresh folder and committed by writing its manifest last, so a
+reader never sees a half-written entry and two runs that prepare the same entry at once each leave
+a complete one (the last manifest wins). Every manifest records its sources' identity
+(raypack/data/fingerprint.py): a tokenized entry made from sources that have changed since is
+tokenized again; a packed folder of the same config but changed sources is an error
+(`SourcesChangedError`), never a silent reuse and never a silent re-pack under a run whose
+checkpoints index the old packs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+
+from raypack import storage
+from raypack.config import Config
+from raypack.data.fingerprint import changed_sources
+from raypack.data.listing import Sources
+from raypack.data.shards import Prepared
+from raypack.data.tokenize import TokenizeStats, lengths_and_ids, ordered, require_supervised, tokenize_dataset
+from raypack.errors import InputError
+
+FORMAT_VERSION = 6  # 4: rows without a label token are dropped; the manifest records the sources
+# 5: row groups of whole optimizer steps; epoch orders; per-epoch plans
+# 6: keys hash canonical typed values; tokenize counts carry the pad id and tokenizer size
+TOKENIZE_SPEED_KNOBS = ("batch_size", "num_actors", "num_cpus")
+"""tokenize fields that change how fast, never what: left out of the keys."""
+MANIFEST = "manifest.json"
+
+
+class SourcesChangedError(InputError):
+    """The sources differ from those a run's packed data was made from."""
+
+
+def _digest(shaped_by: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(shaped_by, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def tokenized_key(cfg: Config) -> str:
+    """Hash of everything that shapes the tokenized examples (and nothing that only packs them)."""
+    plain = cfg.to_dict()
+    tokenize = {k: v for k, v in plain["tokenize"].items() if k not in TOKENIZE_SPEED_KNOBS}
+    tokenize["max_length"] = cfg.max_length
+    data = {k: v for k, v in plain["data"].items() if k not in ("eval_fraction", "cache_path")}
+    return _digest({"version": FORMAT_VERSION, "data": data, "tokenize": tokenize})
+
+
+def packed_key(cfg: Config, num_ranks: int) -> str:
+    """Hash of everything that shapes the packed rows: the tokenized examples, the eval split and the plan."""
+    plain = cfg.to_dict()
+    return _digest({
+        "version": FORMAT_VERSION,
+        "tokenized": tokenized_key(cfg),
+        "eval_fraction": plain["data"]["eval_fraction"],
+        "pack": plain["pack"],
+        "ranks": num_ranks,
+        "accum": cfg.train.grad_accum,
+        # how many per-epoch plans exist; without repacking every epoch reads the same rows
+        "epochs": [cfg.train.epochs, cfg.train.max_steps] if cfg.pack.repack_each_epoch else None,
+    })
+
+
+def packed_root(cfg: Config, num_ranks: int, run_dir: str) -> str:
+    """Where a run's packed rows go: the shared cache when `data.cache_path` is set, else `<run>/packed`."""
+    if cfg.data.cache_path:
+        return f"{storage.absolute(cfg.data.cache_path)}/packed/{packed_key(cfg, num_ranks)}"
+    return f"{run_dir}/packed"
+
+
+def commit(folder: str, manifest: dict[str, Any]) -> None:
+    """Write an entry's manifest, last: from now on readers see the entry."""
+    storage.write_text(f"{folder}/{MANIFEST}", json.dumps(manifest, indent=1))
+
+
+def read_manifest(folder: str) -> dict[str, Any] | None:
+    path = f"{folder}/{MANIFEST}"
+    return json.loads(storage.read_text(path)) if storage.exists(path) else None
+
+
+def fresh_folder(root: str) -> str:
+    """A new folder under `root` for one entry's data: `write_parquet` appends, and a reader may
+    still hold an older entry."""
+    return f"{root}/{uuid.uuid4().hex[:12]}"
+
+
+# --- tokenized examples --------------------------------------------------------------------------
+
+
+@dataclass
+class Tokenized:
+    """The tokenized examples, their lengths and ids (in example_id order), and how they came to be."""
+
+    key: str
+    """Its `tokenized_key`."""
+    ds: Any
+    """Materialized Ray Dataset: example_id, input_ids, labels, length."""
+    lengths: np.ndarray
+    ids: np.ndarray
+    stats: dict[str, Any]
+    """TokenizeStats' counts (not the lengths), the pad id and tokenizer size included."""
+    reused: bool
+    """True when read back from `data.cache_path` instead of tokenized now."""
+    seconds: float
+
+
+def tokenized(cfg: Config, sources: Sources, vocab_size: int | None = None) -> Tokenized:
+    """Tokenize `cfg`'s data (`sources`, its listing), or read it back from `data.cache_path`
+    when an entry with the same `tokenized_key`, made from sources that have not changed since, is
+    there (then nothing is tokenized). `vocab_size`: the model's, which bounds pre-tokenized ids."""
+    t0 = time.perf_counter()
+    key = tokenized_key(cfg)
+    folder = f"{storage.absolute(cfg.data.cache_path)}/tokenized/{key}" if cfg.data.cache_path else None
+    saved = read_manifest(folder) if folder else None
+    if saved is not None:
+        changes = changed_sources(saved.get("sources", {}), sources.fingerprint)
+        if not changes:
+            ds = ray.data.read_parquet(saved["data_dir"]).materialize()
+            lengths, ids = lengths_and_ids(ds)
+            print(f"[raypack] reusing tokenized data in {saved['data_dir']}", flush=True)
+            return Tokenized(saved["key"], ds, lengths, ids, saved["stats"], True, time.perf_counter() - t0)
+        print(f"[raypack] the sources changed since {folder} was tokenized ({changes[0]}): tokenizing again", flush=True)
+
+    print(f"[raypack] reading and tokenizing {len(sources.files)} source file(s)", flush=True)
+    ds, tok_stats = tokenize_dataset(cfg, sources, vocab_size)
+    require_supervised(tok_stats, cfg)
+    stats = {k: v for k, v in dataclasses.asdict(tok_stats).items() if k not in ("lengths", "ids")}
+    lengths, ids = ordered(tok_stats.lengths, tok_stats.ids)
+    print(f"[raypack] {tok_stats.examples_in} examples: {tok_stats.examples_out} rows, {tok_stats.tokens} tokens "
+          f"({tok_stats.label_tokens} with loss); dropped {tok_stats.dropped} over {tok_stats.max_length} tokens and "
+          f"{tok_stats.no_labels} without a label token, truncated {tok_stats.truncated}, split {tok_stats.split}, "
+          f"{tok_stats.bad_rows} bad rows skipped ({time.perf_counter() - t0:.1f} s)", flush=True)
+    if folder:
+        data_dir = fresh_folder(folder)
+        ds.write_parquet(data_dir)
+        commit(folder, {"key": key, "data_dir": data_dir, "stats": stats, "sources": sources.fingerprint,
+                        "seconds": time.perf_counter() - t0})
+        print(f"[raypack] tokenized {len(ids)} examples into {data_dir}", flush=True)
+    return Tokenized(key, ds, lengths, ids, stats, False, time.perf_counter() - t0)
+
+
+def supervised(tok: Tokenized, cfg: Config) -> None:
+    """`require_supervised` on a Tokenized record's counts (a reused one included)."""
+    require_supervised(TokenizeStats(**tok.stats), cfg)
+
+
+# --- packed rows ---------------------------------------------------------------------------------
+
+
+def reusable(cfg: Config, num_ranks: int, root: str, sources: Sources, reprepare: bool = False) -> Prepared | None:
+    """The packed data already in `root` if it was made from this config and these sources;
+    None if there is none, or it was made from another config (it is then made again), or
+    `reprepare` is set. Same config but changed sources raises SourcesChangedError. Starts no
+    Ray work and reads no rows: the manifest, against the command's listing of the sources."""
+    saved = read_manifest(storage.absolute(root))
+    if saved is None or saved.get("fingerprint") != packed_key(cfg, num_ranks):
+        return None
+    changes = changed_sources(saved["sources"], sources.fingerprint)
+    if not changes:
+        return Prepared.from_dict(saved["prepared"])
+    if reprepare:
+        return None
+    more = f" (and {len(changes) - 1} more changes)" if len(changes) > 1 else ""
+    raise SourcesChangedError(
+        f"data.paths changed since this run's data was prepared in {root}: {changes[0]}{more}. "
+        "Start a new run with run.name=NEW_NAME, or re-prepare this one with `raypack train --reprepare`"
+    )

@@ -1,0 +1,164 @@
+"""Stage 1a: what `data.paths` stand for, listed once per command, and how they are cut into read units.
+
+    sources = Sources.of(cfg.data.paths)   # the files, in example_id file order, and their identity
+    units = read_units(sources.files)      # what one Ray task reads: a file, a row group, a byte range
+
+A configured path is a file, a folder of files, or a `save_to_disk` folder (a Dataset, or a
+DatasetDict's `train` split), local or any URI pyarrow reads. Listing them is a remote LIST per
+path on object storage, so a command lists once and passes the `Sources` record along: preflight
+checks each file's format from it, the read and the tokenizer stage number rows by it, and data
+preparation keys its caches by its fingerprint (raypack/data/fingerprint.py says what identifies
+a file). A missing path, an empty folder or an unreachable URI fails here, before any Ray work,
+naming `data.paths`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from raypack.data.fingerprint import sources_fingerprint
+from raypack.errors import SourceError
+from raypack.storage import is_uri, resolve
+
+CHUNK_BYTES = 4 << 20
+"""A JSONL file larger than this is read as several units of about this size, so that one large
+file still reads on every core and its first rows reach tokenize before its last are parsed."""
+MAX_FILES, MAX_ROWS = 1 << 21, 1 << 32
+"""example_id has 21 bits for the file and 32 for the row (raypack/data/sources.py)."""
+
+
+@dataclass(frozen=True)
+class Sources:
+    """The source files of `data.paths`: what a command lists once and passes to every stage."""
+
+    files: tuple[tuple[str, str], ...]
+    """(path, kind) of every file, in example_id file order; kind is jsonl, parquet or arrow."""
+    fingerprint: dict[str, dict[str, Any]]
+    """{path: identity} (raypack/data/fingerprint.py): what a cache of data made from them records."""
+
+    @classmethod
+    def of(cls, paths: tuple[str, ...]) -> Sources:
+        files = tuple(list_sources(paths))
+        return cls(files, sources_fingerprint(files))
+
+
+def _kind(path: str) -> str | None:
+    for suffix, kind in ((".jsonl", "jsonl"), (".json", "jsonl"), (".parquet", "parquet"), (".arrow", "arrow")):
+        if path.endswith(suffix):
+            return kind
+    return None
+
+
+def _expand(path: str) -> list[tuple[str, str]]:
+    """(path, kind) of every file a configured path stands for."""
+    try:
+        return _expand_reachable(path)
+    except OSError as e:
+        # pyarrow's own message is about bucket regions, credentials or curl codes; say which
+        # configured path it was, and keep pyarrow's first line for the reason.
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SourceError(f"data.paths: {path}: can't read it ({reason})") from e
+
+
+def _expand_reachable(path: str) -> list[tuple[str, str]]:
+    fs, p = resolve(path)
+    info = fs.get_file_info(p)
+    prefix = path[: len(path) - len(p)] if is_uri(path) else ""
+    if info.type == pafs.FileType.NotFound:
+        raise SourceError(f"data.paths: {path}: no such file or folder")
+    if info.type == pafs.FileType.File:
+        if _kind(p) is None:
+            raise SourceError(f"data.paths: {path}: unknown file type; expected .jsonl, .json, .parquet or a save_to_disk folder")
+        return [(path, _kind(p))]
+    names = {i.base_name for i in fs.get_file_info(pafs.FileSelector(p))}
+    if "dataset_dict.json" in names:  # a DatasetDict: read its train split
+        if "train" not in names:
+            raise SourceError(f"{path}: a saved DatasetDict without a `train` split; point data.paths at a split folder")
+        return _expand_reachable(f"{path.rstrip('/')}/train")
+    if "state.json" in names:  # Dataset.save_to_disk: Arrow stream files listed in state.json
+        with fs.open_input_stream(f"{p}/state.json") as f:
+            state = json.loads(f.read())
+        return [(f"{prefix}{p}/{d['filename']}", "arrow") for d in state["_data_files"]]
+    files = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(p)) if i.is_file and _kind(i.path))
+    if not files:
+        raise SourceError(f"data.paths: {path}: folder holds no .jsonl, .json or .parquet files")
+    return [(prefix + f, _kind(f)) for f in files]
+
+
+def list_sources(paths: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(path, kind) of every source file, in example_id file order; kind is jsonl, parquet or arrow.
+    One listing per configured path and no reads: a missing path, an empty folder or an
+    unreachable URI fails here, before any Ray work, naming `data.paths`."""
+    return [f for p in paths for f in _expand(p)]
+
+
+def read_units(files: tuple[tuple[str, str], ...]) -> list[dict]:
+    """The read units of `files` (a `Sources.files`): each a dict one Ray task reads."""
+    if len(files) >= MAX_FILES:
+        raise SourceError(f"data.paths: {len(files)} files; at most {MAX_FILES - 1} are supported")
+    units = []
+    for i, (path, kind) in enumerate(files):
+        if kind == "parquet":  # one unit per row group, so one large file still reads in parallel
+            fs, p = resolve(path)
+            meta = pq.ParquetFile(p, filesystem=fs).metadata
+            if meta.num_rows == 0:
+                raise SourceError(f"{path}: empty file (no rows)")
+            if meta.num_rows > MAX_ROWS:
+                raise SourceError(f"{path}: more than {MAX_ROWS} rows in one file; split the file")
+            offset = 0
+            for g in range(meta.num_row_groups):
+                units.append(_unit(i, path, kind, row_group=g, row_offset=offset))
+                offset += meta.row_group(g).num_rows
+        elif kind == "jsonl":
+            units += _jsonl_units(i, path)
+        else:
+            units.append(_unit(i, path, kind))
+    return units
+
+
+def _unit(file_index: int, path: str, kind: str, row_group=-1, row_offset=0, start=0, stop=-1, keys="") -> dict:
+    # Every unit has every field: Ray Data wants one schema across the units' blocks.
+    return dict(file_index=file_index, path=path, kind=kind, row_group=row_group, row_offset=row_offset, start=start, stop=stop, keys=keys)
+
+
+def _jsonl_units(i: int, path: str) -> list[dict]:
+    """The whole file, or byte ranges of about CHUNK_BYTES cut after a newline. The driver reads the
+    file once to count the newlines before each cut (each unit's first line number, for ids and
+    error messages) and to find the first JSON object, whose fields pick every unit's format."""
+    whole = _unit(i, path, "jsonl")
+    fs, p = resolve(path)
+    size = fs.get_file_info(p).size
+    if size <= CHUNK_BYTES:
+        return [whole]
+    units, start, line, keys, nonblank = [], 0, 0, None, False
+    with fs.open_input_file(p) as f:
+        while start < size:
+            n = CHUNK_BYTES
+            while True:
+                data = f.read_at(n, start)
+                cut = len(data) if start + len(data) >= size else data.rfind(b"\n") + 1
+                if cut:
+                    break
+                n *= 2  # one line longer than a chunk
+            data = data[:cut]
+            nonblank = nonblank or bool(data.strip())
+            for raw in data.split(b"\n") if keys is None else ():
+                try:
+                    rec = json.loads(raw)
+                except ValueError:  # malformed or blank; the read task reports it
+                    continue
+                if isinstance(rec, dict):
+                    keys = sorted(rec)
+                    break
+            units.append({**whole, "row_offset": line, "start": start, "stop": start + cut})
+            line, start = line + data.count(b"\n"), start + cut
+    if not nonblank:
+        return [whole]  # the read task reports the empty file
+    if line >= MAX_ROWS:
+        raise SourceError(f"{path}: more than {MAX_ROWS} lines in one file; split the file")
+    return [{**u, "keys": json.dumps(keys or [])} for u in units]

@@ -1,0 +1,173 @@
+"""Where a run lives, and the files that say what it is: one home for run folders.
+
+    <run.storage_path>/<run.name>/            run_dir(cfg): a local folder or a URI
+        raypack_config.yaml                   the config it trains, saved once, paths absolute
+        raypack_result.json                   written when training finishes (last step, metrics)
+        packed/, tensorboard/, checkpoint_*   prepare's rows, the event files, Ray Train's state
+    <run.storage_path>/<sweep name>/          a sweep's experiment folder
+        raypack_sweep.yaml                    the sweep's config, saved once
+        runs/<trial name>/                    one run folder per trial (trial_config)
+
+A saved config holds absolute paths and URIs only (`absolute_paths`), and `saved_config(DIR)`
+points the run at DIR wherever DIR now is, so `raypack train --resume DIR` and `raypack sweep
+--resume DIR` continue that run or sweep from any working folder.
+
+Local paths in a config are relative to the working folder (the job's working directory under
+`ray job submit`), except `raypack/assets/...`, which names the bundled assets of the installed
+raypack. Paths that don't exist here (hub names, `tiny-llama`) and URIs are left as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from raypack import storage
+from raypack.config import ASSETS, ASSETS_PREFIX, Config, dumps, loads
+from raypack.errors import ConfigError
+
+SAVED_CONFIG = "raypack_config.yaml"
+SWEEP_CONFIG = "raypack_sweep.yaml"
+RESULT = "raypack_result.json"
+"""Written when training finishes: the last step and metrics, and where the checkpoint is."""
+CHECKPOINTS = "checkpoint_manager_snapshot.json"
+"""Ray Train's record of a run's checkpoints: a run with it has trained and resumes from one."""
+
+
+# --- paths -------------------------------------------------------------------------------------
+
+
+def local_path(path: str) -> str:
+    """A config path as this process finds it: bundled assets in the installed package, other
+    existing local paths absolute; URIs and names that are no local path as they are."""
+    if storage.is_uri(path):
+        return path
+    if path.startswith(ASSETS_PREFIX) or path.startswith("./" + ASSETS_PREFIX):
+        return str(ASSETS / path.split(ASSETS_PREFIX, 1)[1])
+    return str(Path(path).expanduser().resolve()) if Path(path).expanduser().exists() else path
+
+
+def absolute_paths(cfg: Config) -> Config:
+    """`cfg` with every local path absolute (data, tokenizer, a model folder, storage and cache
+    paths): what a saved config holds and what Ray workers, whose working folder is not ours, get."""
+    return dataclasses.replace(
+        cfg,
+        data=dataclasses.replace(
+            cfg.data, paths=tuple(local_path(p) for p in cfg.data.paths),
+            cache_path=storage.absolute(cfg.data.cache_path) if cfg.data.cache_path else None),
+        tokenize=dataclasses.replace(cfg.tokenize, tokenizer=local_path(cfg.tokenize.tokenizer)),
+        model=dataclasses.replace(cfg.model, name=local_path(cfg.model.name)),
+        run=dataclasses.replace(cfg.run, storage_path=storage.absolute(cfg.run.storage_path)),
+    )
+
+
+def storage_path(cfg: Config) -> str:
+    """`run.storage_path`, absolute when local (Ray Train requires it), a URI left as it is."""
+    return storage.absolute(cfg.run.storage_path)
+
+
+def run_dir(cfg: Config) -> str:
+    """Where one run's (or sweep's) files go: <run.storage_path>/<run.name>."""
+    return f"{storage_path(cfg)}/{cfg.run.name}"
+
+
+def at(cfg: Config, folder: str) -> Config:
+    """`cfg` with its run placed at `folder` (storage_path = its parent, name = its last part)."""
+    parent, _, name = storage.absolute(folder).rpartition("/")
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, storage_path=parent, name=name))
+
+
+# --- saved configs -------------------------------------------------------------------------------
+
+
+def saved_config(folder: str, overrides: Sequence[str] = (), file: str = SAVED_CONFIG, what: str = "run") -> Config:
+    """The config a run (or, with file=SWEEP_CONFIG, a sweep) in `folder` saved, then `overrides`,
+    placed at `folder` wherever it now is: what `--resume FOLDER` continues."""
+    path = f"{storage.absolute(folder)}/{file}"
+    if not storage.exists(path):
+        if what == "sweep":
+            raise ConfigError(f"--resume {folder}: not a raypack sweep (no {file} there); start one with --config")
+        raise ConfigError(f"--resume {folder}: no {file} there; is it a raypack run folder?")
+    return at(loads(storage.read_text(path), overrides, path), folder)
+
+
+def save_config(cfg: Config, file: str = SAVED_CONFIG) -> None:
+    """Save `cfg` (paths made absolute) into its run folder, unless a config is saved there already."""
+    path = f"{run_dir(cfg)}/{file}"
+    if not storage.exists(path):
+        storage.write_text(path, dumps(absolute_paths(cfg)))
+
+
+def differences(saved: Config, new: Config, sections: Sequence[str] | None = None) -> list[str]:
+    """`section.key: old there, new here` for every field that differs (nested keys dotted)."""
+    a, b = saved.to_dict(), new.to_dict()
+    out: list[str] = []
+
+    def walk(x: Any, y: Any, key: str) -> None:
+        if isinstance(x, dict) and isinstance(y, dict):
+            for k in x:
+                walk(x[k], y.get(k), f"{key}.{k}" if key else k)
+        elif x != y:
+            out.append(f"{key}: {x!r} there, {y!r} here")
+
+    for section in sections or a:
+        walk(a[section], b[section], section)
+    return out
+
+
+def check_same_config(cfg: Config, root: str) -> None:
+    """A ConfigError if the run in `root` was started with a config other than `cfg` (a rerun of
+    `raypack train --config` with a changed file or overrides); nothing if it has none saved."""
+    path = f"{root}/{SAVED_CONFIG}"
+    if not storage.exists(path):
+        return
+    diff = differences(loads(storage.read_text(path), (), path), absolute_paths(cfg))
+    if diff:
+        raise ConfigError(
+            f"run {cfg.run.name!r} in {root} was started with another config ({diff[0]}"
+            + (f", and {len(diff) - 1} more" if len(diff) > 1 else "")
+            + f"); continue it with `raypack train --resume {root}` (overrides allowed), or start a new run with run.name=NEW_NAME"
+        )
+
+
+def has_checkpoint(root: str) -> bool:
+    return storage.exists(f"{root}/{CHECKPOINTS}")
+
+
+# --- results -------------------------------------------------------------------------------------
+
+
+def read_result(root: str) -> dict[str, Any] | None:
+    path = f"{root}/{RESULT}"
+    return json.loads(storage.read_text(path)) if storage.exists(path) else None
+
+
+def write_result(root: str, step: int, metrics: dict[str, Any], checkpoint: str | None) -> None:
+    storage.write_text(f"{root}/{RESULT}", json.dumps({"step": step, "metrics": metrics, "checkpoint": checkpoint}, indent=1))
+
+
+# --- sweep trials --------------------------------------------------------------------------------
+
+
+def trial_name(params: dict[str, Any]) -> str:
+    return f"{params['strategy']}-b{params['budget']}-lr{params['lr']:.3g}"
+
+
+def trial_config(base: Config, params: dict[str, Any], runs_dir: str, suffix: str = "",
+                 batch_size: float | None = None) -> Config:
+    """The base config with the trial's strategy, budget, lr (and equal-work `batch_size`), its
+    run under `runs_dir` with a name no other trial (or earlier sweep) uses: a reused name would
+    resume that run."""
+    name = trial_name(params) + (f"-{suffix}" if suffix else "")
+    pack = dataclasses.replace(base.pack, strategy=params["strategy"], budget=params["budget"])
+    if batch_size is not None:
+        pack = dataclasses.replace(pack, batch_size=batch_size)
+    return dataclasses.replace(
+        base,
+        pack=pack,
+        train=dataclasses.replace(base.train, lr=params["lr"]),
+        run=dataclasses.replace(base.run, name=name, storage_path=runs_dir),
+    )

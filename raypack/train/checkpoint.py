@@ -1,0 +1,124 @@
+"""What a checkpoint holds and how a worker writes and restores it.
+
+    state = restore(engine, rank, data.fingerprint)        # the last reported checkpoint, if any
+    report_and_checkpoint(engine, state, metrics, rank, checkpoint=True, final=False)
+
+A checkpoint folder (one `ray.train.Checkpoint`) holds DeepSpeed's state under one fixed tag
+(weights, optimizer, schedule, and the `TrainState` as its client state), one step log per rank
+(`steps_rank<R>.npz`: the example ids of every optimizer step that rank took, 8 bytes an
+example), and, at the last step, a Hugging Face `model/` folder with the tokenizer beside it.
+The data position (epoch, micro-step within that epoch's order) and the packed data's
+fingerprint travel in the TrainState, so a restarted worker group resumes exactly after the last
+checkpointed step, and a resume onto other packed data is refused.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray.train
+
+from raypack.errors import InputError
+from raypack.train.metrics import Totals
+
+CKPT_TAG = "ds"  # one fixed DeepSpeed tag: every Ray checkpoint folder holds exactly one
+
+
+@dataclass
+class TrainState:
+    """Where the run is; saved with every checkpoint and restored after a failure."""
+
+    epoch: int = 0
+    micro_step: int = 0
+    """Micro-steps of this epoch's order already run (a multiple of grad_accum): the position in
+    `shards.epoch_order`, not a stored step."""
+    step: int = 0
+    """Optimizer steps taken so far."""
+    plan: str = ""
+    """Fingerprint of the packed data this position indexes; a resume onto another plan is refused."""
+    steps_log: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    """(optimizer step, epoch, example_ids) per step this rank took: what the final model trained on."""
+    totals: Totals = field(default_factory=Totals)
+    """The running totals the Reporter adds to, so curves and clocks go on after a restart."""
+
+    def to_client_state(self) -> dict[str, Any]:
+        """What a DeepSpeed checkpoint carries (the step log goes to its own file)."""
+        return {k: v for k, v in asdict(self).items() if k != "steps_log"}
+
+    @classmethod
+    def from_client_state(cls, saved: dict[str, Any]) -> TrainState:
+        known = {f.name for f in fields(cls)} - {"steps_log", "totals"}
+        return cls(**{k: v for k, v in saved.items() if k in known}, totals=Totals(**saved.get("totals", {})))
+
+
+def restore(engine, rank: int, plan: str) -> TrainState:
+    """Load the last reported checkpoint, if any: weights, optimizer, schedule and data position."""
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return TrainState(plan=plan)
+    with checkpoint.as_directory() as path:
+        _, client = engine.load_checkpoint(path, tag=CKPT_TAG)
+        state = TrainState.from_client_state(client["train_state"])
+        state.steps_log = read_steps_log(Path(path) / f"steps_rank{rank}.npz")
+    if state.plan != plan:
+        # The position is an index into one plan's packs; on another plan it would skip or
+        # repeat examples. Changing data, tokenize, pack, ranks or grad_accum needs a new run.
+        raise InputError(
+            f"checkpoint {checkpoint.path} was taken on packed data {state.plan or '<unknown>'}, but this run's "
+            f"data is {plan}: the data, tokenize or pack config, num_workers or grad_accum changed. "
+            "Resume with the original config, or start a new run.name."
+        )
+    return state
+
+
+def report_and_checkpoint(
+    engine, state: TrainState, metrics: dict, rank: int, checkpoint: bool, final: bool, tokenizer=None
+) -> None:
+    """Report `metrics`, with a checkpoint if due; the final one also holds a Hugging Face
+    `model/` folder (with `tokenizer`, when given, so AutoTokenizer loads from it too)."""
+    if not checkpoint:
+        ray.train.report(metrics)
+        return
+    with tempfile.TemporaryDirectory(prefix="raypack-ckpt-") as path:
+        engine.save_checkpoint(path, tag=CKPT_TAG, client_state={"train_state": state.to_client_state()})
+        write_steps_log(Path(path) / f"steps_rank{rank}.npz", state.steps_log)
+        if final:
+            save_hf_model(engine, Path(path) / "model", rank, tokenizer)
+        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(path))
+
+
+def write_steps_log(path: Path, log: list[tuple[int, int, list[int]]]) -> None:
+    """The step log as flat arrays (8 bytes an example), not JSON: it is rewritten every checkpoint."""
+    ids = [np.asarray(example_ids, dtype=np.int64) for _, _, example_ids in log]
+    np.savez(
+        path,
+        step=np.array([s for s, _, _ in log], dtype=np.int64),
+        epoch=np.array([e for _, e, _ in log], dtype=np.int64),
+        offsets=np.cumsum([0] + [len(i) for i in ids]),
+        example_ids=np.concatenate(ids) if ids else np.zeros(0, np.int64),
+    )
+
+
+def read_steps_log(path: Path) -> list[tuple[int, int, list[int]]]:
+    if not path.exists():
+        return []
+    z = np.load(path)
+    o = z["offsets"]
+    return [(int(s), int(e), z["example_ids"][o[i]:o[i + 1]].tolist()) for i, (s, e) in enumerate(zip(z["step"], z["epoch"]))]
+
+
+def save_hf_model(engine, path: Path, rank: int, tokenizer=None) -> None:
+    """A plain Hugging Face folder next to the DeepSpeed state, loadable with from_pretrained:
+    the model, and the tokenizer it was trained with."""
+    if engine.zero_optimization_stage() == 3:
+        state = engine._zero3_consolidated_16bit_state_dict()  # a collective: every rank calls it
+    else:
+        state = engine.module.state_dict()
+    if rank == 0:
+        engine.module.save_pretrained(path, state_dict=state, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)

@@ -1,0 +1,99 @@
+"""The chunked cross-entropy: Σ CE(transform(hidden @ W.T + b), targets) a chunk of rows at a
+time, so that the [rows, vocab] logits never exist at once (raypack/train/loss.py says where the
+hidden states come from and why).
+
+    loss = chunked_cross_entropy(hidden, head.weight, head.bias, targets, chunk=2048, transform=fn)
+
+Each chunk's gradients are taken at once, inside the forward (autograd from the chunk's loss to
+its logits, then the head's two matmuls, dW summed in fp32), and held until backward scales them
+by the incoming gradient: no chunk's logits outlive it and nothing is recomputed, so the loss
+costs O(chunk x vocab) memory and the same FLOPs as the full-logit loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+Transform = Callable[[torch.Tensor], torch.Tensor]
+"""What a model applies to head(hidden) before returning logits (softcapping, scaling)."""
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          targets: torch.Tensor, chunk: int, transform: Transform) -> torch.Tensor:
+    """Σ cross-entropy (fp32 scalar) of the rows of `hidden` [N, H] against `targets` [N]."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
+        return _ChunkedCrossEntropy.apply(hidden, weight, bias, targets, chunk, transform)
+    return _loss_only(hidden, weight, bias, targets, chunk, transform)
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Σ CE(transform(hidden @ W.T + b), targets), chunk by chunk, with the gradients taken in forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk: int, transform: Transform):
+        needs = ctx.needs_input_grad[:3]
+        grads = [
+            torch.empty_like(hidden) if needs[0] else None,
+            # Summed over chunks in fp32 and rounded once, as the one big matmul of `full` does.
+            torch.zeros(weight.shape, dtype=_accum_dtype(weight), device=weight.device) if needs[1] else None,
+            torch.zeros(bias.shape, dtype=_accum_dtype(bias), device=bias.device) if needs[2] else None,
+        ]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            end = min(start + chunk, hidden.shape[0])
+            h = hidden[start:end]
+            # Only dL/dlogits comes from autograd (through the transforms and the fp32 cross-entropy);
+            # the head's two gradient matmuls are written out so that dW goes straight into its fp32 sum.
+            logits = F.linear(h, weight, bias).requires_grad_()
+            with torch.enable_grad():
+                loss = F.cross_entropy(transform(logits).float(), targets[start:end], reduction="sum")
+                (dlogits,) = torch.autograd.grad(loss, logits)
+            if needs[0]:
+                torch.mm(dlogits, weight, out=grads[0][start:end])
+            if needs[1]:
+                _add_matmul(grads[1], dlogits.t(), h)
+            if needs[2]:
+                grads[2] += dlogits.sum(0, dtype=grads[2].dtype)
+            total += loss.detach()
+        ctx.grads = grads
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        out = []
+        for g, dtype in zip(ctx.grads, ctx.dtypes):
+            out.append(None if g is None else g.mul_(grad_out).to(dtype))
+        ctx.grads = None
+        return (*out, None, None, None)
+
+
+def _accum_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float32 if t.dtype in (torch.bfloat16, torch.float16) else t.dtype
+
+
+def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, where acc may be fp32 and a, b 16-bit.
+
+    The dW of one chunk is as large as W (V x H), so how it is added up matters: on CUDA one cuBLAS
+    call accumulates the 16-bit product in fp32 straight into the fp32 sum (addmm's out_dtype),
+    where a bf16 product added in a second kernel would write, read and round a V x H tensor more
+    per chunk."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:  # the CPU has no mixed-dtype matmul
+        acc += (a @ b).to(acc.dtype)
+
+
+def _loss_only(hidden, weight, bias, targets, chunk: int, transform: Transform) -> torch.Tensor:
+    """No gradients wanted (evaluation): the same chunks without the local autograd."""
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk):
+        logits = transform(F.linear(hidden[start : start + chunk], weight, bias))
+        total += F.cross_entropy(logits.float(), targets[start : start + chunk], reduction="sum")
+    return total
