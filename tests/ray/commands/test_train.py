@@ -34,30 +34,51 @@ def test_data_without_an_assistant_turn_fails_before_training(ray_local, tmp_pat
     assert not (tmp_path / "runs" / "r").exists(), "a failed start left a run folder behind"
 
 
-def test_a_run_prints_its_own_lines_once_and_a_rerun_says_it_is_complete(tmp_path):
+def test_a_run_prints_its_own_lines_once_resumes_from_another_folder_and_then_says_it_is_complete(tmp_path):
+    """As a user runs it: the shipped config from a folder outside the repository (its bundled
+    assets are found wherever raypack is installed), stopped at step 2; `--resume` from yet
+    another folder, by a relative path, continues it to step 4; then the same command and a plain
+    `--resume` say the run is complete without starting Ray."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("RAY_ADDRESS", None)  # its own local Ray instance
-    cmd = [sys.executable, "-m", "raypack.cli", "train", "--config", str(REPO / "jobs" / "configs" / "tiny_cpu.yaml"),
-           f"run.storage_path={tmp_path}", f"run.name=screen-{uuid.uuid4().hex[:6]}", "pack.budget=256",
-           "train.max_steps=4", "train.report_every_steps=2", "train.checkpoint_every_steps=0"]
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    first_dir, other_dir = tmp_path / "first", tmp_path / "other"
+    first_dir.mkdir()
+    other_dir.mkdir()
+    name = f"screen-{uuid.uuid4().hex[:6]}"
+    base = [sys.executable, "-m", "raypack.cli", "train"]
+    cmd = [*base, "--config", str(REPO / "jobs" / "configs" / "tiny_cpu.yaml"),
+           f"run.storage_path={tmp_path / 'results'}", f"run.name={name}", "pack.budget=256",
+           "train.max_steps=2", "train.report_every_steps=1", "train.checkpoint_every_steps=0"]
+    out = subprocess.run(cmd, cwd=first_dir, env=env, capture_output=True, text=True, timeout=900)
     screen = out.stdout + out.stderr
     assert out.returncode == 0, screen[-5000:]
     assert "[raypack] started a local Ray instance (listening on 127.0.0.1" in out.stdout
-    for step in (2, 4):
-        assert screen.count(f"[raypack] step {step}/4 ") == 1, screen[-5000:]  # once, not once per stream
+    for step in (1, 2):
+        assert screen.count(f"[raypack] step {step}/2 ") == 1, screen[-5000:]  # once, not once per stream
     for noise in ("PlacementGroupCleaner", "Reporting training result", "TrainingReport(", "Setting accelerator to CPU",
                   "Writing model shards", "Started training worker group", "Execution plan of Dataset"):
         assert noise not in screen, f"{noise!r} on the screen:\n{screen[-5000:]}"
     finished = out.stdout.split("[raypack] training finished\n")[1]  # heading and values on one stream
-    assert finished.startswith("  step                 4\n") and "  checkpoint " in finished
+    assert finished.startswith("  step                 2\n") and "  checkpoint " in finished
 
     from transformers import AutoTokenizer
 
     checkpoint = finished.split("  checkpoint ")[1].split()[0]
     assert AutoTokenizer.from_pretrained(f"{checkpoint}/model").chat_template  # the exported model is usable
 
-    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "is complete (4 steps); nothing to train" in again.stdout and checkpoint in again.stdout
-    assert "started a local Ray instance" not in again.stdout  # it knew without starting Ray
+    resume = [*base, "--resume", f"../results/{name}"]
+    more = subprocess.run([*resume, "train.max_steps=4"], cwd=other_dir, env=env, capture_output=True, text=True,
+                          timeout=900)
+    screen = more.stdout + more.stderr
+    assert more.returncode == 0, screen[-5000:]
+    assert f"run '{name}' exists in {tmp_path / 'results' / name}: continuing from its last checkpoint" in more.stdout
+    assert "[raypack] step 2/4" not in screen and screen.count("[raypack] step 4/4 ") == 1, screen[-5000:]
+    assert not list(other_dir.iterdir()), "the resume wrote into the working folder"
+    last = more.stdout.split("[raypack] training finished\n")[1]
+    assert last.startswith("  step                 4\n")
+
+    for again_cmd, cwd in ((resume, other_dir), (cmd, first_dir)):
+        again = subprocess.run(again_cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "is complete (4 steps); nothing to train" in again.stdout, again.stdout[-2000:]
+        assert "started a local Ray instance" not in again.stdout  # it knew without starting Ray

@@ -154,7 +154,11 @@ def test_interrupted_sweep_resumes(tmp_path):
     (finished_run,) = [d for d in (exp / "runs").iterdir() if d.name.endswith(done[0])]
     finished_files = sorted(p.relative_to(exp) for p in finished_run.rglob("*"))
 
-    out = subprocess.run([*base, "--resume", str(exp)], cwd=REPO, env=env, timeout=1200, capture_output=True, text=True)
+    # From another working folder, by a relative path: the sweep saved absolute paths.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = subprocess.run([*base, "--resume", f"../{name}"], cwd=elsewhere, env=env, timeout=1200,
+                         capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     after = {r["trial"]: r for r in rows_of(exp)}
     assert set(before) < set(after) and len(after) == 3
