@@ -148,3 +148,24 @@ def test_non_finite_floats_are_refused(tmp_path, value):
         load(None, [f"train.lr={value}"])
     with pytest.raises(ConfigError, match=r"train\.weight_decay: expected a finite number"):
         load(None, [f"train.weight_decay={value}"])
+
+
+def test_peft_section_loads_from_dotted_overrides_and_round_trips():
+    cfg = load(None, ["model.peft.method=lora", "model.peft.r=8", "model.peft.target_modules=[q_proj, v_proj]"])
+    assert cfg.model.peft.method == "lora" and cfg.model.peft.r == 8 and cfg.model.peft.target_modules == ("q_proj", "v_proj")
+    assert loads(dumps(cfg)) == cfg
+    assert load(None, ["model.peft.target_modules=all-linear"]).model.peft.target_modules == ("all-linear",)
+    with pytest.raises(ConfigError, match=r"model.peft.r: expected a positive int"):
+        load(None, ["model.peft.r=0"])
+    with pytest.raises(ConfigError, match=r"model.peft.method: expected one of 'none', 'lora', 'qlora'"):
+        load(None, ["model.peft.method=ia3"])
+
+
+@pytest.mark.parametrize("overrides,why", [
+    ([], "without train.use_gpu"),
+    (["train.use_gpu=true", "train.zero_stage=3"], "with train.zero_stage 3"),
+])  # fmt: skip
+def test_qlora_is_refused_at_load_where_it_cannot_run(overrides, why):
+    with pytest.raises(ConfigError, match=f"model.peft.method: expected lora or none {why}"):
+        load(None, ["model.peft.method=qlora", *overrides])
+    assert load(None, ["model.peft.method=qlora", "train.use_gpu=true", "train.zero_stage=2"]).model.peft.method == "qlora"

@@ -1,37 +1,17 @@
-"""Typed run configuration: one frozen dataclass per component, loaded from YAML.
-
-    cfg = load("jobs/configs/tiny_cpu.yaml", ["train.lr=2e-5", "pack.strategy=bfd"])
-    cfg = loads(dumps(cfg))                 # a run saves its config as YAML and resumes from it
-
-Every field has a type and a docstring. `load` checks the YAML against the dataclasses
-(raypack/typed.py), so an unknown key, a wrong type or an out-of-range value fails before any Ray
-work starts, with an error that names the key, the expected form and the file. `to_dict()` turns
-a config into plain data, each value in its field's type, so that it can be saved, hashed, travel
-as Ray Train's `train_loop_config` and be logged, and reload to an equal config.
-
-What needs another module's registry is checked there, on the loaded config: strategy names and
-traits by `raypack.data.strategies.check_strategies` (the command line runs it right after
-`load`, and preflight before every run). This module imports nothing from raypack but the errors
-and the typed loader, so every module can import it.
-
-Paths: a local path is relative to the working folder, except `raypack/assets/...`, which names
-the bundled assets wherever raypack is installed. A run saves its config with every path made
-absolute (raypack/runs.py), so resuming it does not depend on where you stand.
+"""The run's sections: one frozen dataclass per stage of the data flow (data, tokenize, pack,
+model and its adapters, train, run), each field followed by its docstring. `raypack.config`
+assembles them into `Config` and loads them from YAML; the sweep's sections are in `sweep.py`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
+from raypack.typed import check as _check
 
-from raypack.errors import ConfigError
-from raypack.typed import build, check as _check, plain
-
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).parents[1] / "assets"
 """Bundled tiny tokenizer and sample data: the embedded default needs nothing from a hub."""
 ASSETS_PREFIX = "raypack/assets/"
 """A config path that starts with this names a file under ASSETS, wherever raypack is installed."""
@@ -112,6 +92,40 @@ class PackConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class PeftConfig:
+    method: Literal["none", "lora", "qlora"] = "none"
+    """`none` trains every weight; `lora` trains low-rank adapters (the `peft` library) on frozen base
+    weights; `qlora` does the same on 4-bit base weights (bitsandbytes; CUDA, ZeRO 0-2 only)."""
+    r: int = 16
+    """Adapter rank."""
+    alpha: int = 32
+    """LoRA alpha: the adapter's output is scaled by alpha / r (alpha / sqrt(r) with `use_rslora`)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (training only)."""
+    target_modules: tuple[str, ...] = ("all-linear",)
+    """Module names (or name suffixes) that get adapters; `[all-linear]` is every linear layer but the
+    output head, as in peft."""
+    modules_to_save: tuple[str, ...] = ()
+    """Modules trained in full beside the adapters and saved with them (e.g. a new token's embeddings)."""
+    use_rslora: bool = False
+    """Rank-stabilized LoRA: scale by alpha / sqrt(r)."""
+    use_dora: bool = False
+    """Weight-decomposed LoRA (DoRA): a trained magnitude per output feature on top of the adapter."""
+    merge: bool = True
+    """Also write the merged model (`merge_and_unload`) as `model/` beside `adapter/` at the end."""
+
+    def __post_init__(self) -> None:
+        _check(self.r > 0, "model.peft.r", "a positive int", self.r)
+        _check(self.alpha > 0, "model.peft.alpha", "a positive int", self.alpha)
+        _check(0.0 <= self.dropout < 1.0, "model.peft.dropout", "a float in [0, 1)", self.dropout)
+        _check(len(self.target_modules) > 0, "model.peft.target_modules", "[all-linear] or module names", self.target_modules)
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     name: str = "tiny-llama"
     """Hugging Face model name or path, or `tiny-<family>` for a small random model built from a config."""
@@ -123,6 +137,8 @@ class ModelConfig:
     """Allow model code from the hub; off unless you trust the source."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    """Parameter-efficient fine-tuning: LoRA or QLoRA adapters instead of every weight."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -200,148 +216,3 @@ class RunConfig:
     """Run name; Ray Train resumes a run whose name already exists under the storage path."""
     storage_path: str = "~/raypack_results"
     """Where results, checkpoints and TensorBoard logs go: a local folder or any URI Ray supports."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class AshaConfig:
-    time_attr: Literal["step", "tokens_seen", "training_iteration"] = "step"
-    """What ASHA measures progress in: optimizer steps, real tokens trained, or Tune reports."""
-    grace_period: int = 10
-    """Progress (in `time_attr` units) every trial makes before it can be stopped."""
-    reduction_factor: float = 2.0
-    """At each rung a trial goes on only if it is in the best 1/reduction_factor so far."""
-    max_t: int | None = None
-    """Progress at which every trial stops; None: the sweep's longest planned trial."""
-    brackets: int = 1
-    """ASHA brackets; 1 is plain asynchronous successive halving."""
-
-    def __post_init__(self) -> None:
-        _check(self.grace_period > 0, "tune.asha.grace_period", "a positive int", self.grace_period)
-        _check(self.reduction_factor > 1, "tune.asha.reduction_factor", "a number > 1", self.reduction_factor)
-        _check(self.max_t is None or self.max_t > self.grace_period, "tune.asha.max_t",
-               f"null or an int > grace_period ({self.grace_period})", self.max_t)
-        _check(self.brackets > 0, "tune.asha.brackets", "a positive int", self.brackets)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TuneConfig:
-    strategies: tuple[str, ...] = ("pad", "flatten", "bfd", "balanced")
-    """Packing strategies to sweep (names of raypack.data.strategies.STRATEGIES)."""
-    strategy_space: Literal["grid", "choice"] = "grid"
-    """`grid`: every strategy, once per sample; `choice`: each sample draws one."""
-    budgets: tuple[int, ...] = ()
-    """Pack budgets to sweep; empty keeps `pack.budget`."""
-    budget_space: Literal["grid", "choice"] = "grid"
-    """`grid` or `choice` over `budgets`, as for strategies."""
-    lrs: tuple[float, ...] = ()
-    """Learning rates: the values for `grid` / `choice`, or [low, high] for `loguniform`; empty keeps `train.lr`."""
-    lr_space: Literal["grid", "choice", "loguniform"] = "grid"
-    """How `lrs` is searched; `loguniform` draws from [low, high] on a log scale."""
-    num_samples: int = 1
-    """Tune's num_samples: the grid runs this many times, and random dimensions are drawn this many
-    times. Repeats of one grid point give the run-to-run spread (median and range in the table)."""
-    metric: str = "loss"
-    """Reported metric that the scheduler and search algorithm rank trials by (e.g. loss, eval_loss)."""
-    mode: Literal["min", "max"] = "min"
-    """Whether lower or higher `metric` is better."""
-    scheduler: Literal["none", "asha"] = "none"
-    """`asha` stops weak trials early (asynchronous successive halving, options under `asha`)."""
-    asha: AshaConfig = field(default_factory=AshaConfig)
-    """Options of `scheduler: asha`."""
-    search_alg: Literal["basic", "optuna"] = "basic"
-    """`basic`: grid plus seeded random draws (Ray's BasicVariantGenerator); `optuna`: Optuna's TPE
-    (pip install 'raypack[optuna]'; every swept dimension must then be `choice` or `loguniform`)."""
-    seed: int = 0
-    """Seed of the random draws, so a sweep (and its resume) draws the same trials."""
-    equal_work: Literal["tokens_per_step", "none"] = "tokens_per_step"
-    """`tokens_per_step`: pad / pad_sorted / flatten take budget / mean example length examples per
-    micro-batch, so every trial's optimizer step holds about budget x ranks x grad_accum real
-    tokens and the trials take about as many steps; `none`: `pack.batch_size` as configured."""
-    target_eval_loss: float | None = None
-    """Eval loss that "time to target" counts to; None: the worst final eval loss of the trials that ran to the end."""
-    max_concurrent_trials: int = 1
-    """Trials run at once; each is a full Ray Train run."""
-
-    def __post_init__(self) -> None:
-        _check(len(self.strategies) > 0, "tune.strategies", "at least one strategy", self.strategies)
-        _check(self.max_concurrent_trials > 0, "tune.max_concurrent_trials", "a positive int", self.max_concurrent_trials)
-        _check(self.num_samples > 0, "tune.num_samples", "a positive int", self.num_samples)
-        _check(all(b > 0 for b in self.budgets), "tune.budgets", "positive ints", self.budgets)
-        _check(all(lr > 0 for lr in self.lrs), "tune.lrs", "positive numbers", self.lrs)
-        if self.lr_space == "loguniform":
-            _check(len(self.lrs) == 2 and self.lrs[0] < self.lrs[1], "tune.lrs",
-                   "[low, high] with low < high for lr_space: loguniform", self.lrs)
-        _check(self.target_eval_loss is None or self.target_eval_loss > 0, "tune.target_eval_loss",
-               "null or a positive number", self.target_eval_loss)
-        if self.search_alg == "optuna":
-            # Optuna samples every dimension itself; Tune's grid_search is not one it can take.
-            for name, values, space in (("strategy", self.strategies, self.strategy_space),
-                                        ("budget", self.budgets, self.budget_space), ("lr", self.lrs, self.lr_space)):
-                _check(len(values) <= 1 or space != "grid", f"tune.{name}_space",
-                       "choice (or loguniform for lr) with search_alg: optuna, which cannot search a grid", space)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Config:
-    data: DataConfig = field(default_factory=DataConfig)
-    tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
-    pack: PackConfig = field(default_factory=PackConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    run: RunConfig = field(default_factory=RunConfig)
-    tune: TuneConfig = field(default_factory=TuneConfig)
-
-    @property
-    def max_length(self) -> int:
-        """Longest example, in tokens, that tokenize keeps whole: `tokenize.max_length` or `pack.budget`."""
-        return self.tokenize.max_length or self.pack.budget
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data, every value in its field's type: what is saved, hashed and sent to workers."""
-        return plain(self)
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "<dict>") -> Config:
-        try:
-            return build(cls, raw, "")
-        except ConfigError as e:
-            raise ConfigError(f"{source}: {e}") from None
-
-
-def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Read a YAML config file (or the defaults when `path` is None) and apply `a.b=value` overrides."""
-    if not path:
-        return loads("", overrides, "<defaults>")
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: config file not found") from None
-    return loads(text, overrides, str(path))
-
-
-def loads(text: str, overrides: Sequence[str] = (), source: str = "<string>") -> Config:
-    """A config from YAML text (e.g. a run's saved raypack_config.yaml); `source` names it in errors."""
-    try:
-        raw = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{source}: not valid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: expected a mapping of sections at the top level")
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or "." not in key:
-            raise ConfigError(f"override {item!r}: expected section.key=value, e.g. train.lr=2e-5")
-        *parents, name = key.split(".")  # tune.asha.grace_period reaches a nested section
-        node = raw
-        for i, part in enumerate(parents):
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"{source}: {'.'.join(parents[: i + 1])}: expected a mapping")
-        node[name] = yaml.safe_load(value)
-        source = f"{source} (with overrides)" if "overrides" not in source else source
-    return Config.from_dict(raw, source)
-
-
-def dumps(cfg: Config) -> str:
-    """YAML that `loads` reads back into an equal config, field for field and type for type."""
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,119 @@
+"""Typed run configuration: one frozen dataclass per component, loaded from YAML.
+
+The sections are declared in `sections.py` (data, tokenize, pack, model and its adapters, train,
+run) and `sweep.py` (tune); this module assembles them into `Config` and reads and writes YAML.
+
+    cfg = load("jobs/configs/tiny_cpu.yaml", ["train.lr=2e-5", "pack.strategy=bfd"])
+    cfg = loads(dumps(cfg))                 # a run saves its config as YAML and resumes from it
+
+Every field has a type and a docstring. `load` checks the YAML against the dataclasses
+(raypack/typed.py), so an unknown key, a wrong type or an out-of-range value fails before any Ray
+work starts, with an error that names the key, the expected form and the file. `to_dict()` turns
+a config into plain data, each value in its field's type, so that it can be saved, hashed, travel
+as Ray Train's `train_loop_config` and be logged, and reload to an equal config.
+
+What needs another module's registry is checked there, on the loaded config: strategy names and
+traits by `raypack.data.strategies.check_strategies` (the command line runs it right after
+`load`, and preflight before every run). This package imports nothing from raypack but the errors
+and the typed loader, so every module can import it.
+
+Paths: a local path is relative to the working folder, except `raypack/assets/...`, which names
+the bundled assets wherever raypack is installed. A run saves its config with every path made
+absolute (raypack/runs.py), so resuming it does not depend on where you stand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from raypack.errors import ConfigError
+from raypack.typed import build, check as _check, plain
+from raypack.config.sections import (
+    ASSETS, ASSETS_PREFIX, DataConfig, ModelConfig, PackConfig, PeftConfig, RunConfig, TokenizeConfig, TrainConfig,
+)
+from raypack.config.sweep import AshaConfig, TuneConfig
+
+__all__ = [
+    "ASSETS", "ASSETS_PREFIX", "AshaConfig", "Config", "DataConfig", "ModelConfig", "PackConfig", "PeftConfig",
+    "RunConfig", "TokenizeConfig", "TrainConfig", "TuneConfig", "dumps", "load", "loads",
+]  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
+    pack: PackConfig = field(default_factory=PackConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
+
+    def __post_init__(self) -> None:
+        # What one section can't check alone. QLoRA's 4-bit weights are bitsandbytes CUDA tensors,
+        # and ZeRO-3 would partition them as if they were ordinary weights.
+        if self.model.peft.method == "qlora":
+            _check(self.train.use_gpu, "model.peft.method", "lora or none without train.use_gpu (qlora's 4-bit "
+                   "weights need CUDA)", "qlora")
+            _check(self.train.zero_stage < 3, "model.peft.method", "lora or none with train.zero_stage 3 (qlora "
+                   "runs under ZeRO 0-2: its frozen 4-bit weights are not partitioned)", "qlora")
+
+    @property
+    def max_length(self) -> int:
+        """Longest example, in tokens, that tokenize keeps whole: `tokenize.max_length` or `pack.budget`."""
+        return self.tokenize.max_length or self.pack.budget
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, every value in its field's type: what is saved, hashed and sent to workers."""
+        return plain(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "<dict>") -> Config:
+        try:
+            return build(cls, raw, "")
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+
+def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Read a YAML config file (or the defaults when `path` is None) and apply `a.b=value` overrides."""
+    if not path:
+        return loads("", overrides, "<defaults>")
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    return loads(text, overrides, str(path))
+
+
+def loads(text: str, overrides: Sequence[str] = (), source: str = "<string>") -> Config:
+    """A config from YAML text (e.g. a run's saved raypack_config.yaml); `source` names it in errors."""
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a mapping of sections at the top level")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or "." not in key:
+            raise ConfigError(f"override {item!r}: expected section.key=value, e.g. train.lr=2e-5")
+        *parents, name = key.split(".")  # tune.asha.grace_period reaches a nested section
+        node = raw
+        for i, part in enumerate(parents):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{source}: {'.'.join(parents[: i + 1])}: expected a mapping")
+        node[name] = yaml.safe_load(value)
+        source = f"{source} (with overrides)" if "overrides" not in source else source
+    return Config.from_dict(raw, source)
+
+
+def dumps(cfg: Config) -> str:
+    """YAML that `loads` reads back into an equal config, field for field and type for type."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
