@@ -31,8 +31,8 @@ from raypack.model import attention as attn
 from raypack.model.traits import UnsupportedModelError, check_packable
 
 __all__ = [
-    "ModelNotFoundError", "UnsupportedModelError", "check_model", "check_packable", "load_model", "model_config",
-    "model_vocab_size", "resolve_dtype", "tiny_config",
+    "ModelNotFoundError", "UnsupportedModelError", "check_model", "check_packable", "load_model", "meta_model",
+    "model_config", "model_vocab_size", "resolve_dtype", "tiny_config",
 ]  # fmt: skip
 
 _TINY_COMMON = dict(
@@ -145,14 +145,18 @@ def check_model(
     _check_on_meta(config, name, backends, trust_remote_code, max_row_tokens)
 
 
-def _check_on_meta(config, name: str, backends, trust_remote_code: bool, max_row_tokens: int | None = None) -> None:
+def meta_model(config: PretrainedConfig, trust_remote_code: bool = False):
+    """The model `config` describes, on the meta device: its structure, no weights (seconds for 70B)."""
     config = copy.deepcopy(config)
     config.use_cache = False
     # The attention name only has to be one transformers accepts for any class: the structure is
-    # what the check reads, and raypack's names change no model's structure.
+    # what the checks read, and raypack's names change no model's structure.
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", trust_remote_code=trust_remote_code)
-    check_packable(model, name, backends, max_row_tokens=max_row_tokens)
+        return AutoModelForCausalLM.from_config(config, attn_implementation="eager", trust_remote_code=trust_remote_code)
+
+
+def _check_on_meta(config, name: str, backends, trust_remote_code: bool, max_row_tokens: int | None = None) -> None:
+    check_packable(meta_model(config, trust_remote_code), name, backends, max_row_tokens=max_row_tokens)
 
 
 def load_model(
@@ -162,12 +166,14 @@ def load_model(
     trust_remote_code: bool = False,
     gradient_checkpointing: bool = False,
     vocab_size: int = 1024,
+    quantization: Any = None,
     **config_overrides: Any,
 ):
     """A causal LM for packed training. Accepts a hub name or local path, `tiny-<family>` or a
     transformers config (random init). `attention` is `auto`, one of `attention.BACKENDS`, or
-    `sdpa`/`eager` for padded batches. `vocab_size` only sizes tiny models; `config_overrides` are
-    set on the config before the model is built."""
+    `sdpa`/`eager` for padded batches. `vocab_size` only sizes tiny models; `quantization` is a
+    transformers quantization config for a checkpoint's weights (QLoRA: `adapters.quantization_config`);
+    `config_overrides` are set on the config before the model is built."""
     source = name_or_config
     torch_dtype = resolve_dtype(dtype)
     impl = _attn_implementation(attention)
@@ -187,6 +193,12 @@ def load_model(
     if model_cls is not None and impl == "sdpa" and not getattr(model_cls, "_supports_sdpa", False):
         impl = "eager"  # older architectures (Bloom, ...): padded batches still train
     common = dict(attn_implementation=impl, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    if quantization is not None:
+        if not pretrained:
+            raise InputError(f"model.name {name!r}: quantized (QLoRA) base weights need a checkpoint to quantize, "
+                             "not a model built from a config")
+        # bitsandbytes quantizes as the weights reach the GPU: load them straight onto this rank's device
+        common.update(quantization_config=quantization, device_map={"": torch.cuda.current_device()})
     if pretrained:
         model = AutoModelForCausalLM.from_pretrained(source, config=config, **common)
     else:

@@ -43,6 +43,8 @@ from torch import nn
 
 from raypack.data.collate import collate_packed
 from raypack.data.formats import IGNORE_INDEX
+from raypack.errors import InputError
+from raypack.model.adapters import adapted_head
 from raypack.train.chunked_ce import Transform, chunked_cross_entropy
 
 LOSSES = ("chunked", "full")
@@ -61,7 +63,7 @@ TARGET_KEYS = ("loss_positions", "loss_targets")
 """Batch keys `label_targets` fills on the host; the loss pops them before the model's forward."""
 
 
-class UnsupportedLossError(ValueError):
+class UnsupportedLossError(InputError):
     """The chunked loss cannot reproduce this model's logits; `train.loss: full` still works."""
 
 
@@ -162,6 +164,14 @@ class CausalLMLoss:
         if kind == "full":
             return
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if adapted_head(model):
+            # The chunked loss multiplies by the head's own weight; an adapter (or a trained copy
+            # from modules_to_save) on the head would be left out of every logit.
+            raise UnsupportedLossError(
+                f"train.loss=chunked: model.peft puts an adapter on {self.model_name}'s output head "
+                "(model.peft.target_modules or modules_to_save reaches it), and the chunked "
+                "loss computes logits with the head's base weight only; set train.loss: full, or leave the head out"
+            )
         if not isinstance(head, nn.Linear):
             raise UnsupportedLossError(
                 f"train.loss=chunked: {self.model_name}'s output embeddings are "

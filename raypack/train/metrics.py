@@ -53,10 +53,12 @@ def peak_memory_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def model_flops_per_token(model_config: Any, seq_len_sq_mean: float, seq_len_mean: float | None = None) -> float:
+def model_flops_per_token(model_config: Any, seq_len_sq_mean: float, seq_len_mean: float | None = None,
+                          adapter_params: int | None = None) -> float:
     """Training FLOPs per token (forward + backward), for MFU:
 
         6 * N  +  12 * L * H * D * ctx
+        4 * N  +  6 * A  +  12 * L * H * D * ctx      with A adapter parameters (LoRA) on frozen weights
 
     N counts the non-embedding parameters (matmul weights, tied or not, plus the LM head); L is
     the number of layers, H * D the attention width, and ctx the mean causal context a token sees.
@@ -64,6 +66,8 @@ def model_flops_per_token(model_config: Any, seq_len_sq_mean: float, seq_len_mea
     tokens: ctx = sum(l_i^2) / (2 * sum(l_i)) = seq_len_sq_mean / (2 * seq_len_mean). Pass
     `seq_len_mean` when you have it; without it ctx = sqrt(seq_len_sq_mean) / 2, exact for equal
     lengths. Windowed layers are not discounted (an upper bound for sliding-window models).
+    Frozen weights do their forward (2N) and pass gradients back through activations (2N), but
+    compute no weight gradient (the other 2N); the adapters train in full (6A).
     """
     c = model_config
     hidden, layers = c.hidden_size, c.num_hidden_layers
@@ -76,7 +80,8 @@ def model_flops_per_token(model_config: Any, seq_len_sq_mean: float, seq_len_mea
     n = layers * (attn_params + mlp_params) + hidden * c.vocab_size  # + LM head
     mean = seq_len_mean if seq_len_mean else seq_len_sq_mean**0.5
     ctx = seq_len_sq_mean / (2.0 * mean)
-    return 6.0 * n + 12.0 * layers * heads * head_dim * ctx
+    weights = 6.0 * n if adapter_params is None else 4.0 * n + 6.0 * adapter_params
+    return weights + 12.0 * layers * heads * head_dim * ctx
 
 
 @dataclass

@@ -15,7 +15,8 @@ Ray instance starts or a file is written. In order, cheapest first:
 4. `model.name` resolves to a config (a tiny family, a local folder or the hub; no weights are
    loaded) of a causal LM that, if the strategy packs, trains exactly on packed rows with the
    configured attention on the workers' device (a meta-device build: `check_packed_model`), and
-   every id the tokenizer makes is below its vocabulary size;
+   every id the tokenizer makes is below its vocabulary size; with `model.peft`, its adapters
+   apply to the model and the loss can train them (`check_adapters`);
 5. small local data (up to `ROW_CHECK_BYTES`): every row, as the Ray read would check it,
    pre-tokenized ids against the model's vocabulary included; larger data is checked row by row
    while Ray reads it, with the same messages;
@@ -122,6 +123,7 @@ def check_model_and_tokenizer(cfg: Config, tok) -> int:
     # A tiny model is built with the tokenizer's vocabulary (see raypack.data.prepare), so it fits.
     config = model_config(m.name, m.trust_remote_code, vocab_size=len(tok))
     check_packed_model(cfg, config)
+    check_adapters(cfg, config)
     vocab = model_vocab_size(config)
     if len(tok) > vocab:
         raise TokenizeError(
@@ -148,6 +150,24 @@ def check_packed_model(cfg: Config, config=None) -> None:
     check_model(config if config is not None else m.name, attention=m.attention,
                 device_type="cuda" if cfg.train.use_gpu else "cpu", trust_remote_code=m.trust_remote_code,
                 max_row_tokens=max_row, name=m.name, packed=not strategy.padded)  # fmt: skip
+
+
+def check_adapters(cfg: Config, config) -> None:
+    """With `model.peft`: its target modules exist in the model, the loss can train it (the chunked
+    loss refuses an adapted output head), and QLoRA's bitsandbytes is installed. On the meta device."""
+    p = cfg.model.peft
+    if not p.enabled:
+        return
+    import importlib.util
+
+    from raypack.model.adapters import AdapterError, apply_adapters
+    from raypack.model.build import meta_model
+    from raypack.train.loss import CausalLMLoss
+
+    if p.method == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
+        raise AdapterError("model.peft.method=qlora: needs the bitsandbytes package (pip install bitsandbytes)")
+    model = apply_adapters(meta_model(config, cfg.model.trust_remote_code), p, cfg.model.name)
+    CausalLMLoss(model, cfg.train.loss)
 
 
 def source_formats(cfg: Config, sources: Sources) -> dict[str, str]:

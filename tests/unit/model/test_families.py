@@ -30,6 +30,8 @@ import transformers
 from exactness import packed_vs_alone
 from transformers import AutoModelForCausalLM
 
+from raypack.config import PeftConfig
+from raypack.model.adapters import apply_adapters
 from raypack.model.attention import NAMES
 from raypack.model.build import UnsupportedModelError, check_model, load_model
 
@@ -175,3 +177,35 @@ def test_family_is_exact_or_refused(family):
     worst = max(errors, key=errors.get)
     assert errors[worst] < TOLERANCE, f"{family}: {worst} off by {errors[worst]:.2e} (all: {errors})"
     assert any(k.startswith("grad:") for k in errors)
+
+
+LORA = PeftConfig(method="lora", r=4, alpha=8, target_modules=("all-linear",))
+
+
+def _with_random_adapters(model):
+    """`model` with LoRA on every linear layer but the head, B random: peft starts B at zero, and
+    with B = 0 every lora_A gradient is zero, which any path would match."""
+    wrapped = apply_adapters(model, LORA)
+    g = torch.Generator().manual_seed(1)
+    for name, p in wrapped.named_parameters():
+        if "lora_B" in name:
+            p.data = torch.randn(p.shape, generator=g) * 0.1
+    return wrapped
+
+
+@pytest.mark.parametrize("family", [f for f, spec in FAMILIES.items() if not spec.refused])
+def test_family_with_lora_is_exact(family):
+    """LoRA on attention and MLP projections: every adapter gradient packed equals the gradient of
+    the same examples run alone, and the base weights get none."""
+    config = FAMILIES[family].build_config(family)
+    torch.manual_seed(0)
+    model = _with_random_adapters(load_model(config, attention="sdpa_varlen", dtype="float32")).eval()
+    ref = apply_adapters(load_model(config, attention="eager", dtype="float32"), LORA).eval()
+    ref.load_state_dict(model.state_dict())
+    errors = packed_vs_alone(model, ref)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < TOLERANCE, f"{family} + LoRA: {worst} off by {errors[worst]:.2e}"
+    graded = {k.removeprefix("grad:") for k in errors if k.startswith("grad:")}
+    adapters = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert graded == adapters and any("lora_A" in n for n in graded), f"{family}: gradients reached {graded - adapters}"
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)

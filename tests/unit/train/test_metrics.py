@@ -43,6 +43,15 @@ def test_flops_grow_with_the_causal_context():
     assert long - short == pytest.approx(12 * 2 * 64 * (500 - 50))
 
 
+def test_frozen_weights_cost_forward_and_input_gradients_only():
+    """With adapters, the frozen weights' N cost 4 FLOPs a token (no weight gradient), the A
+    adapter weights 6; attention is unchanged."""
+    cfg = tiny_config("llama")
+    full, lora = model_flops_per_token(cfg, 100.0**2), model_flops_per_token(cfg, 100.0**2, adapter_params=1000)
+    n = 2 * (64 * 16 * (2 * 4 + 2 * 2) + 3 * 64 * 128) + 64 * cfg.vocab_size
+    assert full - lora == pytest.approx(2 * n - 6 * 1000)
+
+
 def test_steps_without_label_tokens_weigh_nothing_and_a_window_of_them_has_no_loss(capsys):
     r = Reporter(rank=0, total_steps=3, report_every=1, static={})
     step = {"tokens": 100.0, "step_time_s": 0.1, "data_wait_s": 0.0, "rank_imbalance": 1.0, "lr": 1e-3}

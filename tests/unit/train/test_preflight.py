@@ -13,6 +13,8 @@ from raypack.config import ASSETS, Config, ModelConfig, PackConfig, TrainConfig,
 from raypack.data.encode import TokenizeError
 from raypack.model.build import UnsupportedModelError, tiny_config
 from raypack.data.listing import Sources
+from raypack.model.adapters import AdapterError
+from raypack.train.loss import UnsupportedLossError
 from raypack.train.preflight import check_packed_model, preflight, source_formats
 
 
@@ -103,3 +105,16 @@ def test_row_bound_is_the_budget_except_for_flatten(tmp_path):
     with pytest.raises(UnsupportedModelError, match="floor_scale 512"):
         check_packed_model(cfg_for(tmp_path, "bfd", budget=1024))
     check_packed_model(cfg_for(tmp_path, "flatten", budget=1024))  # rows unbounded here: checked per batch
+
+
+def test_adapters_are_checked_on_the_meta_model(tmp_path):
+    """model.peft: target modules that don't exist, and an adapted head under the chunked loss, are
+    refused before Ray starts; the same head trains with train.loss: full."""
+    base = [f"run.storage_path={tmp_path}", "model.peft.method=lora"]
+    with pytest.raises(AdapterError, match=r"model.peft.target_modules \['qkv'\].*not found"):
+        preflight(load(None, [*base, "model.peft.target_modules=[qkv]"]))
+    head = [*base, "model.peft.target_modules=[q_proj, lm_head]"]
+    with pytest.raises(UnsupportedLossError, match=r"output head.*train.loss: full"):
+        preflight(load(None, head))
+    assert preflight(load(None, [*head, "train.loss=full"])).vocab_size == 768
+    assert preflight(load(None, base)).vocab_size == 768

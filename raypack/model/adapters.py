@@ -1,0 +1,193 @@
+"""LoRA and QLoRA adapters on a causal LM, through the `peft` library (`model.peft`).
+
+    model = apply_adapters(load_model(name), cfg.model.peft)     # a peft.PeftModel: base frozen
+    adapted_head(model)                                          # does an adapter reach the output head?
+
+The adapters are peft's own layers: raypack writes none by hand. What it adds is the rule every
+other path follows, exact or refused: the adapters sit inside linear layers, which act on each
+token alone, so packing changes nothing about them. What packing could break is the attention
+between examples, and that is the attention backend's business (`attention.py`), unchanged here.
+Three things do need care:
+
+- The chunked loss (raypack/train/loss.py) computes logits with the output head's own weight. An
+  adapter on the head (`target_modules` or `modules_to_save` reaching it) changes that function,
+  so the loss asks `adapted_head` (the model, not the config's names) and refuses.
+- `all-linear` in peft takes every nn.Linear but the head, MoE routers that subclass it included;
+  those return more than a tensor, so raypack leaves them out (`custom_linears`).
+- Gradient checkpointing: with a frozen embedding the checkpointed blocks' inputs need not
+  require grad, and a reentrant checkpoint then gives the adapters no gradient. raypack uses
+  non-reentrant checkpoints, which don't depend on it, and still turns input gradients on, as
+  peft's own recipes do, so a model whose checkpointing is reentrant trains too.
+
+QLoRA loads the base weights in 4 bits (bitsandbytes NF4, compute in the model's dtype) and needs
+CUDA; `raypack.train.preflight` refuses it elsewhere before Ray starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from typing import Any
+
+import torch
+from torch import nn
+
+from raypack.config import PeftConfig
+from raypack.errors import InputError
+
+
+class AdapterError(InputError):
+    """`model.peft` can't be applied to this model as configured (its message names the key)."""
+
+
+ALL_LINEAR = ("all-linear",)
+
+
+def lora_config(cfg: PeftConfig, exclude: list[str] | None = None):
+    """The peft LoraConfig for `cfg`; `exclude`: module names `all-linear` must leave out."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        exclude_modules=exclude or None,
+        task_type="CAUSAL_LM",
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules="all-linear" if tuple(cfg.target_modules) == ALL_LINEAR else list(cfg.target_modules),
+        modules_to_save=list(cfg.modules_to_save) or None,
+        use_rslora=cfg.use_rslora,
+        use_dora=cfg.use_dora,
+        bias="none",
+    )
+
+
+def apply_adapters(model: nn.Module, cfg: PeftConfig, name: str = "model") -> nn.Module:
+    """`model` wrapped by peft with `cfg`'s adapters: only they (and `modules_to_save`) train."""
+    try:
+        from peft import get_peft_model
+    except ImportError:
+        raise AdapterError("model.peft.method: needs the peft package (pip install 'raypack[peft]')") from None
+    custom = custom_linears(model)
+    all_linear = tuple(cfg.target_modules) == ALL_LINEAR
+    try:
+        wrapped = get_peft_model(model, lora_config(cfg, exclude=custom if all_linear else None))
+    except ValueError as e:  # target modules that match nothing, or a layer type peft can't adapt
+        raise AdapterError(f"model.peft.target_modules {list(cfg.target_modules)} on {name}: {e}") from None
+    if not all_linear and (named := [n for n in custom if is_adapted(wrapped.get_submodule(f"base_model.model.{n}"))]):
+        raise AdapterError(
+            f"model.peft.target_modules {list(cfg.target_modules)} on {name}: reaches {named[0]}, a "
+            f"{type(model.get_submodule(named[0])).__name__} whose forward is not a plain linear layer's (a router "
+            "returning scores and choices), which a LoRA layer can't wrap; leave it out"
+        )
+    if getattr(model, "is_activation_checkpointing", getattr(model, "is_gradient_checkpointing", False)):
+        wrapped.enable_input_require_grads()
+    return wrapped
+
+
+def custom_linears(model: nn.Module) -> list[str]:
+    """Linear subclasses with a forward of their own (Llama 4's and PhiMoE's routers return scores
+    and choices): a LoRA layer adds its output to the base layer's and needs a tensor back, so
+    `all-linear` leaves these out and a named target may not reach them."""
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and type(m).forward is not nn.Linear.forward]
+
+
+def is_adapted(module: nn.Module) -> bool:
+    """Whether peft replaced or wrapped `module` (a LoRA layer, or a modules_to_save copy)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    return isinstance(module, (BaseTunerLayer, ModulesToSaveWrapper))
+
+
+def adapted_head(model: nn.Module) -> bool:
+    """Whether an adapter reaches the model's output head (peft installed or not)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return head is not None and importlib.util.find_spec("peft") is not None and is_adapted(head)
+
+
+def quantization_config(dtype: torch.dtype):
+    """QLoRA's base weights: 4-bit NF4 with double quantization, computing in `dtype`."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise AdapterError("model.peft.method=qlora: needs the bitsandbytes package on the workers (pip install bitsandbytes)")
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype,
+    )
+
+
+def trainable_summary(model: nn.Module) -> dict[str, Any]:
+    """Trainable and total parameter counts (under ZeRO-3, from each parameter's full size)."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = getattr(p, "ds_numel", None) or p.numel()
+        total += n
+        trainable += n if p.requires_grad else 0
+    return {"trainable_params": trainable, "total_params": total}
+
+
+def frozen_digest(model: nn.Module) -> int:
+    """A checksum of the bits of this rank's frozen weights (under ZeRO-3, its partition of them):
+    it changes if any bit of any frozen weight does, short of a collision. Computed on the weights'
+    device, a few int64 sums per tensor, so it costs seconds even for 70B."""
+    total = 0
+    for _, p in sorted(model.named_parameters(), key=lambda item: item[0]):
+        if p.requires_grad:
+            continue
+        t = getattr(p, "ds_tensor", p.data).detach().reshape(-1)
+        bits = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+        for start in range(0, bits.numel(), 1 << 24):
+            chunk = bits[start:start + (1 << 24)].to(torch.int64)
+            # weight each element by its position, so swapped or shifted values change the sum too
+            where = torch.arange(start, start + chunk.numel(), device=chunk.device) % 65521 + 1
+            total = (total * 1_000_003 + int((chunk * where).sum())) % (1 << 61)
+    return total
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    if importlib.util.find_spec("peft") is None:
+        return False
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def save_adapted(model: nn.Module, state: dict[str, torch.Tensor], folder, *, merge: bool, tokenizer=None,
+                 trust_remote_code: bool = False) -> list[str]:
+    """Write what a LoRA run leaves behind into `folder`, from `model` (the trained PeftModel, whose
+    weights may be ZeRO-3 partitions) and `state` (its full state dict, gathered):
+
+    - `adapter/`: the adapters in peft's format (`PeftModel.from_pretrained(base, folder / "adapter")`);
+    - `base/`, for a base built from a config (no checkpoint to load it from): the frozen base weights;
+    - `model/`, if `merge`: the merged model (`merge_and_unload`), a plain transformers folder.
+
+    The tokenizer goes beside each. A CPU copy is rebuilt from `state` (built on the meta device, the
+    tensors assigned), so the training model is never touched. Returns the folder names written."""
+    from pathlib import Path
+
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(folder)
+    base_config = model.get_base_model().config
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(base_config, trust_remote_code=trust_remote_code)
+        rebuilt = get_peft_model(base, model.peft_config["default"])
+    rebuilt.load_state_dict({k: v.detach().to("cpu", copy=True) for k, v in state.items()}, strict=False, assign=True)
+    if missing := [n for n, p in rebuilt.named_parameters() if p.is_meta]:
+        raise RuntimeError(f"saving the adapters: {len(missing)} weights missing from the gathered state, e.g. {missing[0]}")
+    written = {"adapter": rebuilt}
+    rebuilt.save_pretrained(folder / "adapter", safe_serialization=True)
+    if not base_config._name_or_path:
+        # unload() strips the adapters in place: do it on a copy (a tiny model: built from a config)
+        written["base"] = copy.deepcopy(rebuilt).unload()
+    if merge:
+        written["model"] = rebuilt.merge_and_unload()
+    for name, m in written.items():
+        if name != "adapter":
+            if getattr(m.config, "tie_word_embeddings", False):
+                m.tie_weights()  # the assigned tensors are two objects; tied models save one
+            m.save_pretrained(folder / name, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder / name)
+    return list(written)

@@ -1,0 +1,130 @@
+"""LoRA through peft (raypack/model/adapters.py): what it adapts, what the chunked loss refuses,
+the frozen-weight checksum, and the folders a run leaves (loaded back with peft and transformers).
+
+Exactness on packed rows, per model family, is in test_families.py (`test_family_with_lora_is_exact`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from exactness import make_rows, summed_loss
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from raypack.config import PeftConfig
+from raypack.data.collate import collate_packed
+from raypack.model.adapters import (
+    AdapterError, adapted_head, apply_adapters, custom_linears, frozen_digest, is_peft_model, save_adapted,
+)  # fmt: skip
+from raypack.model.build import load_model, tiny_config
+from raypack.train.loss import UnsupportedLossError, make_loss
+
+LORA = PeftConfig(method="lora", r=4, alpha=8)
+
+
+def tiny(family="llama", **overrides):
+    torch.manual_seed(0)
+    return load_model(tiny_config(family, **overrides), attention="sdpa_varlen", dtype="float32")
+
+
+def test_base_is_frozen_and_only_adapters_train():
+    model = apply_adapters(tiny(), LORA)
+    assert is_peft_model(model)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    # all-linear: attention and MLP projections of every layer, never the head
+    assert {n.split(".")[-4] for n in trainable} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert not adapted_head(model)
+
+
+@pytest.mark.parametrize("peft", [
+    PeftConfig(method="lora", r=4, target_modules=("q_proj", "lm_head")),
+    PeftConfig(method="lora", r=4, target_modules=("q_proj",), modules_to_save=("lm_head",)),
+])  # fmt: skip
+def test_adapted_head_is_refused_by_the_chunked_loss_only(peft):
+    model = apply_adapters(tiny(tie_word_embeddings=False), peft)
+    assert adapted_head(model)
+    with pytest.raises(UnsupportedLossError, match="train.loss: full"):
+        make_loss(model, "chunked")
+    make_loss(model, "full")
+
+
+def test_adapted_embeddings_of_a_tied_model_keep_the_chunked_loss_exact():
+    """LoRA on the input embeddings of a tied model leaves the head's function alone: the chunked
+    loss is accepted, and equals the full-logit loss (loss and every adapter gradient)."""
+    losses, grads = {}, {}
+    for kind in ("full", "chunked"):
+        model = apply_adapters(tiny(tie_word_embeddings=True), PeftConfig(method="lora", r=4, target_modules=("embed_tokens", "q_proj")))
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "lora_embedding_B" in name:
+                p.data = torch.randn(p.shape, generator=torch.Generator().manual_seed(3)) * 0.1
+        loss = make_loss(model, kind)
+        rows, _ = make_rows(vocab=768)
+        losses[kind] = loss(model, collate_packed(rows))
+        losses[kind].backward()
+        grads[kind] = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    assert torch.allclose(losses["chunked"], losses["full"], rtol=1e-6)
+    assert grads["full"].keys() == grads["chunked"].keys() and any("embedding" in n for n in grads["full"])
+    for name, g in grads["full"].items():
+        assert torch.allclose(grads["chunked"][name], g, rtol=1e-5, atol=1e-7), name
+
+
+def test_unknown_target_names_the_key():
+    with pytest.raises(AdapterError, match=r"model.peft.target_modules \['nope'\].*not found"):
+        apply_adapters(tiny(), PeftConfig(method="lora", target_modules=("nope",)))
+
+
+def test_routers_are_left_out_of_all_linear_and_refused_by_name():
+    from transformers import Llama4TextConfig
+
+    config = Llama4TextConfig(hidden_size=64, intermediate_size=128, intermediate_size_mlp=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                              num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1)  # fmt: skip
+    routers = custom_linears(load_model(config, attention="sdpa_varlen", dtype="float32"))
+    assert routers and all(r.endswith("router") for r in routers)
+    model = apply_adapters(load_model(config, attention="sdpa_varlen", dtype="float32"), LORA)
+    assert not any(n.startswith(tuple(f"base_model.model.{r}.lora" for r in routers)) for n, _ in model.named_parameters())
+    with pytest.raises(AdapterError, match="router"):
+        apply_adapters(load_model(config, attention="sdpa_varlen", dtype="float32"),
+                       PeftConfig(method="lora", target_modules=("q_proj", "router")))
+
+
+def test_frozen_digest_sees_one_bit():
+    model = apply_adapters(tiny(), LORA)
+    before = frozen_digest(model)
+    lora = next(p for n, p in model.named_parameters() if p.requires_grad)
+    lora.data += 1.0  # trainable weights are not part of it
+    assert frozen_digest(model) == before
+    base = next(p for n, p in model.named_parameters() if not p.requires_grad and p.ndim == 2)
+    base.data.view(torch.int32)[0, 0] ^= 1  # the lowest bit of one weight
+    assert frozen_digest(model) != before
+
+
+def test_saved_adapter_base_and_merged_model_load_back(tmp_path):
+    """The folders a run leaves: peft loads `adapter/` onto `base/`, transformers loads `model/`,
+    and both give the trained model's logits."""
+    model = apply_adapters(tiny(), LORA)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    rows, _ = make_rows(vocab=768)
+    batch = collate_packed(rows)
+    labels = batch.pop("labels")
+    for _ in range(3):
+        summed_loss(model(**batch).logits, labels).backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    ids = torch.tensor([[5, 9, 33, 7, 100, 4]])
+    with torch.no_grad():
+        trained = model(input_ids=ids).logits
+
+    assert save_adapted(model, model.state_dict(), tmp_path, merge=True) == ["adapter", "base", "model"]
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    adapter = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
+    with torch.no_grad():
+        assert torch.allclose(adapter(input_ids=ids).logits, trained, atol=1e-5)
+        assert torch.allclose(merged(input_ids=ids).logits, trained, atol=1e-5)
+    # the run's model is untouched by saving: still a PeftModel with its adapters unmerged
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, trained)
