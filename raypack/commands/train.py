@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 
+from raypack import storage
 from raypack.config import load
 from raypack.runs import saved_config
 from raypack.train.trainer import Outcome, start
@@ -35,6 +36,19 @@ def print_summary(outcome: Outcome) -> None:
             print(f"  {key:<20} {value:.4f}" if isinstance(value, float) else f"  {key:<20} {value}")
     print(f"  {'results':<20} {outcome.root}")
     if outcome.checkpoint:
-        print(f"  {'checkpoint':<20} {outcome.checkpoint}  (Hugging Face model and tokenizer in model/)")
+        print(f"  {'checkpoint':<20} {outcome.checkpoint}  ({_holds(outcome.checkpoint)})")
     if outcome.tensorboard:
         print(f"  {'tensorboard':<20} tensorboard --logdir {outcome.tensorboard}")
+
+
+def _holds(checkpoint: str) -> str:
+    """What the final checkpoint offers to load (a LoRA run: the adapter, and the merged model unless merge: false)."""
+    fs, path = storage.resolve(checkpoint)
+    has = {name for name in ("adapter", "model", "base") if fs.get_file_info(f"{path}/{name}").type == storage.pafs.FileType.Directory}
+    parts = []
+    if "adapter" in has:
+        on = "base/" if "base" in has else "the base model"
+        parts.append(f"peft adapter in adapter/: PeftModel.from_pretrained(<{on}>, adapter/)")
+    if "model" in has:
+        parts.append(("merged " if "adapter" in has else "") + "Hugging Face model and tokenizer in model/")
+    return "; ".join(parts) or "DeepSpeed state only"

@@ -7,6 +7,11 @@ A checkpoint folder (one `ray.train.Checkpoint`) holds DeepSpeed's state under o
 (weights, optimizer, schedule, and the `TrainState` as its client state), one step log per rank
 (`steps_rank<R>.npz`: the example ids of every optimizer step that rank took, 8 bytes an
 example), and, at the last step, a Hugging Face `model/` folder with the tokenizer beside it.
+With LoRA (`model.peft`) the DeepSpeed state holds the adapters and their optimizer state only,
+not the frozen base weights (they are loaded again from where they came from, and a checksum of
+them travels in the TrainState, so a resume onto other base weights is refused); the last
+checkpoint holds `adapter/` (peft's format), the merged `model/` and, for a base built from a
+config, `base/` (raypack/model/adapters.py, `save_adapted`).
 The data position (epoch, micro-step within that epoch's order) and the packed data's
 fingerprint travel in the TrainState, so a restarted worker group resumes exactly after the last
 checkpointed step, and a resume onto other packed data is refused.
@@ -23,6 +28,7 @@ import numpy as np
 import ray.train
 
 from raypack.errors import InputError
+from raypack.model.adapters import is_peft_model, save_adapted
 from raypack.train.metrics import Totals
 
 CKPT_TAG = "ds"  # one fixed DeepSpeed tag: every Ray checkpoint folder holds exactly one
@@ -44,6 +50,8 @@ class TrainState:
     """(optimizer step, epoch, example_ids) per step this rank took: what the final model trained on."""
     totals: Totals = field(default_factory=Totals)
     """The running totals the Reporter adds to, so curves and clocks go on after a restart."""
+    base_digest: list[int] = field(default_factory=list)
+    """With adapters: every rank's checksum of its frozen base weights (`adapters.frozen_digest`)."""
 
     def to_client_state(self) -> dict[str, Any]:
         """What a DeepSpeed checkpoint carries (the step log goes to its own file)."""
@@ -55,13 +63,15 @@ class TrainState:
         return cls(**{k: v for k, v in saved.items() if k in known}, totals=Totals(**saved.get("totals", {})))
 
 
-def restore(engine, rank: int, plan: str) -> TrainState:
-    """Load the last reported checkpoint, if any: weights, optimizer, schedule and data position."""
+def restore(engine, rank: int, plan: str, base_digest: list[int] | None = None) -> TrainState:
+    """Load the last reported checkpoint, if any: weights, optimizer, schedule and data position.
+    `base_digest`: with adapters, the checksums of the frozen base weights this run loaded."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        return TrainState(plan=plan)
+        return TrainState(plan=plan, base_digest=base_digest or [])
     with checkpoint.as_directory() as path:
-        _, client = engine.load_checkpoint(path, tag=CKPT_TAG)
+        # With adapters the checkpoint leaves the frozen base weights out (see the module doc).
+        _, client = engine.load_checkpoint(path, tag=CKPT_TAG, load_module_strict=not is_peft_model(engine.module))
         state = TrainState.from_client_state(client["train_state"])
         state.steps_log = read_steps_log(Path(path) / f"steps_rank{rank}.npz")
     if state.plan != plan:
@@ -72,22 +82,37 @@ def restore(engine, rank: int, plan: str) -> TrainState:
             f"data is {plan}: the data, tokenize or pack config, num_workers or grad_accum changed. "
             "Resume with the original config, or start a new run.name."
         )
+    if state.base_digest != (base_digest or []):
+        raise InputError(
+            f"checkpoint {checkpoint.path} trained adapters on other base weights than this run loaded (their "
+            "checksums differ): model.name now names other weights, or the base model's init is not reproducible. "
+            "Resume with the original base model, or start a new run.name."
+        )
     return state
 
 
 def report_and_checkpoint(
-    engine, state: TrainState, metrics: dict, rank: int, checkpoint: bool, final: bool, tokenizer=None
+    engine, state: TrainState, metrics: dict, rank: int, checkpoint: bool, final: bool, tokenizer=None,
+    merge: bool = True, trust_remote_code: bool = False,
 ) -> None:
     """Report `metrics`, with a checkpoint if due; the final one also holds a Hugging Face
-    `model/` folder (with `tokenizer`, when given, so AutoTokenizer loads from it too)."""
+    `model/` folder (with `tokenizer`, when given, so AutoTokenizer loads from it too), and with
+    adapters `adapter/` (`model/` only if `merge`)."""
     if not checkpoint:
         ray.train.report(metrics)
         return
+    adapters = is_peft_model(engine.module)
     with tempfile.TemporaryDirectory(prefix="raypack-ckpt-") as path:
-        engine.save_checkpoint(path, tag=CKPT_TAG, client_state={"train_state": state.to_client_state()})
+        engine.save_checkpoint(path, tag=CKPT_TAG, client_state={"train_state": state.to_client_state()},
+                               exclude_frozen_parameters=adapters)
         write_steps_log(Path(path) / f"steps_rank{rank}.npz", state.steps_log)
         if final:
-            save_hf_model(engine, Path(path) / "model", rank, tokenizer)
+            state_dict = full_state_dict(engine)
+            if rank == 0 and adapters:
+                save_adapted(engine.module, state_dict, path, merge=merge, tokenizer=tokenizer,
+                             trust_remote_code=trust_remote_code)
+            elif rank == 0:
+                save_hf_model(engine.module, state_dict, Path(path) / "model", tokenizer)
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(path))
 
 
@@ -111,14 +136,17 @@ def read_steps_log(path: Path) -> list[tuple[int, int, list[int]]]:
     return [(int(s), int(e), z["example_ids"][o[i]:o[i + 1]].tolist()) for i, (s, e) in enumerate(zip(z["step"], z["epoch"]))]
 
 
-def save_hf_model(engine, path: Path, rank: int, tokenizer=None) -> None:
+def full_state_dict(engine) -> dict:
+    """The model's whole state dict: gathered from every rank's partition under ZeRO-3 (a
+    collective: every rank calls it, and rank 0 gets the tensors)."""
+    if engine.zero_optimization_stage() == 3:
+        return engine._zero3_consolidated_16bit_state_dict()
+    return engine.module.state_dict()
+
+
+def save_hf_model(model, state: dict, path: Path, tokenizer=None) -> None:
     """A plain Hugging Face folder next to the DeepSpeed state, loadable with from_pretrained:
     the model, and the tokenizer it was trained with."""
-    if engine.zero_optimization_stage() == 3:
-        state = engine._zero3_consolidated_16bit_state_dict()  # a collective: every rank calls it
-    else:
-        state = engine.module.state_dict()
-    if rank == 0:
-        engine.module.save_pretrained(path, state_dict=state, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(path)
+    model.save_pretrained(path, state_dict=state, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)

@@ -40,6 +40,7 @@ from raypack.config import Config
 from raypack.data.collate import move_batch
 from raypack.data.encode import load_tokenizer
 from raypack.data.shards import Prepared, iter_epoch_packs, iter_rank_packs
+from raypack.model.adapters import apply_adapters, frozen_digest, quantization_config, trainable_summary
 from raypack.model.build import load_model, resolve_dtype
 from raypack.train.engine import deepspeed_config, setup_engine
 from raypack.train.checkpoint import TrainState, report_and_checkpoint, restore
@@ -69,7 +70,10 @@ def setup(cfg: Config, data: Prepared, world_size: int):
         trust_remote_code=m.trust_remote_code,
         gradient_checkpointing=m.gradient_checkpointing,
         vocab_size=data.vocab_size,
+        quantization=quantization_config(dtype) if m.peft.method == "qlora" else None,
     )
+    if m.peft.enabled:
+        model = apply_adapters(model, m.peft, m.name)
     total = data.total_steps(cfg.train.grad_accum, cfg.train.epochs, cfg.train.max_steps)
     engine, scheduler = setup_engine(model, cfg.train, dtype=model.dtype, world_size=world_size, total_steps=total)
     del zero3
@@ -89,6 +93,13 @@ def global_count(values: list[float], device: torch.device) -> torch.Tensor:
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
     return torch.stack(gathered)
+
+
+def base_digests(engine) -> list[int]:
+    """Every rank's checksum of its frozen weights, in rank order (the same list on every rank)."""
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, frozen_digest(engine.module))
+    return digests
 
 
 def forward_backward(engine, batches: list[dict], scale: float | torch.Tensor, loss: CausalLMLoss) -> torch.Tensor:
@@ -209,7 +220,8 @@ def setup_worker(config: dict) -> Worker:
     # Probes the model once (a short forward on every rank): a model the chunked loss can't
     # reproduce exactly stops here, before any step.
     loss = make_loss(engine, cfg.train.loss, cfg.train.loss_chunk_tokens, padded=data.padded)
-    state = restore(engine, rank, data.fingerprint)
+    base = base_digests(engine) if cfg.model.peft.enabled else None
+    state = restore(engine, rank, data.fingerprint, base)
     reporter = Reporter(
         rank=rank,
         total_steps=total_steps,
@@ -219,10 +231,16 @@ def setup_worker(config: dict) -> Worker:
         mlflow_uri=(os.environ.get("MLFLOW_TRACKING_URI") or config.get("mlflow_uri")) if cfg.train.mlflow else None,
         run_name=cfg.run.name,
         # From the config, not the parameters: under ZeRO-3 each rank holds only a partition.
-        flops_per_token=model_flops_per_token(engine.module.config, data.length_sq_mean, data.length_mean),
+        flops_per_token=model_flops_per_token(engine.module.config, data.length_sq_mean, data.length_mean,
+                                              trainable_summary(engine.module)["trainable_params"] if base else None),
         totals=state.totals,
     )
     reporter.start_clocks(state.step)
+    if base and rank == 0:
+        counts = trainable_summary(engine.module)
+        print(f"[raypack] {cfg.model.peft.method}: training {counts['trainable_params']:,} adapter parameters of "
+              f"{counts['total_params']:,} ({counts['trainable_params'] / counts['total_params']:.2%}); the base is frozen",
+              flush=True)
     tokenizer = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template) if rank == 0 else None
     return Worker(cfg, data, rank, engine, scheduler, loss, state, reporter, total_steps, config, tokenizer)
 
@@ -263,8 +281,12 @@ def after_step(w: Worker, epoch: int) -> None:
     extra = {"eval_loss": evaluate(w.engine, w.data, w.rank, w.loss)} if eval_due else {}
     w.reporter.exclude(time.perf_counter() - t_eval)
     metrics = w.reporter.summary(step, epoch, extra)
+    if final and w.state.base_digest and base_digests(w.engine) != w.state.base_digest:
+        raise RuntimeError("the frozen base weights changed during training: an optimizer or hook wrote to them")
+    m = w.cfg.model
     report_and_checkpoint(w.engine, w.state, metrics, w.rank, checkpoint=ckpt_due, final=final,
-                          tokenizer=w.tokenizer if final else None)
+                          tokenizer=w.tokenizer if final else None, merge=m.peft.merge,
+                          trust_remote_code=m.trust_remote_code)
 
 
 def check_epoch_read(w: Worker, epoch: int) -> None:

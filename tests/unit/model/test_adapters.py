@@ -128,3 +128,22 @@ def test_saved_adapter_base_and_merged_model_load_back(tmp_path):
     # the run's model is untouched by saving: still a PeftModel with its adapters unmerged
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, trained)
+
+
+@pytest.mark.parametrize("peft", [PeftConfig(method="lora", r=4, use_dora=True), PeftConfig(method="lora", r=4, use_rslora=True,
+                                                                                              dropout=0.1)])
+def test_dora_and_rslora_stay_exact_on_packed_rows(peft):
+    """DoRA's magnitude is per output feature, rsLoRA only rescales: packing changes neither
+    (dropout is off in eval mode, as in the family checks)."""
+    from exactness import packed_vs_alone
+
+    model = apply_adapters(tiny(), peft)
+    g = torch.Generator().manual_seed(2)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data = torch.randn(p.shape, generator=g) * 0.1
+    ref = apply_adapters(load_model(tiny_config("llama"), attention="eager", dtype="float32"), peft)
+    ref.load_state_dict(model.state_dict())
+    errors = packed_vs_alone(model.eval(), ref.eval())
+    assert max(errors.values()) < 1e-5, errors
+    assert any("magnitude" in k for k in errors) == peft.use_dora
