@@ -153,21 +153,26 @@ def write_result(root: str, step: int, metrics: dict[str, Any], checkpoint: str 
 
 
 def trial_name(params: dict[str, Any]) -> str:
-    return f"{params['strategy']}-b{params['budget']}-lr{params['lr']:.3g}"
+    rank = f"-r{params['lora_r']}" if params.get("lora_r") is not None else ""
+    return f"{params['strategy']}-b{params['budget']}-lr{params['lr']:.3g}{rank}"
 
 
 def trial_config(base: Config, params: dict[str, Any], runs_dir: str, suffix: str = "",
                  batch_size: float | None = None) -> Config:
-    """The base config with the trial's strategy, budget, lr (and equal-work `batch_size`), its
+    """The base config with the trial's strategy, budget, lr, LoRA rank (and equal-work `batch_size`), its
     run under `runs_dir` with a name no other trial (or earlier sweep) uses: a reused name would
     resume that run."""
     name = trial_name(params) + (f"-{suffix}" if suffix else "")
     pack = dataclasses.replace(base.pack, strategy=params["strategy"], budget=params["budget"])
     if batch_size is not None:
         pack = dataclasses.replace(pack, batch_size=batch_size)
+    model = base.model
+    if params.get("lora_r") is not None:
+        model = dataclasses.replace(model, peft=dataclasses.replace(model.peft, r=params["lora_r"]))
     return dataclasses.replace(
         base,
         pack=pack,
+        model=model,
         train=dataclasses.replace(base.train, lr=params["lr"]),
         run=dataclasses.replace(base.run, name=name, storage_path=runs_dir),
     )

@@ -66,7 +66,7 @@ def result_row(params: dict[str, Any], history: Sequence[dict[str, Any]], error:
     history = [{k: _number(h.get(k)) for k in HISTORY_KEYS} for h in history if _number(h.get("step")) is not None]
     last = history[-1] if history else {}
     row: dict[str, Any] = {"strategy": params["strategy"], "budget": params["budget"], "lr": params["lr"],
-                           "trial": trial, "history": history}
+                           "lora_r": params.get("lora_r"), "trial": trial, "history": history}
     if params.get("batch_size") is not None:
         row["batch_size"] = params["batch_size"]
     steps, total = last.get("step"), last.get("total_steps")
@@ -100,7 +100,8 @@ def result_row(params: dict[str, Any], history: Sequence[dict[str, Any]], error:
 
 
 def label(row: dict[str, Any]) -> str:
-    return f"{row['strategy']}-b{row['budget']}-lr{row['lr']:.3g}" + (f" ({row['trial']})" if row.get("trial") else "")
+    rank = f"-r{row['lora_r']}" if row.get("lora_r") is not None else ""
+    return f"{row['strategy']}-b{row['budget']}-lr{row['lr']:.3g}{rank}" + (f" ({row['trial']})" if row.get("trial") else "")
 
 
 def target_loss(rows: Sequence[dict[str, Any]], configured: float | None) -> float | None:
@@ -157,12 +158,12 @@ def spread(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
         if r["status"] == "OK":
-            groups.setdefault((r["strategy"], r["budget"], r["lr"]), []).append(r)
+            groups.setdefault((r["strategy"], r["budget"], r["lr"], r.get("lora_r")), []).append(r)
     out = []
-    for (strategy, budget, lr), members in groups.items():
+    for (strategy, budget, lr, lora_r), members in groups.items():
         if len(members) < 2:
             continue
-        entry: dict[str, Any] = {"strategy": strategy, "budget": budget, "lr": lr, "n": len(members)}
+        entry: dict[str, Any] = {"strategy": strategy, "budget": budget, "lr": lr, "lora_r": lora_r, "n": len(members)}
         for key in SPREAD_KEYS:
             values = [m[key] for m in members if m.get(key) is not None]
             if values:
@@ -186,26 +187,36 @@ def format_table(rows: Sequence[dict[str, Any]], context: Context | None = None)
               "training wall time counts steps, data reads, reports and checkpoints, not start-up or evaluation.",
               "- tokens_per_s: real tokens over the run's training wall time; tokens_per_step: real tokens per optimizer step.",
               ""]
-    lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_fmt(row.get(c)) for c in COLUMNS) + " |" for row in rows]
+    columns = _columns(rows)
+    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_fmt(row.get(c)) for c in columns) + " |" for row in rows]
     lines += ["", "## Every trial", "", *_every_trial(rows)]
     if ctx.not_started:
         lines.append(f"- {ctx.not_started} more trial(s) had not started: the sweep was interrupted; "
                      "`raypack sweep --resume` runs them")
     groups = spread(rows)
     if groups:
+        keys = [k for k in ("strategy", "budget", "lr", "lora_r") if k in columns]
         lines += ["", "## Repeats: median [min, max]", "",
-                  "| strategy | budget | lr | n | " + " | ".join(SPREAD_KEYS) + " |", "|" + "---|" * (4 + len(SPREAD_KEYS))]
+                  "| " + " | ".join([*keys, "n", *SPREAD_KEYS]) + " |", "|" + "---|" * (len(keys) + 1 + len(SPREAD_KEYS))]
         for g in groups:
             cells = [f"{_fmt(g[k][0])} [{_fmt(g[k][1])}, {_fmt(g[k][2])}]" if k in g else "-" for k in SPREAD_KEYS]
-            lines.append(f"| {g['strategy']} | {g['budget']} | {_fmt(g['lr'])} | {g['n']} | " + " | ".join(cells) + " |")
+            lines.append("| " + " | ".join([*(_fmt(g[k]) for k in keys), str(g["n"]), *cells]) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _columns(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """COLUMNS, with the adapter rank after lr in a sweep with adapters."""
+    if not any(r.get("lora_r") is not None for r in rows):
+        return list(COLUMNS)
+    i = COLUMNS.index("lr") + 1
+    return [*COLUMNS[:i], "lora_r", *COLUMNS[i:]]
 
 
 def format_csv(rows: Sequence[dict[str, Any]], context: Context | None = None) -> str:
     rows, _ = with_targets(rows, (context or Context()).target_eval_loss)
     out = io.StringIO()
-    fields = [*COLUMNS, "total_steps", "tokens_seen", "train_time_s", "batch_size", "error"]
+    fields = [*_columns(rows), "total_steps", "tokens_seen", "train_time_s", "batch_size", "error"]
     writer = csv.DictWriter(out, fieldnames=fields, extrasaction="ignore")
     writer.writeheader()
     for row in rows:

@@ -32,24 +32,34 @@ from raypack.errors import ConfigError
 from raypack.train.metrics import REPORTED
 
 
+PARAMS = ("strategy", "budget", "lr", "lora_r")
+"""A trial's parameters: what `dimensions` sweeps, every trial's config and row carry (runs.trial_config)."""
+
+
 def dimensions(cfg: Config) -> dict[str, tuple[Any, ...]]:
-    """The swept values per trial parameter; an empty tune list keeps the base config's value."""
-    return {
+    """The swept values per trial parameter; an empty tune list keeps the base config's value
+    (`lora_r` only for a sweep with adapters)."""
+    dims = {
         "strategy": cfg.tune.strategies,
         "budget": cfg.tune.budgets or (cfg.pack.budget,),
         "lr": cfg.tune.lrs or (cfg.train.lr,),
     }
+    if cfg.model.peft.enabled:
+        dims["lora_r"] = cfg.tune.lora_ranks or (cfg.model.peft.r,)
+    return dims
 
 
 def _space(cfg: Config) -> dict[str, str]:
     t = cfg.tune
-    return {"strategy": t.strategy_space, "budget": t.budget_space, "lr": t.lr_space}
+    return {"strategy": t.strategy_space, "budget": t.budget_space, "lr": t.lr_space, "lora_r": t.lora_rank_space}
 
 
 def check(cfg: Config) -> None:
     """Raise ConfigError (naming the key) for a sweep config Ray Tune would fail on later."""
     check_strategies(cfg)
     t = cfg.tune
+    if t.lora_ranks and not cfg.model.peft.enabled:
+        raise ConfigError("tune.lora_ranks: sweeps adapter ranks, so it needs model.peft.method: lora (or qlora)")
     if t.metric not in REPORTED:
         raise ConfigError(f"tune.metric: expected one of {', '.join(REPORTED)}, got {t.metric!r}")
     ranks_by_metric = t.scheduler != "none" or t.search_alg != "basic"

@@ -45,7 +45,7 @@ from raypack.train.preflight import preflight
 from raypack.tune import plots
 from raypack.tune.data import SweepData, prepare_sweep_data
 from raypack.tune.report import Context, format_csv, format_table, result_row, with_targets
-from raypack.tune.space import check, dimensions, param_space, planned_trials, tune_config
+from raypack.tune.space import PARAMS, check, dimensions, param_space, planned_trials, tune_config
 from raypack.tune.trial import TrainRun
 
 TABLE = "sweep_results.md"
@@ -121,14 +121,15 @@ def collect_rows(results, experiment: str, cfg: Config, data: SweepData) -> list
     saved = {t.path: t.status for t in ray.tune.ExperimentAnalysis(experiment).trials}
     rows = []
     for r in results:
-        params = {k: r.config[k] for k in ("strategy", "budget", "lr")}
+        params = {k: r.config.get(k) for k in PARAMS}
         params["batch_size"] = data.batch_sizes.get(f"{params['strategy']}/{params['budget']}")
         frame = r.metrics_dataframe
         history = frame.to_dict("records") if frame is not None and len(frame) else ([r.metrics] if r.metrics else [])
         trial = (r.metrics or {}).get("trial_id") or r.path.rstrip("/").rsplit("/", 1)[-1]
         rows.append(result_row(params, history, r.error, saved.get(r.path), trial))
     order = {name: {v: i for i, v in enumerate(values)} for name, values in dimensions(cfg).items()}
-    rows.sort(key=lambda row: (order["strategy"].get(row["strategy"], 99), row["budget"], row["lr"], row["trial"]))
+    rows.sort(key=lambda row: (order["strategy"].get(row["strategy"], 99), row["budget"], row["lr"],
+                               row.get("lora_r") or 0, row["trial"]))
     return rows
 
 

@@ -45,6 +45,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raypack.config import Config
 from raypack.runs import trial_config
 from raypack.train.trainer import start
+from raypack.tune.space import PARAMS
 
 POLL_S = 0.5
 """How long a step waits on the queue before checking whether the Train run ended."""
@@ -110,7 +111,7 @@ class TrainRun(ray.tune.Trainable):
     """The Tune trainable of a sweep: one Ray Train run, one Tune result per Train report."""
 
     def setup(self, config: dict[str, Any], base: Config, runs_dir: str, batch_sizes: dict[str, float]) -> None:
-        params = {k: config[k] for k in ("strategy", "budget", "lr")}
+        params = {k: config.get(k) for k in PARAMS}
         batch_size = batch_sizes.get(f"{params['strategy']}/{params['budget']}")
         self.begin(trial_config(base, params, runs_dir, self.trial_id, batch_size))
 

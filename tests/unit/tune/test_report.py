@@ -9,7 +9,7 @@ import io
 import pytest
 
 from raypack.tune.report import (
-    COLUMNS, Context, format_csv, format_table, result_row, spread, target_loss, time_to_target, with_targets,
+    COLUMNS, Context, format_csv, format_table, label, result_row, spread, target_loss, time_to_target, with_targets,
 )
 
 
@@ -101,3 +101,14 @@ def test_csv_has_every_trial_and_its_error():
     assert [r["strategy"] for r in rows] == ["bfd", "pad", "bfd", "balanced", "balanced"]
     assert rows[1]["batch_size"] == "2.4" and rows[1]["time_to_target_s"] == "8.0"
     assert rows[3]["status"] == "ERROR" and rows[3]["loss"] == "" and "worker died" in rows[3]["error"]
+
+
+def test_a_lora_rank_sweep_shows_the_rank_column():
+    """Only a sweep with adapters gets the lora_r column, after lr, in the table, the CSV and the labels."""
+    rows = [{**r, "lora_r": rank} for r, rank in zip(ROWS, (4, 16, 4, 16, 4))]
+    table = format_table(rows, Context(title="T"))
+    i = COLUMNS.index("lr") + 1
+    assert "| " + " | ".join([*COLUMNS[:i], "lora_r", *COLUMNS[i:]]) + " |" in table.splitlines()
+    assert format_csv(rows).splitlines()[0].startswith("strategy,budget,lr,lora_r,trial")
+    assert label(rows[0]).startswith("bfd-b256-lr0.003-r4")
+    assert "lora_r" not in format_table(ROWS, Context(title="T")) and "lora_r" not in format_csv(ROWS)

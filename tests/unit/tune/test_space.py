@@ -93,3 +93,16 @@ def test_optuna_draws_from_the_space():
     drawn = [searcher.suggest(f"t{i}") for i in range(4)]
     assert all(d["strategy"] in ("pad", "bfd") and 1e-4 <= d["lr"] <= 1e-2 for d in drawn)  # constants: merged by Tune
     assert len({d["lr"] for d in drawn}) == 4
+
+
+def test_lora_ranks_are_a_dimension_of_a_sweep_with_adapters():
+    lora = cfg("tune.strategies=[bfd]", "model.peft.method=lora", "tune.lora_ranks=[4, 16]")
+    assert param_space(lora)["lora_r"] == {"grid_search": [4, 16]} and planned_trials(lora) == 2
+    assert param_space(cfg("tune.strategies=[bfd]", "model.peft.method=lora", "model.peft.r=8"))["lora_r"] == 8
+    assert "lora_r" not in param_space(cfg("tune.strategies=[bfd]"))
+    with pytest.raises(ConfigError, match="tune.lora_ranks: .* needs model.peft.method: lora"):
+        check(cfg("tune.lora_ranks=[4, 16]"))
+    from raypack.runs import trial_config
+
+    trial = trial_config(lora, {"strategy": "bfd", "budget": 512, "lr": 0.01, "lora_r": 4}, "/tmp/runs")
+    assert trial.model.peft.r == 4 and trial.run.name == "bfd-b512-lr0.01-r4"
