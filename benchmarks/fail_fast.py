@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from benchmarks.common import results_path  # noqa: E402
+from benchmarks.common import cpu_header, host_now, results_path  # noqa: E402
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its worker prefixes
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}
@@ -83,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.smoke:
         args.baseline = None
+    started = host_now()
     out = results_path("fail_fast", smoke=args.smoke, out=args.out)
     checkouts = [("this checkout", REPO)] + ([("baseline", Path(args.baseline).resolve())] if args.baseline else [])
-    load_before = os.getloadavg()
     rows = []
     with tempfile.TemporaryDirectory(prefix="raypack_fail_fast_") as tmp:
         for name, overrides in cases(Path(tmp)):
@@ -97,21 +96,10 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append({"case": name, "checkout": label, **r})
                     print(f"{name:<28} {label:<14} {r['seconds']:7.1f} s  exit {r['exit']}  stderr {r['stderr_lines']:4d} lines  "
                           f"ray {r['ray_started']}  {r['last'][:70]}", flush=True)
-    import ray
-    import torch
-    import transformers
-
     lines = [
-        "# `raypack train` on bad input: time to the error, exit code, stderr lines, Ray started",
-        "",
-        f"Command: `python benchmarks/fail_fast.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
-        "",
-        *(["A --smoke run: this checkout only, config errors only; not a measurement.", ""] if args.smoke else []),
-        f"Machine: {platform.node()}, {os.cpu_count()} CPUs, {platform.platform()}; load average "
-        f"{load_before[0]:.1f} / {load_before[1]:.1f} / {load_before[2]:.1f} (1/5/15 min) at the start, "
-        f"{os.getloadavg()[0]:.1f} at the end (shared with other jobs: compare within a case, not across runs).",
-        f"Versions: Python {platform.python_version()}, ray {ray.__version__}, torch {torch.__version__}, "
-        f"transformers {transformers.__version__}. Baseline: {args.baseline or 'none'}.",
+        *cpu_header("`raypack train` on bad input: time to the error, exit code, stderr lines, Ray started", __file__,
+                    argv, args.smoke, started, ("ray", "torch", "transformers"),
+                    notes=f"Compare within a case, not across runs. Baseline: {args.baseline or 'none'}."),
         "",
         "| case | checkout | seconds | exit code | stderr lines | Ray started | last stderr line |",
         "|---|---|---|---|---|---|---|",

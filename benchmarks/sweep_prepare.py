@@ -23,7 +23,6 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import cpu_header, host_now, results_path  # noqa: E402
 from benchmarks.tokenize_throughput import cpu_model  # noqa: E402
 from raypack.config import ASSETS, Config, DataConfig, PackConfig, TokenizeConfig, TrainConfig, TuneConfig  # noqa: E402
 from raypack.data.synthetic import make_examples  # noqa: E402
@@ -51,29 +51,29 @@ def per_trial(base: Config, root: str) -> float:
 
 
 def once(base: Config, cache: str) -> tuple[float, dict]:
+    from raypack.data.listing import Sources
     from raypack.tune.data import prepare_sweep_data
 
     t0 = time.perf_counter()
-    data = prepare_sweep_data(base, cache)
+    data = prepare_sweep_data(base, Sources.of(base.data.paths), cache)
     return time.perf_counter() - t0, data.to_dict()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("-n", type=int, default=20000)
     ap.add_argument("--kind", default="flan", help="length distribution of the synthetic chats")
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="a --smoke run: 300 examples, to check the script works")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    started = host_now()
     if args.smoke:
         args.n = 300
-    today = datetime.date.today().strftime("%Y%m%d")
-    out_path = Path(args.out or REPO / "benchmarks" / "results" / f"sweep_prepare_cpu_{'smoke_' if args.smoke else ''}{today}.md")
+    out_path = results_path("sweep_prepare", args.smoke, args.out)
 
     import ray
 
-    load_before = os.getloadavg()
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "chat.jsonl")
@@ -98,20 +98,12 @@ def main() -> None:
             print(f"{side}: {runs[-1][1]:.1f} s", flush=True)
         ray.shutdown()
 
-    load_after = os.getloadavg()
     before = [s for side, s, _ in runs if side == "per trial"]
     after = [(s, info) for side, s, info in runs if side == "once"]
     info = after[0][1]
     lines = [
-        f"# Sweep data preparation, 4 strategies, CPU, {datetime.date.today().isoformat()}",
-        "",
-        f"Command: `python benchmarks/{Path(__file__).name} -n {args.n} --kind {args.kind} --budget {args.budget}`"
-        + (" (a --smoke run: too small to measure anything)" if args.smoke else ""),
-        "",
-        f"Machine: {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}. Shared with other engineers' jobs "
-        "while it ran, so expect noise; compare within this run only. Load average (1/5/15 min) "
-        f"{'/'.join(f'{x:.1f}' for x in load_before)} before, {'/'.join(f'{x:.1f}' for x in load_after)} after.",
-        f"Versions: python {platform.python_version()}, ray {ray.__version__}.",
+        *cpu_header(f"Sweep data preparation, 4 strategies, CPU, {datetime.date.today().isoformat()}", __file__, argv,
+                    args.smoke, started, ("ray",), notes=f"CPU: {cpu_model()}. Compare within this run only."),
         f"Data: {info['examples']} synthetic chats (`{args.kind}` lengths, at most {args.budget} words), bundled "
         f"tokenizer, budget {args.budget}, 1 rank, strategies {', '.join(STRATEGIES)}.",
         "",

@@ -14,7 +14,7 @@ train the same steps on the same rows and differ only by timing), then compares 
   wall time since the previous report *including* the final evaluation (reconstructed from the
   reported cumulative tokens, training time and evaluation time).
 
-Writes benchmarks/results/sweep_spread_<cpu|gpu>_<date>.md with the command, machine, versions,
+Writes benchmarks/results/sweep_spread_<device>_<date>.md with the command, machine, versions,
 per-trial numbers and, per strategy, median [min, max] and the max/min ratio.
 """
 
@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
-import platform
 import statistics
 import sys
 import time
@@ -33,6 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import cpu_header, host_now, results_path  # noqa: E402
 from benchmarks.tokenize_throughput import cpu_model  # noqa: E402
 
 
@@ -56,7 +55,7 @@ def per_trial(row: dict) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=str(REPO / "jobs" / "configs" / "sweeps" / "packing_cpu.yaml"))
     ap.add_argument("--strategies", nargs="+", default=["bfd", "balanced"])
@@ -66,13 +65,12 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true",
                     help="a --smoke run: 1 repeat of 4 steps at budget 256, to check the script works")
     ap.add_argument("overrides", nargs="*", help="more dotted config overrides")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    started = host_now()
     if args.smoke:
         args.repeats = 1
         args.overrides = ["pack.budget=256", "train.max_steps=4", "train.report_every_steps=2",
                           "train.eval_every_steps=2", *args.overrides]
-
-    import ray
 
     from raypack.config import load
     from raypack.tune.sweep import sweep
@@ -81,27 +79,16 @@ def main() -> None:
     overrides = [f"tune.strategies=[{', '.join(args.strategies)}]", f"tune.num_samples={args.repeats}",
                  f"run.storage_path={args.storage}", f"run.name={name}", *args.overrides]
     cfg = load(args.config, overrides)
-    load_before = os.getloadavg()
     t0 = time.perf_counter()
     outcome = sweep(cfg)
     wall = time.perf_counter() - t0
-    load_after = os.getloadavg()
     trials = [per_trial(r) for r in outcome.rows if r["status"] == "OK" and r["history"]]
 
     device = "gpu" if cfg.train.use_gpu else "cpu"
-    today = datetime.date.today().strftime("%Y%m%d")
-    out_path = Path(args.out or REPO / "benchmarks" / "results" / f"sweep_spread_{device}_{'smoke_' if args.smoke else ''}{today}.md")
-    cmd = f"python benchmarks/{Path(__file__).name} --config {os.path.relpath(args.config, REPO)} " \
-          f"--strategies {' '.join(args.strategies)} --repeats {args.repeats}" + "".join(f" {o}" for o in args.overrides)
+    out_path = results_path("sweep_spread", args.smoke, args.out)
     lines = [
-        f"# Sweep throughput spread, {device.upper()}, {datetime.date.today().isoformat()}",
-        "",
-        f"Command: `{cmd}` (sweep {name}, {wall:.0f} s)" + (" (a --smoke run: too small to measure anything)" if args.smoke else ""),
-        "",
-        f"Machine: {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}. Shared with other engineers' jobs "
-        f"while it ran; load average (1/5/15 min) {'/'.join(f'{x:.1f}' for x in load_before)} before, "
-        f"{'/'.join(f'{x:.1f}' for x in load_after)} after.",
-        f"Versions: python {platform.python_version()}, ray {ray.__version__}.",
+        *cpu_header(f"Sweep throughput spread, {device.upper()}, {datetime.date.today().isoformat()}", __file__, argv,
+                    args.smoke, started, ("ray",), notes=f"CPU: {cpu_model()}. Sweep {name}, {wall:.0f} s."),
         f"Sweep: {cfg.train.num_workers} {'GPU' if cfg.train.use_gpu else 'CPU'} worker(s), budget {cfg.pack.budget}, "
         f"{cfg.train.epochs} epoch(s), a report every {cfg.train.report_every_steps} steps, an eval every "
         f"{cfg.train.eval_every_steps or 'end'}; {args.repeats} repeats per strategy with the same seeds.",

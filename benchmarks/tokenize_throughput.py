@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import results_path  # noqa: E402
+from benchmarks.common import cpu_header, host_now, results_path  # noqa: E402
 from raypack.config import ASSETS, Config, DataConfig, TokenizeConfig  # noqa: E402
 from raypack.data.synthetic import make_examples  # noqa: E402
 
@@ -89,6 +89,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cores", type=int, default=os.cpu_count())
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    started = host_now()
     if args.smoke:
         args.n, args.cores = 200, 1
     runs = 1 if args.smoke else 2
@@ -96,7 +97,6 @@ def main(argv=None) -> int:
 
     import ray
 
-    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "chat.jsonl")
         with open(path, "w") as f:
@@ -118,24 +118,11 @@ def main(argv=None) -> int:
             print(f"raypack:  {rows} rows, {tokens} tokens, {dt:.2f} s")
     assert rows == ds_rows and tokens == ds_tokens, "the two sides disagree on the output"
 
-    import datasets
-    import tokenizers
-    import transformers
-
     best = min(ray_runs)
-    load_after = os.getloadavg()
     lines = [
-        f"# Tokenization throughput, CPU, {datetime.date.today().isoformat()}",
-        "",
-        f"Command: `python benchmarks/{Path(__file__).name} -n {args.n} --kind {args.kind} --batch-size {args.batch_size} --cores {args.cores}`",
-        "",
-        *(["**--smoke run: 200 chats to prove the script works; these numbers are not results.**", ""] if args.smoke else []),
-        f"Machine: {os.cpu_count()} CPUs ({cpu_model()}), {platform.platform()}. "
-        "Shared with other engineers' jobs while it ran, so expect noise; compare within this run only. "
-        f"Load average (1/5/15 min) {'/'.join(f'{x:.1f}' for x in load_before)} before, "
-        f"{'/'.join(f'{x:.1f}' for x in load_after)} after.",
-        f"Versions: python {platform.python_version()}, ray {ray.__version__}, datasets {datasets.__version__}, "
-        f"transformers {transformers.__version__}, tokenizers {tokenizers.__version__}.",
+        *cpu_header(f"Tokenization throughput, CPU, {datetime.date.today().isoformat()}", __file__, argv, args.smoke,
+                    started, ("ray", "datasets", "transformers", "tokenizers"),
+                    notes=f"CPU: {cpu_model()}. Compare within this run only."),
         f"Data: {rows} synthetic chats (`{args.kind}` lengths), {tokens} tokens, bundled BPE tokenizer (vocab 768), "
         f"batch size {args.batch_size}, {args.cores} processes each side.",
         "",
