@@ -25,6 +25,10 @@ class DataConfig:
     """Example format; `auto` detects it from the columns of each source."""
     on_bad_rows: Literal["error", "skip"] = "error"
     """`error` stops at the first bad row naming its file and line; `skip` counts and reports them."""
+    max_dropped_fraction: float = 0.2
+    """Largest share of the source rows that tokenize may drop (over-length under
+    tokenize.overlength=drop, without a label token, bad rows skipped) before the run stops with an
+    error naming the cause: losing most of a dataset to a setting should never look like success."""
     eval_fraction: float = 0.1
     """Share of examples held out for eval loss, chosen by a seeded hash of `example_id`."""
     cache_path: str | None = None
@@ -36,6 +40,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         _check(len(self.paths) > 0, "data.paths", "at least one path", self.paths)
         _check(0.0 <= self.eval_fraction < 1.0, "data.eval_fraction", "a float in [0, 1)", self.eval_fraction)
+        _check(0.0 <= self.max_dropped_fraction <= 1.0, "data.max_dropped_fraction", "a float in [0, 1]",
+               self.max_dropped_fraction)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -193,28 +193,47 @@ def tokenize_dataset(cfg: Config, sources: Sources, vocab_size: int | None = Non
 
 def require_supervised(stats: TokenizeStats, cfg: Config) -> None:
     """Refuse data that would train on nothing: no example left with a label token (a loss
-    divided by zero label tokens would read 0.0 and the run would look fine); and, under
-    tokenize.no_labels=error, any example without one."""
+    divided by zero label tokens would read 0.0 and the run would look fine); under
+    tokenize.no_labels=error, any example without one; and data that lost more than
+    `data.max_dropped_fraction` of its rows, naming the cause and the setting behind it."""
     if stats.no_labels and cfg.tokenize.no_labels == "error":
         raise TokenizeError(
             f"{stats.no_label_examples[0]}: no token carries loss (a chat without an assistant turn, or a prompt "
             f"truncated before its answer); {stats.no_labels} such examples. tokenize.no_labels=drop drops them"
         )
-    if stats.label_tokens > 0:
-        return
-    why = []
+    causes = drop_causes(stats, cfg)
+    if stats.label_tokens == 0:
+        raise TokenizeError(
+            f"data.paths: nothing to train on: of {stats.examples_in} examples, "
+            + ("; ".join(text for _, text in causes) or "none are left")
+        )
+    rows = stats.examples_in + stats.bad_rows
+    lost = sum(n for n, _ in causes)
+    limit = cfg.data.max_dropped_fraction
+    if rows and lost / rows > limit:
+        n, text = max(causes)
+        raise TokenizeError(
+            f"data.paths: {lost} of {rows} source rows ({lost / rows:.0%}) would not train, more than "
+            f"data.max_dropped_fraction={limit:g}; the largest cause: {n} {text.split(' ', 1)[1]}. Change that "
+            "setting, fix the data, or raise data.max_dropped_fraction to train on the rest"
+        )
+
+
+def drop_causes(stats: TokenizeStats, cfg: Config) -> list[tuple[int, str]]:
+    """(count, what happened and which setting did it) for each way tokenize dropped examples."""
+    causes = []
     if stats.no_labels:
         first = f" (first: {stats.no_label_examples[0]})" if stats.no_label_examples else ""
-        why.append(f"{stats.no_labels} had no token that carries loss{first}: chats without an assistant "
-                   f"turn under tokenize.label_mask={cfg.tokenize.label_mask}, or prompts that "
-                   f"tokenize.overlength=truncate cut before the answer")
+        causes.append((stats.no_labels, f"{stats.no_labels} had no token that carries loss{first}: chats without an "
+                       f"assistant turn under tokenize.label_mask={cfg.tokenize.label_mask}, or prompts that "
+                       f"tokenize.overlength=truncate cut at {stats.max_length} tokens (tokenize.max_length, else "
+                       "pack.budget) before the answer"))
     if stats.dropped:
-        why.append(f"{stats.dropped} were longer than {stats.max_length} tokens (tokenize.overlength=drop)")
+        causes.append((stats.dropped, f"{stats.dropped} were longer than {stats.max_length} tokens "
+                       "(tokenize.overlength=drop at tokenize.max_length, else pack.budget)"))
     if stats.bad_rows:
-        why.append(f"{stats.bad_rows} bad rows were skipped")
-    raise TokenizeError(
-        f"data.paths: nothing to train on: of {stats.examples_in} examples, " + ("; ".join(why) or "none are left")
-    )
+        causes.append((stats.bad_rows, f"{stats.bad_rows} bad rows were skipped (data.on_bad_rows=skip: the data itself)"))
+    return causes
 
 
 def lengths_and_ids(ds) -> tuple[np.ndarray, np.ndarray]:

@@ -19,7 +19,22 @@ def test_data_that_trains_on_nothing_is_refused():
 
 def test_examples_without_labels_are_dropped_or_an_error():
     stats = TokenizeStats(examples_in=3, no_labels=1, label_tokens=40, no_label_examples=["a.jsonl:2"])
-    require_supervised(stats, load())  # dropped, counted, and the rest trains
+    require_supervised(stats, load(None, ["data.max_dropped_fraction=0.5"]))  # dropped, counted, and the rest trains
     with pytest.raises(TokenizeError, match=r"^a.jsonl:2: no token carries loss .*; 1 such examples"):
         require_supervised(stats, load(None, ["tokenize.no_labels=error"]))
     assert "no labels  1 dropped (no token carries loss); first: a.jsonl:2" in stats.summary()
+
+
+def test_losing_more_than_the_allowed_share_is_an_error_naming_the_cause():
+    """298 of 300 examples over tokenize.max_length under overlength=drop trained 1 step and exited
+    0; now it is an error naming the setting. At the limit, the rest trains."""
+    lost = TokenizeStats(examples_in=300, dropped=298, label_tokens=20, max_length=16)
+    with pytest.raises(TokenizeError, match=r"298 of 300 source rows \(99%\) would not train, more than "
+                                            r"data.max_dropped_fraction=0.2; the largest cause: 298 were longer than 16 "
+                                            r"tokens \(tokenize.overlength=drop at tokenize.max_length"):
+        require_supervised(lost, load())
+    require_supervised(lost, load(None, ["data.max_dropped_fraction=1.0"]))
+    half = TokenizeStats(examples_in=590, no_labels=300, bad_rows=10, label_tokens=900, max_length=512)
+    with pytest.raises(TokenizeError, match=r"310 of 600 .*largest cause: 300 had no token that carries loss"):
+        require_supervised(half, load())
+    require_supervised(TokenizeStats(examples_in=10, dropped=2, label_tokens=9), load())  # 20%: at the limit
