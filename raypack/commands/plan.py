@@ -17,6 +17,11 @@ optimizer step, efficiency, padding fraction, and the wall-time overhead of imba
 and attention (Σ busiest rank / Σ mean rank over steps) with the worst single step; see
 raypack/data/stats.py. `--out` writes the first strategy's assignment as Parquet, one row per
 example (per piece for wrapped): example_id, pack, rank, step, start, end.
+
+With --config, a last line estimates the memory per GPU of the configured run (full fine-tuning,
+LoRA or QLoRA; ZeRO stage, gradient checkpointing, budget): raypack/train/memory.py's arithmetic
+on the model's config, no weights loaded. With --lengths only a model config found without the
+network counts (tiny-*, a local folder, the Hugging Face cache); otherwise the line is left out.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import pyarrow.parquet as pq
 
 from raypack.config import Config, load
 from raypack.data.strategies import STRATEGIES, check_strategy_name, make_plan
-from raypack.errors import ConfigError
+from raypack.errors import ConfigError, InputError
 
 COLUMNS = ("strategy", "packs", "steps", "optimizer_steps", "tokens_per_optimizer_step", "efficiency",
            "padding_fraction", "token_imbalance", "attention_imbalance", "token_imbalance_worst",
@@ -107,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
               f"{r['tokens_per_optimizer_step']:>13,.0f}{r['efficiency']:>8.4f}{r['padding_fraction']:>8.4f}"
               f"{r['token_imbalance']:>8.4f}{r['attention_imbalance']:>9.4f}{worst:>15}{r['seconds']:>8.2f}")
     print("imbalance = wall-time overhead: sum over steps of the busiest rank / of the mean rank (1.0 = none)")
+    if args.config:
+        line = memory_line(cfg, offline=bool(args.lengths))
+        if line:
+            print(line)
     if args.out:
         print(f"wrote the {names[0]} assignment to {args.out}")
     return 0
@@ -115,3 +124,36 @@ def run(args: argparse.Namespace) -> int:
 def _with_strategy(cfg: Config, name: str):
     # repack_each_epoch is a per-strategy choice; the comparison shows each strategy's epoch-1 plan.
     return replace(cfg.pack, strategy=name, repack_each_epoch=False)
+
+
+def memory_line(cfg: Config, offline: bool) -> str | None:
+    """"memory per GPU (estimate): ..." for `cfg`'s run. `offline`: only from a model config found
+    without the network, and None (no line) where there is none; otherwise a model config that
+    can't be had makes an "n/a" line, never an error (the plan itself doesn't need the model)."""
+    m, prefix = cfg.model, "memory per GPU (estimate): "
+    name = _local_model(m.name)
+    if name is None and offline:
+        return None
+    from raypack.model.build import model_config  # torch and transformers: seconds, so only now
+    from raypack.train.memory import Arch, estimate
+
+    try:
+        arch = Arch.from_config(model_config(name or m.name, m.trust_remote_code))
+        return prefix + estimate(cfg, arch).line(cfg, arch)
+    except (InputError, ValueError, AttributeError) as e:  # no config, or a shape the arithmetic doesn't know
+        return None if offline else f"{prefix}n/a ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+
+
+def _local_model(name: str) -> str | None:
+    """`name`, or the folder holding its cached config, where loading it needs no network."""
+    from pathlib import Path
+
+    from huggingface_hub import try_to_load_from_cache
+
+    if name.startswith("tiny-") or Path(name).expanduser().is_dir():
+        return name
+    try:
+        cached = try_to_load_from_cache(name, "config.json")
+    except ValueError:  # not a valid repo id either
+        return None
+    return str(Path(cached).parent) if isinstance(cached, str) else None

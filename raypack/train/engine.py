@@ -9,41 +9,16 @@ cluster image).
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import Any
 
 import deepspeed
 import torch
 
 from raypack.config import TrainConfig
+from raypack.train.presets import PRESETS, find_auto, load_preset
 
-PRESETS = Path(__file__).resolve().parents[1] / "configs" / "deepspeed"
-"""The shipped presets, inside the package: found wherever raypack is installed."""
-
-
-def _find_auto(node: Any, path: str = "") -> str | None:
-    if node == "auto":
-        return path or "<root>"
-    if isinstance(node, dict):
-        for key, value in node.items():
-            if found := _find_auto(value, f"{path}.{key}" if path else key):
-                return found
-    return None
-
-
-def load_preset(name: str | None) -> dict[str, Any]:
-    """Read a DeepSpeed JSON preset by name (raypack/configs/deepspeed/<name>.json) or path."""
-    if not name:
-        return {}
-    path = Path(name)
-    if not path.exists():
-        path = PRESETS / (name if name.endswith(".json") else f"{name}.json")
-    if not path.exists():
-        choices = ", ".join(sorted(p.stem for p in PRESETS.glob("*.json")))
-        raise ValueError(f"train.deepspeed_preset: no preset {name!r}; expected a path or one of {choices}")
-    return json.loads(path.read_text())
+__all__ = ["PRESETS", "deepspeed_config", "load_preset", "lr_lambda", "setup_engine"]
 
 
 def deepspeed_config(cfg: TrainConfig, *, dtype: torch.dtype, world_size: int) -> dict[str, Any]:
@@ -80,7 +55,7 @@ def deepspeed_config(cfg: TrainConfig, *, dtype: torch.dtype, world_size: int) -
     else:
         ds.pop("optimizer", None)
     ds.pop("scheduler", None)  # raypack passes its own warmup-cosine schedule
-    if auto := _find_auto(ds):
+    if auto := find_auto(ds):
         raise ValueError(f"DeepSpeed config key {auto} is still 'auto'; set it in the preset or the typed config")
     return ds
 

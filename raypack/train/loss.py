@@ -63,6 +63,11 @@ TARGET_KEYS = ("loss_positions", "loss_targets")
 """Batch keys `label_targets` fills on the host; the loss pops them before the model's forward."""
 
 
+def default_chunk(vocab: int) -> int:
+    """Label tokens per chunk when train.loss_chunk_tokens is 0: CHUNK_TOKENS, capped by CHUNK_BYTES."""
+    return min(CHUNK_TOKENS, max(64, CHUNK_BYTES // (4 * vocab) // 64 * 64))
+
+
 class UnsupportedLossError(InputError):
     """The chunked loss cannot reproduce this model's logits; `train.loss: full` still works."""
 
@@ -183,7 +188,7 @@ class CausalLMLoss:
         self.vocab = head.out_features
         self.transforms = output_transforms(model.config)
         self.transform = _compose(self.transforms)
-        self.chunk = chunk_tokens or min(CHUNK_TOKENS, max(64, CHUNK_BYTES // (4 * self.vocab) // 64 * 64))
+        self.chunk = chunk_tokens or default_chunk(self.vocab)
 
     def __call__(self, forward: Callable[..., Any], batch: dict[str, Any]) -> torch.Tensor:
         """Σ cross-entropy (fp32 scalar) over the label tokens of `batch`, a collated batch with

@@ -1,5 +1,6 @@
 """The memory, disk and interconnect tables in cluster/README.md are what cluster/memory.py
-computes from the shipped configs, and the shipped configs and manifests fit within them."""
+computes from the shipped configs, and the shipped configs and manifests fit within them.
+(The per-GPU arithmetic itself is tested in tests/unit/train/test_memory.py.)"""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ sys.modules[_spec.name] = memory  # dataclasses look their module up there
 _spec.loader.exec_module(memory)
 
 GiB = 2**30
-OVERHEAD_GB = 5  # CUDA context, NCCL buffers, fragmentation: not in the totals
+OVERHEAD_GB = memory.OVERHEAD_GB  # CUDA context, NCCL buffers, fragmentation: not in the totals
 
 
 def quantity(q: str) -> float:
@@ -29,6 +30,48 @@ def quantity(q: str) -> float:
 def test_readme_tables_are_the_scripts_output():
     readme = (REPO / "cluster" / "README.md").read_text()
     assert memory.markdown() in readme, "regenerate with: python cluster/memory.py"
+    assert memory.fits_markdown() in readme, "regenerate with: python cluster/memory.py (its last table)"
+
+
+def test_archs_are_what_transformers_configs_give():
+    from transformers import LlamaConfig, Qwen2Config
+
+    llama = dict(num_key_value_heads=8, vocab_size=128256)
+    built = {
+        "meta-llama/Llama-3.1-8B": LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                               num_attention_heads=32, **llama),
+        "meta-llama/Llama-3.1-70B": LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                                num_attention_heads=64, **llama),
+        "Qwen/Qwen2.5-7B": Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064),
+    }  # fmt: skip
+    assert {name: memory.Arch.from_config(c) for name, c in built.items()} == memory.ARCHS
+
+
+def test_what_fits_on_one_gpu():
+    rows = memory.fits_rows()
+    fits = {(r.cfg.model.name.split("-")[-1], r.cfg.model.peft.method, r.cfg.model.gradient_checkpointing): budget
+            for r, budget in rows}
+    assert len(fits) == 12
+    # full fine-tuning holds 16 B/param of state: 8B (129 GB) and 70B fit on no single GPU
+    assert all(budget == 0 for (_, method, _), budget in fits.items() if method == "none")
+    for size in ("8B", "70B"):
+        for method in ("lora", "qlora"):
+            assert fits[size, method, True] >= fits[size, method, False]  # checkpointing frees activations
+        assert fits[size, "qlora", True] >= fits[size, "lora", True]  # 4-bit weights free memory
+    assert fits["70B", "lora", True] == 0 < fits["70B", "qlora", True]  # 141 GB of bf16 weights
+    capacity = (memory.HBM_GB - OVERHEAD_GB) * memory.GB
+    for row, budget in rows:  # the largest: 1,024 tokens more would not fit
+        if budget:
+            assert memory.estimate(row.cfg, row.arch, tokens=budget, zero=row.zero).total <= capacity
+            assert memory.estimate(row.cfg, row.arch, tokens=budget + 1024, zero=row.zero).total > capacity
+
+
+def test_the_shipped_lora_config_is_within_what_fits():
+    (lora,) = [r for r in memory.rows() if r.name == "llama8b_lora_1gpu.yaml"]
+    (budget,) = [b for r, b in memory.fits_rows() if r.cfg.model.name == lora.cfg.model.name
+                 and r.cfg.model.peft.method == "lora" and r.cfg.model.gradient_checkpointing]
+    assert lora.cfg.pack.budget <= budget and lora.cfg.train.num_workers == 1
 
 
 def test_every_shipped_gpu_config_is_in_the_table():

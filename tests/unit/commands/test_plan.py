@@ -85,3 +85,56 @@ def test_overrides_after_strategy_get_a_hint(tmp_path, capsys):
     np.save(tmp_path / "l.npy", np.array([5, 3]))
     assert main(["plan", "--lengths", str(tmp_path / "l.npy"), "--strategy", "bfd", "pack.budget=8"]) == 2
     assert "put overrides before --strategy" in capsys.readouterr().err
+
+
+def test_plan_prints_the_memory_estimate_of_the_configured_run(tmp_path, capsys):
+    """With --config, one line: raypack/train/memory.py's estimate for the mode, ZeRO stage,
+    checkpointing and budget the config (and its overrides) set."""
+    from raypack.model.build import model_config
+    from raypack.train.memory import Arch, estimate
+
+    np.save(tmp_path / "l.npy", np.array([5, 3, 2, 7]))
+    config = tmp_path / "run.yaml"
+    config.write_text("model: {name: tiny-llama, peft: {method: lora, r: 8}}\ntrain: {zero_stage: 2}\n")
+    overrides = ["pack.budget=256", "model.gradient_checkpointing=true"]
+    assert main(["plan", "--lengths", str(tmp_path / "l.npy"), "--config", str(config), *overrides]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("memory per GPU (estimate): ")]
+    cfg = load(str(config), overrides)
+    arch = Arch.from_config(model_config("tiny-llama"))
+    assert line == "memory per GPU (estimate): " + estimate(cfg, arch).line(cfg, arch)
+    for part in ("lora r8", "ZeRO-2", "gradient checkpointing on", "256 tokens a row"):
+        assert part in line
+    # no --config: the defaults' tiny model is nobody's run, so no estimate
+    assert main(["plan", "--lengths", str(tmp_path / "l.npy"), "pack.budget=8"]) == 0
+    assert "memory per GPU" not in capsys.readouterr().out
+
+
+def test_plan_skips_the_estimate_of_a_model_it_cannot_resolve_offline(tmp_path, capsys, monkeypatch):
+    """A hub name neither cached nor reachable: the plan still prints, and exits 0, at once."""
+    from raypack.model import build
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("plan --lengths reached for the network")
+
+    monkeypatch.setattr(build, "model_config", no_network)
+    np.save(tmp_path / "l.npy", np.array([5, 3, 2, 7]))
+    config = tmp_path / "run.yaml"
+    config.write_text("model: {name: no-such-org/no-such-model-raypack}\n")
+    assert main(["plan", "--lengths", str(tmp_path / "l.npy"), "--config", str(config), "pack.budget=8"]) == 0
+    out = capsys.readouterr().out
+    assert "wall-time overhead" in out and "memory per GPU" not in out
+
+
+def test_plan_on_its_data_says_when_the_estimate_is_not_available(monkeypatch):
+    """Planning the configured data (no --lengths) may ask the hub for the model's config; if
+    that fails the line says why, and the plan goes on."""
+    from raypack.commands.plan import memory_line
+    from raypack.model import build
+
+    def unreachable(name, *args, **kwargs):
+        raise build.ModelNotFoundError(f"model.name {name!r}: can't load its config (no network)")
+
+    monkeypatch.setattr(build, "model_config", unreachable)
+    line = memory_line(load(None, ["model.name=no-such-org/no-such-model-raypack"]), offline=False)
+    assert line == ("memory per GPU (estimate): n/a (model.name 'no-such-org/no-such-model-raypack': "
+                    "can't load its config (no network))")

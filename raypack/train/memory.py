@@ -1,0 +1,241 @@
+"""Per-GPU memory of a training run, from its typed config and the model's shape: the estimate
+`raypack plan` prints and cluster/memory.py tabulates. Arithmetic, not a measurement.
+
+    arch = Arch.from_config(model_config(cfg.model.name))      # a transformers config, no weights
+    mem = estimate(cfg, arch)                                   # bytes per GPU, term by term
+    print(mem.line(cfg, arch))
+
+Per rank (= per GPU); P parameters, P_t of them trained, N ranks, T = tokens in a micro-batch:
+
+- weights, bf16, 2 B/param: whole on every GPU under ZeRO 0-2; under ZeRO-3 a 1/N shard plus the
+  gathered working set (the larger of the embedding and two layers, capped by the preset's
+  stage3_max_live_parameters), frozen weights included. QLoRA stores each layer's linear weights
+  in NF4: 0.5 B/param, plus the double-quantized constants (one 8-bit absmax per 64-weight block
+  and one fp32 absmax per 256 blocks: 1/64 + 4/16384 B/param, the QLoRA paper's 0.127 bits), plus
+  one linear dequantized to bf16 while it computes; embeddings, output head and norms stay bf16.
+- gradients bf16, 2 B per trained param, sharded 1/N for ZeRO >= 2, plus one reduce bucket (the
+  preset's reduce_bucket_size, allocated whole however few the trained params); with optimizer
+  offload they live on the host in fp32.
+- optimizer: fp32 master weights + Adam m and v = 12 B per trained param, sharded 1/N; on the host
+  with train.offload_optimizer (16 B per trained param with the fp32 gradients).
+- frozen weights (LoRA, QLoRA) have neither gradients nor optimizer state. Adapters: r x (in + out)
+  per adapted linear (`all-linear`: q, k, v, o, gate, up, down), + out with DoRA (its magnitude);
+  `modules_to_save` (embed_tokens, lm_head) trains a copy of the module in full.
+- activations (bf16; Llama/Qwen layers; varlen attention, so no T^2 term): a layer keeps
+  ~(16h + 4kv + 8i) bytes per token (fp32 RMSNorm inputs 2x4h, norm outputs 2x2h, q 2h, k/v
+  2x2kv, attention output 2h, gate/up/act/product 4x2i). With gradient checkpointing only each
+  layer's input (2h) is kept, plus one layer recomputed. The backward through frozen layers needs
+  the same tensors (each adapter's A reads the linear's saved input), and LoRA adds its own: the
+  r-wide A x of every adapted linear (2r B per token), and with dropout the dropped-out input and
+  its mask (3 B per input feature).
+- loss: the logits at their peak, 12 B per element (bf16 logits 2 + fp32 upcast 4 + fp32 gradient
+  4 + bf16 gradient 2), over all T tokens (`train.loss: full`) or one chunk (`chunked`), whose fp32
+  sum of the head's gradient (4 B x vocab x hidden) is counted too where the head trains (not with
+  adapters: the chunked loss refuses an adapted head).
+- not counted: CUDA context, NCCL buffers and allocator fragmentation, ~3-5 GB per GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from raypack.config import Config, PeftConfig
+
+GB = 1e9
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""A layer's linear weights, by the names transformers gives Llama-like layers (and peft matches)."""
+SAVED_MODULES = ("embed_tokens", "lm_head")
+"""`modules_to_save` names this arithmetic sizes (a vocab x hidden matrix each)."""
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+"""Bytes per QLoRA base weight: 4 bits, plus bitsandbytes' double-quantized constants (block 64)."""
+LOGIT_BYTES = 12
+"""Per logit at the loss's peak: bf16 logits 2 + fp32 upcast 4 + fp32 gradient 4 + bf16 gradient 2."""
+
+
+@dataclass(frozen=True)
+class Arch:
+    """A decoder's shape, as its transformers config states it."""
+
+    layers: int
+    hidden: int
+    inter: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied: bool = False
+    qkv_bias: bool = False
+    head_dim: int = 0
+    """0: hidden // heads."""
+
+    @classmethod
+    def from_config(cls, config: Any) -> Arch:
+        """From a transformers config (`raypack.model.build.model_config`: no weights needed)."""
+        c = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or 0
+        # Qwen2 builds q/k/v with a bias that its config doesn't mention; Llama-likes say attention_bias.
+        bias = bool(getattr(c, "attention_bias", False)) or getattr(c, "model_type", "") == "qwen2"
+        return cls(layers=c.num_hidden_layers, hidden=c.hidden_size, inter=c.intermediate_size or 4 * c.hidden_size,
+                   heads=heads, kv_heads=getattr(c, "num_key_value_heads", None) or heads, vocab=c.vocab_size,
+                   tied=bool(getattr(c, "tie_word_embeddings", False)), qkv_bias=bias,
+                   head_dim=0 if head_dim == c.hidden_size // heads else head_dim)  # fmt: skip
+
+    @property
+    def q(self) -> int:
+        return self.heads * (self.head_dim or self.hidden // self.heads)
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads * (self.head_dim or self.hidden // self.heads)
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """A layer's linear weights: name -> (in, out) features."""
+        h, i = self.hidden, self.inter
+        return {"q_proj": (h, self.q), "k_proj": (h, self.kv), "v_proj": (h, self.kv), "o_proj": (self.q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
+
+    @property
+    def linear_params(self) -> int:
+        """Per layer: the weights QLoRA quantizes."""
+        return sum(a * b for a, b in self.linears().values())
+
+    @property
+    def layer_params(self) -> int:
+        bias = self.q + 2 * self.kv if self.qkv_bias else 0
+        return self.linear_params + bias + 2 * self.hidden  # + two RMSNorm weights
+
+    @property
+    def params(self) -> int:
+        embed = self.vocab * self.hidden
+        return self.layers * self.layer_params + embed * (1 if self.tied else 2) + self.hidden
+
+
+def adapted(peft: PeftConfig) -> tuple[str, ...]:
+    """The projections `peft.target_modules` reaches in every layer (peft matches a module whose
+    path ends with a target, so `self_attn.q_proj` is every layer's q_proj)."""
+    if layer := next((t for t in peft.target_modules if any(part.isdigit() for part in t.split("."))), None):
+        raise ValueError(f"model.peft.target_modules: can't size {layer!r}, which names some layers only")
+    names = {t.rsplit(".", 1)[-1] for t in peft.target_modules}
+    if "all-linear" in names:
+        return PROJECTIONS
+    if unknown := sorted(names - set(PROJECTIONS)):
+        raise ValueError(f"model.peft.target_modules: can't size {unknown}; the estimate knows {', '.join(PROJECTIONS)}")
+    return tuple(p for p in PROJECTIONS if p in names)
+
+
+def trained_params(arch: Arch, peft: PeftConfig) -> int:
+    """Parameters that get gradients and optimizer state: all of them, or the adapters (+ DoRA's
+    magnitudes) and the `modules_to_save` copies."""
+    if not peft.enabled:
+        return arch.params
+    shapes = arch.linears()
+    per_layer = sum(peft.r * (a + b) + (b if peft.use_dora else 0) for a, b in (shapes[p] for p in adapted(peft)))
+    saved = {m.rsplit(".", 1)[-1] for m in peft.modules_to_save}
+    if unknown := sorted(saved - set(SAVED_MODULES)):
+        raise ValueError(f"model.peft.modules_to_save: can't size {unknown}; the estimate knows {', '.join(SAVED_MODULES)}")
+    return arch.layers * per_layer + len(saved) * arch.vocab * arch.hidden
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per GPU, term by term (see the module docstring); `host` is per rank, in host RAM."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    logits: float
+    head_sum: float
+    """The chunked loss's fp32 sum of the head's gradient (0 if the head is frozen or the loss full)."""
+    host: float
+    trained: int
+
+    @property
+    def loss(self) -> float:
+        return self.logits + self.head_sum
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + self.loss
+
+    def line(self, cfg: Config, arch: Arch, tokens: int | None = None) -> str:
+        """One line: the total, its terms, and the setting they were computed for."""
+        m, t = cfg.model, cfg.train
+        unit, scale = ("GB", GB) if self.total >= 0.1 * GB else ("MB", 1e6)  # tiny models: MB
+        terms = " + ".join(f"{name} {value / scale:.1f}" for name, value in (
+            ("weights", self.weights), ("gradients", self.grads), ("optimizer", self.optimizer),
+            ("activations", self.activations), ("loss", self.loss)))  # fmt: skip
+        host = f"; host {self.host / scale:.1f} {unit} per rank" if self.host else ""
+        mode = "full fine-tuning" if not m.peft.enabled else f"{m.peft.method} r{m.peft.r}"
+        zero = f"ZeRO-{t.zero_stage}" + (" + optimizer offload" if t.offload_optimizer else "")
+        return (f"{self.total / scale:.1f} {unit} = {terms}{host} ({mode}: {_count(self.trained)} of {_count(arch.params)} "
+                f"params trained; {zero} over {t.num_workers} rank(s); gradient checkpointing "
+                f"{'on' if m.gradient_checkpointing else 'off'}; {tokens or cfg.pack.budget} tokens a row; {t.loss} loss; "
+                f"{unit} = 1e{9 if unit == 'GB' else 6} B; ~3-5 GB of CUDA context and buffers not counted)")  # fmt: skip
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}k"
+
+
+def chunk_tokens(cfg: Config, vocab: int) -> int:
+    """The chunked loss's chunk, as raypack.train.loss.CausalLMLoss picks it."""
+    from raypack.train.loss import default_chunk
+
+    return cfg.train.loss_chunk_tokens or default_chunk(vocab)
+
+
+def preset_zero(cfg: Config) -> dict[str, Any]:
+    """The `zero_optimization` section of the run's DeepSpeed preset (bucket sizes, live params)."""
+    from raypack.train.presets import load_preset  # JSON only: no DeepSpeed import
+
+    return load_preset(cfg.train.deepspeed_preset).get("zero_optimization", {})
+
+
+def estimate(cfg: Config, arch: Arch, *, tokens: int | None = None, loss: str | None = None,
+             chunk: int | None = None, zero: Mapping[str, Any] | None = None) -> Memory:
+    """Bytes per GPU of a run of `cfg` on a model of shape `arch`: `tokens` per micro-batch (default
+    pack.budget), `loss` full or chunked (default train.loss) in chunks of `chunk` tokens (default
+    the loss's own), `zero` the preset's ZeRO section (default read from train.deepspeed_preset)."""
+    t, peft = cfg.train, cfg.model.peft
+    zero = preset_zero(cfg) if zero is None else zero
+    tokens = tokens or cfg.pack.budget
+    n, p = t.num_workers, arch.params
+    trained = trained_params(arch, peft)
+
+    if peft.method == "qlora":  # ZeRO 0-2 (the config refuses 3): whole on every GPU
+        quantized = arch.layers * arch.linear_params
+        working = max(a * b for a, b in arch.linears().values())  # one linear dequantized at a time
+        weights = NF4_BYTES * quantized + 2 * (p - quantized) + 2 * working
+    elif t.zero_stage < 3:
+        weights = 2 * p
+    else:
+        live = min(zero.get("stage3_max_live_parameters", p), max(arch.vocab * arch.hidden, 2 * arch.layer_params))
+        weights = 2 * p / n + 2 * live
+    if peft.enabled:  # the adapters and modules_to_save copies are weights beside the frozen ones
+        weights += 2 * trained / (n if t.zero_stage == 3 else 1)
+
+    bucket = 2 * zero.get("reduce_bucket_size", 0)
+    grads = bucket if t.offload_optimizer else 2 * trained / (n if t.zero_stage >= 2 else 1) + bucket
+    optimizer = 0.0 if t.offload_optimizer else 12 * trained / n
+    host = 16 * trained / n if t.offload_optimizer else 0.0
+
+    per_layer = 16 * arch.hidden + 4 * arch.kv + 8 * arch.inter
+    if peft.enabled:
+        shapes = arch.linears()
+        per_layer += sum(2 * peft.r + (3 * shapes[name][0] if peft.dropout > 0 else 0) for name in adapted(peft))
+    if cfg.model.gradient_checkpointing:
+        activations = tokens * (2 * arch.hidden * arch.layers + 2 * per_layer)
+    else:
+        activations = tokens * per_layer * arch.layers
+
+    kind = loss or t.loss
+    if kind == "full":
+        logits, head_sum = LOGIT_BYTES * tokens * arch.vocab, 0.0
+    else:
+        logits = LOGIT_BYTES * min(chunk or chunk_tokens(cfg, arch.vocab), tokens) * arch.vocab
+        # With adapters the head is frozen: the chunked loss refuses one an adapter reaches.
+        head_sum = 0.0 if peft.enabled else 4 * arch.vocab * arch.hidden
+    return Memory(weights=weights, grads=grads, optimizer=optimizer, activations=activations, logits=logits,
+                  head_sum=head_sum, host=host, trained=trained)  # fmt: skip

@@ -1,0 +1,112 @@
+"""The per-GPU memory estimate: its parameter counts against the models transformers and peft
+build (what the arithmetic did not write), and the relations between full fine-tuning, LoRA
+and QLoRA that any correct estimate keeps."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import LlamaConfig, Qwen2Config
+
+from raypack.config import PeftConfig, load
+from raypack.model.adapters import apply_adapters, trainable_summary
+from raypack.model.build import load_model, model_config
+from raypack.train.memory import GB, NF4_BYTES, Arch, adapted, estimate, trained_params
+
+LLAMA_8B = Arch(32, 4096, 14336, 32, 8, 128256)
+ZERO2 = {"reduce_bucket_size": 500_000_000}
+
+
+def cfg(*overrides: str):
+    """An 8-GPU ZeRO-2 run of 8192-token rows, with `overrides`."""
+    base = ["train.num_workers=8", "train.use_gpu=true", "train.zero_stage=2", "pack.budget=8192"]
+    return load(None, [*base, *overrides])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_parameter_count_is_the_models(family):
+    model = load_model(f"tiny-{family}")
+    assert Arch.from_config(model_config(f"tiny-{family}")).params == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("peft", [
+    PeftConfig(method="lora"),
+    PeftConfig(method="lora", r=4, target_modules=("q_proj", "v_proj")),
+    PeftConfig(method="lora", r=8, target_modules=("mlp.down_proj", "self_attn.o_proj")),
+    PeftConfig(method="lora", use_dora=True),
+    PeftConfig(method="lora", modules_to_save=("lm_head",)),
+], ids=["all-linear", "q-v", "suffixes", "dora", "modules-to-save"])  # fmt: skip
+def test_adapter_count_is_peft_s(peft):
+    """peft wraps a real tiny Llama; what it trains is what the estimate counts."""
+    model = apply_adapters(load_model("tiny-llama"), peft)
+    arch = Arch.from_config(model_config("tiny-llama"))
+    summary = trainable_summary(model)
+    assert summary["trainable_params"] == trained_params(arch, peft)
+    assert summary["total_params"] == arch.params + trained_params(arch, peft)  # the adapters come beside
+
+
+def test_llama_8b_adapters_and_shapes():
+    assert abs(LLAMA_8B.params / 8.03e9 - 1) < 0.01
+    assert trained_params(LLAMA_8B, PeftConfig(method="lora")) == 41_943_040  # peft's figure for r=16 all-linear
+    assert Arch.from_config(LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)) == LLAMA_8B
+    qwen = Arch.from_config(Qwen2Config(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                                        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064))
+    assert qwen.qkv_bias and abs(qwen.params / 7.62e9 - 1) < 0.01
+
+
+def test_lora_needs_less_than_full_fine_tuning():
+    for stage in ("2", "3"):
+        full = estimate(cfg(f"train.zero_stage={stage}"), LLAMA_8B, zero=ZERO2)
+        lora = estimate(cfg(f"train.zero_stage={stage}", "model.peft.method=lora"), LLAMA_8B, zero=ZERO2)
+        assert lora.total < full.total
+        assert lora.optimizer < full.optimizer / 100 and lora.grads < full.grads
+        # frozen weights are still held (and sharded alike), and the adapters beside them
+        assert full.weights < lora.weights < full.weights * 1.01
+        # the backward through frozen layers keeps the same activations, plus the adapters' r-wide ones
+        assert full.activations < lora.activations < full.activations * 1.01
+        assert lora.head_sum == 0 < full.head_sum  # the head is frozen: no fp32 sum of its gradient
+
+
+def test_qlora_weights_are_about_a_quarter():
+    assert 0.25 < NF4_BYTES / 2 < 0.26  # 4 bits + the double-quantized constants, against bf16
+    lora = estimate(cfg("model.peft.method=lora"), LLAMA_8B, zero=ZERO2)
+    qlora = estimate(cfg("model.peft.method=qlora"), LLAMA_8B, zero=ZERO2)
+    quantized = LLAMA_8B.layers * LLAMA_8B.linear_params
+    # everything but the layers' linears (embeddings, head, norms, adapters) stays bf16
+    assert qlora.weights - (lora.weights - 2 * quantized) == pytest.approx(
+        NF4_BYTES * quantized + 2 * max(a * b for a, b in LLAMA_8B.linears().values()))
+    assert 0.3 < qlora.weights / lora.weights < 0.4
+    assert (qlora.grads, qlora.optimizer, qlora.activations) == (lora.grads, lora.optimizer, lora.activations)
+
+
+def test_terms_follow_the_setting():
+    base = estimate(cfg("model.peft.method=lora"), LLAMA_8B, zero=ZERO2)
+    ckpt = estimate(cfg("model.peft.method=lora", "model.gradient_checkpointing=true"), LLAMA_8B, zero=ZERO2)
+    longer = estimate(cfg("model.peft.method=lora", "pack.budget=16384"), LLAMA_8B, zero=ZERO2)
+    dropout = estimate(cfg("model.peft.method=lora", "model.peft.dropout=0.1"), LLAMA_8B, zero=ZERO2)
+    assert ckpt.activations < base.activations / 5
+    assert longer.activations == pytest.approx(2 * base.activations)
+    assert dropout.activations > base.activations * 1.2  # a copy of every adapted input, and its mask
+    full_loss = estimate(cfg("model.peft.method=lora", "train.loss=full"), LLAMA_8B, zero=ZERO2)
+    assert full_loss.logits == 12 * 8192 * LLAMA_8B.vocab and base.logits == 12 * 2048 * LLAMA_8B.vocab
+
+
+def test_offload_moves_the_optimizer_to_the_host():
+    m = estimate(cfg("train.offload_optimizer=true"), LLAMA_8B, zero=ZERO2)
+    assert m.optimizer == 0 and m.host == 16 * LLAMA_8B.params / 8
+
+
+def test_unknown_target_modules_are_refused_not_guessed():
+    with pytest.raises(ValueError, match="can't size"):
+        adapted(PeftConfig(method="lora", target_modules=("c_attn",)))  # GPT-2's fused projection
+    with pytest.raises(ValueError, match="some layers only"):
+        adapted(PeftConfig(method="lora", target_modules=("model.layers.0.mlp.down_proj",)))
+
+
+def test_line_names_the_setting():
+    c = load("jobs/configs/llama8b_lora_1gpu.yaml")
+    line = estimate(c, LLAMA_8B).line(c, LLAMA_8B)  # the zero2 preset, read through engine.load_preset
+    assert line.startswith("31.2 GB = weights 16.1 + gradients 1.1 + optimizer 0.5 + activations 10.3 + loss 3.2")
+    for part in ("lora r16", "41.9M of 8.03B", "ZeRO-2 over 1 rank(s)", "gradient checkpointing on", "16384 tokens"):
+        assert part in line
+    assert estimate(c, LLAMA_8B).total < 80 * GB
