@@ -10,7 +10,7 @@
 # 2. This script trims Ray further: rllib, serve, llm and the dashboard's web client are never
 #    imported by raypack (Ray Train, Tune, Data and the core are kept).
 # 3. It adds the transformers wheel of the version raypack is developed against (the image's is
-#    older) and drops huggingface_hub (the image's satisfies it).
+#    older), drops huggingface_hub (the image's satisfies it), and adds peft and accelerate.
 # 4. It fails if the wheels would exceed LIMIT_MIB (default 60): the device tool carries 64 MiB
 #    in all, the repository included.
 set -euo pipefail
@@ -66,6 +66,12 @@ tf_version=$("$py" -c 'from importlib.metadata import version; print(version("tr
 rm -f "$dest"/transformers-*.whl
 "$py" -m pip download -q --no-deps --only-binary=:all: -d "$dest" "transformers==$tf_version"
 rm -f "$dest"/huggingface_hub-*.whl
+# peft (model.peft, the lora step) and accelerate, which it imports: pure Python, this venv's versions.
+for pkg in peft accelerate; do
+  v=$("$py" -c "from importlib.metadata import version; print(version('$pkg'))")
+  rm -f "$dest"/"$pkg"-*.whl
+  "$py" -m pip download -q --no-deps --only-binary=:all: -d "$dest" "$pkg==$v"
+done
 
 total=$(du -cb "$dest"/*.whl | tail -1 | cut -f1)
 echo "wheels in $dest: $((total / 1048576)) MiB (limit $limit_mib MiB), transformers $tf_version"

@@ -24,6 +24,10 @@ NO_RAY = {  # script -> what its results file must show
     # each case refused before Ray starts: exit code 2, Ray not started
     "fail_fast.py": ["| unknown pack.strategy | this checkout |", "| 2 | 1 | no |", "| train.lr=inf | this checkout |"],
     "loss_memory.py": ["| activations kept | chunked |", "| gradient checkpointing | full |"],
+    # both sides, both settings, and LoRA's frozen base checked bit for bit before timing and after
+    "lora_throughput.py": ["| activations kept | lora |", "| gradient checkpointing | full |",
+                           "before timing: 21 frozen tensors bit-identical; frozen_digest unchanged",
+                           "after every timed step: 21 frozen tensors bit-identical"],
     "pack_plan.py": ["| flan | 20,000 | 2048 | balanced |", "## Balance at budget 2048", "| flan | 20,000 | 512 |"],
 }
 NEEDS_RAY = {"train_throughput.py", "pack_materialize.py", "tokenize_throughput.py", "prepare_scale.py", "sweep_prepare.py",
@@ -74,13 +78,20 @@ def test_smoke_run_writes_its_results_file(script, tmp_path, keep_torch_threads)
         assert expected in text, f"{script}: {expected!r} missing from\n{text}"
 
 
+def test_bench_gpu_budget_keeps_time_for_every_step():
+    """`make bench-gpu` (525 s): after a minute of wheel install, every step can still get its min_s."""
+    assert all(s.min_s <= s.cap_s for s in STEPS)
+    assert 60 + sum(s.min_s for s in STEPS) <= 525
+    assert [s.name for s in STEPS][-1] == "lora" and STEPS[-1].theme == "lora" and STEPS[-1].cap_s == 90
+
+
 def test_gpu_benchmarks_refuse_the_cpu_without_smoke():
     """Outside --smoke, the GPU benchmarks and `make bench-gpu` say they need a GPU (exit 2)."""
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("has a GPU")
-    for script in ("loss_memory.py", "attention_throughput.py"):
+    for script in ("loss_memory.py", "attention_throughput.py", "lora_throughput.py"):
         assert load(script).main([]) == 2
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "tools/bench_gpu.py"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
