@@ -49,6 +49,16 @@ class RaySettings:
     """Passed to ray.init (tests put the repository on the workers' PYTHONPATH)."""
 
 
+_LOCAL: list[str] = []
+"""The GCS address of the local instance this process started: a cluster that can never grow."""
+
+
+def is_local_instance() -> bool:
+    """Whether Ray here is a local instance this process started (no autoscaler: what it has at
+    start is all it will ever have), not a cluster it joined."""
+    return ray.is_initialized() and ray.get_runtime_context().gcs_address in _LOCAL
+
+
 def init_ray(settings: RaySettings = RaySettings()) -> None:
     """Join the cluster named by RAY_ADDRESS (as under `ray job submit`), else start a local one
     with `settings`."""
@@ -92,6 +102,7 @@ def _init_local(settings: RaySettings) -> None:
         for key, value in saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
+    _LOCAL[:] = [context.address_info["gcs_address"]]
     dashboard = f", dashboard http://{context.dashboard_url}" if context.dashboard_url else ""
     print(f"[raypack] started a local Ray instance (listening on {context.address_info['node_ip_address']}{dashboard})",
           flush=True)

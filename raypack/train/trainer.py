@@ -36,7 +36,7 @@ from raypack.config import Config
 from raypack.data.cache import packed_key, packed_root
 from raypack.data.prepare import prepare
 from raypack.errors import ConfigError, InputError
-from raypack.runtime import init_ray
+from raypack.runtime import init_ray, is_local_instance
 from raypack.train.preflight import Checked, preflight
 
 SUMMARY = ("step", "loss", "eval_loss", "tokens_per_s", "packing_efficiency", "peak_memory_gb")
@@ -108,8 +108,10 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
     cfg = checked.cfg
     tensorboard = f"{root}/tensorboard" if cfg.train.tensorboard and not storage.is_uri(root) else None
     if done := _finished(root, checked):
+        # What ended it is what to raise: a step cap, or the epochs
+        more = "train.max_steps=null" if cfg.train.max_steps == done["step"] else "train.epochs=N"
         print(f"[raypack] run {cfg.run.name!r} is complete ({done['step']} steps); nothing to train. "
-              f"Start a new run with run.name=NEW_NAME, or train on with --resume {root} train.epochs=N", flush=True)
+              f"Start a new run with run.name=NEW_NAME, or train on with --resume {root} {more}", flush=True)
         return Outcome(root, True, done["metrics"], done.get("checkpoint"), tensorboard)
     if trained:
         _check_same_data(cfg, root, checked)
@@ -118,6 +120,7 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
     fresh = not storage.exists(root)
     init_ray()
     try:
+        check_request(cfg)
         trainer = build_trainer(checked, reprepare=reprepare, callbacks=callbacks)
     except BaseException:
         if fresh:  # a start that failed leaves nothing that looks like a run
@@ -130,6 +133,26 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
     summary = {k: metrics.get(k) for k in SUMMARY}
     runs.write_result(root, metrics.get("step", 0), summary, checkpoint)
     return Outcome(root, False, summary, checkpoint, tensorboard, result)
+
+
+def check_request(cfg: Config) -> None:
+    """Refuse, in seconds and before any data is prepared, workers a local instance can never
+    hold: Ray Train would wait for them for ever, printing a startup timeout every minute. A
+    cluster that was joined may have an autoscaler that adds nodes, so it is left to Ray."""
+    if not is_local_instance():
+        return
+    t = cfg.train
+    have = ray.cluster_resources()
+    asks = [("CPU", t.num_workers * t.cpus_per_worker, "train.num_workers x train.cpus_per_worker"),
+            ("GPU", t.num_workers if t.use_gpu else 0, "train.use_gpu (one GPU per worker)")]
+    for resource, need, setting in asks:
+        if need > have.get(resource, 0):
+            raise ConfigError(
+                f"{setting}: {t.num_workers} workers need {need:g} {resource}s, but this local Ray instance has "
+                f"{have.get(resource, 0):g} and can't grow; lower train.num_workers"
+                + (" or train.cpus_per_worker" if resource == "CPU" else ", or set train.use_gpu=false")
+                + ", or submit to a cluster that has them (RAY_ADDRESS, ray job submit)"
+            )
 
 
 def _finished(root: str, checked: Checked) -> dict | None:

@@ -278,3 +278,25 @@ def test_lora_zero3_checkpointing_recovers_resumes_and_loads_in_a_fresh_process(
     out = subprocess.run([sys.executable, "-c", LOAD_AND_COMPARE, str(ckpt), str(tmp_path / "expected.pt")],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("overrides,asked", [
+    (["train.num_workers=64"], r"train.num_workers x train.cpus_per_worker: 64 workers need 64 CPUs, but this local "
+                               r"Ray instance has 8 and can't grow"),
+    (["train.use_gpu=true"], r"train.use_gpu \(one GPU per worker\): 2 workers need 2 GPUs, but this local Ray "
+                             r"instance has 0"),
+])  # fmt: skip
+def test_a_request_the_local_instance_can_never_meet_fails_in_seconds(ray_local, tmp_path, overrides, asked):
+    """Ray Train would wait for these workers for ever; the local instance can't grow, so the run
+    stops before preparing any data, and leaves no run folder."""
+    import time
+
+    from raypack.errors import ConfigError
+    from raypack.runs import run_dir
+
+    cfg = tiny_cfg(tmp_path, *overrides)
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match=asked):
+        trainer.start(cfg)
+    assert time.perf_counter() - t0 < 60, "preflight and the check took more than a minute"
+    assert not Path(run_dir(cfg)).exists()
