@@ -48,6 +48,9 @@ FORMAT_VERSION = 6  # 4: rows without a label token are dropped; the manifest re
 # 6: keys hash canonical typed values; tokenize counts carry the pad id and tokenizer size
 TOKENIZE_SPEED_KNOBS = ("batch_size", "num_actors", "num_cpus")
 """tokenize fields that change how fast, never what: left out of the keys."""
+DATA_NOT_SHAPING = ("eval_fraction", "cache_path", "max_dropped_fraction")
+"""data fields that shape no tokenized row (the split is the packed key's, the rest are where and
+whether): left out of the tokenized key, so that setting them never re-tokenizes or blocks a resume."""
 MANIFEST = "manifest.json"
 
 
@@ -64,7 +67,7 @@ def tokenized_key(cfg: Config) -> str:
     plain = cfg.to_dict()
     tokenize = {k: v for k, v in plain["tokenize"].items() if k not in TOKENIZE_SPEED_KNOBS}
     tokenize["max_length"] = cfg.max_length
-    data = {k: v for k, v in plain["data"].items() if k not in ("eval_fraction", "cache_path")}
+    data = {k: v for k, v in plain["data"].items() if k not in DATA_NOT_SHAPING}
     return _digest({"version": FORMAT_VERSION, "data": data, "tokenize": tokenize})
 
 

@@ -33,7 +33,7 @@ from ray.train.torch import TorchConfig, TorchTrainer
 
 from raypack import runs, storage
 from raypack.config import Config
-from raypack.data.cache import packed_key, packed_root
+from raypack.data.cache import packed_key, packed_root, read_manifest
 from raypack.data.prepare import prepare
 from raypack.errors import ConfigError, InputError
 from raypack.runtime import init_ray, is_local_instance
@@ -172,14 +172,22 @@ def _check_same_data(cfg: Config, root: str, checked: Checked) -> None:
     if checked.prepared is not None:
         return  # this config's packed data is there, made from these sources
     saved = runs.saved_config(root)
-    if packed_key(saved, saved.train.num_workers) == packed_key(cfg, n):
+    # The run's packed/ is there, but keyed otherwise: packing again would overwrite the rows
+    # its checkpoints index, so only a missing folder is made again.
+    made = read_manifest(storage.absolute(packed_root(cfg, n, root)))
+    if made is None and packed_key(saved, saved.train.num_workers) == packed_key(cfg, n):
         return  # same config, its packed folder gone: packing again makes the same rows
     shaping = ("data.", "tokenize.", "pack.", "train.num_workers", "train.grad_accum", "train.epochs", "train.max_steps")
     diff = [d for d in runs.differences(saved, cfg) if d.startswith(shaping)]
+    if not diff:
+        raise InputError(
+            f"run {cfg.run.name!r} in {root} has checkpoints taken on packed data that another raypack version made "
+            "(this one keys the same config differently); continue it with that version, or start a new run with "
+            "run.name=NEW_NAME"
+        )
     raise InputError(
         f"run {cfg.run.name!r} in {root} has checkpoints taken on packed data that this config would change "
-        f"({', '.join(diff[:3]) or 'it was packed by another raypack version'}); resume it without those overrides, "
-        "or start a new run with run.name=NEW_NAME"
+        f"({', '.join(diff[:3])}); resume it without those overrides, or start a new run with run.name=NEW_NAME"
     )
 
 

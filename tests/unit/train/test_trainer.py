@@ -23,3 +23,40 @@ def test_a_finished_run_is_known_by_its_steps(tmp_path):
     more = load(None, ["train.grad_accum=2", "train.epochs=2"])  # asks for 10 steps: train on
     assert _finished(str(tmp_path), checked(more)) is None
     assert _finished(str(tmp_path), checked(cfg, None)) is None  # data not packed yet
+
+
+def test_a_run_whose_packed_data_another_version_keyed_is_refused_not_repacked(tmp_path):
+    """Resume must not rewrite packed/ under a run's checkpoints. The same config keyed otherwise
+    (another raypack version) is refused, and the folder is left as it was; a folder that is gone
+    is packed again (the same config makes the same rows)."""
+    import pytest
+
+    from raypack.errors import InputError
+    from raypack.runs import absolute_paths, run_dir, save_config
+    from raypack.train.trainer import _check_same_data
+
+    cfg = absolute_paths(load(None, [f"run.storage_path={tmp_path}", "run.name=r"]))
+    save_config(cfg)
+    root = run_dir(cfg)
+    not_packed = types.SimpleNamespace(prepared=None)
+    _check_same_data(cfg, root, not_packed)  # no packed/: made again
+    manifest = tmp_path / "r" / "packed" / "manifest.json"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({"fingerprint": "0123456789abcdef"}))
+    with pytest.raises(InputError, match="packed data that another raypack version made"):
+        _check_same_data(cfg, root, not_packed)
+    assert json.loads(manifest.read_text()) == {"fingerprint": "0123456789abcdef"}
+    with pytest.raises(InputError, match=r"would change \(pack.budget: 1024 there, 512 here"):
+        _check_same_data(absolute_paths(load(None, [f"run.storage_path={tmp_path}", "run.name=r", "pack.budget=512"])),
+                         root, not_packed)
+
+
+def test_settings_that_shape_no_row_leave_the_data_keys_alone():
+    from raypack.data.cache import packed_key, tokenized_key
+
+    base = load(None)
+    for override in ("data.max_dropped_fraction=0.9", "data.cache_path=/tmp/c", "tokenize.num_actors=4",
+                     "model.peft.method=lora", "train.lr=0.5"):
+        other = load(None, [override])
+        assert (tokenized_key(other), packed_key(other, 2)) == (tokenized_key(base), packed_key(base, 2)), override
+    assert packed_key(load(None, ["data.eval_fraction=0.2"]), 2) != packed_key(base, 2)
