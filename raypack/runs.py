@@ -137,6 +137,16 @@ def has_checkpoint(root: str) -> bool:
     return storage.exists(f"{root}/{CHECKPOINTS}")
 
 
+def orphan_checkpoints(root: str) -> list[str]:
+    """Checkpoint folders of the run that Ray Train never registered: written when the run was
+    stopped (Ctrl-C, a killed driver) after the folder was saved, before the report reached the
+    controller. A resume continues from the last registered one; these would only take space."""
+    if not has_checkpoint(root):
+        return []
+    registered = {c["checkpoint_dir_name"] for c in json.loads(storage.read_text(f"{root}/{CHECKPOINTS}"))["checkpoint_results"]}
+    return [f"{root}/{name}" for name in storage.list_dirs(root, "checkpoint_") if name not in registered]
+
+
 # --- results -------------------------------------------------------------------------------------
 
 

@@ -58,6 +58,15 @@ def remove_dir(path: str) -> None:
         fs.delete_dir(p)
 
 
+def list_dirs(path: str, prefix: str = "") -> list[str]:
+    """Names of the folders directly under `path` that start with `prefix`, sorted; [] if none."""
+    fs, p = resolve(path)
+    if fs.get_file_info(p).type != pafs.FileType.Directory:
+        return []
+    infos = fs.get_file_info(pafs.FileSelector(p))
+    return sorted(name for i in infos if i.type == pafs.FileType.Directory and (name := i.base_name).startswith(prefix))
+
+
 def list_files(path: str, suffix: str = "") -> list[str]:
     """Files directly under `path` ending in `suffix`, sorted by name; [] if it doesn't exist."""
     fs, p = resolve(path)

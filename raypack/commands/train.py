@@ -8,22 +8,31 @@ Every input is checked before Ray starts (raypack/train/preflight.py). The confi
 `<run>/raypack_config.yaml` once the data is prepared, just before training, with its paths made
 absolute, and never overwritten: a rerun with another config is refused (use --resume, whose
 overrides apply to that invocation only). `--resume RUN_DIR` works from any working folder. A
-failed start leaves no run folder behind; a finished run, run again, says so.
+failed start leaves no run folder behind; a finished run, run again, says so. Ctrl-C stops the
+workers, keeps every checkpoint the run registered (a resume removes one saved but never
+registered), prints one line saying how to go on, and exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
-from raypack import storage
+from raypack import runs, storage
 from raypack.config import load
-from raypack.runs import saved_config
+from raypack.runs import absolute_paths, run_dir, saved_config
 from raypack.train.trainer import Outcome, start
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = saved_config(args.resume, args.overrides) if args.resume else load(args.config, args.overrides)
-    outcome = start(cfg, resume=bool(args.resume), reprepare=args.reprepare)
+    root = run_dir(absolute_paths(cfg))
+    fresh = not storage.exists(root)
+    try:
+        outcome = start(cfg, resume=bool(args.resume), reprepare=args.reprepare)
+    except KeyboardInterrupt:
+        interrupted(root, fresh)
+        return 130
     if not outcome.complete_before:
         print("\n[raypack] training finished")
     print_summary(outcome)
@@ -52,3 +61,20 @@ def _holds(checkpoint: str) -> str:
     if "model" in has:
         parts.append(("merged " if "adapter" in has else "") + "Hugging Face model and tokenizer in model/")
     return "; ".join(parts) or "DeepSpeed state only"
+
+
+def interrupted(root: str, fresh: bool) -> None:
+    """Ctrl-C: stop the workers now, keep what the run registered, and say how to go on. A run
+    this command started that registered no checkpoint leaves nothing, so its name stays free."""
+    import ray
+
+    # Disconnecting ends the Train controller this driver owns, and with it the workers (a local
+    # instance ends whole), so nothing writes into the run folder after this.
+    ray.shutdown()
+    if runs.has_checkpoint(root):
+        then = f"continue it with: raypack train --resume {root}"
+    else:
+        then = "no checkpoint was registered; run the same command again"
+        if fresh:
+            storage.remove_dir(root)
+    print(f"\n[raypack] interrupted; {then}", file=sys.stderr, flush=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -116,6 +117,9 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
     if trained:
         _check_same_data(cfg, root, checked)
         print(f"[raypack] run {cfg.run.name!r} exists in {root}: continuing from its last checkpoint", flush=True)
+        for orphan in runs.orphan_checkpoints(root):
+            storage.remove_dir(orphan)
+            print(f"[raypack] removed {orphan}: saved as the run stopped, never registered", flush=True)
 
     fresh = not storage.exists(root)
     init_ray()
@@ -127,12 +131,25 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
             storage.remove_dir(root)
         raise
     runs.save_config(cfg)
-    result = fit_trainer(trainer)
+    try:
+        result = fit_trainer(trainer)
+    except Exception:
+        if fresh and not runs.has_checkpoint(root):  # failed before its first checkpoint: the name stays free
+            storage.remove_dir(root)
+        raise
     metrics = dict(result.metrics or {})
     checkpoint = result.checkpoint.path if result.checkpoint else None
     summary = {k: metrics.get(k) for k in SUMMARY}
     runs.write_result(root, metrics.get("step", 0), summary, checkpoint)
     return Outcome(root, False, summary, checkpoint, tensorboard, result)
+
+
+def _interrupt_on_sigint(controller) -> None:
+    def on_sigint(signum, frame):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
 
 
 def check_request(cfg: Config) -> None:
@@ -248,7 +265,13 @@ def build_trainer(checked: Checked, *, reprepare: bool = False, callbacks: Seque
 
 
 def fit_trainer(trainer: TorchTrainer):
-    """`trainer.fit()`, with an InputError that stopped a worker raised as it is."""
+    """`trainer.fit()`, with an InputError that stopped a worker raised as it is, and Ctrl-C
+    raised as KeyboardInterrupt (the command says how to continue and exits 130)."""
+    # Ray Train puts its own SIGINT handler in the driver while fit runs: it asks the controller
+    # to abort, then calls sys.exit from inside the handler, which ends the process with status
+    # 1 and no word of what happened. Ray calls this method to install it (main thread only, so
+    # never in a sweep trial); the instance attribute puts a plain KeyboardInterrupt in its place.
+    trainer._register_sigint_handler = _interrupt_on_sigint
     try:
         return trainer.fit()
     except ray.train.ControllerError as e:

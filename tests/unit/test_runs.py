@@ -129,3 +129,17 @@ def test_trial_config():
     assert t.model == cfg.model and t.data == cfg.data  # the rest is the base config's
     assert trial_config(cfg, {**params, "strategy": "bfd"}, "/r").pack.batch_size == 4  # no equal-work size: as set
     assert trial_name({"strategy": "bfd", "budget": 256, "lr": 1e-6}) == "bfd-b256-lr1e-06"
+
+
+def test_orphan_checkpoints_are_the_folders_ray_never_registered(tmp_path):
+    import json as _json
+
+    from raypack.runs import CHECKPOINTS, orphan_checkpoints
+
+    root = tmp_path / "run"
+    for name in ("checkpoint_a", "checkpoint_b", "checkpoint_c", "packed"):
+        (root / name).mkdir(parents=True)
+    assert orphan_checkpoints(str(root)) == []  # no snapshot: nothing was registered, nothing to judge
+    (root / CHECKPOINTS).write_text(_json.dumps({"checkpoint_results": [
+        {"checkpoint_dir_name": "checkpoint_a"}, {"checkpoint_dir_name": "checkpoint_b"}]}))
+    assert orphan_checkpoints(str(root)) == [f"{root}/checkpoint_c"]

@@ -82,3 +82,44 @@ def test_a_run_prints_its_own_lines_once_resumes_from_another_folder_and_then_sa
         assert again.returncode == 0, again.stderr[-3000:]
         assert "is complete (4 steps); nothing to train" in again.stdout, again.stdout[-2000:]
         assert "started a local Ray instance" not in again.stdout  # it knew without starting Ray
+
+
+def test_ctrl_c_in_training_exits_130_with_one_line_and_the_resume_continues(tmp_path):
+    """Ctrl-C (SIGINT) once training reported a checkpoint: exit 130 within seconds, one line
+    saying how to continue and no traceback; `--resume` then goes on from the last registered
+    checkpoint, and a checkpoint folder the run saved but never registered is removed."""
+    import signal
+    import time
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("RAY_ADDRESS", None)
+    root = tmp_path / "results" / "interrupted"
+    cmd = [sys.executable, "-m", "raypack.cli", "train", "--config", str(REPO / "jobs" / "configs" / "tiny_cpu.yaml"),
+           f"run.storage_path={tmp_path / 'results'}", "run.name=interrupted", "pack.budget=256",
+           "train.report_every_steps=1", "train.checkpoint_every_steps=2", "train.epochs=3"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    screen = []
+    for line in proc.stdout:  # ends when the process does: no timeout decides the test
+        screen.append(line)
+        if "[raypack] step 4/" in line:
+            break
+    assert proc.poll() is None, "".join(screen)[-3000:]
+    proc.send_signal(signal.SIGINT)
+    t0 = time.perf_counter()
+    rest = proc.stdout.read()
+    code = proc.wait()
+    waited = time.perf_counter() - t0
+    tail = rest.strip().splitlines()
+    assert code == 130, rest[-3000:]
+    assert tail[-1] == f"[raypack] interrupted; continue it with: raypack train --resume {root}", rest[-3000:]
+    assert "Traceback" not in rest and "KeyboardInterrupt" not in rest, rest[-3000:]
+    assert waited < 30, f"took {waited:.0f} s to stop"
+
+    orphan = root / "checkpoint_2000-01-01_00-00-00.000000"  # as if saved when the signal came, never registered
+    orphan.mkdir()
+    out = subprocess.run([sys.executable, "-m", "raypack.cli", "train", "--resume", str(root), "train.max_steps=6"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert f"[raypack] removed {orphan}: saved as the run stopped, never registered" in out.stdout
+    assert not orphan.exists()
+    assert "continuing from its last checkpoint" in out.stdout
