@@ -88,7 +88,23 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Confi
         text = Path(path).read_text()
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a folder, not a config file{_yaml_files_in(Path(path))}") from None
+    # An unreadable or binary file is a wrong path like a missing one: one line, not a traceback.
+    except UnicodeDecodeError as e:
+        byte = f"byte {e.object[e.start]:#04x} at offset {e.start}"
+        raise ConfigError(f"{path}: not a text file ({byte} is not UTF-8)") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: can't read the config file ({e.strerror or e})") from None
     return loads(text, overrides, str(path))
+
+
+def _yaml_files_in(folder: Path, shown: int = 5) -> str:
+    """The YAML files a folder holds, as a hint for a folder given where a config file was meant."""
+    names = sorted(p.name for p in folder.iterdir() if p.suffix in (".yaml", ".yml"))
+    if not names:
+        return ""
+    return f"; its YAML files: {', '.join(names[:shown])}{', ...' if len(names) > shown else ''}"
 
 
 def loads(text: str, overrides: Sequence[str] = (), source: str = "<string>") -> Config:

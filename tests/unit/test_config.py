@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -81,6 +82,24 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("pack: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load(bad)
+
+
+def test_a_folder_a_binary_or_an_unreadable_file_is_a_config_error(tmp_path, monkeypatch):
+    (tmp_path / "tiny.yaml").write_text("")
+    (tmp_path / "notes.txt").write_text("")
+    with pytest.raises(ConfigError, match=r"is a folder, not a config file; its YAML files: tiny\.yaml$"):
+        load(tmp_path)
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(b"pack:\x00\xff\xfe")
+    with pytest.raises(ConfigError, match=r"model\.bin: not a text file \(byte 0xff at offset 6 is not UTF-8\)"):
+        load(binary)
+
+    def denied(self, *args, **kwargs):  # chmod 000 doesn't stop root, which tests may run as
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    with pytest.raises(ConfigError, match=r"tiny\.yaml: can't read the config file \(Permission denied\)"):
+        load(tmp_path / "tiny.yaml")
 
 
 def test_malformed_override():
