@@ -17,11 +17,15 @@ its device and whether flash-attn is installed.
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 from typing import Any
 
 import torch
 import transformers
+from huggingface_hub import constants, get_session
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -91,11 +95,47 @@ def model_config(name: str, trust_remote_code: bool = False, vocab_size: int = 1
             return tiny_config(name.removeprefix("tiny-"), vocab_size=vocab_size)
         except ValueError as e:
             raise ModelNotFoundError(f"model.name {name!r}: {e}") from None
+    # Only a hub name needs the hub. Offline, or where the hub doesn't answer, look in the local
+    # cache alone: asked for a file it can't fetch and hasn't cached, huggingface_hub retries five
+    # times with backoff (~50 s, 11 log lines) and has no setting that turns the retries off.
+    local = os.path.exists(name)
+    if not local and not _is_repo_id(name):
+        raise ModelNotFoundError(f"model.name {name!r}: no such folder, and not a hub name (org/model)")
+    unreachable = None if local else _hub_unreachable()
     try:
-        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+        return AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code,
+                                          local_files_only=unreachable is not None)
     except (OSError, ValueError) as e:  # no such folder or hub repo, no network, not a model
+        if unreachable is not None and isinstance(e, OSError):
+            raise ModelNotFoundError(f"model.name {name!r}: not a local folder, not in the Hugging Face cache "
+                                     f"({constants.HF_HUB_CACHE}), and {unreachable}") from e
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelNotFoundError(f"model.name {name!r}: can't load its config ({reason})") from e
+
+
+def _is_repo_id(name: str) -> bool:
+    """Whether `name` could name a hub repo (`org/model`); a path such as ./models/x can't."""
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _hub_unreachable() -> str | None:
+    """Why the hub can't be asked for a model config, or None when it answers: one request, no
+    retries, within huggingface_hub's own metadata timeout (HF_HUB_ETAG_TIMEOUT)."""
+    if constants.is_offline_mode():
+        return "HF_HUB_OFFLINE is set, so the hub is not asked"
+    try:
+        get_session().head(constants.ENDPOINT, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+    # Any answer, whatever its status, means the hub is reachable; what fails here is the hub
+    # client's transport (its exception types change with huggingface_hub's HTTP library).
+    except Exception as e:
+        why = str(e).strip() or type(e).__name__
+        return (f"the hub ({constants.ENDPOINT}) can't be reached ({why}); "
+                "with HF_HUB_OFFLINE=1 an unreachable hub fails at once, without a request")
+    return None
 
 
 def model_vocab_size(config: PretrainedConfig) -> int:
