@@ -37,7 +37,7 @@ import ray
 
 from raypack import storage
 from raypack.config import Config
-from raypack.data.fingerprint import changed_sources
+from raypack.data.fingerprint import changed_sources, recorded
 from raypack.data.listing import Sources
 from raypack.data.shards import Prepared
 from raypack.data.tokenize import TokenizeStats, lengths_and_ids, ordered, require_supervised, tokenize_dataset
@@ -158,7 +158,7 @@ def tokenized(cfg: Config, sources: Sources, vocab_size: int | None = None) -> T
     if folder:
         data_dir = fresh_folder(folder)
         ds.write_parquet(data_dir)
-        commit(folder, {"key": key, "data_dir": data_dir, "stats": stats, "sources": sources.fingerprint,
+        commit(folder, {"key": key, "data_dir": data_dir, "stats": stats, "sources": recorded(sources.fingerprint),
                         "seconds": time.perf_counter() - t0})
         print(f"[raypack] tokenized {len(ids)} examples into {data_dir}", flush=True)
     return Tokenized(key, ds, lengths, ids, stats, False, time.perf_counter() - t0)

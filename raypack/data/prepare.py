@@ -33,6 +33,7 @@ import pyarrow as pa
 from raypack import storage
 from raypack.config import Config
 from raypack.data.cache import Tokenized, commit, fresh_folder, packed_key, reusable, supervised, tokenized, tokenized_key
+from raypack.data.fingerprint import recorded
 from raypack.data.holdout import held_out_mask
 from raypack.data.listing import Sources
 from raypack.data.pack import materialize
@@ -105,7 +106,9 @@ def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_s
                "prepare_s": time.perf_counter() - t0, "train_examples": len(train_ids),
                "eval_examples": int(held_out.sum())},
     )
-    commit(root, {"fingerprint": prepared.fingerprint, "sources": sources.fingerprint, "prepared": prepared.to_dict()})
+    # with large files' content hashes, so that touching one later doesn't refuse this data
+    commit(root, {"fingerprint": prepared.fingerprint, "sources": recorded(sources.fingerprint),
+                  "prepared": prepared.to_dict()})
     print(f"[raypack] packed {prepared.steps_per_rank} steps x {num_ranks} ranks with {cfg.pack.strategy} "
           f"(efficiency {stats['packing_efficiency']:.3f}) in {root} ({time.perf_counter() - t0:.1f} s)", flush=True)
     return prepared

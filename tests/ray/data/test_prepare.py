@@ -21,6 +21,7 @@ from raypack.cli import main
 from raypack.config import ASSETS, load
 from raypack.data.encode import TokenizeError
 from raypack.errors import InputError
+from raypack.data import fingerprint
 from raypack.data.cache import SourcesChangedError, reusable
 from raypack.data.listing import Sources
 from raypack.data.prepare import prepare
@@ -89,7 +90,10 @@ def cfg_for(path, *overrides):
     return load(None, [f"data.paths=[{path}]", "pack.budget=512", "pack.strategy=bfd", *overrides])
 
 
-def test_a_source_edited_under_an_existing_run_is_refused(ray_local, tmp_path):
+@pytest.mark.parametrize("large", [False, True], ids=["small", "large"])
+def test_a_source_edited_under_an_existing_run_is_refused(ray_local, tmp_path, monkeypatch, large):
+    if large:  # identified by size and times, and by its content where they moved
+        monkeypatch.setattr(fingerprint, "HASH_BYTES", 4)
     path = tmp_path / "chat.jsonl"
     path.write_text("\n".join(LINES) + "\n")
     cfg, root = cfg_for(path), str(tmp_path / "packed")
@@ -97,8 +101,10 @@ def test_a_source_edited_under_an_existing_run_is_refused(ray_local, tmp_path):
     os.utime(path, ns=(1, 1))  # touched: same bytes, reused
     assert pack(cfg, 2, root) == first
 
+    size = path.stat().st_size
     path.write_text("\n".join(LINES[:-1] + [LINES[0]]) + "\n")  # the last line edited in place
-    with pytest.raises(SourcesChangedError, match=rf"data.paths changed since .*: {path}: content changed.*run.name="):
+    why = f"size {size} -> {path.stat().st_size} bytes" if large and size != path.stat().st_size else "content changed"
+    with pytest.raises(SourcesChangedError, match=rf"data.paths changed since .*: {path}: {why}.*run.name="):
         reusable(cfg, 2, root, Sources.of(cfg.data.paths))
     with pytest.raises(SourcesChangedError):
         pack(cfg, 2, root)  # never a silent reuse of the old packs
@@ -112,7 +118,7 @@ def test_data_without_a_label_token_is_refused_before_packing(ray_local, tmp_pat
     path = tmp_path / "chat.jsonl"
     no_answer = {"messages": [{"role": "user", "content": "hello?"}]}
     path.write_text((json.dumps(no_answer) + "\n") * 6)
-    with pytest.raises(TokenizeError, match=rf"nothing to train on: of 6 examples, 6 had no token that carries loss \(first: {path}:1\)"):
+    with pytest.raises(TokenizeError, match=rf"nothing to train on: of 6 examples, 6 had no token that carries loss \(first: {path} line 1\)"):
         pack(cfg_for(path), 2, str(tmp_path / "packed"))
     assert not (tmp_path / "packed").exists()
 
