@@ -5,9 +5,10 @@
     completion   {"prompt": str, "completion": str}
     tokenized    {"input_ids": [int >= 0, ...], "labels": [int, ...] (optional, same length)}
 
-A source holds one format: with `data.format: auto` the first record picks it, and a later record
-of another format is an error that says so. Token ids (and labels other than -100) must be below
-the model's vocabulary size when the caller knows it.
+A source holds one format: with `data.format: auto` the first record (a JSONL file) or the
+columns (Parquet, Arrow) pick it, and a later record of another format is an error that says so.
+Token ids (and labels other than -100) must be below the model's vocabulary size when the caller
+knows it.
 
 raypack/data/sources.py reads the records and adds where each one came from to the messages.
 `tokenized_columns` is `validate` for a whole Arrow table of tokenized rows at once: a Parquet
@@ -62,24 +63,33 @@ def _string(rec: dict[str, Any], key: str, fmt: str, optional: bool = False) -> 
     return value
 
 
-def validate(rec: Any, fmt: str, vocab_size: int | None = None, detected: bool = False) -> dict[str, Any]:
+ONE_FORMAT = "one format per file"
+"""In every message about a row of another format than its file's: the reader counts those rows by it."""
+
+
+def validate(rec: Any, fmt: str, vocab_size: int | None = None, detected: str = "") -> dict[str, Any]:
     """The record normalized to `fmt`'s fields of sources.SCHEMA, or a FormatError naming the
-    problem. `detected`: `fmt` was detected from the source's first record, so a record that
-    lacks its fields but fits another format is reported as a mixed-format source."""
+    problem. `detected`: what picked `fmt` when it was detected, `first row` (JSONL) or `columns`
+    (Parquet, Arrow); empty when data.format declared it. Then a record that lacks `fmt`'s fields
+    but fits another format is reported as what it is: a row of another format than its file's."""
     try:
         return _validate(rec, fmt, vocab_size)
     except FormatError:
         if detected and isinstance(rec, dict):
-            try:
-                other = detect(rec.keys(), "auto", "")
+            try:  # a null field is an absent one: a Parquet row of another format has nulls in fmt's columns
+                other = detect([k for k, v in rec.items() if v is not None], "auto", "")
             except FormatError:
                 other = fmt
             if other != fmt:
-                raise FormatError(
-                    f"a {other} example in a {fmt} source (its first record is {fmt}); one format per "
-                    "file: split the file, or set data.format"
-                ) from None
+                said = (f"the file's first row is {_a(fmt)} row" if detected == "first row"
+                        else f"the file's columns make it {fmt}")
+                fix = "split the file, or set data.format"
+                raise FormatError(f"{_a(other)} row, but {said}; {ONE_FORMAT}: {fix}") from None
         raise
+
+
+def _a(fmt: str) -> str:
+    return f"{'an' if fmt[0] in 'aeiou' else 'a'} {fmt}"
 
 
 def _validate(rec: Any, fmt: str, vocab_size: int | None) -> dict[str, Any]:

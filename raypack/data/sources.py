@@ -13,7 +13,9 @@ says where it is:
 `file_index` is the file's position in the expanded, sorted list of `data.paths` (< 2**21),
 `row` the 0-based line (JSONL) or row (Parquet, Arrow) in that file (< 2**32), and `piece` is 0
 here; tokenize's `split` policy numbers the pieces of a long example 0, 1, 2, ... (< 2**10). Ids
-are the same on every run over the same files; they are unique but not dense.
+are the same on every run over the same files; they are unique but not dense. Messages name a
+row as its reader would look for it (`row_name`): `chat.jsonl line 4` (from 1, as editors count)
+and `data.parquet row 3 (0-based)` (as pyarrow and pandas index rows).
 
 Output rows share one schema (`SCHEMA`): `example_id`, `format` and the fields of that format
 (raypack/data/formats.py says what each format holds), the others null. Bad rows (malformed JSON, a missing field, an empty conversation, an unknown role,
@@ -33,7 +35,7 @@ import pyarrow.parquet as pq
 import ray
 
 from raypack.config import DataConfig
-from raypack.data.formats import FormatError, detect, tokenized_columns, validate
+from raypack.data.formats import ONE_FORMAT, FormatError, detect, tokenized_columns, validate
 from raypack.data.listing import MAX_ROWS, Sources, read_units
 from raypack.errors import SourceError
 from raypack.storage import resolve  # local paths and s3://, gs:// URIs through one pyarrow filesystem
@@ -79,12 +81,16 @@ def locate(eid: int) -> tuple[int, int, int]:
     return eid >> FILE_SHIFT, (eid >> ROW_SHIFT) & (MAX_ROWS - 1), eid & ((1 << ROW_SHIFT) - 1)
 
 
+def row_name(path: str, kind: str, row: int) -> str:
+    """How every message names a row: `file line N` for JSONL, counted from 1 as editors count
+    lines, and `file row N (0-based)` for Parquet and Arrow, as pyarrow and pandas index rows."""
+    return f"{path} line {row + 1}" if kind == "jsonl" else f"{path} row {row} (0-based)"
+
+
 def row_location(eid: int, files: list[tuple[str, str]]) -> str:
-    """`file:line` (JSONL) or `file row N` of an example id, as bad-row messages name rows;
-    `files` is `Sources.files`."""
+    """The `row_name` of an example id; `files` is `Sources.files`."""
     file_index, row, _ = locate(int(eid))
-    path, kind = files[file_index]
-    return f"{path}:{row + 1}" if kind == "jsonl" else f"{path} row {row}"
+    return row_name(*files[file_index], row)
 
 
 # --- reading and validating one unit --------------------------------------------------------------
@@ -108,9 +114,9 @@ def _records(unit: dict, table: pa.Table | None = None):
             if not line.strip():  # blank lines (a trailing newline) are not examples
                 continue
             try:
-                rows.append((i, f"{path}:{i + 1}", json.loads(line)))
+                rows.append((i, row_name(path, "jsonl", i), json.loads(line)))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                rows.append((i, f"{path}:{i + 1}", FormatError(f"malformed JSON ({e})")))
+                rows.append((i, row_name(path, "jsonl", i), FormatError(f"malformed JSON ({e})")))
         if stop < 0 and not rows:
             raise SourceError(f"{path}: empty file (no JSON lines)")
         if len(lines) > MAX_ROWS:
@@ -121,7 +127,7 @@ def _records(unit: dict, table: pa.Table | None = None):
         return rows, first.keys()
     table = table if table is not None else _table(unit)
     start = unit["row_offset"]
-    rows = [(start + i, f"{path} row {start + i}", rec) for i, rec in enumerate(table.to_pylist())]
+    rows = [(start + i, row_name(path, unit["kind"], start + i), rec) for i, rec in enumerate(table.to_pylist())]
     return rows, table.column_names
 
 
@@ -145,11 +151,12 @@ def _tokenized_unit(unit: dict, table: pa.Table, vocab_size: int | None = None) 
         return None
     ids, labels, errors = columns
     n, start = table.num_rows, unit["row_offset"]
-    where = [None if e is None else f"{unit['path']} row {start + i}: {e}" for i, e in enumerate(errors)]
+    located = [None if e is None else f"{row_name(unit['path'], unit['kind'], start + i)}: {e}"
+               for i, e in enumerate(errors)]
     data = {name: pa.nulls(n, SCHEMA.field(name).type) for name in SCHEMA.names}
     data.update(example_id=pa.array((int(unit["file_index"]) << FILE_SHIFT) | ((start + np.arange(n, dtype=np.int64)) << ROW_SHIFT)),
                 format=pa.array(["tokenized"] * n, pa.string()), input_ids=ids, labels=labels,
-                error=pa.array(where, pa.string()), fatal=pa.array(np.zeros(n, dtype=bool)))
+                error=pa.array(located, pa.string()), fatal=pa.array(np.zeros(n, dtype=bool)))
     return pa.table(data, schema=SCHEMA)
 
 
@@ -177,13 +184,14 @@ def read_unit(batch: dict[str, np.ndarray], declared: str, vocab_size: int | Non
                 out[name].append(None)
             out["example_id"][-1], out["error"][-1], out["fatal"][-1] = example_id(int(unit["file_index"]), 0), str(e), True
             continue
-        for row, where, rec in rows:
+        detected = "" if declared != "auto" else "first row" if unit["kind"] == "jsonl" else "columns"
+        for row, at, rec in rows:
             try:
                 if isinstance(rec, FormatError):
                     raise rec
-                fields, error = validate(rec, fmt, vocab_size, detected=declared == "auto"), None
+                fields, error = validate(rec, fmt, vocab_size, detected), None
             except FormatError as e:
-                fields, error = {}, f"{where}: {e}"
+                fields, error = {}, f"{at}: {e}"
             fields.update(example_id=example_id(int(unit["file_index"]), row), format=fmt, error=error, fatal=False)
             for name in SCHEMA.names:
                 out[name].append(fields.get(name))
@@ -216,18 +224,26 @@ def check_rows_here(cfg: DataConfig, sources: Sources, vocab_size: int | None = 
         b = table.filter(bad)
         for eid, msg, is_fatal in zip(b["example_id"].to_pylist(), b["error"].to_pylist(), b["fatal"].to_pylist()):
             (fatal if is_fatal else errors).append((eid, msg))
-    _raise_bad_rows(errors, fatal, cfg.on_bad_rows)
+    _raise_bad_rows(errors, fatal, cfg.on_bad_rows, rows)
     return rows
 
 
-def _raise_bad_rows(errors: list[tuple[int, str]], fatal: list[tuple[int, str]], on_bad_rows: str) -> None:
+def _raise_bad_rows(errors: list[tuple[int, str]], fatal: list[tuple[int, str]], on_bad_rows: str, good: int) -> None:
     """The first bad row in file order as a SourceError, unless on_bad_rows=skip; an empty or
-    unreadable file whatever on_bad_rows says."""
+    unreadable file whatever on_bad_rows says. `good`: the rows that skipping would keep."""
     if fatal:
         raise SourceError(min(fatal)[1])
     if errors and on_bad_rows == "error":
         first = min(errors)
-        more = f" ({len(errors) - 1} more bad rows; data.on_bad_rows=skip skips them)" if len(errors) > 1 else ""
+        # Skipping drops every row of a mixed file's other formats (seen: 11 of 15), so the hint
+        # says what it would keep rather than offering skip as the fix.
+        rest = len(errors) - 1
+        other = sum(ONE_FORMAT in msg for _, msg in errors) - (ONE_FORMAT in first[1])  # of the rest
+        noun = "row" if rest == 1 else "rows"
+        kinds = (f"{noun} of another format" if other == rest else
+                 f"bad {noun}, {other} of another format" if other else f"bad {noun}")
+        more = (f" ({rest} more {kinds}; data.on_bad_rows=skip would keep {good} of {good + len(errors)} rows)"
+                if rest else "")
         raise SourceError(first[1] + more)
 
 
@@ -247,7 +263,7 @@ def read_sources_with_report(cfg: DataConfig, sources: Sources,
             b = batch.filter(bad)
             for eid, msg, is_fatal in zip(b["example_id"].to_pylist(), b["error"].to_pylist(), b["fatal"].to_pylist()):
                 (fatal if is_fatal else errors).append((eid, msg))
-    _raise_bad_rows(errors, fatal, cfg.on_bad_rows)
+    _raise_bad_rows(errors, fatal, cfg.on_bad_rows, report.rows)
     errors.sort()  # file order, whatever order the read tasks finished in
     report.bad_rows = len(errors)
     report.bad_examples = [msg for _, msg in errors[:5]]

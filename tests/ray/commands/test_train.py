@@ -30,7 +30,7 @@ def test_data_without_an_assistant_turn_fails_before_training(ray_local, tmp_pat
     code = main(["train", f"run.storage_path={tmp_path / 'runs'}", "run.name=r", f"data.paths=[{path}]"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
-    assert f"nothing to train on: of 8 examples, 8 had no token that carries loss (first: {path}:1)" in err
+    assert f"nothing to train on: of 8 examples, 8 had no token that carries loss (first: {path} line 1)" in err
     assert not (tmp_path / "runs" / "r").exists(), "a failed start left a run folder behind"
 
 

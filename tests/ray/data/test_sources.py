@@ -38,7 +38,7 @@ def test_bad_rows_error(ray_local, tmp_path):
     path.write_text("\n".join([good, "{oops", good, json.dumps({"messages": []}), good]) + "\n")
     with pytest.raises(SourceError) as e:
         read_sources_with_report(DataConfig(paths=(str(path),)), Sources.of((str(path),)))
-    assert str(e.value).startswith(f"{path}:2: malformed JSON") and "1 more bad rows" in str(e.value)
+    assert str(e.value).startswith(f"{path} line 2: malformed JSON") and "1 more bad row;" in str(e.value)
     # a file-level error raised inside a read task reaches the caller as our message
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(SourceError, match=r"empty\.jsonl: empty file"):

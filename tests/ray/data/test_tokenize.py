@@ -27,7 +27,7 @@ def test_bad_rows_skip(ray_local, tmp_path):
     cfg = load(None, [f"data.paths=['{path}']", "data.on_bad_rows=skip"])
     ds, stats = tokenize_dataset(cfg, Sources.of(cfg.data.paths))
     assert stats.bad_rows == 2 and stats.examples_in == 3 and ds.count() == 3
-    assert stats.bad_examples == [f"{path}:2: malformed JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))", f"{path}:4: empty conversation (`messages` is [])"]
+    assert stats.bad_examples == [f"{path} line 2: malformed JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))", f"{path} line 4: empty conversation (`messages` is [])"]
     assert "bad rows   2 skipped" in stats.summary()
 
 
@@ -95,8 +95,8 @@ def test_chunked_jsonl_streams_with_the_same_ids_and_errors(ray_local, tmp_path,
     lines = [json.dumps(r) for r in recs]
     lines[250] = json.dumps({"messages": [{"role": "robot", "content": "x"}]})
     path.write_text("\n".join(lines) + "\n")
-    with pytest.raises(SourceError, match=r"chat\.jsonl:251: messages\[0\]: unknown role 'robot'"):
+    with pytest.raises(SourceError, match=r"chat\.jsonl line 251: messages\[0\]: unknown role 'robot'"):
         tokenize_dataset(cfg, Sources.of(cfg.data.paths))
     skip = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, on_bad_rows="skip"))
     _, s = tokenize_dataset(skip, Sources.of(skip.data.paths))
-    assert s.bad_rows == 1 and s.examples_in == len(recs) - 1 and s.bad_examples[0].startswith(f"{path}:251: ")
+    assert s.bad_rows == 1 and s.examples_in == len(recs) - 1 and s.bad_examples[0].startswith(f"{path} line 251: ")

@@ -55,25 +55,25 @@ def train(tmp_path, capsys, *overrides, command="train") -> str:
 def test_malformed_json(tmp_path, capsys, no_ray):
     path = jsonl(tmp_path / "chat.jsonl", GOOD, "{oops", GOOD)
     err = train(tmp_path, capsys, f"data.paths=[{path}]")
-    assert f"{path}:2: malformed JSON" in err
+    assert f"{path} line 2: malformed JSON" in err
 
 
 def test_missing_field(tmp_path, capsys, no_ray):
     path = jsonl(tmp_path / "inst.jsonl", {"instruction": "add", "output": "3"}, {"instruction": "add 2"})
     err = train(tmp_path, capsys, f"data.paths=[{path}]")
-    assert f"{path}:2: missing field `output` (instruction format)" in err
+    assert f"{path} line 2: missing field `output` (instruction format)" in err
 
 
 def test_unknown_role(tmp_path, capsys, no_ray):
     path = jsonl(tmp_path / "chat.jsonl", GOOD, {"messages": [{"role": "robot", "content": "beep"}]})
     err = train(tmp_path, capsys, f"data.paths=[{path}]")
-    assert f"{path}:2: messages[0]: unknown role 'robot'" in err
+    assert f"{path} line 2: messages[0]: unknown role 'robot'" in err
 
 
 def test_non_string_content(tmp_path, capsys, no_ray):
     path = jsonl(tmp_path / "chat.jsonl", {"messages": [{"role": "user", "content": 3}]}, GOOD)
     err = train(tmp_path, capsys, f"data.paths=[{path}]")
-    assert f"{path}:1: messages[0]: content must be a string, got int" in err
+    assert f"{path} line 1: messages[0]: content must be a string, got int" in err
 
 
 @pytest.mark.parametrize("kind", ["conversation", "file"])
@@ -82,13 +82,21 @@ def test_empty_conversation_or_file(tmp_path, capsys, no_ray, kind):
     if kind == "file":
         path.write_text("")
     err = train(tmp_path, capsys, f"data.paths=[{path}]")
-    assert (f"{path}:2: empty conversation" if kind == "conversation" else f"{path}: empty file") in err
+    assert (f"{path} line 2: empty conversation" if kind == "conversation" else f"{path}: empty file") in err
 
 
 def test_mixed_formats_in_one_file(tmp_path, capsys, no_ray):
     path = jsonl(tmp_path / "data.jsonl", GOOD, {"prompt": "2+2=", "completion": "4"})
     err = train(tmp_path, capsys, f"data.paths=[{path}]")
-    assert f"{path}:2: a completion example in a chat source" in err and "one format per file" in err
+    assert (f"{path} line 2: a completion row, but the file's first row is a chat row; one format per file: "
+            "split the file, or set data.format\n") in err
+    # an instruction row first, then mostly chats: the mix is named, and so is what skipping would keep
+    inst = {"instruction": "add", "output": "3"}
+    path = jsonl(tmp_path / "data.jsonl", inst, GOOD, GOOD, inst, *[GOOD] * 9, inst, inst)
+    err = train(tmp_path, capsys, f"data.paths=[{path}]")
+    assert err.endswith(f"{path} line 2: a chat row, but the file's first row is an instruction row; one format per "
+                        "file: split the file, or set data.format (10 more rows of another format; "
+                        "data.on_bad_rows=skip would keep 4 of 15 rows)\n")
 
 
 def test_missing_path(tmp_path, capsys, no_ray):
@@ -119,6 +127,13 @@ def test_unknown_strategy(tmp_path, capsys, no_ray):
     assert "expected one of pad, " in err and err.count("\n") == 1
 
 
+def test_config_is_a_folder(tmp_path, capsys, no_ray):
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "tiny_cpu.yaml").write_text("")
+    err = train(tmp_path, capsys, "--config", str(tmp_path / "configs"))
+    assert err == f"raypack: config error: {tmp_path / 'configs'}: is a folder, not a config file; its YAML files: tiny_cpu.yaml\n"
+
+
 def test_infinite_lr(tmp_path, capsys, no_ray):
     err = train(tmp_path, capsys, "train.lr=inf")
     assert "train.lr: expected a finite number, got inf" in err
@@ -130,7 +145,8 @@ def test_unknown_model(tmp_path, capsys, no_ray, monkeypatch):
     # Offline, as this machine is: the hub is not asked (it retries for ~30 s without a network).
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     err = train(tmp_path, capsys, "model.name=no-such-org/no-such-model")
-    assert "model.name 'no-such-org/no-such-model': can't load its config" in err
+    assert ("model.name 'no-such-org/no-such-model': not a local folder, not in the Hugging Face cache (" in err
+            and err.endswith("and HF_HUB_OFFLINE is set, so the hub is not asked\n"))
     err = train(tmp_path, capsys, "model.name=tiny-nope")
     assert "model.name 'tiny-nope': unknown tiny model family 'nope'" in err
 
@@ -139,7 +155,7 @@ def test_token_id_above_the_vocabulary(tmp_path, capsys, no_ray):
     path = tmp_path / "tokens.parquet"
     pq.write_table(pa.table({"input_ids": [[1, 5, 9], [1, 767, 768, 4]]}), path)  # the bundled tokenizer has 768
     err = train(tmp_path, capsys, f"data.paths=[{path}]")
-    assert f"{path} row 1: input_ids[2] = 768 is outside the model's vocabulary (ids 0..767)" in err
+    assert f"{path} row 1 (0-based): input_ids[2] = 768 is outside the model's vocabulary (ids 0..767)" in err
 
 
 def test_changed_sources_under_an_existing_run(tmp_path, capsys, no_ray):

@@ -82,7 +82,7 @@ def test_bad_jsonl_row_names_file_line_and_problem(tmp_path, bad, problem):
     path = jsonl(tmp_path / "chat.jsonl", [good, good, bad])
     rows = read(path)
     assert [r["error"] is None for r in rows] == [True, True, False]
-    assert rows[2]["error"].startswith(f"{path}:3: ") and problem in rows[2]["error"]
+    assert rows[2]["error"].startswith(f"{path} line 3: ") and problem in rows[2]["error"]
 
 
 @pytest.mark.parametrize(
@@ -96,7 +96,44 @@ def test_bad_jsonl_row_names_file_line_and_problem(tmp_path, bad, problem):
 )
 def test_declared_format_field_errors(tmp_path, declared, record, problem):
     rows = read(jsonl(tmp_path / "x.jsonl", [record]), declared)
-    assert rows[0]["error"].startswith(f"{tmp_path / 'x.jsonl'}:1: {problem}")
+    assert rows[0]["error"].startswith(f"{tmp_path / 'x.jsonl'} line 1: {problem}")
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+INSTRUCTION = {"instruction": "add", "output": "3"}
+
+
+def test_a_row_of_another_format_is_named_as_such(tmp_path):
+    rows = read(jsonl(tmp_path / "c09.jsonl", [INSTRUCTION, CHAT, {"prompt": "a", "completion": "b"}]))
+    assert [r["error"] for r in rows] == [None] + [
+        f"{tmp_path / 'c09.jsonl'} line {n}: a {fmt} row, but the file's first row is an instruction row; one format "
+        "per file: split the file, or set data.format" for n, fmt in ((2, "chat"), (3, "completion"))]
+    # Parquet: the columns pick the format, and a row of another format has nulls in its columns
+    path = tmp_path / "mixed.parquet"
+    pq.write_table(pa.table({"prompt": ["a", None], "completion": ["b", None], "instruction": [None, "add"],
+                             "output": [None, "3"]}), path)
+    assert [r["error"] for r in read(path)] == [f"{path} row 0 (0-based): a completion row, but the file's columns "
+                                                "make it instruction; one format per file: split the file, or set "
+                                                "data.format", None]
+    # a declared format names the missing field, as for any other row that lacks it
+    assert read(jsonl(tmp_path / "x.jsonl", [CHAT]), "instruction")[0]["error"].endswith(
+        "line 1: missing field `instruction` (instruction format)")
+
+
+@pytest.mark.parametrize("lines,hint", [
+    ([INSTRUCTION, CHAT, CHAT, INSTRUCTION], "1 more row of another format; data.on_bad_rows=skip would keep 2 of 4 rows"),
+    ([INSTRUCTION, "{oops", CHAT, {"instruction": "x"}, CHAT], "3 more bad rows, 2 of another format; "
+                                                                "data.on_bad_rows=skip would keep 1 of 5 rows"),
+    ([CHAT, "{oops", {"messages": []}], "1 more bad row; data.on_bad_rows=skip would keep 1 of 3 rows"),
+])
+def test_the_first_bad_row_says_what_skipping_would_keep(tmp_path, lines, hint):
+    from raypack.config import DataConfig
+    from raypack.data.listing import Sources
+
+    path = jsonl(tmp_path / "a.jsonl", lines)
+    with pytest.raises(SourceError) as e:
+        sources.check_rows_here(DataConfig(paths=(str(path),)), Sources.of((str(path),)))
+    assert str(e.value).startswith(f"{path} line 2: ") and str(e.value).endswith(f" ({hint})")
 
 
 def test_empty_file_and_unknown_format_are_errors(tmp_path):
@@ -121,7 +158,7 @@ def test_parquet_rows_across_row_groups(tmp_path):
     rows = read(path)
     assert [locate(r["example_id"])[1] for r in rows] == list(range(n))
     assert [r["prompt"] for r in rows if r["error"] is None] == [p for i, p in enumerate(prompts) if i != 17]
-    assert rows[17]["error"] == f"{path} row 17: missing field `completion` (completion format)"
+    assert rows[17]["error"] == f"{path} row 17 (0-based): missing field `completion` (completion format)"
 
 
 def test_save_to_disk_folder(tmp_path):
@@ -134,7 +171,7 @@ def test_save_to_disk_folder(tmp_path):
     assert [r["format"] for r in rows] == ["chat"] * 6
     assert [r["messages"][0]["content"] for r in rows if r["error"] is None] == ["q0", "q1", "q2", "q3", "q5"]
     bad = rows[4]["error"]
-    assert "data-00001-of-00002.arrow row 1" in bad and "unknown role 'wizard'" in bad
+    assert "data-00001-of-00002.arrow row 1 (0-based): " in bad and "unknown role 'wizard'" in bad
     # a DatasetDict folder reads its train split
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"prompt": ["a"], "completion": ["b"]})}).save_to_disk(tmp_path / "dd")
     assert read(tmp_path / "dd")[0]["format"] == "completion"
@@ -163,7 +200,7 @@ def test_large_jsonl_reads_in_chunks_with_exact_lines_and_ids(tmp_path, monkeypa
     chunked = sorted(pa.concat_tables(tables).to_pylist(), key=lambda r: r["example_id"])
     assert chunked == whole and len(whole) == 198
     assert [locate(r["example_id"])[1] for r in chunked] == [i for i in range(200) if i not in (150, 151)]
-    assert [r["error"] for r in chunked if r["error"]] == [f"{path}:174: malformed JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"]
+    assert [r["error"] for r in chunked if r["error"]] == [f"{path} line 174: malformed JSON (Expecting property name enclosed in double quotes: line 1 column 2 (char 1))"]
     # a later chunk that starts with a bad line still takes the file's format
     assert {r["format"] for r in chunked} == {"completion"}
 
