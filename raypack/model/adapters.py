@@ -79,7 +79,9 @@ def apply_adapters(model: nn.Module, cfg: PeftConfig, name: str = "model") -> nn
             f"{type(model.get_submodule(named[0])).__name__} whose forward is not a plain linear layer's (a router "
             "returning scores and choices), which a LoRA layer can't wrap; leave it out"
         )
-    if getattr(model, "is_activation_checkpointing", getattr(model, "is_gradient_checkpointing", False)):
+    # transformers >= 5.2x renamed the flag (the old name warns)
+    flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    if getattr(model, flag, False):
         wrapped.enable_input_require_grads()
     return wrapped
 
