@@ -46,26 +46,12 @@ from raypack.data.formats import IGNORE_INDEX
 from raypack.errors import InputError
 from raypack.model.adapters import adapted_head
 from raypack.train.chunked_ce import Transform, chunked_cross_entropy
+# the chunk size is a memory budget: its home is the (torch-free) memory estimate
+from raypack.train.memory import CHUNK_BYTES, CHUNK_TOKENS, default_chunk  # noqa: F401
 
 LOSSES = ("chunked", "full")
-CHUNK_TOKENS = 2048
-"""Auto chunk size, in label tokens. Every chunk adds its dW (as large as the head, V x H) into an fp32
-sum, a fixed cost per chunk, so fewer, larger chunks are faster: that sum moves O(V x H) bytes a
-chunk against the chunk's O(C x V x H) matmul FLOPs, so its share depends on C, not on V or H. On an H100 (1.2B model, 128k vocabulary,
-16k tokens a step; benchmarks/results/loss_memory_h100_20261123_chunk*.md) a train step ran at
-0.94x / 0.98x / 1.00x of the full loss's tokens/s with 512 / 1024 / 2048-token chunks, for 1.7 to 2.9
-GiB more peak memory at 2048 than at 512 (the full loss peaked at 32 GiB with gradient checkpointing,
-59 GiB without)."""
-CHUNK_BYTES = 2**30
-"""...capped so that one chunk's fp32 logits stay within 1 GiB (the chunk's whole working set, bf16
-logits, fp32 copy, softmax and gradients, is ~5x that): 2048 tokens up to a 131k vocabulary."""
 TARGET_KEYS = ("loss_positions", "loss_targets")
 """Batch keys `label_targets` fills on the host; the loss pops them before the model's forward."""
-
-
-def default_chunk(vocab: int) -> int:
-    """Label tokens per chunk when train.loss_chunk_tokens is 0: CHUNK_TOKENS, capped by CHUNK_BYTES."""
-    return min(CHUNK_TOKENS, max(64, CHUNK_BYTES // (4 * vocab) // 64 * 64))
 
 
 class UnsupportedLossError(InputError):

@@ -52,6 +52,23 @@ NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 LOGIT_BYTES = 12
 """Per logit at the loss's peak: bf16 logits 2 + fp32 upcast 4 + fp32 gradient 4 + bf16 gradient 2."""
 
+CHUNK_TOKENS = 2048
+"""Auto chunk size, in label tokens. Every chunk adds its dW (as large as the head, V x H) into an fp32
+sum, a fixed cost per chunk, so fewer, larger chunks are faster: that sum moves O(V x H) bytes a
+chunk against the chunk's O(C x V x H) matmul FLOPs, so its share depends on C, not on V or H. On an H100 (1.2B model, 128k vocabulary,
+16k tokens a step; benchmarks/results/loss_memory_h100_20261123_chunk*.md) a train step ran at
+0.94x / 0.98x / 1.00x of the full loss's tokens/s with 512 / 1024 / 2048-token chunks, for 1.7 to 2.9
+GiB more peak memory at 2048 than at 512 (the full loss peaked at 32 GiB with gradient checkpointing,
+59 GiB without)."""
+CHUNK_BYTES = 2**30
+"""...capped so that one chunk's fp32 logits stay within 1 GiB (the chunk's whole working set, bf16
+logits, fp32 copy, softmax and gradients, is ~5x that): 2048 tokens up to a 131k vocabulary."""
+
+
+def default_chunk(vocab: int) -> int:
+    """Label tokens per chunk when train.loss_chunk_tokens is 0: CHUNK_TOKENS, capped by CHUNK_BYTES."""
+    return min(CHUNK_TOKENS, max(64, CHUNK_BYTES // (4 * vocab) // 64 * 64))
+
 
 @dataclass(frozen=True)
 class Arch:
@@ -181,8 +198,6 @@ def _count(n: int) -> str:
 
 def chunk_tokens(cfg: Config, vocab: int) -> int:
     """The chunked loss's chunk, as raypack.train.loss.CausalLMLoss picks it."""
-    from raypack.train.loss import default_chunk
-
     return cfg.train.loss_chunk_tokens or default_chunk(vocab)
 
 
