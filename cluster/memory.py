@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO))
 from raypack.config import Config, load  # noqa: E402
 from raypack.train.memory import GB, Arch, Memory, estimate, preset_zero  # noqa: E402
 
+
 GPUS_PER_NODE = 8
 HBM_GB = 80  # H100 80GB
 OVERHEAD_GB = 5  # CUDA context, NCCL buffers, fragmentation: what "fits" keeps free

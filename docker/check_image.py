@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import glob
 import importlib.metadata as md
+import os
 import re
 import sys
 import tomllib
@@ -28,6 +29,9 @@ PYPROJECT = ROOT / "pyproject.toml"
 IMAGE_EXTRAS = ("tracking", "peft")
 """The optional dependencies a cluster run uses, installed in the image beside the required ones."""
 PREBUILT_OPS = ("cpu_adam", "fused_adam")
+# torch's bundled NCCL (the nvidia-nccl wheel) in the image: the TCPX files preload it, so that
+# Google's libnccl.so.2 on their library path does not replace it.
+TORCH_NCCL = "/home/ray/anaconda3/lib/python3.11/site-packages/nvidia/nccl/lib/libnccl.so.2"
 """DeepSpeed ops raypack can use on GPUs: CPU Adam for optimizer offload, fused Adam otherwise."""
 
 
@@ -90,6 +94,8 @@ def image_mismatches() -> list[str]:
         errors.append(f"raypack is imported from {raypack.__file__}, not the installed package")
     if not load_preset("zero3") or not PRESETS.is_dir():
         errors.append(f"DeepSpeed presets not found under {PRESETS}")
+    if not os.path.isfile(TORCH_NCCL):
+        errors.append(f"torch's NCCL is not at {TORCH_NCCL}, which the TCPX files preload (LD_PRELOAD)")
     if not glob.glob("/opt/amazon/**/libnccl-net*.so*", recursive=True):
         errors.append("no aws-ofi-nccl plugin (libnccl-net*.so) under /opt/amazon: EFA would fall back to TCP")
     return errors
