@@ -33,6 +33,12 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         interrupted(root, fresh)
         return 130
+    except Exception:
+        # A run this command started that failed before its first checkpoint leaves nothing
+        # behind, so the same command can run again (a sweep trial's folder stays: Tune reads it).
+        if fresh and not runs.has_checkpoint(root):
+            storage.remove_dir(root)
+        raise
     if not outcome.complete_before:
         print("\n[raypack] training finished")
     print_summary(outcome)

@@ -131,12 +131,7 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
             storage.remove_dir(root)
         raise
     runs.save_config(cfg)
-    try:
-        result = fit_trainer(trainer)
-    except Exception:
-        if fresh and not runs.has_checkpoint(root):  # failed before its first checkpoint: the name stays free
-            storage.remove_dir(root)
-        raise
+    result = fit_trainer(trainer)
     metrics = dict(result.metrics or {})
     checkpoint = result.checkpoint.path if result.checkpoint else None
     summary = {k: metrics.get(k) for k in SUMMARY}
