@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import copy
 import importlib
-import importlib.abc
-import importlib.machinery
 import re
-import sys
 import types
 from pathlib import Path
 from unittest import mock
@@ -17,6 +14,7 @@ from unittest import mock
 import jsonschema
 import pytest
 import yaml
+from cloudstubs import stub_sdks
 from ray.autoscaler._private.util import prepare_config, validate_config
 
 REPO = Path(__file__).resolve().parents[3]
@@ -89,29 +87,6 @@ def test_declared_resources_fit_the_machine(path):
 # --- the providers' own autodetection ----------------------------------------------------------
 
 
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Stands in for cloud SDKs that are not installed here (boto3, googleapiclient, ...): any
-    attribute of a stub module is a MagicMock. Only the providers' import lines need them."""
-
-    def __init__(self, roots):
-        self.roots = roots
-
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in self.roots:
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = mock.MagicMock(name=spec.name)
-        module.__path__ = []
-        module.__spec__ = spec
-        module.__version__ = "999"  # the providers assert a minimum SDK version
-        return module
-
-    def exec_module(self, module):
-        pass
-
-
 @pytest.fixture
 def providers():
     """(AWSNodeProvider, GCPNodeProvider), imported with stub SDKs where the real ones are absent;
@@ -120,18 +95,10 @@ def providers():
              if importlib.util.find_spec(r) is None]
     if importlib.util.find_spec("google") is not None and importlib.util.find_spec("google.oauth2") is None:
         roots.append("google.oauth2")
-    saved = dict(sys.modules)
-    finder = _StubFinder({r.split(".")[0] for r in roots})
-    sys.meta_path.insert(0, finder)
-    try:
+    with stub_sdks(roots):
         aws = importlib.import_module("ray.autoscaler._private.aws.node_provider")
         gcp = importlib.import_module("ray.autoscaler._private.gcp.node_provider")
         yield aws, gcp
-    finally:
-        sys.meta_path.remove(finder)
-        for name in set(sys.modules) - set(saved):
-            del sys.modules[name]
-        sys.modules.update(saved)
 
 
 def test_gcp_autodetects_nothing_so_every_type_declares_cpu_gpu_memory(providers):

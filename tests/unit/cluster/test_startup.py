@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import copy
 import importlib
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import re
 import shlex
@@ -19,10 +17,10 @@ import subprocess
 import sys
 import types
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import yaml
+from cloudstubs import stub_sdks
 from ray.autoscaler._private.util import prepare_config, validate_config
 
 REPO = Path(__file__).resolve().parents[3]
@@ -177,41 +175,12 @@ def aws_subnets(config: dict) -> set[str]:
     return ids
 
 
-class _StubSDK(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """boto3 / botocore where they are not installed (as in test_launcher.py): any attribute is a
-    MagicMock. Ray's subnet checks use none of them; only the module's import lines need them."""
-
-    def __init__(self, roots):
-        self.roots = roots
-
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in self.roots:
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = mock.MagicMock(name=spec.name)
-        module.__path__, module.__spec__, module.__version__ = [], spec, "999"
-        return module
-
-    def exec_module(self, module):
-        pass
-
-
 @pytest.fixture
 def aws():
     """ray.autoscaler._private.aws.config, with stub SDKs where boto3 is absent; sys.modules restored."""
     roots = {r for r in ("boto3", "botocore") if importlib.util.find_spec(r) is None}
-    saved = dict(sys.modules)
-    finder = _StubSDK(roots)
-    sys.meta_path.insert(0, finder)
-    try:
+    with stub_sdks(roots):
         yield importlib.import_module("ray.autoscaler._private.aws.config")
-    finally:
-        sys.meta_path.remove(finder)
-        for name in set(sys.modules) - set(saved):
-            del sys.modules[name]
-        sys.modules.update(saved)
 
 
 def bootstrap_subnets(aws, config: dict, public: set[str], monkeypatch) -> dict:
