@@ -34,10 +34,7 @@ def run(args: argparse.Namespace) -> int:
         interrupted(root, fresh)
         return 130
     except Exception:
-        # A run this command started that failed before its first checkpoint leaves nothing
-        # behind, so the same command can run again (a sweep trial's folder stays: Tune reads it).
-        if fresh and not runs.has_checkpoint(root):
-            storage.remove_dir(root)
+        free_name(root, fresh)
         raise
     if not outcome.complete_before:
         print("\n[raypack] training finished")
@@ -58,8 +55,7 @@ def print_summary(outcome: Outcome) -> None:
 
 def _holds(checkpoint: str) -> str:
     """What the final checkpoint offers to load (a LoRA run: the adapter, and the merged model unless merge: false)."""
-    fs, path = storage.resolve(checkpoint)
-    has = {name for name in ("adapter", "model", "base") if fs.get_file_info(f"{path}/{name}").type == storage.pafs.FileType.Directory}
+    has = set(storage.list_dirs(checkpoint))
     parts = []
     if "adapter" in has:
         on = "base/" if "base" in has else "the base model"
@@ -81,6 +77,12 @@ def interrupted(root: str, fresh: bool) -> None:
         then = f"continue it with: raypack train --resume {root}"
     else:
         then = "no checkpoint was registered; run the same command again"
-        if fresh:
-            storage.remove_dir(root)
+    free_name(root, fresh)
     print(f"\n[raypack] interrupted; {then}", file=sys.stderr, flush=True)
+
+
+def free_name(root: str, fresh: bool) -> None:
+    """A run this command started that stopped before its first checkpoint leaves nothing behind,
+    so the same command can run again. Here, not in `start`: a sweep trial's folder stays (Tune reads it)."""
+    if fresh and not runs.has_checkpoint(root):
+        storage.remove_dir(root)

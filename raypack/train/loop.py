@@ -222,6 +222,7 @@ def setup_worker(config: dict) -> Worker:
     loss = make_loss(engine, cfg.train.loss, cfg.train.loss_chunk_tokens, padded=data.padded)
     base = base_digests(engine) if cfg.model.peft.enabled else None
     state = restore(engine, rank, data.fingerprint, base)
+    counts = trainable_summary(engine.module)
     reporter = Reporter(
         rank=rank,
         total_steps=total_steps,
@@ -232,12 +233,11 @@ def setup_worker(config: dict) -> Worker:
         run_name=cfg.run.name,
         # From the config, not the parameters: under ZeRO-3 each rank holds only a partition.
         flops_per_token=model_flops_per_token(engine.module.config, data.length_sq_mean, data.length_mean,
-                                              trainable_summary(engine.module)["trainable_params"] if base else None),
+                                              counts["trainable_params"] if base else None),
         totals=state.totals,
     )
     reporter.start_clocks(state.step)
     if base and rank == 0:
-        counts = trainable_summary(engine.module)
         print(f"[raypack] {cfg.model.peft.method}: training {counts['trainable_params']:,} adapter parameters of "
               f"{counts['total_params']:,} ({counts['trainable_params'] / counts['total_params']:.2%}); the base is frozen",
               flush=True)
