@@ -11,13 +11,16 @@ from __future__ import annotations
 import copy
 import importlib
 import importlib.util
+import os
 import re
 import shlex
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 from cloudstubs import stub_sdks
@@ -515,6 +518,70 @@ def test_fake_autoscaler_config_is_the_launchers_node_types(path):
     # Every shipped GPU config the runner asks for exists.
     for name in fa.GPU_CONFIGS:
         assert (REPO / "jobs" / "configs" / name).is_file()
+
+
+def test_fake_autoscaler_ports_are_distinct_free_and_outside_the_ephemeral_range():
+    """Two bind(0) picks can answer the same port: a CI run gave the raylet and the Ray client
+    server both 42133, `ray start` refused, and the driver retried the missing GCS for 420 s."""
+    fa = module(CLUSTER / "fake_autoscale.py", "raypack_fake_autoscale")
+    low, _ = fa._ephemeral_range()
+    for _ in range(50):
+        ports = fa.pick_ports(4)
+        assert len(set(ports)) == 4 and (low < 21000 or all(20000 <= p < low for p in ports)), ports
+        assert all(fa._bindable(p) for p in ports)
+
+
+def test_fake_autoscaler_ends_the_heads_group_and_what_names_its_temp_dir(tmp_path):
+    """What a run started goes, however it ended: the head's process group by its id, a process
+    that left the group but names the temp dir, and the temp dir; not a process group whose
+    leader does not name it (a pid the kernel gave to someone else)."""
+    fa = module(CLUSTER / "fake_autoscale.py", "raypack_fake_autoscale")
+    workdir = tmp_path / "rpfake-x"
+    workdir.mkdir()
+    sleeper = f"import time; time.sleep(120)  # {workdir}"
+    head = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+                             f"{sleeper!r}]); time.sleep(120)  # {workdir}"], start_new_session=True)
+    outside = subprocess.Popen([sys.executable, "-c", sleeper], start_new_session=True)  # left the group
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60  # until the head's child and the outsider run their own command lines
+        while True:
+            group = [p for p in psutil.process_iter(["pid"]) if _pgid(p.pid) == head.pid]
+            named = [p for p in group + [psutil.Process(outside.pid)] if str(workdir) in " ".join(_cmdline(p))]
+            if len(named) == 3 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert len(group) == 2 and len(named) == 3, (group, named)
+        fa.end_processes(stranger.pid, workdir / "elsewhere")  # its leader names no such dir: untouched
+        assert stranger.poll() is None
+        left = fa.end_processes(head.pid, workdir)
+        assert left == [outside.pid] and not workdir.exists()
+        assert all(_gone(p.pid) for p in group) and _gone(outside.pid)
+    finally:
+        for p in (head, outside, stranger):
+            p.kill()
+            p.wait()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 
 
 def test_memory_py_runs_without_the_training_stack():
