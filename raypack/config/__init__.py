@@ -35,12 +35,13 @@ from raypack.errors import ConfigError
 from raypack.typed import build, check as _check, plain
 from raypack.config.sections import (
     ASSETS, ASSETS_PREFIX, DataConfig, ModelConfig, PackConfig, PeftConfig, RunConfig, TokenizeConfig, TrainConfig,
+    WandbConfig,
 )
 from raypack.config.sweep import AshaConfig, TuneConfig
 
 __all__ = [
     "ASSETS", "ASSETS_PREFIX", "AshaConfig", "Config", "DataConfig", "ModelConfig", "PackConfig", "PeftConfig",
-    "RunConfig", "TokenizeConfig", "TrainConfig", "TuneConfig", "dumps", "load", "loads",
+    "RunConfig", "TokenizeConfig", "TrainConfig", "TuneConfig", "WandbConfig", "dumps", "load", "loads",
 ]  # fmt: skip
 
 

@@ -27,10 +27,19 @@ class DataConfig:
     """`error` stops at the first bad row naming its file and line; `skip` counts and reports them."""
     max_dropped_fraction: float = 0.2
     """Largest share of the source rows that tokenize may drop (over-length under
-    tokenize.overlength=drop, without a label token, bad rows skipped) before the run stops with an
-    error naming the cause: losing most of a dataset to a setting should never look like success."""
+    tokenize.overlength=drop, without a label token, bad rows skipped), or of their label tokens
+    in dropped examples, before the run stops with an error naming the cause: losing most of a
+    dataset to a setting should never look like success. Truncation that cuts more than this share
+    of the label tokens is a warning (the prepare line states every share, by cause)."""
     eval_fraction: float = 0.1
-    """Share of examples held out for eval loss, chosen by a seeded hash of `example_id`."""
+    """Share of examples held out for eval loss, chosen by a seeded hash of `example_id`
+    (raypack/data/holdout.py), up to `eval_max_examples`: the familiar 10% split on small data,
+    a fixed few thousand on large. 0 holds out none, as TRL, Axolotl and LLaMA-Factory do."""
+    eval_max_examples: int | None = 2000
+    """Most examples held out, whatever the fraction (the lowest hashes: the same ones every
+    run). An eval loss's noise depends on how many examples it averages, not on their share of
+    the data: 2,000 pin it to a few percent and evaluate in seconds, where a tenth of 3M examples
+    is 300k examples not trained on and minutes of every eval. null: no cap."""
     cache_path: str | None = None
     """Folder or URI that keeps the tokenized examples and the packed rows, each under a key of
     everything that shaped it, so runs and sweep trials with the same data and tokenize config
@@ -40,6 +49,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         _check(len(self.paths) > 0, "data.paths", "at least one path", self.paths)
         _check(0.0 <= self.eval_fraction < 1.0, "data.eval_fraction", "a float in [0, 1)", self.eval_fraction)
+        _check(self.eval_max_examples is None or self.eval_max_examples > 0, "data.eval_max_examples",
+               "a positive int or null", self.eval_max_examples)
         _check(0.0 <= self.max_dropped_fraction <= 1.0, "data.max_dropped_fraction", "a float in [0, 1]",
                self.max_dropped_fraction)
 
@@ -193,6 +204,13 @@ class TrainConfig:
     """Optimizer steps between checkpoints; 0 checkpoints only at the end."""
     max_failures: int = 1
     """Worker-group restarts from the last checkpoint before the run fails."""
+    keep_checkpoints: int = 2
+    """Checkpoints Ray Train keeps (the latest; older ones are deleted): what `raypack export
+    --checkpoint N / --best eval_loss` can choose from. Each holds the optimizer state too."""
+    start_timeout_s: float | None = 600.0
+    """On a cluster raypack joined: how long a start waits for room for its workers (an autoscaler
+    adding nodes, other work finishing) before it stops with one line; null waits as long as it
+    takes. Workers that the cluster's nodes and published node types can never hold stop it at once."""
     loss: Literal["chunked", "full"] = "chunked"
     """`chunked` computes the loss from the final hidden states a chunk of label tokens at a time and
     never holds the [tokens, vocab] logits (raypack/train/loss.py; a model it can't reproduce exactly
@@ -205,7 +223,7 @@ class TrainConfig:
     """Also log to MLflow (local file store under the storage path unless MLFLOW_TRACKING_URI is set)."""
 
     def __post_init__(self) -> None:
-        for name in ("num_workers", "grad_accum", "epochs", "report_every_steps"):
+        for name in ("num_workers", "grad_accum", "epochs", "report_every_steps", "keep_checkpoints"):
             _check(getattr(self, name) > 0, f"train.{name}", "a positive int", getattr(self, name))
         for name in ("warmup_steps", "eval_every_steps", "checkpoint_every_steps", "max_failures", "loss_chunk_tokens"):
             _check(getattr(self, name) >= 0, f"train.{name}", "an int >= 0", getattr(self, name))
@@ -213,7 +231,28 @@ class TrainConfig:
         _check(self.lr > 0, "train.lr", "a positive float", self.lr)
         _check(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", "a float in [0, 1]", self.min_lr_ratio)
         _check(self.cpus_per_worker > 0, "train.cpus_per_worker", "a positive float", self.cpus_per_worker)
+        _check(self.start_timeout_s is None or self.start_timeout_s > 0, "train.start_timeout_s",
+               "a positive number or null", self.start_timeout_s)
         _check(not self.offload_params or self.zero_stage == 3, "train.offload_params", "zero_stage 3", self.zero_stage)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WandbConfig:
+    """Weights & Biases, from rank 0. The API key comes from the environment (WANDB_API_KEY, or a
+    Ray runtime_env / Kubernetes Secret that sets it), never from this file."""
+
+    mode: Literal["disabled", "online", "offline"] = "disabled"
+    """`online` streams to the W&B server; `offline` writes the run under <run>/wandb for `wandb sync`."""
+    project: str = "raypack"
+    entity: str | None = None
+    """Team or user; None: the API key's default entity."""
+    group: str | None = None
+    """Runs shown together in W&B; None: the sweep's name for a sweep trial, none for a run."""
+    tags: tuple[str, ...] = ()
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "disabled"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -222,3 +261,5 @@ class RunConfig:
     """Run name; Ray Train resumes a run whose name already exists under the storage path."""
     storage_path: str = "~/raypack_results"
     """Where results, checkpoints and TensorBoard logs go: a local folder or any URI Ray supports."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases tracking of every step's metrics and the resolved config (off by default)."""

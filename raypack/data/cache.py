@@ -5,9 +5,10 @@ under `<cache>/tokenized/<tokenized_key>/` and the packed rows under `<cache>/pa
 so runs (and sweep trials) that differ only in the pack config tokenize once, and those with the
 same pack config pack once; without it, a run's packed rows are `<run>/packed/`:
 
-    tokenized_key: data (less eval_fraction and cache_path), tokenize (less its speed knobs),
+    tokenized_key: data (less the eval split and cache_path), tokenize (less its speed knobs),
                    the effective max_length (Config.max_length)
-    packed_key:    tokenized_key, pack, data.eval_fraction, ranks, grad_accum
+    packed_key:    tokenized_key, pack, the eval split (data.eval_fraction, eval_max_examples),
+                   ranks, grad_accum
 
 Both hash the config's canonical values (`Config.to_dict()`: every value in its field's type),
 never its text, so a saved config that reloads (a float written `8` comes back as `8.0`) keys the
@@ -48,7 +49,7 @@ FORMAT_VERSION = 6  # 4: rows without a label token are dropped; the manifest re
 # 6: keys hash canonical typed values; tokenize counts carry the pad id and tokenizer size
 TOKENIZE_SPEED_KNOBS = ("batch_size", "num_actors", "num_cpus")
 """tokenize fields that change how fast, never what: left out of the keys."""
-DATA_NOT_SHAPING = ("eval_fraction", "cache_path", "max_dropped_fraction")
+DATA_NOT_SHAPING = ("eval_fraction", "eval_max_examples", "cache_path", "max_dropped_fraction")
 """data fields that shape no tokenized row (the split is the packed key's, the rest are where and
 whether): left out of the tokenized key, so that setting them never re-tokenizes or blocks a resume."""
 MANIFEST = "manifest.json"
@@ -78,6 +79,7 @@ def packed_key(cfg: Config, num_ranks: int) -> str:
         "version": FORMAT_VERSION,
         "tokenized": tokenized_key(cfg),
         "eval_fraction": plain["data"]["eval_fraction"],
+        "eval_max_examples": plain["data"]["eval_max_examples"],
         "pack": plain["pack"],
         "ranks": num_ranks,
         "accum": cfg.train.grad_accum,
@@ -154,7 +156,8 @@ def tokenized(cfg: Config, sources: Sources, vocab_size: int | None = None) -> T
     print(f"[raypack] {tok_stats.examples_in} examples: {tok_stats.examples_out} rows, {tok_stats.tokens} tokens "
           f"({tok_stats.label_tokens} with loss); dropped {tok_stats.dropped} over {tok_stats.max_length} tokens and "
           f"{tok_stats.no_labels} without a label token, truncated {tok_stats.truncated}, split {tok_stats.split}, "
-          f"{tok_stats.bad_rows} bad rows skipped ({time.perf_counter() - t0:.1f} s)", flush=True)
+          f"{tok_stats.bad_rows} bad rows skipped; lost {tok_stats.losses()} ({time.perf_counter() - t0:.1f} s)",
+          flush=True)
     if folder:
         data_dir = fresh_folder(folder)
         ds.write_parquet(data_dir)

@@ -58,10 +58,12 @@ OUT_SCHEMA = pa.schema(
         ("length", pa.int32()),
         ("_flag", pa.int8()),
         ("_label_tokens", pa.int32()),
+        ("_source_label_tokens", pa.int32()),
     ]
 )
-"""Rows of `Encoder.encode_table`: the output columns, the over-length flag and the label tokens
-the loss sees (labels[1:] != -100), kept until tokenize has counted them."""
+"""Rows of `Encoder.encode_table`: the output columns, the over-length flag, the label tokens
+the loss sees (labels[1:] != -100), and on an example's first row those of the whole example
+before any cut (0 on its other pieces), kept until tokenize has counted them."""
 
 
 class TokenizeError(InputError):
@@ -210,10 +212,11 @@ class Encoder:
         if batch.num_rows and pc.all(pc.equal(batch["format"], "tokenized")).as_py():
             if (table := self._tokenized_table(batch)) is not None:
                 return table
-        ids_out, labels_out, eids, flags = [], [], [], []
+        ids_out, labels_out, eids, flags, source = [], [], [], [], []
         L = self.max_length
         for eid, (ids, labels) in zip(batch["example_id"].to_pylist(), self.encode(batch)):
             n = len(ids)
+            whole = int((labels[1:] != IGNORE_INDEX).sum())
             if n <= L:
                 pieces, flag = [(ids, labels)], OK
             elif self.overlength == "drop":
@@ -230,7 +233,8 @@ class Encoder:
                 labels_out.append(lab)
                 eids.append(eid + k)
                 flags.append(flag)
-        return _table(eids, ids_out, labels_out, flags)
+                source.append(whole if k == 0 else 0)
+        return _table(eids, ids_out, labels_out, flags, source)
 
     def _tokenized_table(self, batch: pa.Table) -> pa.Table | None:
         """encode_table for pre-tokenized rows, column-wise: what the per-row path does, without a
@@ -246,12 +250,13 @@ class Encoder:
         # Rows without labels, and every row under label_mask=all, train on their ids.
         labels = ids if self.label_mask == "all" or labels.null_count == len(labels) else pc.if_else(
             pc.is_valid(labels), labels, ids)
+        whole = _label_tokens(lengths, pc.list_flatten(labels).to_numpy())
         if over.any():  # truncate, or drop (a dropped row's tokens are never counted or kept)
             ids, labels = pc.list_slice(ids, 0, L), pc.list_slice(labels, 0, L)
         flags = np.where(over, DROPPED if self.overlength == "drop" else TRUNCATED, OK)
         kept = np.minimum(lengths, L).astype(np.int32)
         return _columns(batch["example_id"].to_numpy(), kept, pc.list_flatten(ids).to_numpy(),
-                        pc.list_flatten(labels).to_numpy(), flags)
+                        pc.list_flatten(labels).to_numpy(), flags, whole)
 
 
 def kept_rows(table: pa.Table) -> pa.Table:
@@ -273,6 +278,11 @@ def counts(table: pa.Table) -> dict:
     per_parent = np.bincount(inverse, weights=label_tokens[live], minlength=len(parents))
     unsupervised = per_parent == 0
     kept = live & (label_tokens > 0)
+    # Label tokens lost, by what cut them: whole examples over the length limit, the tails that
+    # truncate cut, and the first token of each split piece after the first (which starts a row).
+    whole = table["_source_label_tokens"].to_numpy()
+    lost = {flag_name: int(whole[flag == f].sum() - label_tokens[kept & (flag == f)].sum())
+            for flag_name, f in (("over_length", DROPPED), ("truncated", TRUNCATED), ("split", SPLIT))}
     return {
         "dropped": int((flag == DROPPED).sum()),
         "truncated": int((flag == TRUNCATED).sum()),
@@ -282,27 +292,38 @@ def counts(table: pa.Table) -> dict:
         "no_label_pieces": int(((label_tokens[live] == 0) & ~unsupervised[inverse]).sum()),
         "no_label_examples": parents[unsupervised][:5].tolist(),
         "label_tokens": int(label_tokens[kept].sum()),
+        "source_label_tokens": int(whole.sum()),
+        "label_tokens_lost": lost,
         "lengths": table["length"].to_numpy()[kept],
         "ids": eid[kept],
     }
 
 
-def _table(eids, ids_out, labels_out, flags) -> pa.Table:
+def _table(eids, ids_out, labels_out, flags, source) -> pa.Table:
     lengths = np.fromiter((len(x) for x in ids_out), dtype=np.int32, count=len(ids_out))
     cat = (lambda xs: np.concatenate(xs).astype(np.int32, copy=False)) if ids_out else (lambda xs: np.zeros(0, np.int32))
-    return _columns(np.asarray(eids, dtype=np.int64), lengths, cat(ids_out), cat(labels_out), np.asarray(flags))
+    return _columns(np.asarray(eids, dtype=np.int64), lengths, cat(ids_out), cat(labels_out), np.asarray(flags),
+                    np.asarray(source, dtype=np.int32))
 
 
-def _columns(eids: np.ndarray, lengths: np.ndarray, ids: np.ndarray, labels: np.ndarray, flags: np.ndarray) -> pa.Table:
-    """OUT_SCHEMA rows from flat arrays: row i's tokens are the next lengths[i] values of ids / labels."""
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+def _label_tokens(lengths: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """Label tokens the loss sees in each row of flat `labels` (row i: the next lengths[i] values).
+    A row's first token predicts nothing before it (collate masks every example start), so a
+    label there counts for nothing."""
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    # Label tokens the loss sees: a row's first token predicts nothing before it (collate masks
-    # every example start), so a label there counts for nothing.
     seen = labels != IGNORE_INDEX
     seen[offsets[:-1][lengths > 0]] = False
     supervised = np.concatenate([[0], np.cumsum(seen)])
-    label_tokens = supervised[offsets[1:]] - supervised[offsets[:-1]]
+    return supervised[offsets[1:]] - supervised[offsets[:-1]]
+
+
+def _columns(eids: np.ndarray, lengths: np.ndarray, ids: np.ndarray, labels: np.ndarray, flags: np.ndarray,
+             source: np.ndarray) -> pa.Table:
+    """OUT_SCHEMA rows from flat arrays: row i's tokens are the next lengths[i] values of ids / labels."""
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    label_tokens = _label_tokens(lengths, labels)
     return pa.Table.from_arrays(
         [
             pa.array(eids, pa.int64()),
@@ -311,6 +332,7 @@ def _columns(eids: np.ndarray, lengths: np.ndarray, ids: np.ndarray, labels: np.
             pa.array(lengths.astype(np.int32, copy=False)),
             pa.array(flags.astype(np.int8)),
             pa.array(label_tokens.astype(np.int32)),
+            pa.array(source.astype(np.int32, copy=False)),
         ],
         schema=OUT_SCHEMA,
     )

@@ -14,6 +14,7 @@ naming `data.paths`.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -119,6 +120,20 @@ def read_units(files: tuple[tuple[str, str], ...]) -> list[dict]:
         else:
             units.append(_unit(i, path, kind))
     return units
+
+
+@functools.cache
+def known_rows(files: tuple[tuple[str, str], ...]) -> int | None:
+    """Rows in `files` (a `Sources.files`) when their footers say so (every file Parquet), else
+    None: a JSONL file's rows are known only once it is read. For progress lines, asked off the
+    critical path (raypack/data/progress.py), once per listing."""
+    if not files or any(kind != "parquet" for _, kind in files):
+        return None
+    total = 0
+    for path, _ in files:
+        fs, p = resolve(path)
+        total += pq.ParquetFile(p, filesystem=fs).metadata.num_rows
+    return total
 
 
 def _unit(file_index: int, path: str, kind: str, row_group=-1, row_offset=0, start=0, stop=-1, keys="") -> dict:

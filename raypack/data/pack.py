@@ -20,8 +20,10 @@ An empty pack becomes input_ids [0], labels [-100], position_ids [0], example_id
 How rows are built: the plan's `example -> (pack, position)` routing is broadcast once
 (`ray.put`). One task per block cuts every example into its pieces, tags them with rank, step and
 position, and returns one table per rank (`num_returns=num_ranks`); one task per rank then sorts
-its pieces on the small (step, position) keys and concatenates them into rows with vectorized
-Arrow operations. Tokens move once, block -> rank, through the object store; no shuffle.
+its pieces on the small (pack, position) keys and builds its rows a batch of whole row groups
+(FINISH_TOKENS tokens) at a time, gathering each batch's tokens from the pieces where they lie in
+the object store, so its memory stays flat however large the rank. Tokens move once, block ->
+rank, through the object store; no shuffle.
 
 benchmarks/pack_materialize.py measures this against two baselines built from the same pieces
 (benchmarks/pack_baselines.py: a rank-partitioned Parquet write, and a global shuffle by pack)
@@ -30,6 +32,7 @@ on the same data and plan; routed is the fastest there (benchmarks/results/pack_
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -42,11 +45,18 @@ import ray
 from raypack import storage
 from raypack.data.formats import IGNORE_INDEX
 from raypack.data.plan import Plan
+from raypack.data.progress import Progress, Tally
 
 FINISH_BYTES_PER_TOKEN = 96
-"""Peak bytes per token of a rank's finishing task (sorting, assembling and writing its pieces:
-token, label and position columns, each copied a few times). prepare_scale.py at 1M examples, 8
-ranks of 52M tokens: the largest worker's RSS was 4.7-4.8 GiB, object-store pages it read included."""
+"""Peak bytes per token of the batch of rows a rank's finishing task assembles at once (sorting,
+gathering and writing its pieces: token, label and position columns, each copied a few times).
+Measured whole-rank at 1M examples (4.7-4.8 GiB for 52M tokens, object-store pages included);
+a streamed batch of FINISH_TOKENS measured 160-180 MiB above the task's start, so this is ample."""
+FINISH_TOKENS = 2**22
+"""Tokens a rank's finishing task assembles at once (whole row groups): what bounds its memory."""
+PIECE_BYTES = 120
+"""Bytes a routed piece's keys take in its rank's finishing task (pack, position, step, rank, id,
+where its tokens are, and the sort order)."""
 FINISH_BASE_BYTES = 256 * 2**20
 """A worker's own memory (Python, pyarrow) before any rows."""
 ROWS_PER_FILE = 4096
@@ -173,9 +183,9 @@ def empty_rows(rank: int, steps: np.ndarray, num_ranks: int) -> pa.Table:
 
 
 def write_rank(rows: pa.Table, out: str, rank: int, num_steps: int, num_ranks: int,
-                group_rows: int = ROWS_PER_FILE) -> int:
+                group_rows: int = ROWS_PER_FILE, tally=None) -> int:
     """Add the rank's empty packs, sort by step, write files whose names sort in step order, in
-    row groups of `group_rows` rows."""
+    row groups of `group_rows` rows. `tally`: a progress.Tally told the rows of each file written."""
     steps = rows["step"].to_numpy()
     have = np.zeros(num_steps, dtype=bool)
     have[steps] = True
@@ -189,17 +199,22 @@ def write_rank(rows: pa.Table, out: str, rank: int, num_steps: int, num_ranks: i
     for i in range(0, max(rows.num_rows, 1), per_file):
         name = f"{path}/part-{i // per_file:06d}.parquet"
         pq.write_table(rows.slice(i, per_file), name, filesystem=fs, row_group_size=group_rows)
+        if tally is not None:
+            ray.get(tally.add.remote(("rows written", rank, i), min(per_file, rows.num_rows - i)))
     return rows.num_rows
 
 
-def route_block(block: pa.Table, routing: dict[str, np.ndarray], num_ranks: int):
-    """One block's pieces, split by rank (a task with num_returns=num_ranks)."""
+def route_block(block: pa.Table, routing: dict[str, np.ndarray], num_ranks: int, tally=None):
+    """One block's pieces, split by rank (a task with num_returns=num_ranks). `tally`: a
+    progress.Tally told the block's examples once routed."""
     pieces = Router(routing)(block)
     rank = pieces["rank"].to_numpy()
     order = np.argsort(rank, kind="stable")
     bounds = np.searchsorted(rank[order], np.arange(num_ranks + 1))
     pieces = pieces.take(pa.array(order))
     parts = tuple(pieces.slice(bounds[r], bounds[r + 1] - bounds[r]) for r in range(num_ranks))
+    if tally is not None and block.num_rows:
+        ray.get(tally.add.remote(("examples routed", block["example_id"][0].as_py()), block.num_rows))
     return parts if num_ranks > 1 else parts[0]
 
 
@@ -211,53 +226,172 @@ def label_tokens(rows: pa.Table) -> int:
     return int(((labels != IGNORE_INDEX) & (positions != 0)).sum())
 
 
-def _rank_rows(rank: int, num_ranks: int, reset: bool, parts) -> pa.Table:
-    parts = [t for t in parts if t.num_rows]
-    return assemble_rows(pa.concat_tables(parts), reset) if parts else empty_rows(rank, np.zeros(0, np.int64), num_ranks)
+def _column(table: pa.Table, name: str) -> np.ndarray:
+    col = table[name]
+    return (col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()).to_numpy()
+
+
+def _lists(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, values) of a list column, read in place: offsets index `values` (a slice's too)."""
+    col = table[name]
+    lists = _as_lists(col.chunk(0) if col.num_chunks == 1 else col)
+    return lists.offsets.to_numpy().astype(np.int64), lists.values.to_numpy(zero_copy_only=False)
+
+
+class _RankPieces:
+    """One rank's routed pieces, from every block, ordered by (pack, position), without copying
+    their tokens: each part's lists are read in place (in the object store's buffers) and
+    `take` gathers a run of pieces' tokens at a time."""
+
+    KEYS = ("pack", "pos", "step", "rank", "example_id")
+
+    def __init__(self, parts):
+        parts = [t for t in parts if t.num_rows]
+        self.lists = [{c: _lists(t, c) for c in ("input_ids", "labels")} for t in parts]
+        cat = lambda arrays, dtype: np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype)  # noqa: E731
+        keys = {k: cat([_column(t, k) for t in parts], np.int64) for k in self.KEYS}
+        self.part = cat([np.full(t.num_rows, i) for i, t in enumerate(parts)], np.int64)
+        self.start = {c: cat([l[c][0][:-1] for l in self.lists], np.int64) for c in ("input_ids", "labels")}
+        self.length = cat([np.diff(l["input_ids"][0]) for l in self.lists], np.int64)
+        self.order = np.lexsort((keys["pos"], keys["pack"]))
+        self.keys = {k: v[self.order] for k, v in keys.items()}
+
+    def take(self, lo: int, hi: int) -> pa.Table:
+        """Pieces lo..hi in (pack, position) order, as the Router made them."""
+        sel = self.order[lo:hi]
+        length, part = self.length[sel], self.part[sel]
+        offsets = np.concatenate(([0], np.cumsum(length)))
+        by_part = np.argsort(part, kind="stable")
+        bounds = np.searchsorted(part[by_part], np.arange(len(self.lists) + 1))
+        out = {}
+        for col in ("input_ids", "labels"):
+            values = np.empty(int(offsets[-1]), np.int32)
+            for p in np.flatnonzero(np.diff(bounds)):
+                idx = by_part[bounds[p]:bounds[p + 1]]
+                src = _ranges(self.start[col][sel[idx]], length[idx])
+                values[_ranges(offsets[idx], length[idx])] = self.lists[p][col][1][src]
+            out[col] = _list_array(offsets, values, pa.int32())
+        cols = {k: pa.array(self.keys[k][lo:hi], pa.int64() if k in ("pack", "example_id") else pa.int32())
+                for k in self.KEYS}
+        return pa.table({**cols, **out})
+
+
+def finish_rank(out: str, rank: int, num_steps: int, num_ranks: int, reset: bool, parts,
+                group_rows: int = ROWS_PER_FILE, tally=None) -> tuple[int, int]:
+    """Write one rank's rows from its pieces (`parts`: one table from each block), a batch of
+    whole row groups (about FINISH_TOKENS tokens) at a time, in files of whole row groups whose
+    names sort in step order: (rows written, label tokens). Holds the pieces' keys and one batch's
+    rows, never the rank's. `tally`: a progress.Tally told each batch's rows once written."""
+    pieces = _RankPieces(parts)
+    fs, path = storage.resolve(out)  # a local folder or object storage shared by every node
+    fs.create_dir(path, recursive=True)
+    per_file = max(1, ROWS_PER_FILE // group_rows) * group_rows
+    # Batches of whole row groups: group g's pieces are cuts[g]..cuts[g + 1] (pieces are in step order).
+    groups = max(-(-num_steps // group_rows), 1)
+    cuts = np.searchsorted(pieces.keys["step"], np.arange(groups + 1) * group_rows)
+    cuts[-1] = len(pieces.order)
+    tokens = np.concatenate(([0], np.cumsum(pieces.length[pieces.order])))
+    written, labels, writer, g0 = 0, 0, None, 0
+    try:
+        while g0 < groups:
+            g1 = g0 + 1
+            while g1 < groups and tokens[cuts[g1 + 1]] - tokens[cuts[g0]] <= FINISH_TOKENS:
+                g1 += 1
+            s0, s1, lo, hi = g0 * group_rows, min(g1 * group_rows, num_steps), cuts[g0], cuts[g1]
+            rows = _with_empty_packs(assemble_rows(pieces.take(lo, hi), reset) if hi > lo else None, rank, s0, s1,
+                                     num_ranks)
+            labels += label_tokens(rows)
+            for i in range(0, max(rows.num_rows, 1), group_rows):
+                if (s0 + i) % per_file == 0:  # a new file every per_file rows
+                    if writer is not None:
+                        writer.close()
+                    name = f"{path}/part-{(s0 + i) // per_file:06d}.parquet"
+                    writer = pq.ParquetWriter(name, rows.schema, filesystem=fs)
+                writer.write_table(rows.slice(i, group_rows), row_group_size=group_rows)
+            written += rows.num_rows
+            if tally is not None:
+                ray.get(tally.add.remote(("rows written", rank, s0), rows.num_rows))
+            g0 = g1
+    finally:
+        if writer is not None:
+            writer.close()
+    return written, labels
+
+
+def _with_empty_packs(rows: pa.Table | None, rank: int, s0: int, s1: int, num_ranks: int) -> pa.Table:
+    """`rows` (of steps s0..s1, in step order) with an empty pack at each step they lack."""
+    have = np.zeros(max(s1 - s0, 0), dtype=bool)
+    if rows is not None:
+        have[rows["step"].to_numpy() - s0] = True
+    missing = s0 + np.flatnonzero(~have)
+    if rows is None:
+        return empty_rows(rank, missing, num_ranks)
+    return pa.concat_tables([rows, empty_rows(rank, missing, num_ranks)]).sort_by("step") if len(missing) else rows
 
 
 def finish_rank_tables(out: str, rank: int, num_steps: int, num_ranks: int, reset: bool, *parts,
                         group_rows: int = ROWS_PER_FILE) -> int:
-    return write_rank(_rank_rows(rank, num_ranks, reset, parts), out, rank, num_steps, num_ranks, group_rows)
+    return finish_rank(out, rank, num_steps, num_ranks, reset, parts, group_rows)[0]
 
 
 def _finish_and_count(out: str, rank: int, num_steps: int, num_ranks: int, reset: bool, *parts,
-                      group_rows: int = ROWS_PER_FILE) -> tuple[int, int]:
+                      group_rows: int = ROWS_PER_FILE, tally=None) -> tuple[int, int]:
     """Rows written and label tokens, for one rank."""
-    rows = _rank_rows(rank, num_ranks, reset, parts)
-    return write_rank(rows, out, rank, num_steps, num_ranks, group_rows), label_tokens(rows)
+    return finish_rank(out, rank, num_steps, num_ranks, reset, parts, group_rows, tally)
 
 
-def finish_memory(plan: Plan) -> np.ndarray:
+def finish_memory(plan: Plan, group_rows: int = ROWS_PER_FILE) -> np.ndarray:
     """Bytes of memory to reserve for each rank's finishing task, so that Ray runs only as many at
-    once as the nodes' memory holds (at 1M examples on one 24 GiB machine, all 8 at once ran it
-    out of memory). A rank's rows are assembled in one process, at up to FINISH_BYTES_PER_TOKEN;
-    capped at what the largest node offers, or the task could never be scheduled."""
-    tokens = np.bincount(plan.rank, weights=plan.end - plan.start, minlength=plan.num_ranks)
+    once as the nodes' memory holds: its pieces' keys (PIECE_BYTES a piece) and one batch of rows
+    (FINISH_TOKENS tokens and at most one more row group's, at FINISH_BYTES_PER_TOKEN); capped at
+    what the largest node offers, or the task could never be scheduled."""
+    tokens = plan.end - plan.start
+    pieces = np.bincount(plan.rank, minlength=plan.num_ranks)
+    group = plan.rank.astype(np.int64) * (plan.num_steps // group_rows + 1) + plan.step // group_rows
+    per_group = np.bincount(group, weights=tokens)
+    largest_group = np.zeros(plan.num_ranks)
+    np.maximum.at(largest_group, np.arange(len(per_group)) // (plan.num_steps // group_rows + 1), per_group)
+    rank_tokens = np.bincount(plan.rank, weights=tokens, minlength=plan.num_ranks)
+    batch = np.minimum(rank_tokens, FINISH_TOKENS + largest_group)
     largest = max((n["Resources"].get("memory", 0) for n in ray.nodes() if n["Alive"]), default=0)
-    want = tokens * FINISH_BYTES_PER_TOKEN + FINISH_BASE_BYTES
+    want = pieces * PIECE_BYTES + batch * FINISH_BYTES_PER_TOKEN + FINISH_BASE_BYTES
     return np.minimum(want, 0.8 * largest) if largest else want
 
 
 def materialize(ds: ray.data.Dataset, plan: Plan, example_ids: np.ndarray, out_dir: str,
-                group_rows: int = ROWS_PER_FILE) -> dict[str, Any]:
+                group_rows: int = ROWS_PER_FILE, stage: str = "pack") -> dict[str, Any]:
     """Write the packed rows of `plan` under `out_dir/rank=<r>/` (replacing what was there), in
     Parquet row groups of `group_rows` rows (prepare passes whole optimizer steps; the default,
     one group per file, suits a reader that only streams). Returns counts (rows; label tokens
-    per rank, which the driver checks before training) and seconds."""
+    per rank, which the driver checks before training) and seconds. Prints `stage`'s progress
+    (raypack/data/progress.py): examples routed, then rows written."""
     t0 = time.perf_counter()
     out = out_dir.rstrip("/")
     storage.remove_dir(out)  # write_parquet appends by default; a stale shard would corrupt a rank
     routing = ray.put(plan_routing(plan, example_ids))
     args = (plan.num_steps, plan.num_ranks, plan.reset_positions)
-    route = ray.remote(num_cpus=0.5, num_returns=plan.num_ranks)(route_block)
-    parts = [route.remote(block, routing, plan.num_ranks) for block in ds.to_arrow_refs()]
-    if plan.num_ranks == 1:
-        parts = [[p] for p in parts]
-    finish = ray.remote(num_cpus=0.5)(_finish_and_count)
-    memory = finish_memory(plan)
-    done = ray.get([finish.options(memory=int(memory[r])).remote(f"{out}/rank={r}", r, *args, *[p[r] for p in parts],
-                                                                 group_rows=group_rows)
-                    for r in range(plan.num_ranks)])
+    tally = Tally.remote()
+    poll = functools.partial(_pack_progress, tally, len(example_ids), plan.num_steps * plan.num_ranks)
+    try:
+        with Progress(stage, poll):
+            route = ray.remote(num_cpus=0.5, num_returns=plan.num_ranks)(route_block)
+            parts = [route.remote(block, routing, plan.num_ranks, tally) for block in ds.to_arrow_refs()]
+            if plan.num_ranks == 1:
+                parts = [[p] for p in parts]
+            finish = ray.remote(num_cpus=0.5)(_finish_and_count)
+            memory = finish_memory(plan, group_rows)
+            done = ray.get([finish.options(memory=int(memory[r])).remote(
+                f"{out}/rank={r}", r, *args, *[p[r] for p in parts], group_rows=group_rows, tally=tally)
+                for r in range(plan.num_ranks)])
+    finally:
+        ray.kill(tally)
     return {"rows": sum(n for n, _ in done), "rank_label_tokens": [t for _, t in done], "method": "routed",
             "seconds": time.perf_counter() - t0}
+
+
+def _pack_progress(tally, examples: int, rows: int) -> tuple[str, int, int]:
+    """What a pack has done: examples routed, then (once a rank writes) rows written."""
+    done = ray.get(tally.totals.remote(), timeout=30)
+    if "rows written" in done:
+        return "rows written", done["rows written"], rows
+    return "examples routed", done.get("examples routed", 0), examples

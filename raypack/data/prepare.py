@@ -34,7 +34,7 @@ from raypack import storage
 from raypack.config import Config
 from raypack.data.cache import Tokenized, commit, fresh_folder, packed_key, reusable, supervised, tokenized, tokenized_key
 from raypack.data.fingerprint import recorded
-from raypack.data.holdout import held_out_mask
+from raypack.data.holdout import held_out_line, held_out_mask
 from raypack.data.listing import Sources
 from raypack.data.pack import materialize
 from raypack.data.plan import Plan
@@ -74,6 +74,7 @@ def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_s
     # run's own packed/ folder is rewritten in place, as only that run uses it.
     out = fresh_folder(root) if cfg.data.cache_path else root
     held_out = held_out_mask(tok.ids, cfg)
+    print(held_out_line(tok.ids, held_out, cfg), flush=True)
     train_ds, eval_ds = _split(tok.ds, tok.ids[held_out])
     train_lengths, train_ids = tok.lengths[~held_out], tok.ids[~held_out]
 
@@ -137,7 +138,8 @@ def _pack(ds, lengths, ids, cfg: Config, num_ranks: int, out_dir: str,
     plan = make_plan(lengths, cfg.pack, num_ranks, accum, epoch=epoch)
     stats = plan.stats()
     stats["packing_efficiency"] = stats.pop("efficiency")
-    info = materialize(ds, plan, ids, out_dir, group_rows=group_steps_for(cfg.pack.budget, accum) * accum)
+    info = materialize(ds, plan, ids, out_dir, group_rows=group_steps_for(cfg.pack.budget, accum) * accum,
+                       stage=f"pack {out_dir.rsplit('/', 1)[-1]}")
     return plan, stats, info["rank_label_tokens"]
 
 

@@ -31,7 +31,8 @@ import ray
 
 from raypack.config import Config
 from raypack.data.encode import Encoder, TokenizeError, check_chat_template, counts, kept_rows, load_tokenizer
-from raypack.data.listing import Sources
+from raypack.data.listing import Sources, known_rows
+from raypack.data.progress import Progress
 from raypack.data.sources import read_rows, read_sources_with_report, row_location
 from raypack.errors import SourceError
 
@@ -49,6 +50,10 @@ class TokenizeStats:
     tokens: int = 0
     label_tokens: int = 0
     """Tokens whose label the loss sees (not -100, and not an example's first token)."""
+    source_label_tokens: int = 0
+    """The same, in the examples as they came (before any were dropped, truncated or split)."""
+    label_tokens_lost: dict[str, int] = field(default_factory=dict)
+    """Label tokens lost, by cause: `over_length` (dropped), `truncated`, `split` (a piece's first token)."""
     bad_rows: int = 0
     """Source rows skipped under `data.on_bad_rows: skip`."""
     bad_examples: list[str] = field(default_factory=list)
@@ -86,9 +91,19 @@ class TokenizeStats:
             + (f", and {self.no_label_pieces} split pieces" if self.no_label_pieces else "")
             + (f"; first: {', '.join(self.no_label_examples[:3])}" if self.no_label_examples else ""),
             f"bad rows   {self.bad_rows} skipped",
+            f"lost       {self.losses()}",
         ]
         lines += [f"           {msg}" for msg in self.bad_examples]
         return "\n".join(lines)
+
+    def losses(self) -> str:
+        """What share of the examples and of their label tokens won't train, by cause."""
+        rows = self.examples_in + self.bad_rows
+        by_row = [(self.dropped, f"over {self.max_length} tokens"), (self.no_labels, "without a label token"),
+                  (self.bad_rows, "bad rows")]
+        by_token = [(n, cause.replace("_", "-")) for cause, n in sorted(self.label_tokens_lost.items())]
+        return (f"{_shares(by_row, rows)} of the examples and "
+                f"{_shares(by_token, self.source_label_tokens)} of their label tokens")
 
 
 @ray.remote(num_cpus=0)
@@ -104,9 +119,26 @@ class _Counts:
     def get(self):
         return list(self.batches.values())
 
+    def rows(self) -> int:
+        """Source rows tokenized so far (a batch's key is its first id and its rows)."""
+        return sum(rows for _, rows in self.batches)
+
+
+def _shares(parts: list[tuple[int, str]], whole: int) -> str:
+    """"12.0% (10.0% over 512 tokens, 2.0% bad rows)": the total share of `whole`, and each nonzero part's."""
+    lost = sum(n for n, _ in parts)
+    each = ", ".join(f"{n / whole:.1%} {what}" for n, what in parts if n) if whole else ""
+    return f"{lost / max(whole, 1):.1%}" + (f" ({each})" if each else "")
+
 
 def _send(counter, key, counts) -> None:
     ray.get(counter.add.remote(key, counts))
+
+
+def _read_so_far(counter, files) -> tuple[str, int, int | None]:
+    """The tokenize stage's progress (raypack/data/progress.py): source rows tokenized, of how
+    many where known."""
+    return "examples read", ray.get(counter.rows.remote(), timeout=30), known_rows(files)
 
 
 class _SourceEncoder(Encoder):
@@ -149,19 +181,20 @@ def tokenize_dataset(cfg: Config, sources: Sources, vocab_size: int | None = Non
     try:
         # Blocks of a few batches let every actor take a share of a large read unit, and the
         # streaming repartition keeps reading and tokenizing overlapped.
-        out = src.repartition(target_num_rows_per_block=4 * batch_size).map_batches(
-            _SourceEncoder,
-            fn_constructor_kwargs=dict(
-                on_bad_rows=cfg.data.on_bad_rows, tokenizer=t.tokenizer, chat_template=t.chat_template,
-                label_mask=t.label_mask, overlength=t.overlength, max_length=max_length,
-                report=functools.partial(_send, counter),
-            ),
-            batch_size=batch_size,
-            batch_format="pyarrow",
-            # The non-deprecated form of concurrency=N; fractional CPUs leave the read tasks room.
-            compute=ray.data.ActorPoolStrategy(size=t.num_actors),
-            num_cpus=t.num_cpus,
-        ).materialize()
+        with Progress("tokenize", functools.partial(_read_so_far, counter, sources.files)):
+            out = src.repartition(target_num_rows_per_block=4 * batch_size).map_batches(
+                _SourceEncoder,
+                fn_constructor_kwargs=dict(
+                    on_bad_rows=cfg.data.on_bad_rows, tokenizer=t.tokenizer, chat_template=t.chat_template,
+                    label_mask=t.label_mask, overlength=t.overlength, max_length=max_length,
+                    report=functools.partial(_send, counter),
+                ),
+                batch_size=batch_size,
+                batch_format="pyarrow",
+                # The non-deprecated form of concurrency=N; fractional CPUs leave the read tasks room.
+                compute=ray.data.ActorPoolStrategy(size=t.num_actors),
+                num_cpus=t.num_cpus,
+            ).materialize()
         batches = ray.get(counter.get.remote())
     except Exception:
         # A bad row or chat data without a template stopped the pipeline inside an actor, where
@@ -175,8 +208,12 @@ def tokenize_dataset(cfg: Config, sources: Sources, vocab_size: int | None = Non
 
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     stats = TokenizeStats(max_length=max_length, pad_token_id=int(pad), tokenizer_size=len(tok))
-    for key in ("dropped", "truncated", "split", "pieces", "no_labels", "no_label_pieces", "label_tokens", "bad_rows"):
+    for key in ("dropped", "truncated", "split", "pieces", "no_labels", "no_label_pieces", "label_tokens", "bad_rows",
+                "source_label_tokens"):
         setattr(stats, key, sum(b[key] for b in batches))
+    for b in batches:
+        for cause, n in b["label_tokens_lost"].items():
+            stats.label_tokens_lost[cause] = stats.label_tokens_lost.get(cause, 0) + n
     stats.no_label_examples = [row_location(e, sources.files) for e in sorted(e for b in batches for e in b["no_label_examples"])[:5]]
     for b in batches:
         for fmt, n in b["formats"].items():
@@ -195,7 +232,8 @@ def require_supervised(stats: TokenizeStats, cfg: Config) -> None:
     """Refuse data that would train on nothing: no example left with a label token (a loss
     divided by zero label tokens would read 0.0 and the run would look fine); under
     tokenize.no_labels=error, any example without one; and data that lost more than
-    `data.max_dropped_fraction` of its rows, naming the cause and the setting behind it."""
+    `data.max_dropped_fraction` of its rows, or of its label tokens to dropped examples, naming
+    the cause and the setting behind it. Truncation that cut more than that is a warning."""
     if stats.no_labels and cfg.tokenize.no_labels == "error":
         raise TokenizeError(
             f"{stats.no_label_examples[0]}: no token carries loss (a chat without an assistant turn, or a prompt "
@@ -217,6 +255,23 @@ def require_supervised(stats: TokenizeStats, cfg: Config) -> None:
             f"data.max_dropped_fraction={limit:g}; the largest cause: {n} {text.split(' ', 1)[1]}. Change that "
             "setting, fix the data, or raise data.max_dropped_fraction to train on the rest"
         )
+    # Label tokens: those of dropped examples count against the limit like the examples do (the
+    # longest examples can hold most of them); those that truncation or splitting cut, under a
+    # policy the config chose, are said loudly but not refused.
+    tokens, lost = stats.source_label_tokens, stats.label_tokens_lost
+    cut = f"{stats.max_length} tokens (tokenize.max_length, else pack.budget)"
+    if tokens and lost.get("over_length", 0) / tokens > limit:
+        n = lost["over_length"]
+        raise TokenizeError(
+            f"data.paths: {n} of {tokens} label tokens ({n / tokens:.0%}) are in examples longer than {cut}, which "
+            f"tokenize.overlength=drop dropped: more than data.max_dropped_fraction={limit:g}. Raise that length, use "
+            "tokenize.overlength=truncate or split, or raise data.max_dropped_fraction to train on the rest"
+        )
+    for cause, what in (("truncated", "tokenize.overlength=truncate cut off"), ("split", "tokenize.overlength=split left")):
+        if tokens and lost.get(cause, 0) / tokens > limit:
+            print(f"[raypack] warning: {what} {lost[cause] / tokens:.0%} of the label tokens at {cut}"
+                  + (" (each piece's first token)" if cause == "split" else "")
+                  + "; a longer limit keeps them", flush=True)
 
 
 def drop_causes(stats: TokenizeStats, cfg: Config) -> list[tuple[int, str]]:

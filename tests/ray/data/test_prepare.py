@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections import defaultdict
 
 import pyarrow.parquet as pq
@@ -128,3 +129,22 @@ def test_a_rank_without_a_label_token_is_refused(ray_local, tmp_path):
     path.write_text(LINES[0] + "\n")  # one example for two ranks
     with pytest.raises(InputError, match="rank 1 of 2 gets no label token"):
         pack(cfg_for(path, "data.eval_fraction=0"), 2, str(tmp_path / "packed"))
+
+
+def test_prepare_prints_progress_and_what_it_held_out(ray_local, tmp_path, capsys, monkeypatch):
+    """Issue 25: a line per interval for each long stage (the interval shortened here), and the
+    eval split's size and cause; no Ray Data progress bars."""
+    import ray.data
+
+    from raypack.data import progress
+
+    monkeypatch.setattr(progress, "INTERVAL_S", 0.05)
+    cfg = absolute_paths(load(CONFIG, [f"run.storage_path={tmp_path}", "pack.budget=256", "data.eval_fraction=0.2"]))
+    pack(cfg, 2, str(tmp_path / "packed"))
+    out = capsys.readouterr().out.splitlines()
+    assert ray.data.DataContext.get_current().enable_progress_bars is False
+    assert any(re.fullmatch(r"\[raypack\] tokenize: [\d,]+ examples read(, [\d,]+/s)?", s) for s in out), out
+    assert any(re.fullmatch(r"\[raypack\] pack train: [\d,]+ of [\d,]+ (examples routed|rows written) \(\d+%\)"
+                            r"(, [\d,]+/s(, about \w+ left)?)?", s) for s in out), out
+    held = [s for s in out if s.startswith("[raypack] held out ")]
+    assert len(held) == 1 and held[0].endswith(" examples for eval (data.eval_fraction=0.2)"), held

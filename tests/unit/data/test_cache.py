@@ -26,6 +26,9 @@ def test_tokenized_key_covers_what_shapes_tokens_and_nothing_else():
         else:
             assert packed_key(load(None, ["pack.budget=512", override]), 2) != packed_key(base, 2), override
     assert packed_key(base, 2) != packed_key(base, 4)
+    # The eval cap shapes the split: the packed key's, never the tokenized key's.
+    capped = load(None, ["pack.budget=512", "data.eval_max_examples=100"])
+    assert tokenized_key(capped) == tokenized_key(base) and packed_key(capped, 2) != packed_key(base, 2)
 
 
 def test_packed_root_is_the_cache_when_set():

@@ -257,3 +257,20 @@ def test_a_label_on_the_first_token_counts_for_nothing():
     table = Encoder(TOK, None, "auto", "truncate", 64).encode_table(
         batch([{"input_ids": [5, 6, 7], "labels": [5, IGNORE, IGNORE]}, {"input_ids": [5, 6], "labels": [5, 6]}], "tokenized"))
     assert table["_label_tokens"].to_pylist() == [0, 1] and counts(table)["no_labels"] == 1
+
+
+@pytest.mark.parametrize("overlength", ["drop", "truncate", "split"])
+def test_label_tokens_lost_are_counted_by_cause(overlength):
+    """Tokenized rows with every token labelled, 10 and 50 long at max_length 20: each row has
+    length - 1 label tokens. Dropped, the 50-row loses its 49; truncated, the 30 past the cut;
+    split into 20 + 20 + 10, the first token of the two later pieces."""
+    from raypack.data.encode import counts
+
+    table = Encoder(TOK, None, "auto", overlength, 20).encode_table(
+        batch([{"input_ids": list(range(1, 11))}, {"input_ids": list(range(1, 51))}], "tokenized"))
+    c = counts(table)
+    assert c["source_label_tokens"] == 9 + 49
+    lost = {"drop": 49, "truncate": 30, "split": 2}[overlength]
+    cause = {"drop": "over_length", "truncate": "truncated", "split": "split"}[overlength]
+    assert c["label_tokens_lost"] == {"over_length": 0, "truncated": 0, "split": 0, cause: lost}
+    assert c["label_tokens"] == 9 + 49 - lost

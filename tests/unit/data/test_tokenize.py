@@ -38,3 +38,21 @@ def test_losing_more_than_the_allowed_share_is_an_error_naming_the_cause():
     with pytest.raises(TokenizeError, match=r"310 of 600 .*largest cause: 300 had no token that carries loss"):
         require_supervised(half, load())
     require_supervised(TokenizeStats(examples_in=10, dropped=2, label_tokens=9), load())  # 20%: at the limit
+
+
+def test_label_tokens_lost_to_dropping_are_refused_and_to_truncation_said(capsys):
+    """10% of the examples dropped for length, but they held 60% of the label tokens: refused,
+    naming the length. Every example kept, but truncation cut 80% of what they would train on: a
+    warning (truncation is a policy the config chose). The summary states both shares, by cause."""
+    dropped = TokenizeStats(examples_in=100, dropped=10, label_tokens=400, source_label_tokens=1000, max_length=64,
+                            label_tokens_lost={"over_length": 600, "truncated": 0, "split": 0})
+    with pytest.raises(TokenizeError, match=r"600 of 1000 label tokens \(60%\) are in examples longer than 64 tokens "
+                                            r"\(tokenize.max_length, else pack.budget\), which tokenize.overlength=drop"):
+        require_supervised(dropped, load())
+    cut = TokenizeStats(examples_in=100, truncated=100, label_tokens=200, source_label_tokens=1000, max_length=64,
+                        label_tokens_lost={"over_length": 0, "truncated": 800, "split": 0})
+    assert cut.losses() == "0.0% of the examples and 80.0% (80.0% truncated) of their label tokens"
+    require_supervised(cut, load())
+    assert capsys.readouterr().out == ("[raypack] warning: tokenize.overlength=truncate cut off 80% of the label tokens "
+                                       "at 64 tokens (tokenize.max_length, else pack.budget); a longer limit keeps them\n")
+    assert "lost       0.0% of the examples and 80.0% (80.0% truncated)" in cut.summary()
