@@ -1,4 +1,4 @@
-"""`raypack` command line: train, sweep, plan and data. Parses arguments and hands off.
+"""`raypack` command line: train, sweep, plan, data, export and chat. Parses arguments and hands off.
 
     raypack train --config jobs/configs/tiny_cpu.yaml train.lr=2e-5
     raypack plan --config jobs/configs/qwen7b.yaml pack.budget=4096 train.num_workers=64
@@ -6,6 +6,10 @@
     raypack sweep --config jobs/configs/sweeps/packing_cpu.yaml
     raypack sweep --resume ./results/sweeps/sweep-packing-cpu   # continue an interrupted sweep
     raypack data --config jobs/configs/quickstart.yaml      # tokenize only, print a summary
+    raypack export ./results/tiny_cpu --checkpoint 10       # a Hugging Face folder from any checkpoint
+    raypack export ./results/tiny_cpu --best eval_loss --dtype bfloat16 --out ./exports/best
+    raypack chat ./results/tiny_cpu                         # talk to the trained model in the terminal
+    raypack chat ./exports/best/model --prompt "Hi" --temperature 0
 
 Each command's handler is `raypack.commands.<command>.run(args)`; this module and those are the
 only ones that see an argparse namespace. Bad input (a config value, a data file or row, a
@@ -59,6 +63,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="strategies to compare under the same config, or `all` (default: pack.strategy)")
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     p.add_argument("--out", help="write the (first strategy's) assignment as Parquet")
+
+    p = sub.add_parser("export", parents=[common], help="write a Hugging Face folder from any checkpoint of a run")
+    p.add_argument("run", metavar="RUN", help="run folder (<run.storage_path>/<run.name>), local or a URI")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--checkpoint", type=int, metavar="N", help="the checkpoint reported at step N (default: the last)")
+    which.add_argument("--best", choices=["eval_loss"], help="the checkpoint with the lowest reported eval_loss")
+    p.add_argument("--out", help="output folder (default: RUN/export/step_<N>; required for a URI run)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="the weights' dtype (default: the dtype the run trained in)")
+    p.add_argument("--adapter-only", action="store_true",
+                   help="LoRA: write adapter/ alone, reading no base weights (QLoRA's only export)")
+
+    p = sub.add_parser("chat", parents=[common], help="chat in the terminal with a trained model (a run or model folder)")
+    p.add_argument("target", metavar="RUN_OR_MODEL_DIR", help="a run folder, or a Hugging Face model folder")
+    p.add_argument("--prompt", help="answer this one message, print the answer and exit")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="longest answer, in tokens (default: 256)")
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0 is greedy (default: 0.7)")
     return parser
 
 

@@ -4,6 +4,7 @@
         raypack_config.yaml                   the config it trains, saved once, paths absolute
         raypack_result.json                   written when training finishes (last step, metrics)
         packed/, tensorboard/, checkpoint_*   prepare's rows, the event files, Ray Train's state
+        export/step_<N>/                      `raypack export`'s Hugging Face folders (its default --out)
     <run.storage_path>/<sweep name>/          a sweep's experiment folder
         raypack_sweep.yaml                    the sweep's config, saved once
         runs/<trial name>/                    one run folder per trial (trial_config)
@@ -137,13 +138,22 @@ def has_checkpoint(root: str) -> bool:
     return storage.exists(f"{root}/{CHECKPOINTS}")
 
 
+def reported_checkpoints(root: str) -> list[dict[str, Any]]:
+    """The checkpoints Ray Train registered for the run and still keeps, in the order reported:
+    `{"checkpoint_dir_name": ..., "metrics": {...}}` each, the metrics (`step`, `eval_loss`, ...)
+    being those reported with it. [] for a run with none."""
+    if not has_checkpoint(root):
+        return []
+    return list(json.loads(storage.read_text(f"{root}/{CHECKPOINTS}"))["checkpoint_results"])
+
+
 def orphan_checkpoints(root: str) -> list[str]:
     """Checkpoint folders of the run that Ray Train never registered: written when the run was
     stopped (Ctrl-C, a killed driver) after the folder was saved, before the report reached the
     controller. A resume continues from the last registered one; these would only take space."""
     if not has_checkpoint(root):
         return []
-    registered = {c["checkpoint_dir_name"] for c in json.loads(storage.read_text(f"{root}/{CHECKPOINTS}"))["checkpoint_results"]}
+    registered = {c["checkpoint_dir_name"] for c in reported_checkpoints(root)}
     return [f"{root}/{name}" for name in storage.list_dirs(root, "checkpoint_") if name not in registered]
 
 
@@ -184,5 +194,7 @@ def trial_config(base: Config, params: dict[str, Any], runs_dir: str, suffix: st
         pack=pack,
         model=model,
         train=dataclasses.replace(base.train, lr=params["lr"]),
-        run=dataclasses.replace(base.run, name=name, storage_path=runs_dir),
+        # W&B shows a sweep's trials together: one run each, grouped by the sweep's name.
+        run=dataclasses.replace(base.run, name=name, storage_path=runs_dir,
+                                wandb=dataclasses.replace(base.run.wandb, group=base.run.wandb.group or base.run.name)),
     )

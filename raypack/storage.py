@@ -58,6 +58,21 @@ def remove_dir(path: str) -> None:
         fs.delete_dir(p)
 
 
+def download(path: str, local: str) -> None:
+    """Copy the folder (or file) `path`, a URI or a local path, to the local path `local`."""
+    fs, p = resolve(path)
+    dest = Path(local).resolve()
+    if fs.get_file_info(p).type == pafs.FileType.Directory:
+        # copy_files writes into the folders it finds, but makes none of them
+        dest.mkdir(parents=True, exist_ok=True)
+        for info in fs.get_file_info(pafs.FileSelector(p, recursive=True)):
+            if info.type == pafs.FileType.Directory:
+                (dest / info.path[len(p):].lstrip("/")).mkdir(parents=True, exist_ok=True)
+    else:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    pafs.copy_files(p, str(dest), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+
+
 def list_dirs(path: str, prefix: str = "") -> list[str]:
     """Names of the folders directly under `path` that start with `prefix`, sorted; [] if none."""
     fs, p = resolve(path)

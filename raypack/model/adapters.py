@@ -132,11 +132,42 @@ def frozen_digest(model: nn.Module) -> int:
     """A checksum of the bits of this rank's frozen weights (under ZeRO-3, its partition of them):
     it changes if any bit of any frozen weight does, short of a collision. Computed on the weights'
     device, a few int64 sums per tensor, so it costs seconds even for 70B."""
+    return tensor_digest(_held(p) for _, p in _frozen(model))
+
+
+def _held(p: nn.Parameter) -> torch.Tensor:
+    """The values of `p` this rank holds: all of them, or under ZeRO-3 its slice of the flattened
+    tensor without the padding DeepSpeed adds to the last slices (left uninitialized, so it would
+    change the checksum from one start to the next)."""
+    part = getattr(p, "ds_tensor", None)
+    if part is None:
+        return p.data
+    size = part.numel()
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return part.reshape(-1)[:max(0, min(size, p.ds_numel - rank * size))]
+
+
+def expected_digests(model: nn.Module, world_size: int, zero3: bool) -> list[int]:
+    """What `frozen_digest` returns on each of `world_size` ranks that trained `model` (its frozen
+    weights whole, here on one process): the same on every rank, or under ZeRO-3 each rank's slice
+    of every flattened tensor, as DeepSpeed partitions them (the numel padded up to a multiple of
+    the world size, the padding left out)."""
+    if not zero3:
+        return [frozen_digest(model)] * world_size
+    flat = [p.data.reshape(-1) for _, p in _frozen(model)]
+    sizes = [-(-t.numel() // world_size) for t in flat]  # DeepSpeed's partition size
+    return [tensor_digest(t[rank * size:(rank + 1) * size] for t, size in zip(flat, sizes)) for rank in range(world_size)]
+
+
+def _frozen(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in sorted(model.named_parameters(), key=lambda item: item[0]) if not p.requires_grad]
+
+
+def tensor_digest(tensors) -> int:
+    """`frozen_digest`'s checksum of a sequence of tensors, in order."""
     total = 0
-    for _, p in sorted(model.named_parameters(), key=lambda item: item[0]):
-        if p.requires_grad:
-            continue
-        t = getattr(p, "ds_tensor", p.data).detach().reshape(-1)
+    for t in tensors:
+        t = t.detach().reshape(-1)
         bits = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
         for start in range(0, bits.numel(), 1 << 24):
             chunk = bits[start:start + (1 << 24)].to(torch.int64)

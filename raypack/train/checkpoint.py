@@ -15,10 +15,16 @@ config, `base/` (raypack/model/adapters.py, `save_adapted`).
 The data position (epoch, micro-step within that epoch's order) and the packed data's
 fingerprint travel in the TrainState, so a restarted worker group resumes exactly after the last
 checkpointed step, and a resume onto other packed data is refused.
+
+Offline, on the CPU and without Ray, `read_saved(folder)` reads a checkpoint's DeepSpeed state
+back: the TrainState and the trained weights whole (what `raypack export` writes out).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -26,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import ray.train
+import torch
 
 from raypack.errors import InputError
 from raypack.model.adapters import is_peft_model, save_adapted
@@ -150,3 +157,51 @@ def save_hf_model(model, state: dict, path: Path, tokenizer=None) -> None:
     model.save_pretrained(path, state_dict=state, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
+
+
+# --- reading a checkpoint back, offline ----------------------------------------------------------
+
+
+@dataclass
+class Saved:
+    """What one checkpoint's DeepSpeed state holds, read on the CPU (`read_saved`)."""
+
+    state: TrainState
+    zero_stage: int
+    world_size: int
+    dtype: torch.dtype
+    """The dtype the model trained in (DeepSpeed's bf16/fp16 setting)."""
+    weights: dict[str, torch.Tensor]
+    """The trained weights, whole: fp32 master weights under ZeRO 1-3; under ZeRO-0 (no master
+    copy outside the optimizer) the module's own, in `dtype`. With adapters, those alone."""
+
+
+def read_saved(folder: str | Path, adapters: bool) -> Saved:
+    """The DeepSpeed state of the checkpoint in `folder` (local), its weights consolidated from
+    every rank's shard by DeepSpeed's own `zero_to_fp32`. `adapters`: the run trained adapters,
+    so the frozen base weights are not in it (see the module doc)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed warns, on import, that it found no GPU
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    ds = Path(folder) / CKPT_TAG
+    # rank 0's model states: one file under ZeRO 0-2, one per rank under ZeRO-3
+    first = next((f for f in (ds / "mp_rank_00_model_states.pt", ds / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+                  if f.exists()), None)
+    if first is None:
+        raise InputError(f"{folder}: no DeepSpeed state in {CKPT_TAG}/ (is it a raypack checkpoint, copied whole?)")
+    # mmap: under ZeRO 0-2 this file holds the whole module, of which only ZeRO-0 needs the tensors
+    saved = torch.load(first, map_location="cpu", mmap=True, weights_only=False)
+    ds_config = saved["ds_config"]
+    stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+    dtype = (torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else
+             torch.float16 if ds_config.get("fp16", {}).get("enabled") else torch.float32)
+    if stage == 0:
+        # zero_to_fp32 reads ZeRO's partitioned optimizer state, which stage 0 doesn't write
+        weights = dict(saved["module"])
+    else:
+        # It prints every step and draws a progress bar; what it found is reported by the caller.
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            weights = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=CKPT_TAG,
+                                                               exclude_frozen_parameters=adapters)
+    return Saved(TrainState.from_client_state(saved["train_state"]), stage, int(saved["dp_world_size"]), dtype, weights)

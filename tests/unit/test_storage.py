@@ -28,3 +28,12 @@ def test_write_read_list_remove(tmp_path):
     storage.remove_dir(root)
     assert not storage.exists(root)
     storage.remove_dir(root)  # removing what is gone is fine
+
+
+def test_download_copies_a_folder_with_its_subfolders_or_one_file(tmp_path):
+    storage.write_text(f"{tmp_path}/ckpt/ds/rank0.pt", "0")
+    storage.write_text(f"{tmp_path}/ckpt/latest", "ds")
+    storage.download(f"file://{tmp_path}/ckpt", f"{tmp_path}/copy")  # file:// stands for any URI
+    assert (tmp_path / "copy" / "ds" / "rank0.pt").read_text() == "0" and (tmp_path / "copy" / "latest").read_text() == "ds"
+    storage.download(f"file://{tmp_path}/ckpt/latest", f"{tmp_path}/one/latest")
+    assert (tmp_path / "one" / "latest").read_text() == "ds"

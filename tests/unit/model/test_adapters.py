@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 from raypack.config import PeftConfig
 from raypack.data.collate import collate_packed
 from raypack.model.adapters import (
-    AdapterError, adapted_head, apply_adapters, custom_linears, frozen_digest, is_peft_model, save_adapted,
+    AdapterError, adapted_head, apply_adapters, custom_linears, expected_digests, frozen_digest, is_peft_model,
+    save_adapted, tensor_digest,
 )  # fmt: skip
 from raypack.model.build import load_model, tiny_config
 from raypack.train.loss import UnsupportedLossError, make_loss
@@ -99,6 +100,31 @@ def test_frozen_digest_sees_one_bit():
     base = next(p for n, p in model.named_parameters() if not p.requires_grad and p.ndim == 2)
     base.data.view(torch.int32)[0, 0] ^= 1  # the lowest bit of one weight
     assert frozen_digest(model) != before
+
+
+def test_expected_digests_are_each_ranks_slice_without_padding(monkeypatch):
+    """What export checks a checkpoint's base against: under ZeRO 0-2 every rank holds (and
+    digests) the whole weights; under ZeRO-3 rank r its r-th slice of every flattened tensor.
+    (That these are DeepSpeed's own partitions is checked on a real ZeRO-3 run, tests/ray/commands/test_export.py.)"""
+    model = apply_adapters(tiny(), LORA)
+    whole = frozen_digest(model)
+    assert expected_digests(model, 2, zero3=False) == [whole, whole]
+    assert expected_digests(model, 1, zero3=True) == [whole]
+    frozen = [p for _, p in sorted(model.named_parameters(), key=lambda i: i[0]) if not p.requires_grad]
+    halves = expected_digests(model, 2, zero3=True)
+    assert halves == [tensor_digest(p.data.reshape(-1).chunk(2)[r] for p in frozen) for r in (0, 1)]
+    assert any(p.numel() == 64 for p in frozen)  # a norm: 22 weights a rank of 3, the last one's padded by 2
+    thirds = expected_digests(model, 3, zero3=True)
+    # Rank 2 as ZeRO-3 holds it: its slices, the last ones padded with whatever was in memory.
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 2)
+    for p in frozen:
+        size = -(-p.numel() // 3)
+        part = torch.full((size,), float("nan"), dtype=p.dtype)  # the padding: never the same twice
+        real = p.data.reshape(-1)[2 * size:]
+        part[:real.numel()] = real
+        p.ds_tensor, p.ds_numel = part, p.numel()
+    assert frozen_digest(model) == thirds[2]
 
 
 def test_saved_adapter_base_and_merged_model_load_back(tmp_path):

@@ -1,0 +1,110 @@
+"""`raypack chat`: talk to a trained model in the terminal, its answers streamed as they come.
+
+    raypack chat RUN                        # a run folder: its final model/, or its last checkpoint exported
+    raypack chat RUN/export/step_200/model  # any Hugging Face model folder with a chat template
+    raypack chat MODEL_DIR --prompt "Hi" --temperature 0     # answer once, for scripts
+
+In the conversation, `/reset` starts a new one and `/exit` (or Ctrl-D) ends it; Ctrl-C ends it
+too, with exit code 130. A run that has not finished (no final model/, or one with merge: false)
+has its last checkpoint exported into a temporary folder first (raypack/train/export.py), which is
+removed on exit. No Ray: one process, on CUDA when there is one, else on the CPU. Status lines go
+to stderr, so `--prompt` prints the answer alone on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import select
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from raypack import runs, storage
+from raypack.model.chat import Chat, model_folder
+
+USER, ASSISTANT = "user> ", "assistant> "
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # one bar per file loaded or saved
+    try:
+        with model_of(args.target) as target:
+            folder = model_folder(target)
+            say(f"loading {folder}")
+            chat = Chat.load(folder, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+            if args.prompt is not None:
+                answer(chat, args.prompt, prefix="")
+                return 0
+            return converse(chat, folder)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+def converse(chat: Chat, folder: str) -> int:
+    say(f"chatting with {folder} on {chat.device.type}: /reset starts a new conversation, /exit or Ctrl-D ends it")
+    while True:
+        line = read_line(USER)
+        if not line:  # EOF: Ctrl-D
+            print()
+            return 0
+        text = line.strip()
+        if text == "/exit":
+            if not sys.stdin.isatty():
+                print()  # piped input is not echoed: end the prompt's line
+            return 0
+        if text == "/reset":
+            chat.reset()
+            say("a new conversation")
+        elif text.startswith("/"):
+            say(f"unknown command {text.split()[0]}: /reset or /exit")
+        elif text:
+            answer(chat, text, prefix=ASSISTANT)
+
+
+def read_line(prompt: str) -> str:
+    """input(), but one that Ctrl-C interrupts at once: the SIGINT may reach one of torch's threads
+    instead of this one, and then no blocking read here returns; waiting in short selects lets the
+    interpreter run the handler (KeyboardInterrupt) within 0.1 s. "" at EOF."""
+    print(prompt, end="", flush=True)
+    if sys.stdin.isatty():  # one line per read in a terminal: nothing waits in Python's buffer
+        while not select.select([sys.stdin], [], [], 0.1)[0]:
+            pass
+    return sys.stdin.readline()
+
+
+def answer(chat: Chat, text: str, prefix: str) -> None:
+    print(prefix, end="", flush=True)
+    for piece in chat.send(text):
+        print(piece, end="", flush=True)
+    print(flush=True)
+
+
+def say(line: str) -> None:
+    print(f"[raypack] {line}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def model_of(target: str) -> Iterator[str]:
+    """The model folder to load: `target` itself, or for a run folder its final model/, else its
+    last checkpoint exported (merged, for LoRA) into a temporary folder."""
+    root = storage.absolute(target)
+    if not storage.exists(f"{root}/{runs.SAVED_CONFIG}"):
+        yield target
+        return
+    result = runs.read_result(root)
+    final = f"{result['checkpoint']}/model" if result and result.get("checkpoint") else None
+    # a finished run that was resumed for more steps has checkpoints past its final model
+    last = max((c["metrics"].get("step", 0) for c in runs.reported_checkpoints(root)), default=0)
+    if final and last <= result.get("step", 0) and not storage.is_uri(final) and storage.exists(f"{final}/config.json"):
+        yield final
+        return
+    from raypack.train.export import export
+
+    with tempfile.TemporaryDirectory(prefix="raypack-chat-") as tmp:
+        say(f"run {root} has no final model here: exporting its last checkpoint")
+        done = export(root, out=tmp, merge=True, log=lambda line: print(line, file=sys.stderr, flush=True))
+        yield f"{done.out}/model"

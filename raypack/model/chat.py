@@ -1,0 +1,149 @@
+"""Talk to a trained model: the chat template it trained with, its answer as the tokens come.
+
+    chat = Chat.load("results/tiny_cpu/export/step_40/model", max_new_tokens=256, temperature=0.7)
+    for piece in chat.send("What is packing?"):       # streamed; the answer joins the history
+        print(piece, end="", flush=True)
+    chat.reset()                                      # a new conversation
+
+A prompt is rendered as training rendered a conversation (the tokenizer's chat template, then
+tokenized without added special tokens, raypack/data/encode.py), with the generation prompt after
+the last user turn. Generation runs in a thread and `transformers.TextIteratorStreamer` hands the
+text over as it decodes. It stops at EOS or at the template's end-of-turn token: a model trained
+on multi-turn chats learned to close each turn with that token, and EOS only after the last one.
+`temperature` 0 is greedy decoding. The model runs on CUDA when there is one, else on the CPU.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM, AutoTokenizer, GenerationConfig, StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer,
+)
+
+from raypack.errors import InputError
+
+
+class ChatError(InputError):
+    """A folder raypack can't chat with (the message names it)."""
+
+
+def model_folder(path: str | Path) -> Path:
+    """The Hugging Face model folder at `path`, or its model/ (an export or a final checkpoint)."""
+    path = Path(path).expanduser().resolve()
+    for folder in (path, path / "model"):
+        if (folder / "config.json").exists():
+            return folder
+    if (path / "adapter_config.json").exists():
+        raise ChatError(f"{path} holds a peft adapter, not a model: chat with the merged model/ beside it "
+                        "(model.peft.merge), or with the run folder")
+    raise ChatError(f"{path}: no Hugging Face model there (no config.json), nor a run folder")
+
+
+def end_of_turn_ids(tokenizer) -> list[int]:
+    """The special token the chat template closes an assistant turn with (<|end|>, <|im_end|>,
+    <|eot_id|>, ...), found by rendering one: [] if it closes with plain text or none."""
+    marker = "RAYPACK_END_OF_TURN_PROBE"
+    try:
+        conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}]
+        text = tokenizer.apply_chat_template(conversation, tokenize=False)
+    except Exception:  # a template that wants another conversation shape: EOS alone stops
+        return []
+    after = text.split(marker, 1)[1] if marker in text else ""
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+    return ids[:1] if ids and ids[0] in tokenizer.all_special_ids else []
+
+
+class _Stop(StoppingCriteria):
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+class Chat:
+    """One conversation with one model (see the module doc)."""
+
+    def __init__(self, model, tokenizer, max_new_tokens: int = 256, temperature: float = 0.7):
+        if max_new_tokens < 1:
+            raise ChatError(f"--max-new-tokens: expected a positive int, got {max_new_tokens}")
+        if temperature < 0:
+            raise ChatError(f"--temperature: expected a float >= 0 (0: greedy), got {temperature}")
+        self.model, self.tokenizer = model, tokenizer
+        self.history: list[dict[str, str]] = []
+        stop = {tokenizer.eos_token_id, *end_of_turn_ids(tokenizer)} - {None}
+        self.generation = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            do_sample=temperature > 0,
+            **({"temperature": temperature} if temperature > 0 else {}),
+            eos_token_id=sorted(stop),
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+            use_cache=True,  # training saves the model with the cache off; generation wants it
+        )
+
+    @classmethod
+    def load(cls, path: str | Path, device: str | None = None, **kwargs) -> Chat:
+        folder = model_folder(path)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        if not tokenizer.chat_template:
+            raise ChatError(f"{folder}: its tokenizer has no chat template (raypack saves the one training used)")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto").to(device).eval()
+        return cls(model, tokenizer, **kwargs)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def prompt_ids(self, messages: list[dict[str, str]]) -> torch.Tensor:
+        """The conversation as training tokenized one, then the generation prompt: [1, tokens]."""
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+
+    def send(self, text: str) -> Iterator[str]:
+        """The answer to `text`, piece by piece as it is generated; once done it joins the history
+        (an answer left unfinished, by an error or a closed iterator, does not)."""
+        messages = [*self.history, {"role": "user", "content": text}]
+        ids = self.prompt_ids(messages).to(self.device)
+        streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True, timeout=0.1)
+        stop, failed = threading.Event(), []
+
+        def generate() -> None:
+            try:
+                self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                    generation_config=self.generation, streamer=streamer,
+                                    stopping_criteria=StoppingCriteriaList([_Stop(stop)]))
+            except BaseException as e:  # raised in the reader's thread below, not lost in this one
+                failed.append(e)
+                streamer.end()
+
+        # daemon: an interrupted reader must never wait on a generation it no longer reads
+        thread = threading.Thread(target=generate, name="raypack-generate", daemon=True)
+        thread.start()
+        pieces = []
+        try:
+            while True:
+                try:
+                    piece = next(streamer)
+                except queue.Empty:
+                    # Short waits, not one long one: a Ctrl-C that reached another thread (torch's)
+                    # interrupts no wait of this one; between two waits the interpreter raises it.
+                    continue
+                except StopIteration:
+                    break
+                pieces.append(piece)
+                yield piece
+        finally:
+            stop.set()
+            thread.join(timeout=10)
+        if failed:
+            raise failed[0]
+        self.history = [*messages, {"role": "assistant", "content": "".join(pieces)}]
+
+    def reset(self) -> None:
+        self.history = []

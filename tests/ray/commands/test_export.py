@@ -1,0 +1,241 @@
+"""`raypack export` (and `raypack chat` on a run folder) on real runs: one ZeRO-3 fine-tune and
+one ZeRO-3 LoRA run of the tiny model, 4 steps each with a checkpoint every 2, shared by the tests.
+
+The references are independent of the export's code: the middle checkpoint against the output of
+the `zero_to_fp32.py` script DeepSpeed saved into that checkpoint, the last against the final
+`model/` the training loop wrote itself, and the step a checkpoint holds from its step log.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from raypack.cli import main
+from raypack.config import load
+
+from paths import REPO
+
+pytestmark = pytest.mark.ray
+
+IDS = torch.tensor([[5, 9, 33, 7, 100, 4, 61, 200]])
+
+
+def train(storage: Path, *overrides: str) -> Path:
+    from raypack.train import trainer
+
+    cfg = load(REPO / "jobs" / "configs" / "tiny_cpu.yaml", [
+        # one cache: the second run reuses the first one's tokenized and packed data (seconds on 2 cores)
+        f"run.storage_path={storage}", f"data.cache_path={storage.parent / 'cache'}",
+        f"run.name=r-{uuid.uuid4().hex[:6]}", "pack.budget=256", "train.grad_accum=1",
+        "train.zero_stage=3", "train.max_steps=4", "train.checkpoint_every_steps=2", "train.eval_every_steps=2",
+        "train.report_every_steps=2", "data.eval_fraction=0.2", *overrides,
+    ])  # fmt: skip
+    return Path(trainer.start(cfg).root)
+
+
+@pytest.fixture(scope="module")
+def runs_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("export") / "runs"
+
+
+@pytest.fixture(scope="module")
+def full_run(ray_local, runs_dir) -> Path:
+    return train(runs_dir)
+
+
+@pytest.fixture(scope="module")
+def lora_run(ray_local, runs_dir) -> Path:
+    return train(runs_dir, "model.peft.method=lora", "model.peft.r=4", "train.lr=1e-2")
+
+
+def checkpoints(run: Path) -> dict[int, Path]:
+    """Each kept checkpoint by the last step of its own step log (not by what the export reads)."""
+    from raypack.train.checkpoint import read_steps_log
+
+    return {read_steps_log(c / "steps_rank0.npz")[-1][0]: c for c in run.glob("checkpoint_*") if c.is_dir()}
+
+
+def logits(folder) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        return AutoModelForCausalLM.from_pretrained(folder).eval()(input_ids=IDS).logits
+
+
+def export(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["export", *map(str, args)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_the_middle_checkpoint_is_deepspeeds_own_consolidation_of_it(full_run, tmp_path, capsys):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    code, out, err = export(capsys, full_run, "--checkpoint", 2)
+    assert code == 0, err
+    folder = full_run / "export" / "step_2" / "model"
+    assert f"[raypack] exported step 2 (float32) to {full_run}/export/step_2" in out
+    assert f'AutoModelForCausalLM.from_pretrained("{folder}")' in out and f"raypack chat {folder}" in out
+    info = json.loads((full_run / "export" / "step_2" / "raypack_export.json").read_text())
+    ckpts = checkpoints(full_run)
+    assert sorted(ckpts) == [2, 4] and info["checkpoint"] == ckpts[2].name and info["step"] == 2
+
+    # DeepSpeed's own script, run as its docs say, on the checkpoint's ZeRO-3 shards
+    script = subprocess.run([sys.executable, ckpts[2] / "zero_to_fp32.py", ckpts[2], tmp_path / "ref", "--tag", "ds",
+                             "--safe_serialization"], capture_output=True, text=True, timeout=300)
+    assert script.returncode == 0, script.stderr[-2000:]
+    final = ckpts[4] / "model"  # written by the training loop: the run's model config and tokenizer
+    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(final))
+    from safetensors.torch import load_file
+
+    reference.load_state_dict(load_file(tmp_path / "ref" / "model.safetensors"), strict=True)
+    with torch.no_grad():
+        expected = reference.eval()(input_ids=IDS).logits
+    middle = logits(folder)
+    assert torch.equal(middle, expected)
+    assert not torch.allclose(middle, logits(final)), "the middle checkpoint's model is the last one's"
+    exported, trained = AutoTokenizer.from_pretrained(folder), AutoTokenizer.from_pretrained(final)
+    assert exported.chat_template and exported.chat_template == trained.chat_template
+    assert exported.get_vocab() == trained.get_vocab()
+
+
+def test_the_last_checkpoint_is_the_final_model_bit_for_bit(full_run, capsys):
+    from safetensors.torch import load_file
+
+    code, out, err = export(capsys, full_run, "--out", full_run / "last")  # the default: the last checkpoint
+    assert code == 0, err
+    ours = load_file(full_run / "last" / "model" / "model.safetensors")
+    final = load_file(checkpoints(full_run)[4] / "model" / "model.safetensors")
+    assert ours.keys() == final.keys() and all(torch.equal(ours[k], final[k]) for k in ours)
+    assert json.loads((full_run / "last" / "model" / "config.json").read_text())["use_cache"] is True
+
+    code, _, err = export(capsys, full_run, "--out", full_run / "last-bf16", "--dtype", "bfloat16")
+    assert code == 0, err
+    half = load_file(full_run / "last-bf16" / "model" / "model.safetensors")
+    assert all(half[k].dtype == torch.bfloat16 and torch.equal(half[k], final[k].bfloat16()) for k in final)
+
+
+def test_best_eval_loss_picks_the_lowest_reported(full_run, tmp_path, capsys):
+    """On a copy of the run whose record says step 2 evaluated best (the real run improves every step)."""
+    copy = tmp_path / full_run.name
+    shutil.copytree(full_run, copy, ignore=shutil.ignore_patterns("packed", "tensorboard", "export", "last*"))
+    snapshot = json.loads((copy / "checkpoint_manager_snapshot.json").read_text())
+    losses = {r["metrics"]["step"]: r["metrics"]["eval_loss"] for r in snapshot["checkpoint_results"]}
+    assert losses[4] < losses[2]
+    code, _, err = export(capsys, copy, "--best", "eval_loss", "--out", tmp_path / "best")
+    assert code == 0 and json.loads((tmp_path / "best" / "raypack_export.json").read_text())["step"] == 4, err
+
+    for result in snapshot["checkpoint_results"]:
+        result["metrics"]["eval_loss"] = {2: 1.0, 4: 2.0}[result["metrics"]["step"]]
+    (copy / "checkpoint_manager_snapshot.json").write_text(json.dumps(snapshot))
+    code, out, err = export(capsys, copy, "--best", "eval_loss", "--out", tmp_path / "best2")
+    assert code == 0 and "[raypack] exported step 2 " in out, err
+
+    for result in snapshot["checkpoint_results"]:
+        result["metrics"].pop("eval_loss")
+    (copy / "checkpoint_manager_snapshot.json").write_text(json.dumps(snapshot))
+    code, _, err = export(capsys, copy, "--best", "eval_loss", "--out", tmp_path / "best3")
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"run {copy}: no checkpoint reported eval_loss (checkpoints at steps 2, 4)" in err
+    assert not (tmp_path / "best3").exists()
+
+
+def test_a_step_without_a_checkpoint_is_one_line_naming_the_run_and_its_steps(full_run, tmp_path, capsys):
+    code, _, err = export(capsys, full_run, "--checkpoint", 3, "--out", tmp_path / "x")
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"raypack: error: run {full_run} has no checkpoint at step 3; its checkpoints are at steps 2, 4" in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_uri_run_is_downloaded_and_needs_out(full_run, lora_run, tmp_path, capsys):
+    """`file://` stands for object storage: the same pyarrow filesystem calls reach S3 or GCS."""
+    from safetensors.torch import load_file
+
+    from raypack.train.export import export as export_here
+
+    code, _, err = export(capsys, f"file://{full_run}", "--checkpoint", 2)
+    assert code == 2 and "name a local folder for the export with --out" in err, err
+    for run in (full_run, lora_run):  # LoRA: the base weights come from the final base/, downloaded too
+        code, _, err = export(capsys, f"file://{run}", "--checkpoint", 2, "--out", tmp_path / run.name / "uri")
+        assert code == 0, err
+        export_here(str(run), step=2, out=str(tmp_path / run.name / "local"), log=lambda line: None)
+        ours = load_file(tmp_path / run.name / "uri" / "model" / "model.safetensors")
+        local = load_file(tmp_path / run.name / "local" / "model" / "model.safetensors")
+        assert ours.keys() == local.keys() and all(torch.equal(ours[k], local[k]) for k in local)
+
+
+def test_lora_middle_checkpoint_exports_adapter_merged_model_and_base_that_agree(lora_run, capsys):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    code, out, err = export(capsys, lora_run, "--checkpoint", 2)
+    assert code == 0, err
+    folder = lora_run / "export" / "step_2"
+    assert {p.name for p in folder.iterdir()} == {"adapter", "model", "base", "raypack_export.json"}
+    # the base came from the run's final base/, checked against the checkpoint's checksums
+    assert "base weights from " in out and "/base: their checksums match the checkpoint's" in out
+    base = f'AutoModelForCausalLM.from_pretrained("{folder}/base")'
+    assert f'PeftModel.from_pretrained({base}, "{folder}/adapter")' in out
+
+    merged = logits(folder / "model")
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder / "base"), folder / "adapter")
+    with torch.no_grad():
+        torch.testing.assert_close(adapted.eval()(input_ids=IDS).logits, merged, rtol=1e-4, atol=1e-5)
+
+    # independently: the checkpoint's adapters by DeepSpeed's consolidation, on the run's final base/
+    ckpts = checkpoints(lora_run)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ckpts[4] / "base"), ckpts[4] / "adapter")
+    state = get_fp32_state_dict_from_zero_checkpoint(str(ckpts[2]), tag="ds", exclude_frozen_parameters=True)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all("lora_" not in k for k in missing)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(input_ids=IDS).logits, merged, rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(merged, logits(ckpts[4] / "model")), "the middle checkpoint's adapters are the last's"
+
+
+def test_lora_without_its_base_weights_is_refused_and_adapter_only_still_exports(lora_run, tmp_path, capsys):
+    """A ZeRO-3 run whose base was built from a config and that has not finished (no final base/):
+    its init can't be reproduced here, so the merged model can't be made exactly; the adapter can."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    copy = tmp_path / lora_run.name
+    shutil.copytree(lora_run, copy, ignore=shutil.ignore_patterns("packed", "tensorboard", "export", "base",
+                                                                 "raypack_result.json"))
+    code, _, err = export(capsys, copy, "--checkpoint", 2, "--out", tmp_path / "merged")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "were trained on other base weights than" in err and "--adapter-only" in err
+    assert not (tmp_path / "merged").exists()
+
+    code, out, err = export(capsys, copy, "--checkpoint", 2, "--out", tmp_path / "alone", "--adapter-only")
+    assert code == 0, err
+    assert {p.name for p in (tmp_path / "alone").iterdir()} == {"adapter", "raypack_export.json"}
+    alone = load_file(tmp_path / "alone" / "adapter" / "adapter_model.safetensors")
+    trained = get_fp32_state_dict_from_zero_checkpoint(str(checkpoints(copy)[2]), tag="ds",
+                                                       exclude_frozen_parameters=True)
+    # peft's files drop the adapter's name ("default") from the keys
+    assert alone.keys() == {k.replace(".default", "") for k in trained}
+    assert all(torch.equal(alone[k.replace(".default", "")], v) for k, v in trained.items())
+
+
+def test_chat_on_an_unfinished_run_exports_its_last_checkpoint_first(full_run, tmp_path, capsys):
+    copy = tmp_path / full_run.name
+    shutil.copytree(full_run, copy, ignore=shutil.ignore_patterns("packed", "tensorboard", "export", "last*",
+                                                                 "raypack_result.json"))
+    args = ["--prompt", "hello", "--temperature", "0", "--max-new-tokens", "8"]
+    assert main(["chat", str(copy), *args]) == 0
+    unfinished = capsys.readouterr()
+    assert "has no final model here: exporting its last checkpoint" in unfinished.err
+    assert main(["chat", str(full_run), *args]) == 0  # finished: its final model/, as it is
+    finished = capsys.readouterr()
+    assert f"[raypack] loading {checkpoints(full_run)[4]}/model" in finished.err
+    assert unfinished.out == finished.out and unfinished.out.strip()

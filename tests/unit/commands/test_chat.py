@@ -1,0 +1,179 @@
+"""`raypack chat` in a real pseudo-terminal: the streamed answers are the model's greedy answers to
+the templated conversation, history and `/reset` included, and every way out exits cleanly.
+
+The model is a tiny Llama built from a config, saved with raypack's bundled tokenizer (which has a
+chat template). The expected answers come from a plain, non-streamed `generate` here.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import select
+import subprocess
+import sys
+import termios
+import time
+
+import pytest
+import torch
+
+from paths import REPO
+
+MAX_NEW = 12
+DEADLINE_S = 120  # a guard against a hang; every read below ends on a marker, not on a timeout
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny random model and the bundled tokenizer, saved as a Hugging Face folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from raypack.config import ASSETS
+    from raypack.model.build import tiny_config
+
+    folder = tmp_path_factory.mktemp("chat") / "model"
+    tokenizer = AutoTokenizer.from_pretrained(ASSETS / "tokenizer")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=len(tokenizer))).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def greedy(folder, messages: list[dict]) -> str:
+    """The answer `generate` gives the conversation, greedy, not streamed: it stops at EOS or at
+    the template's end of turn, `<|end|>`, as a model trained on raypack's chats learned to."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"] if not torch.is_tensor(ids) else ids
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False,
+                             eos_token_id=[tok.eos_token_id, tok.convert_tokens_to_ids("<|end|>")],
+                             pad_token_id=tok.pad_token_id)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+class Terminal:
+    """`raypack chat ...` with a pseudo-terminal as its controlling terminal (stdin, stdout, stderr)."""
+
+    def __init__(self, *args: str):
+        self.master, slave = os.openpty()
+        env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+
+        def take_terminal():  # after setsid: the pty becomes this session's terminal, so ^C is SIGINT
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "raypack.cli", "chat", *args], stdin=slave, stdout=slave,
+                                     stderr=slave, env=env, start_new_session=True, preexec_fn=take_terminal)
+        os.close(slave)
+        self.deadline = time.monotonic() + DEADLINE_S
+        self.screen = ""
+
+    def read_until(self, marker: str) -> str:
+        """Everything up to and including the next `marker` (after what earlier reads took)."""
+        while marker not in self.screen:
+            left = self.deadline - time.monotonic()
+            ready, _, _ = select.select([self.master], [], [], max(left, 0))
+            if not ready:
+                self.kill()
+                raise AssertionError(f"no {marker!r} within {DEADLINE_S} s; the screen:\n{self.screen}")
+            try:
+                data = os.read(self.master, 4096)
+            except OSError:  # EIO: the process closed the terminal
+                data = b""
+            if not data:
+                raise AssertionError(f"the chat ended before {marker!r}; the screen:\n{self.screen}")
+            self.screen += data.decode(errors="replace").replace("\r\n", "\n")
+        taken, self.screen = self.screen.split(marker, 1)
+        return taken + marker
+
+    def type(self, text: str) -> None:
+        os.write(self.master, text.encode())
+
+    def wait(self) -> tuple[int, str]:
+        """Exit code, and what the process wrote after the last read."""
+        rest = []
+        while True:
+            try:
+                ready, _, _ = select.select([self.master], [], [], max(self.deadline - time.monotonic(), 0))
+                data = os.read(self.master, 4096) if ready else b""
+            except OSError:
+                data = b""
+            if not data:
+                break
+            rest.append(data.decode(errors="replace"))
+        code = self.proc.wait(timeout=max(self.deadline - time.monotonic(), 1))
+        os.close(self.master)
+        return code, self.screen + "".join(rest)
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+
+def answer_of(taken: str) -> str:
+    """The streamed answer in what was read up to the next prompt."""
+    return taken.split("assistant> ", 1)[1].removesuffix("\nuser> ")
+
+
+def test_a_conversation_streams_the_greedy_answers_keeps_its_history_and_resets(model_dir):
+    term = Terminal(str(model_dir), "--temperature", "0", "--max-new-tokens", str(MAX_NEW))
+    try:
+        term.read_until("user> ")
+        term.type("hello\n")
+        first = answer_of(term.read_until("\nuser> "))
+        expected = greedy(model_dir, [{"role": "user", "content": "hello"}])
+        assert expected.strip(), "the tiny model answers nothing: the comparison would prove little"
+        assert first == expected
+
+        term.type("and then?\n")
+        second = answer_of(term.read_until("\nuser> "))
+        assert second == greedy(model_dir, [{"role": "user", "content": "hello"},
+                                            {"role": "assistant", "content": first},
+                                            {"role": "user", "content": "and then?"}])
+        assert second != first, "the history changed nothing: the second answer can't show it was used"
+
+        term.type("/reset\n")
+        assert "[raypack] a new conversation" in term.read_until("user> ")
+        term.type("and then?\n")
+        assert answer_of(term.read_until("\nuser> ")) == greedy(model_dir, [{"role": "user", "content": "and then?"}])
+
+        term.type("/exit\n")
+        code, rest = term.wait()
+    finally:
+        term.kill()
+    assert code == 0 and "Traceback" not in rest, rest
+
+
+@pytest.mark.parametrize("key,code", [("\x04", 0), ("\x03", 130)], ids=["ctrl-d", "ctrl-c"])
+def test_ctrl_d_and_ctrl_c_end_the_chat_without_a_traceback(model_dir, key, code):
+    term = Terminal(str(model_dir))
+    try:
+        term.read_until("user> ")
+        term.type(key)
+        exit_code, rest = term.wait()
+    finally:
+        term.kill()
+    assert exit_code == code and "Traceback" not in rest and "KeyboardInterrupt" not in rest, rest
+
+
+def test_prompt_answers_once_on_stdout(model_dir):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-m", "raypack.cli", "chat", str(model_dir.parent), "--prompt", "hello",
+                          "--temperature", "0", "--max-new-tokens", str(MAX_NEW)],
+                         capture_output=True, text=True, env=env, timeout=DEADLINE_S)
+    assert out.returncode == 0, out.stderr[-2000:]
+    # model_dir.parent: a folder holding model/, as an export does; status lines go to stderr
+    assert out.stdout == greedy(model_dir, [{"role": "user", "content": "hello"}]) + "\n"
+    assert f"[raypack] loading {model_dir}" in out.stderr
+
+
+def test_a_folder_without_a_model_is_one_line(tmp_path, capsys):
+    from raypack.cli import main
+
+    assert main(["chat", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{tmp_path}: no Hugging Face model there" in err
+
