@@ -7,13 +7,16 @@ One policy for every command, so `raypack data`, `plan`, `train` and `sweep` sta
 (where a run's files live is raypack/runs.py's):
 
 - a local instance listens on 127.0.0.1 only (GCS, raylet, dashboard, the Prometheus metrics
-  endpoints), with the dashboard on, which Ray Train's State API queries need;
+  endpoints; a run's torch.distributed store and gloo / NCCL: raypack/train/trainer.py), with the
+  dashboard on, which Ray Train's State API queries need; `is_local_instance()` tells it from a
+  cluster that was joined, whose nodes and autoscaler node types `cluster_view()` reads;
 - the screen shows raypack's lines and Ray's warnings: Ray's own INFO lines (start-up, Ray Data's
   execution plans and per-dataset progress lines off a terminal) go to Ray's log files only.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -21,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+
+from raypack.console import route_worker_output
 
 # ray.train.report blocks until the controller's health-check poll drains it (every 2 s by
 # default); a short interval keeps a report near 0.07 s. Ray reads it when it starts, and the
@@ -49,14 +54,61 @@ class RaySettings:
     """Passed to ray.init (tests put the repository on the workers' PYTHONPATH)."""
 
 
-_LOCAL: list[str] = []
-"""The GCS address of the local instance this process started: a cluster that can never grow."""
+LOCAL_MARK = b"raypack_local_instance"
+"""Key (namespace "raypack") that `init_ray` writes into the GCS of a local instance it starts, so
+that its other processes (a sweep trial runs `start` in a Tune actor) know it too."""
+
+_LOCAL: dict[str, bool] = {}
+"""GCS address -> whether it is a local instance raypack started, once asked."""
 
 
 def is_local_instance() -> bool:
-    """Whether Ray here is a local instance this process started (no autoscaler: what it has at
-    start is all it will ever have), not a cluster it joined."""
-    return ray.is_initialized() and ray.get_runtime_context().gcs_address in _LOCAL
+    """Whether Ray here is a local instance that raypack started (no autoscaler: what it has at
+    start is all it will ever have, and it listens on 127.0.0.1 only), not a cluster it joined."""
+    if not ray.is_initialized():
+        return False
+    gcs = ray.get_runtime_context().gcs_address
+    if gcs not in _LOCAL:
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        _LOCAL[gcs] = _internal_kv_get(LOCAL_MARK, namespace="raypack") is not None
+    return _LOCAL[gcs]
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """A joined cluster as Ray's GCS sees it: the nodes it has, and what an autoscaler may add."""
+
+    nodes: list[dict[str, float]]
+    """Each alive node's total resources."""
+    node_types: list[tuple[str, dict[str, float], int]]
+    """(name, resources, most nodes or -1 for no limit) of each node type the autoscaler may add,
+    where it publishes them (Ray Train's and Ray Data's own checks read the same record); empty
+    where it doesn't."""
+    grows: bool
+    """Whether an autoscaler may add nodes (of the types above, or of types it doesn't publish)."""
+
+
+def cluster_view() -> ClusterView:
+    """What the cluster this process joined has, and can grow to."""
+    from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
+    from ray._private.state import state
+    from ray._raylet import GCS_AUTOSCALER_STATE_NAMESPACE, GCS_AUTOSCALER_V2_ENABLED_KEY
+    from ray.autoscaler._private.util import format_readonly_node_type
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    nodes = [dict(n["Resources"]) for n in ray.nodes() if n["Alive"]]
+    config = state.get_cluster_config()
+    types = [(g.name, dict(g.resources), g.max_count) for g in (config.node_group_configs if config else ())]
+    # Every head runs Ray's (v1) autoscaler. Started without a cluster config, it only mirrors
+    # the nodes that joined, naming each one's type after its node id; a real one (launcher,
+    # KubeRay) names them after its config. Whatever can't be told apart (no report yet, v2,
+    # which reports elsewhere) is taken to grow: a start is never refused for nodes that may come.
+    status = json.loads(_internal_kv_get(DEBUG_AUTOSCALING_STATUS) or "{}").get("autoscaler_report", {})
+    kinds = (status.get("node_type_mapping") or {}).items()
+    mirror = all(kind == format_readonly_node_type(node) for node, kind in kinds)
+    v2 = _internal_kv_get(GCS_AUTOSCALER_V2_ENABLED_KEY, namespace=GCS_AUTOSCALER_STATE_NAMESPACE) == b"1"
+    return ClusterView(nodes, types, grows=bool(types) or v2 or not (status and mirror))
 
 
 def init_ray(settings: RaySettings = RaySettings()) -> None:
@@ -69,6 +121,7 @@ def init_ray(settings: RaySettings = RaySettings()) -> None:
         ray.init(logging_level=logging.WARNING)
     else:
         _init_local(settings)
+    route_worker_output()
 
 
 def _init_local(settings: RaySettings) -> None:
@@ -86,6 +139,11 @@ def _init_local(settings: RaySettings) -> None:
     saved_flag = ray_constants.ENABLE_RAY_CLUSTER
     os.environ.update({k: v for k, v in env.items() if saved_env[k] is None})
     ray_constants.ENABLE_RAY_CLUSTER = ray_constants.env_bool(LOOPBACK_ONLY, False)
+    # Ray warns at every start that it turned token authentication on (its default for a new local
+    # instance) and how to opt out; raypack's own line below says whether it is on.
+    auth_log = logging.getLogger(_AUTH_LOGGER)
+    auth_level = auth_log.level
+    auth_log.setLevel(logging.ERROR)
     try:
         context = ray.init(
             address="local",
@@ -98,14 +156,22 @@ def _init_local(settings: RaySettings) -> None:
             logging_level=logging.WARNING,
         )
     finally:
+        auth_log.setLevel(auth_level)
         ray_constants.ENABLE_RAY_CLUSTER = saved_flag
         for key, value in saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
-    _LOCAL[:] = [context.address_info["gcs_address"]]
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    _internal_kv_put(LOCAL_MARK, b"1", namespace="raypack")
+    _LOCAL[context.address_info["gcs_address"]] = True
     dashboard = f", dashboard http://{context.dashboard_url}" if context.dashboard_url else ""
-    print(f"[raypack] started a local Ray instance (listening on {context.address_info['node_ip_address']}{dashboard})",
-          flush=True)
+    auth = " with token authentication" if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" else ""
+    print(f"[raypack] started a local Ray instance (listening on {context.address_info['node_ip_address']}{auth}"
+          f"{dashboard})", flush=True)
+
+
+_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 
 def _free_port() -> int:
@@ -118,10 +184,17 @@ def _free_port() -> int:
 def quiet_ray_data() -> None:
     """Ray Data on this process: no execution-plan lines, and its INFO lines (per-dataset
     progress blocks every few seconds off a terminal, "execution finished") to its log file
-    only; its warnings still reach the screen, and so do its progress bars on a terminal."""
+    only, and no progress bars: data preparation prints its own progress lines
+    (raypack/data/progress.py). Its warnings still reach the screen."""
     import ray.data
 
-    ray.data.DataContext.get_current().print_on_execution_start = False
+    from ray.util.debug import log_once
+
+    context = ray.data.DataContext.get_current()
+    context.print_on_execution_start = False
+    context.enable_progress_bars = False
+    # Ray Data warns, once per process, that it draws no bars, and how to turn them on: spend its once.
+    log_once("ray_data_progress_manager_disabled")
     for handler in logging.getLogger("ray.data").handlers:
         if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
             handler.setLevel(max(handler.level, logging.WARNING))

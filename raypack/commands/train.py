@@ -21,6 +21,7 @@ import sys
 from raypack import runs, storage
 from raypack.config import load
 from raypack.runs import absolute_paths, run_dir, saved_config
+from raypack.train.tracking import offline_runs
 from raypack.train.trainer import Outcome, start
 
 
@@ -49,8 +50,14 @@ def print_summary(outcome: Outcome) -> None:
     print(f"  {'results':<20} {outcome.root}")
     if outcome.checkpoint:
         print(f"  {'checkpoint':<20} {outcome.checkpoint}  ({_holds(outcome.checkpoint)})")
-    if outcome.tensorboard:
-        print(f"  {'tensorboard':<20} tensorboard --logdir {outcome.tensorboard}")
+    tracking = outcome.tracking
+    if tracking.tensorboard_dir:
+        print(f"  {'tensorboard':<20} tensorboard --logdir {tracking.tensorboard_dir}")
+    if tracking.wandb and tracking.wandb["mode"] == "offline" and (offline := offline_runs(outcome.root)):
+        print(f"  {'wandb':<20} wandb sync {offline[-1]}")
+    elif tracking.wandb:
+        w = tracking.wandb
+        print(f"  {'wandb':<20} project {w['entity'] + '/' if w['entity'] else ''}{w['project']}, run {w['id']}")
 
 
 def _holds(checkpoint: str) -> str:

@@ -25,7 +25,6 @@ between steps, and syncs once at its end, which times the compute and reads the 
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +44,8 @@ from raypack.model.build import load_model, resolve_dtype
 from raypack.train.engine import deepspeed_config, setup_engine
 from raypack.train.checkpoint import TrainState, report_and_checkpoint, restore
 from raypack.train.loss import CausalLMLoss, make_loss
-from raypack.train.metrics import Reporter, model_flops_per_token
+from raypack.train.metrics import Eta, Reporter, model_flops_per_token
+from raypack.train.tracking import Trackers, TrackingTargets
 from raypack.train.prefetch import Prefetcher, StepBatch, prepare_step
 
 # --- setup --------------------------------------------------------------------------------------
@@ -223,20 +223,21 @@ def setup_worker(config: dict) -> Worker:
     base = base_digests(engine) if cfg.model.peft.enabled else None
     state = restore(engine, rank, data.fingerprint, base)
     counts = trainable_summary(engine.module)
+    t = cfg.train
     reporter = Reporter(
         rank=rank,
         total_steps=total_steps,
-        report_every=cfg.train.report_every_steps,
+        report_every=t.report_every_steps,
         static=_epoch_static(data, state.epoch, total_steps),  # renewed each epoch
-        tb_dir=config.get("tensorboard_dir") if cfg.train.tensorboard else None,
-        mlflow_uri=(os.environ.get("MLFLOW_TRACKING_URI") or config.get("mlflow_uri")) if cfg.train.mlflow else None,
-        run_name=cfg.run.name,
+        trackers=Trackers.open(TrackingTargets(**config["tracking"]), cfg.run.name, cfg.to_dict(), rank),
         # From the config, not the parameters: under ZeRO-3 each rank holds only a partition.
         flops_per_token=model_flops_per_token(engine.module.config, data.length_sq_mean, data.length_mean,
                                               counts["trainable_params"] if base else None),
         totals=state.totals,
+        epochs=t.epochs,
+        eta=Eta(total_steps, t.eval_every_steps, t.checkpoint_every_steps),
     )
-    reporter.start_clocks(state.step)
+    reporter.start_clocks()
     if base and rank == 0:
         print(f"[raypack] {cfg.model.peft.method}: training {counts['trainable_params']:,} adapter parameters of "
               f"{counts['total_params']:,} ({counts['trainable_params'] / counts['total_params']:.2%}); the base is frozen",
@@ -284,9 +285,12 @@ def after_step(w: Worker, epoch: int) -> None:
     if final and w.state.base_digest and base_digests(w.engine) != w.state.base_digest:
         raise RuntimeError("the frozen base weights changed during training: an optimizer or hook wrote to them")
     m = w.cfg.model
+    t_ckpt = time.perf_counter()
     report_and_checkpoint(w.engine, w.state, metrics, w.rank, checkpoint=ckpt_due, final=final,
                           tokenizer=w.tokenizer if final else None, merge=m.peft.merge,
                           trust_remote_code=m.trust_remote_code)
+    if ckpt_due:
+        w.reporter.checkpointed(time.perf_counter() - t_ckpt)
 
 
 def check_epoch_read(w: Worker, epoch: int) -> None:

@@ -3,7 +3,8 @@ throttled reporting.
 
 `ray.train.report` blocks until the Train controller drains its one-slot queue on a health-check
 poll (2 s by default), so reporting every step costs seconds a step. `Reporter` therefore writes
-every step to TensorBoard (cheap, local) and calls `ray.train.report` only every N steps.
+every step to the trackers (TensorBoard, W&B: raypack/train/tracking.py) and calls
+`ray.train.report` only every N steps.
 
 Time. `train_time_s` is the run's training wall time: its steps, data reads, reports and
 checkpoints, but not start-up (model build, restore) and not evaluation, which the loop times
@@ -16,15 +17,14 @@ learning curves and time-to-quality need.
 
 from __future__ import annotations
 
-import os
 import resource
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
-from tensorboardX import SummaryWriter
+
+from raypack.train.tracking import Trackers
 
 REPORTED = (
     "step", "epoch", "loss", "eval_loss", "lr", "tokens_per_s", "tokens_per_step", "tokens_seen",
@@ -97,57 +97,43 @@ class Totals:
 
 @dataclass
 class Reporter:
-    """Aggregates per-step values between reports; rank 0 also logs TensorBoard and progress."""
+    """Aggregates per-step values between reports; rank 0 also feeds the trackers and prints progress."""
 
     rank: int
     total_steps: int
     report_every: int
     static: dict[str, Any]
     """Values fixed for the run (packing efficiency, padding fraction) added to every report."""
-    tb_dir: str | None = None
-    mlflow_uri: str | None = None
-    """Log each report to MLflow too (rank 0); MLFLOW_TRACKING_URI overrides it."""
-    run_name: str = "raypack"
+    trackers: Trackers = field(default_factory=Trackers)
+    """TensorBoard, W&B and MLflow (raypack/train/tracking.py); none by default."""
     flops_per_token: float | None = None
     totals: Totals = field(default_factory=Totals)
     """Added to at every report; the loop passes the one its checkpointed state holds."""
+    epochs: int = 1
+    eta: Eta | None = None
+    """The time-left estimate the progress line shows; None: steps only."""
     _window: list[dict[str, float]] = field(default_factory=list)
-    _writer: Any = None
-    _mlflow: Any = None
-    _start: float = field(default_factory=time.perf_counter)
-    _start_step: int = 0
     _last: float = field(default_factory=time.perf_counter)
     _excluded: float = 0.0
 
-    def __post_init__(self) -> None:
-        if self.rank == 0 and self.tb_dir:
-            Path(self.tb_dir).mkdir(parents=True, exist_ok=True)
-            self._writer = SummaryWriter(self.tb_dir)
-        if self.rank == 0 and self.mlflow_uri:
-            try:  # optional (raypack[tracking]): imported only when a run asks for it
-                import mlflow
-            except ImportError:
-                raise RuntimeError("train.mlflow is on but mlflow is not installed: pip install 'raypack[tracking]'") from None
-            mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI", self.mlflow_uri))
-            mlflow.set_experiment("raypack")
-            mlflow.start_run(run_name=self.run_name)
-            mlflow.log_params({k: v for k, v in self.static.items()})
-            self._mlflow = mlflow
-
-    def start_clocks(self, step: int) -> None:
-        """Start the clocks now (after start-up), at optimizer step `step` (a restored run's)."""
-        self._start_step, self._start = step, time.perf_counter()
-        self._last, self._excluded = self._start, 0.0
+    def start_clocks(self) -> None:
+        """Start the clocks now, after start-up (model build, restore)."""
+        self._last, self._excluded = time.perf_counter(), 0.0
 
     def exclude(self, seconds: float) -> None:
         """Time spent since the last report on something that is not training (evaluation)."""
         self._excluded += seconds
+        if self.eta is not None:
+            self.eta.evaluated(seconds)
+
+    def checkpointed(self, seconds: float) -> None:
+        """A checkpoint took `seconds` (still training time: it is part of what a run costs)."""
+        if self.eta is not None:
+            self.eta.checkpointed(seconds)
 
     def log_step(self, step: int, values: dict[str, float]) -> None:
         self._window.append(values)
-        if self._writer is not None:
-            for key, value in values.items():
-                self._writer.add_scalar(f"train/{key}", value, step)
+        self.trackers.scalars(step, values)
 
     def due(self, step: int) -> bool:
         return step % self.report_every == 0 or step == self.total_steps
@@ -166,6 +152,8 @@ class Reporter:
         self._last, self._excluded = now, 0.0
         totals.tokens_seen += tokens
         totals.train_time_s += seconds
+        if self.eta is not None:
+            self.eta.trained(len(window), seconds)
         # Steps without a label token (skipped, see loop.train_step) weigh nothing; a window of
         # only those has no loss, not a loss of 0.
         trained = [w for w in window if w["label_tokens"] > 0]
@@ -195,32 +183,85 @@ class Reporter:
             metrics["mfu"] = metrics["tokens_per_s"] * self.flops_per_token / (peak * world)
         metrics.update(self.static)
         metrics.update(extra or {})
-        if self._writer is not None:
-            for key in ("eval_loss", "mfu", "peak_memory_gb"):
-                if metrics.get(key) is not None:
-                    self._writer.add_scalar(f"train/{key}", metrics[key], step)
-            self._writer.flush()
-        if self._mlflow is not None:
-            self._mlflow.log_metrics({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+        # The step's own values (loss, lr, times, rank imbalance) went to the trackers every step.
+        self.trackers.scalars(step, {k: v for k, v in metrics.items() if k not in window_keys(window) and k != "step"})
+        self.trackers.report(step, metrics)
         if self.rank == 0:
             self._progress(metrics)
         return metrics
 
     def _progress(self, m: dict[str, Any]) -> None:
-        done = m["step"] - self._start_step
-        elapsed = time.perf_counter() - self._start
-        left = elapsed / done * (self.total_steps - m["step"]) if done > 0 else 0.0
         eval_part = f" eval_loss {m['eval_loss']:.4f}" if m.get("eval_loss") is not None else ""
         loss = f"{m['loss']:.4f}" if m["loss"] is not None else "-"
+        left = f" left {duration(self.eta.left(m['step']))}" if self.eta is not None else ""
         print(
-            f"[raypack] step {m['step']}/{self.total_steps} loss {loss}{eval_part} "
+            f"[raypack] step {m['step']}/{self.total_steps} epoch {m['epoch'] + 1}/{self.epochs} loss {loss}{eval_part} "
             f"tok/s {m['tokens_per_s']:,.0f} data-wait {m['data_wait_s'] * 1e3:.0f}ms "
-            f"mem {m['peak_memory_gb']:.2f}GiB left {left:,.0f}s",
+            f"mem {m['peak_memory_gb']:.2f}GiB{left}",
             flush=True,
         )
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-        if self._mlflow is not None:
-            self._mlflow.end_run()
+        self.trackers.close()
+
+
+def window_keys(window: list[dict[str, float]]) -> set[str]:
+    return set().union(*window) if window else set()
+
+
+@dataclass
+class Eta:
+    """Time left: the steps left at the measured time a step (evaluation and checkpoints left out),
+    plus each evaluation and checkpoint still due at the measured time of one. Before the first of
+    either has run its cost is unknown and left out; a mean over every step taken so far would
+    instead stretch one pause over all the steps, or hide the pauses still to come."""
+
+    total_steps: int
+    eval_every: int
+    checkpoint_every: int
+    _steps: int = 0
+    _step_s: float = 0.0
+    _evals: list[float] = field(default_factory=list)
+    _checkpoints: list[float] = field(default_factory=list)
+    _unbilled: float = 0.0
+    """Checkpoint time not yet in a window: the next window's wall time holds it."""
+
+    def trained(self, steps: int, seconds: float) -> None:
+        """`steps` took `seconds`, a checkpoint taken since the last window included (taken out here)."""
+        self._steps += steps
+        self._step_s += max(seconds - self._unbilled, 0.0)
+        self._unbilled = 0.0
+
+    def evaluated(self, seconds: float) -> None:
+        self._evals.append(seconds)
+
+    def checkpointed(self, seconds: float) -> None:
+        self._checkpoints.append(seconds)
+        self._unbilled += seconds
+
+    def left(self, step: int) -> float:
+        if not self._steps:
+            return 0.0
+        left = self._step_s / self._steps * (self.total_steps - step)
+        for every, taken in ((self.eval_every, self._evals), (self.checkpoint_every, self._checkpoints)):
+            if taken:
+                left += sum(taken) / len(taken) * due_between(step, self.total_steps, every)
+        return left
+
+
+def due_between(step: int, total: int, every: int) -> int:
+    """Events due after `step` up to `total`, at every `every` steps (0: none) and at the last step."""
+    if step >= total:
+        return 0
+    periodic = total // every - step // every if every > 0 else 0
+    return periodic + (0 if every > 0 and total % every == 0 else 1)
+
+
+def duration(seconds: float) -> str:
+    """12s, 3m05s, 2h04m."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"

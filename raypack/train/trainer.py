@@ -3,7 +3,7 @@
     outcome = start(cfg)                     # check, prepare, fit; or say the run is complete
     outcome = start(cfg, resume=True)        # cfg from the run's saved config (runs.saved_config)
 
-    cfg ──> preflight (no Ray) ──> can this run continue? ──> init_ray
+    cfg ──> preflight (no Ray) ──> can this run continue? ──> init_ray ──> room for the workers?
         ──> prepare (tokenize, plan, pack; once, reused on resume) ──> TorchTrainer.fit
                                                  workers: raypack.train.loop.train_loop_per_worker
 
@@ -18,6 +18,9 @@ Failures: Ray Train restarts the worker group from the last checkpoint up to
 `train.max_failures` times, which is right for a crash (a killed worker, a lost node). An
 `InputError` raised in a worker (a model that can't run packed rows, a checkpoint taken on other
 data) would fail the same way every time, so it ends the run at once and `fit` raises it as it is.
+Workers the cluster can never hold stop a start in seconds, and room for the others is waited for
+at most `train.start_timeout_s` (raypack/train/placement.py); after that, Ray Train's own waits are
+unbounded. On a local instance the run listens on 127.0.0.1 only (placement.py too).
 """
 
 from __future__ import annotations
@@ -26,11 +29,11 @@ import logging
 import os
 import signal
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import ray.train
-from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.torch import TorchTrainer
 
 from raypack import runs, storage
 from raypack.config import Config
@@ -38,7 +41,9 @@ from raypack.data.cache import packed_key, packed_root, read_manifest
 from raypack.data.prepare import prepare
 from raypack.errors import ConfigError, InputError
 from raypack.runtime import init_ray, is_local_instance
+from raypack.train.placement import check_request, process_group, worker_resources
 from raypack.train.preflight import Checked, preflight
+from raypack.train.tracking import TrackingTargets, targets
 
 SUMMARY = ("step", "loss", "eval_loss", "tokens_per_s", "packing_efficiency", "peak_memory_gb")
 """The metrics a finished run records in its result file and prints."""
@@ -86,7 +91,7 @@ class Outcome:
     metrics: dict[str, Any]
     """The SUMMARY metrics of the last step."""
     checkpoint: str | None
-    tensorboard: str | None
+    tracking: TrackingTargets
     result: Any = None
     """Ray Train's `Result` of the fit, when one ran."""
 
@@ -107,13 +112,13 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
         )
     checked = preflight(cfg, reprepare=reprepare)
     cfg = checked.cfg
-    tensorboard = f"{root}/tensorboard" if cfg.train.tensorboard and not storage.is_uri(root) else None
+    tracking = targets(cfg, root)
     if done := _finished(root, checked):
         # What ended it is what to raise: a step cap, or the epochs
         more = "train.max_steps=null" if cfg.train.max_steps == done["step"] else "train.epochs=N"
         print(f"[raypack] run {cfg.run.name!r} is complete ({done['step']} steps); nothing to train. "
               f"Start a new run with run.name=NEW_NAME, or train on with --resume {root} {more}", flush=True)
-        return Outcome(root, True, done["metrics"], done.get("checkpoint"), tensorboard)
+        return Outcome(root, True, done["metrics"], done.get("checkpoint"), tracking)
     if trained:
         _check_same_data(cfg, root, checked)
         print(f"[raypack] run {cfg.run.name!r} exists in {root}: continuing from its last checkpoint", flush=True)
@@ -136,7 +141,7 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
     checkpoint = result.checkpoint.path if result.checkpoint else None
     summary = {k: metrics.get(k) for k in SUMMARY}
     runs.write_result(root, metrics.get("step", 0), summary, checkpoint)
-    return Outcome(root, False, summary, checkpoint, tensorboard, result)
+    return Outcome(root, False, summary, checkpoint, tracking, result)
 
 
 def _interrupt_on_sigint(controller) -> None:
@@ -145,26 +150,6 @@ def _interrupt_on_sigint(controller) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, on_sigint)
-
-
-def check_request(cfg: Config) -> None:
-    """Refuse, in seconds and before any data is prepared, workers a local instance can never
-    hold: Ray Train would wait for them for ever, printing a startup timeout every minute. A
-    cluster that was joined may have an autoscaler that adds nodes, so it is left to Ray."""
-    if not is_local_instance():
-        return
-    t = cfg.train
-    have = ray.cluster_resources()
-    asks = [("CPU", t.num_workers * t.cpus_per_worker, "train.num_workers x train.cpus_per_worker"),
-            ("GPU", t.num_workers if t.use_gpu else 0, "train.use_gpu (one GPU per worker)")]
-    for resource, need, setting in asks:
-        if need > have.get(resource, 0):
-            raise ConfigError(
-                f"{setting}: {t.num_workers} workers need {need:g} {resource}s, but this local Ray instance has "
-                f"{have.get(resource, 0):g} and can't grow; lower train.num_workers"
-                + (" or train.cpus_per_worker" if resource == "CPU" else ", or set train.use_gpu=false")
-                + ", or submit to a cluster that has them (RAY_ADDRESS, ray job submit)"
-            )
 
 
 def _finished(root: str, checked: Checked) -> dict | None:
@@ -209,20 +194,19 @@ def build_trainer(checked: Checked, *, reprepare: bool = False, callbacks: Seque
     cfg = checked.cfg
     t = cfg.train
     root = runs.run_dir(cfg)
-    if t.mlflow and storage.is_uri(root) and not os.environ.get("MLFLOW_TRACKING_URI"):
-        raise ConfigError("train.mlflow: with a URI run.storage_path, set MLFLOW_TRACKING_URI to a tracking server")
+    tracking = targets(cfg, root)  # a tracker that can't work here stops before the data is prepared
     prepared = prepare(cfg, t.num_workers, packed_root(cfg, t.num_workers, root), checked.sources,
                        vocab_size=checked.vocab_size, reprepare=reprepare)
     loop_config = {
         "cfg": cfg.to_dict(),
         "data": prepared.to_dict(),
-        # Event files and MLflow's file store need a local folder; with object storage, point
-        # MLFLOW_TRACKING_URI at a tracking server instead.
-        "tensorboard_dir": None if storage.is_uri(root) else f"{root}/tensorboard",
-        "mlflow_uri": None if storage.is_uri(root) else f"file://{root}/mlruns",
+        "tracking": asdict(tracking),
     }
-    resources = {"CPU": t.cpus_per_worker, **({"GPU": 1} if t.use_gpu else {})}
-    env = {k: os.environ[k] for k in ("TORCH_EXTENSIONS_DIR", "HF_HOME", "MLFLOW_TRACKING_URI") if k in os.environ}
+    # WANDB_API_KEY and W&B's other settings reach rank 0 this way when the driver has them; Ray
+    # shows a runtime_env's variables in its dashboard, so on a shared cluster set the key on the
+    # nodes (a Kubernetes Secret) rather than in the driver's environment.
+    env = {k: v for k, v in os.environ.items()
+           if k in ("TORCH_EXTENSIONS_DIR", "HF_HOME", "MLFLOW_TRACKING_URI") or k.startswith("WANDB_")}
     quiet = {
         # Ray Train patches print() in workers to log through its own logger, whose console
         # handler writes to stderr while the print still reaches stdout: every line twice.
@@ -235,21 +219,23 @@ def build_trainer(checked: Checked, *, reprepare: bool = False, callbacks: Seque
         **({} if t.use_gpu else {"DS_ACCELERATOR": "cpu"}),
     }
     env.update({k: os.environ.get(k, v) for k, v in quiet.items()})  # the user's own settings win
+    torch_config, listen_env = process_group(t.use_gpu, is_local_instance())
+    env.update(listen_env)
     return TorchTrainer(
         worker_loop,
         train_loop_config=loop_config,
-        torch_config=TorchConfig(backend="nccl" if t.use_gpu else "gloo"),
+        torch_config=torch_config,
         scaling_config=ray.train.ScalingConfig(
             num_workers=t.num_workers,
             use_gpu=t.use_gpu,
-            resources_per_worker=resources,
+            resources_per_worker=worker_resources(t),
             placement_strategy=t.placement_strategy,
         ),
         run_config=ray.train.RunConfig(
             name=cfg.run.name,
             storage_path=runs.storage_path(cfg),
             failure_config=ray.train.FailureConfig(max_failures=t.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=t.keep_checkpoints),
             callbacks=[StopOnInputError(), *callbacks],
             worker_runtime_env={"env_vars": env},
             # Ray Train's INFO lines (worker group start, one "Reporting training result" dump per

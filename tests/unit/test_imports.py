@@ -22,7 +22,7 @@ PACKAGE = Path(raypack.__file__).parent
 COMMAND_LAYER = ("raypack.cli", "raypack.commands")
 LAYERS = (
     ("raypack.errors",),
-    ("raypack.storage", "raypack.typed"),
+    ("raypack.console", "raypack.storage", "raypack.typed"),
     ("raypack.config",),
     ("raypack.data", "raypack.model", "raypack.runs", "raypack.runtime"),
     ("raypack.train",),

@@ -8,7 +8,10 @@ import types
 import pytest
 
 from raypack.model.build import tiny_config
-from raypack.train.metrics import Reporter, model_flops_per_token
+from raypack.train.metrics import Eta, Reporter, due_between, duration, model_flops_per_token
+from raypack.train.tracking import Trackers, TrackingTargets
+
+from trackfiles import history, tensorboard_scalars
 
 
 def test_reporter_weights_loss_by_label_tokens_and_logs(tmp_path, monkeypatch):
@@ -23,8 +26,9 @@ def test_reporter_weights_loss_by_label_tokens_and_logs(tmp_path, monkeypatch):
     )
     monkeypatch.setitem(sys.modules, "mlflow", fake)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    r = Reporter(rank=0, total_steps=2, report_every=2, static={"packing_efficiency": 0.9},
-                 tb_dir=str(tmp_path / "tb"), mlflow_uri=f"file://{tmp_path}/mlruns", run_name="t")
+    trackers = Trackers.open(TrackingTargets(tensorboard_dir=str(tmp_path / "tb"), mlflow_uri=f"file://{tmp_path}/mlruns"),
+                             "t", {"train": {"lr": 1e-3}})
+    r = Reporter(rank=0, total_steps=2, report_every=2, static={"packing_efficiency": 0.9}, trackers=trackers)
     step = {"tokens": 100.0, "step_time_s": 0.1, "data_wait_s": 0.0, "rank_imbalance": 1.0, "lr": 1e-3}
     r.log_step(1, {**step, "loss": 2.0, "label_tokens": 10.0})
     r.log_step(2, {**step, "loss": 5.0, "label_tokens": 30.0})
@@ -58,8 +62,57 @@ def test_steps_without_label_tokens_weigh_nothing_and_a_window_of_them_has_no_lo
     r.log_step(1, {**step, "loss": float("nan"), "label_tokens": 0.0, "skipped_steps": 1.0})
     m = r.summary(1, 0)
     assert m["loss"] is None and m["skipped_steps"] == 1.0  # not 0.0: nothing was trained
-    assert "step 1/3 loss - " in capsys.readouterr().out
+    assert "step 1/3 epoch 1/1 loss - " in capsys.readouterr().out
     r.log_step(2, {**step, "loss": float("nan"), "label_tokens": 0.0, "skipped_steps": 1.0})
     r.log_step(3, {**step, "loss": 4.0, "label_tokens": 8.0, "skipped_steps": 0.0})
     m = r.summary(3, 0)
     assert m["loss"] == 4.0 and m["skipped_steps"] == 1.0
+
+
+def test_wandb_offline_gets_what_tensorboard_gets_and_the_config(tmp_path):
+    """Per step and per report, W&B's rows hold the TensorBoard scalars, name for name and step for
+    step; the run config is logged once. Offline: no network, no API key."""
+    wandb = {"mode": "offline", "project": "p", "entity": None, "group": "g", "tags": ("t",), "dir": str(tmp_path / "w"),
+             "id": "abc123"}
+    trackers = Trackers.open(TrackingTargets(tensorboard_dir=str(tmp_path / "tb"), wandb=wandb), "run", {"train": {"lr": 1e-3}})
+    r = Reporter(rank=0, total_steps=4, report_every=2, static={"packing_efficiency": 0.9, "token_imbalance": 1.01},
+                 trackers=trackers)
+    for step in range(1, 5):
+        r.log_step(step, {"tokens": 100.0, "step_time_s": 0.1, "data_wait_s": 0.0, "rank_imbalance": 1.0, "lr": 1e-3,
+                          "loss": 5.0 - step, "label_tokens": 10.0})
+        if r.due(step):
+            r.summary(step, 0, {"eval_loss": 3.5} if step == 4 else None)
+    r.close()
+    tb = tensorboard_scalars(tmp_path / "tb")
+    (run_file,) = (tmp_path / "w" / "wandb").glob("offline-run-*-abc123/run-abc123.wandb")
+    logged: dict[str, dict[int, float]] = {}
+    for row in history(run_file):
+        for key, value in row.items():
+            if key.startswith("train/"):
+                logged.setdefault(key, {})[row["_step"]] = value
+    assert {"train/loss", "train/eval_loss", "train/tokens_per_s", "train/packing_efficiency", "train/token_imbalance",
+            "train/peak_memory_gb", "train/lr"} <= set(tb)
+    assert set(logged) == set(tb)
+    for key, steps in tb.items():
+        assert logged[key] == pytest.approx(steps, rel=1e-6), key
+    assert tb["train/loss"] == {1: 4.0, 2: 3.0, 3: 2.0, 4: 1.0} and tb["train/eval_loss"] == {4: 3.5}
+
+
+def test_eta_counts_steps_at_their_own_pace_and_each_pause_still_due():
+    """10 steps, an eval and a checkpoint every 5: after 5 steps of 2 s, an eval of 3 s and a
+    checkpoint of 4 s, one of each is still due (at step 10) besides 5 steps."""
+    eta = Eta(total_steps=10, eval_every=5, checkpoint_every=5)
+    eta.trained(5, 10.0)
+    assert eta.left(5) == pytest.approx(10.0)  # no pause measured yet: steps only
+    eta.evaluated(3.0)
+    eta.checkpointed(4.0)
+    assert eta.left(5) == pytest.approx(5 * 2.0 + 3.0 + 4.0)
+    eta.trained(3, 6.0 + 4.0)  # the next window holds the checkpoint's 4 s: not a slower step
+    assert eta.left(8) == pytest.approx(2 * 2.0 + 3.0 + 4.0)
+
+
+def test_pauses_due_count_the_last_step_once():
+    assert due_between(0, 10, 5) == 2 and due_between(5, 10, 5) == 1 and due_between(10, 10, 5) == 0
+    assert due_between(0, 12, 5) == 3  # 5, 10, and the last step
+    assert due_between(3, 12, 0) == 1  # only the last step
+    assert [duration(s) for s in (5, 125, 7300)] == ["5s", "2m05s", "2h01m"]
