@@ -7,7 +7,7 @@ One policy for every command, so `raypack data`, `plan`, `train` and `sweep` sta
 (where a run's files live is raypack/runs.py's):
 
 - a local instance listens on 127.0.0.1 only (GCS, raylet, dashboard, the Prometheus metrics
-  endpoints; a run's torch.distributed store and gloo / NCCL: raypack/train/trainer.py), with the
+  endpoints; a run's torch.distributed store and gloo / NCCL: raypack/train/placement.py), with the
   dashboard on, which Ray Train's State API queries need; `is_local_instance()` tells it from a
   cluster that was joined, whose nodes and autoscaler node types `cluster_view()` reads;
 - the screen shows raypack's lines and Ray's warnings: Ray's own INFO lines (start-up, Ray Data's
@@ -57,6 +57,9 @@ class RaySettings:
 LOCAL_MARK = b"raypack_local_instance"
 """Key (namespace "raypack") that `init_ray` writes into the GCS of a local instance it starts, so
 that its other processes (a sweep trial runs `start` in a Tune actor) know it too."""
+
+_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+"""Ray's logger that warns, at every start of a local instance, that token authentication is on."""
 
 _LOCAL: dict[str, bool] = {}
 """GCS address -> whether it is a local instance raypack started, once asked."""
@@ -169,9 +172,6 @@ def _init_local(settings: RaySettings) -> None:
     auth = " with token authentication" if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" else ""
     print(f"[raypack] started a local Ray instance (listening on {context.address_info['node_ip_address']}{auth}"
           f"{dashboard})", flush=True)
-
-
-_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 
 def _free_port() -> int:

@@ -45,8 +45,8 @@ from raypack.train.engine import deepspeed_config, setup_engine
 from raypack.train.checkpoint import TrainState, report_and_checkpoint, restore
 from raypack.train.loss import CausalLMLoss, make_loss
 from raypack.train.metrics import Eta, Reporter, model_flops_per_token
-from raypack.train.tracking import Trackers, TrackingTargets
 from raypack.train.prefetch import Prefetcher, StepBatch, prepare_step
+from raypack.train.tracking import Trackers, TrackingTargets
 
 # --- setup --------------------------------------------------------------------------------------
 

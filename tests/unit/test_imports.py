@@ -2,6 +2,7 @@
 
     cli ──> commands ──> tune ──> train ──> data, model ──> config ──> typed, storage ──> errors
                                     └──> runs (run folders), runtime (Ray start-up) ──> config
+                                                              └──> console (the screen)
 
 Library modules take typed configs; only the command layer (cli.py, commands/) sees argparse.
 """
