@@ -4,6 +4,7 @@ checker that the materialized rows follow a plan exactly (used with and without 
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 
 from raypack.data.shards import iter_rank_packs
 from raypack.data.strategies import STRATEGIES
@@ -19,6 +20,19 @@ def make_examples(n: int, budget: int, seed: int = 0) -> list[dict]:
         labels = np.where(rng.random(length) < 0.3, -100, tokens).astype(np.int32)
         rows.append({"example_id": eid, "input_ids": tokens, "labels": labels, "length": length})
     return rows
+
+
+def example_table(source: list[dict]) -> tuple[pa.Table, np.ndarray, np.ndarray]:
+    """`make_examples`' rows as a tokenized table, and their ids and lengths ordered by example_id
+    (what the planner sees)."""
+    table = pa.table({
+        "example_id": pa.array([r["example_id"] for r in source], pa.int64()),
+        "input_ids": pa.array([r["input_ids"] for r in source], pa.list_(pa.int32())),
+        "labels": pa.array([r["labels"] for r in source], pa.list_(pa.int32())),
+        "length": pa.array([r["length"] for r in source], pa.int32()),
+    })
+    order = np.argsort(table["example_id"].to_numpy())
+    return table, table["example_id"].to_numpy()[order], table["length"].to_numpy()[order]
 
 
 def check_rows(out_dir, plan, ids, source):

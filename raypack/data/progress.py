@@ -82,7 +82,7 @@ class Progress:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join()
+        self._thread.join(timeout=5)  # a poll stuck on a dead counter must not hold up Ctrl-C
 
     def _run(self) -> None:
         phase, t0, done0 = None, time.perf_counter(), 0

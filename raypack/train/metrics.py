@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from raypack.data.progress import duration
 from raypack.train.tracking import Trackers
 
 REPORTED = (
@@ -255,13 +256,3 @@ def due_between(step: int, total: int, every: int) -> int:
         return 0
     periodic = total // every - step // every if every > 0 else 0
     return periodic + (0 if every > 0 and total % every == 0 else 1)
-
-
-def duration(seconds: float) -> str:
-    """12s, 3m05s, 2h04m."""
-    s = int(round(seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    return f"{s // 3600}h{s % 3600 // 60:02d}m"

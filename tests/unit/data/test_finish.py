@@ -17,7 +17,7 @@ from raypack.data.pack import (assemble_rows, empty_rows, finish_rank, label_tok
                                write_rank)
 from raypack.data.strategies import make_plan
 
-from packcheck import make_examples
+from packcheck import example_table, make_examples
 
 
 def _whole_rank(out, rank, num_steps, num_ranks, reset, parts, group_rows):
@@ -41,14 +41,7 @@ def test_streamed_rank_is_the_whole_rank(tmp_path, monkeypatch, strategy, ranks,
     monkeypatch.setattr(pack, "ROWS_PER_FILE", 16)  # several files of whole row groups
     budget = 48
     source = make_examples(300, budget, seed=4)
-    table = pa.table({
-        "example_id": pa.array([r["example_id"] for r in source], pa.int64()),
-        "input_ids": pa.array([r["input_ids"] for r in source], pa.list_(pa.int32())),
-        "labels": pa.array([r["labels"] for r in source], pa.list_(pa.int32())),
-        "length": pa.array([r["length"] for r in source], pa.int32()),
-    })
-    order = np.argsort(table["example_id"].to_numpy())
-    ids, lengths = table["example_id"].to_numpy()[order], table["length"].to_numpy()[order]
+    table, ids, lengths = example_table(source)
     plan = make_plan(lengths, PackConfig(strategy=strategy, budget=budget, batch_size=4, seed=1), ranks)
     routing = plan_routing(plan, ids)
     parts = [route_block(table.slice(a, 70), routing, ranks) for a in range(0, 300, 70)]

@@ -10,23 +10,14 @@ from raypack.config import PackConfig
 from raypack.data.pack import finish_rank_tables, plan_routing, route_block
 from raypack.data.strategies import make_plan
 
-from packcheck import check_rows, make_examples
+from packcheck import check_rows, example_table, make_examples
 
 
 @pytest.mark.parametrize("strategy,ranks", [("wrapped", 2), ("wrapped_noreset", 3), ("balanced", 4), ("pad", 1)])
 def test_rows_follow_plan(tmp_path, strategy, ranks):
     budget = 48
     source = make_examples(90, budget, seed=2)
-    table = pa.table(
-        {
-            "example_id": pa.array([r["example_id"] for r in source], pa.int64()),
-            "input_ids": pa.array([r["input_ids"] for r in source], pa.list_(pa.int32())),
-            "labels": pa.array([r["labels"] for r in source], pa.list_(pa.int32())),
-            "length": pa.array([r["length"] for r in source], pa.int32()),
-        }
-    )
-    order = np.argsort(table["example_id"].to_numpy())
-    ids, lengths = table["example_id"].to_numpy()[order], table["length"].to_numpy()[order]
+    table, ids, lengths = example_table(source)
     plan = make_plan(lengths, PackConfig(strategy=strategy, budget=budget, batch_size=4, seed=5), ranks)
     routing = plan_routing(plan, ids)
     parts = [route_block(block, routing, ranks) for block in (table.slice(0, 40), table.slice(40))]

@@ -33,3 +33,9 @@ def test_a_short_stage_prints_nothing(capsys):
     with Progress("tokenize", lambda: ("examples read", 1, None), interval=10):
         pass
     assert capsys.readouterr().out == ""
+
+
+def test_durations_read_as_a_person_says_them():
+    from raypack.data.progress import duration
+
+    assert [duration(s) for s in (5, 125, 7300)] == ["5s", "2m05s", "2h01m"]

@@ -8,7 +8,7 @@ import types
 import pytest
 
 from raypack.model.build import tiny_config
-from raypack.train.metrics import Eta, Reporter, due_between, duration, model_flops_per_token
+from raypack.train.metrics import Eta, Reporter, due_between, model_flops_per_token
 from raypack.train.tracking import Trackers, TrackingTargets
 
 from trackfiles import history, tensorboard_scalars
@@ -115,4 +115,3 @@ def test_pauses_due_count_the_last_step_once():
     assert due_between(0, 10, 5) == 2 and due_between(5, 10, 5) == 1 and due_between(10, 10, 5) == 0
     assert due_between(0, 12, 5) == 3  # 5, 10, and the last step
     assert due_between(3, 12, 0) == 1  # only the last step
-    assert [duration(s) for s in (5, 125, 7300)] == ["5s", "2m05s", "2h01m"]
