@@ -20,3 +20,7 @@ class ConfigError(InputError):
 
 class SourceError(InputError):
     """A source file or row is unreadable or invalid; the message names the file and the row."""
+
+
+class StorageError(InputError):
+    """A storage URI that can't be reached (no such bucket, no network, no credentials)."""

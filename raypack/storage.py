@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
+from raypack.errors import StorageError
+
 
 def is_uri(path: str) -> bool:
     return "://" in path
@@ -23,15 +25,24 @@ def absolute(path: str) -> str:
 
 
 def resolve(path: str) -> tuple[pafs.FileSystem, str]:
-    """(filesystem, path inside it); local paths become absolute."""
+    """(filesystem, path inside it); local paths become absolute. A URI whose filesystem can't be
+    reached (pyarrow asks S3 for the bucket's region here) is a StorageError naming it."""
     if is_uri(path):
-        return pafs.FileSystem.from_uri(path)
+        try:
+            return pafs.FileSystem.from_uri(path)
+        except OSError as e:
+            raise StorageError(f"{path}: can't reach it: {e}") from e
     return pafs.LocalFileSystem(), absolute(path)
 
 
 def exists(path: str) -> bool:
     fs, p = resolve(path)
-    return fs.get_file_info(p).type != pafs.FileType.NotFound
+    try:
+        return fs.get_file_info(p).type != pafs.FileType.NotFound
+    except OSError as e:
+        if not is_uri(path):
+            raise
+        raise StorageError(f"{path}: can't reach it: {e}") from e
 
 
 def read_text(path: str) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from raypack import storage
 
 
@@ -37,3 +39,21 @@ def test_download_copies_a_folder_with_its_subfolders_or_one_file(tmp_path):
     assert (tmp_path / "copy" / "ds" / "rank0.pt").read_text() == "0" and (tmp_path / "copy" / "latest").read_text() == "ds"
     storage.download(f"file://{tmp_path}/ckpt/latest", f"{tmp_path}/one/latest")
     assert (tmp_path / "one" / "latest").read_text() == "ds"
+
+
+def test_a_uri_that_cant_be_reached_is_one_line_naming_it(monkeypatch):
+    """pyarrow asks S3 for a bucket's region when it resolves the URI: no network or no such bucket
+    was an OSError traceback; it is an InputError naming the URI (the CLI prints it as one line)."""
+    import types
+
+    import pyarrow.fs as pafs
+
+    from raypack.errors import StorageError
+
+    def unreachable(uri):
+        raise OSError("When resolving region for bucket 'b': AWS Error NETWORK_CONNECTION")
+
+    monkeypatch.setattr(storage, "pafs", types.SimpleNamespace(FileSystem=types.SimpleNamespace(from_uri=unreachable),
+                                                             FileType=pafs.FileType, LocalFileSystem=pafs.LocalFileSystem))
+    with pytest.raises(StorageError, match=r"^s3://b/run: can't reach it: When resolving region"):
+        storage.exists("s3://b/run")
