@@ -3,6 +3,7 @@
     <run.storage_path>/<run.name>/            run_dir(cfg): a local folder or a URI
         raypack_config.yaml                   the config it trains, saved once, paths absolute
         raypack_result.json                   written when training finishes (last step, metrics)
+        raypack_wandb_id                      its W&B run's id, with run.wandb on (train/tracking.py)
         packed/, tensorboard/, checkpoint_*   prepare's rows, the event files, Ray Train's state
         export/step_<N>/                      `raypack export`'s Hugging Face folders (its default --out)
     <run.storage_path>/<sweep name>/          a sweep's experiment folder
@@ -25,6 +26,8 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from raypack import storage
 from raypack.config import ASSETS, ASSETS_PREFIX, Config, dumps, loads
@@ -92,7 +95,14 @@ def saved_config(folder: str, overrides: Sequence[str] = (), file: str = SAVED_C
         if what == "sweep":
             raise ConfigError(f"--resume {folder}: not a raypack sweep (no {file} there); start one with --config")
         raise ConfigError(f"--resume {folder}: no {file} there; is it a raypack run folder?")
-    return at(loads(storage.read_text(path), overrides, path), folder)
+    text = storage.read_text(path)
+    cfg = loads(text, overrides, path)
+    # Configs saved before data.eval_max_examples existed held out eval_fraction of the examples,
+    # uncapped: keep that split, and with it the packed data their checkpoints index.
+    saved_data = (yaml.safe_load(text) or {}).get("data") or {}
+    if "eval_max_examples" not in saved_data and not any(o.startswith("data.eval_max_examples=") for o in overrides):
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_max_examples=None))
+    return at(cfg, folder)
 
 
 def save_config(cfg: Config, file: str = SAVED_CONFIG) -> None:
@@ -119,13 +129,18 @@ def differences(saved: Config, new: Config, sections: Sequence[str] | None = Non
     return out
 
 
+WATCHING_ONLY = ("run.wandb.", "train.tensorboard", "train.mlflow", "train.keep_checkpoints", "train.start_timeout_s",
+                 "train.report_every_steps")
+"""Fields that change how a run is watched or kept, never what it trains: a rerun may change them."""
+
+
 def check_same_config(cfg: Config, root: str) -> None:
     """A ConfigError if the run in `root` was started with a config other than `cfg` (a rerun of
     `raypack train --config` with a changed file or overrides); nothing if it has none saved."""
     path = f"{root}/{SAVED_CONFIG}"
     if not storage.exists(path):
         return
-    diff = differences(loads(storage.read_text(path), (), path), absolute_paths(cfg))
+    diff = [d for d in differences(saved_config(root), absolute_paths(cfg)) if not d.startswith(WATCHING_ONLY)]
     if diff:
         raise ConfigError(
             f"run {cfg.run.name!r} in {root} was started with another config ({diff[0]}"

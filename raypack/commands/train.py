@@ -54,7 +54,9 @@ def print_summary(outcome: Outcome) -> None:
     if tracking.tensorboard_dir:
         print(f"  {'tensorboard':<20} tensorboard --logdir {tracking.tensorboard_dir}")
     if tracking.wandb and tracking.wandb["mode"] == "offline" and (offline := offline_runs(outcome.root)):
-        print(f"  {'wandb':<20} wandb sync {offline[-1]}")
+        # each start (a resume) writes its own segment of the one W&B run: sync them all
+        shown = offline[0] if len(offline) == 1 else offline[0].parent / "offline-run-*"
+        print(f"  {'wandb':<20} wandb sync {shown}")
     elif tracking.wandb:
         w = tracking.wandb
         print(f"  {'wandb':<20} project {w['entity'] + '/' if w['entity'] else ''}{w['project']}, run {w['id']}")

@@ -75,11 +75,13 @@ def tokenized_key(cfg: Config) -> str:
 def packed_key(cfg: Config, num_ranks: int) -> str:
     """Hash of everything that shapes the packed rows: the tokenized examples, the eval split and the plan."""
     plain = cfg.to_dict()
+    # No cap (what every run before data.eval_max_examples had) keys as it did then.
+    capped = {"eval_max_examples": cfg.data.eval_max_examples} if cfg.data.eval_max_examples is not None else {}
     return _digest({
         "version": FORMAT_VERSION,
         "tokenized": tokenized_key(cfg),
         "eval_fraction": plain["data"]["eval_fraction"],
-        "eval_max_examples": plain["data"]["eval_max_examples"],
+        **capped,
         "pack": plain["pack"],
         "ranks": num_ranks,
         "accum": cfg.train.grad_accum,

@@ -102,6 +102,8 @@ class TokenizeStats:
         by_row = [(self.dropped, f"over {self.max_length} tokens"), (self.no_labels, "without a label token"),
                   (self.bad_rows, "bad rows")]
         by_token = [(n, cause.replace("_", "-")) for cause, n in sorted(self.label_tokens_lost.items())]
+        if self.label_tokens and not self.source_label_tokens:  # a cache entry from before they were counted
+            return f"{_shares(by_row, rows)} of the examples (label tokens lost: not counted when this was tokenized)"
         return (f"{_shares(by_row, rows)} of the examples and "
                 f"{_shares(by_token, self.source_label_tokens)} of their label tokens")
 

@@ -278,9 +278,11 @@ def after_step(w: Worker, epoch: int) -> None:
     eval_due = final or _every(step, t.eval_every_steps)
     if not (ckpt_due or eval_due or w.reporter.due(step)):
         return
-    t_eval = time.perf_counter()
-    extra = {"eval_loss": evaluate(w.engine, w.data, w.rank, w.loss)} if eval_due else {}
-    w.reporter.exclude(time.perf_counter() - t_eval)
+    extra = {}
+    if eval_due:
+        t_eval = time.perf_counter()
+        extra["eval_loss"] = evaluate(w.engine, w.data, w.rank, w.loss)
+        w.reporter.exclude(time.perf_counter() - t_eval)
     metrics = w.reporter.summary(step, epoch, extra)
     if final and w.state.base_digest and base_digests(w.engine) != w.state.base_digest:
         raise RuntimeError("the frozen base weights changed during training: an optimizer or hook wrote to them")

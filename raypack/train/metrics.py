@@ -122,7 +122,7 @@ class Reporter:
         self._last, self._excluded = time.perf_counter(), 0.0
 
     def exclude(self, seconds: float) -> None:
-        """Time spent since the last report on something that is not training (evaluation)."""
+        """An evaluation since the last report took `seconds`: not training time."""
         self._excluded += seconds
         if self.eta is not None:
             self.eta.evaluated(seconds)

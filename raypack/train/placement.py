@@ -39,19 +39,21 @@ WAIT_REPORT_S = 30.0
 """Seconds between the lines that say what a start is waiting for."""
 
 
-def check_request(cfg: Config) -> None:
+def check_request(cfg: Config, wait: bool = True) -> None:
     """Before any data is prepared: refuse in seconds workers the cluster can never hold, and wait
     at most `train.start_timeout_s` for room for the others. Ray Train would wait for ever,
     printing a startup timeout every minute. A local instance can't grow: its totals decide. A
     joined cluster is judged by its nodes and by the node types its autoscaler publishes (an
     autoscaler that publishes none can't be judged: only the wait bounds it); then a placement
     group like Ray Train's is made, which is also what asks an autoscaler for nodes, and removed
-    once ready, for Ray Train to make its own. Nothing holds the room while the data is prepared."""
+    once ready, for Ray Train to make its own. Nothing holds the room while the data is prepared.
+    `wait=False` skips the wait: a sweep's trials queue for room behind each other, as long as it takes."""
     t = cfg.train
     if not is_local_instance():
         view = cluster_view()
         _check_cluster_holds(t, view)
-        _wait_for_room(t, view)
+        if wait:
+            _wait_for_room(t, view)
         return
     have = ray.cluster_resources()
     asks = [("CPU", t.num_workers * t.cpus_per_worker, "train.num_workers x train.cpus_per_worker"),

@@ -12,19 +12,19 @@ did before W&B came: its file store writes a file a metric, too much for every s
 
 W&B online goes through Ray's own `ray.air.integrations.wandb.setup_wandb` (its API-key lookup
 and hooks). Its defaults come from Ray Train V1's session (run name, id, group, rank 0 only), which
-Train V2 workers don't have, so the worker passes them itself: only rank 0 calls it, with an id
-derived from the run folder, so that a resumed run (or a restarted worker group) goes on in the
-same W&B run. Offline, it calls `wandb.init` with the same arguments: Ray's demands an API key. Ray's `WandbLoggerCallback`
+Train V2 workers don't have, so the worker passes them itself: only rank 0 calls it, with the id
+saved in the run folder (`WANDB_ID`), so that a resumed run (or a restarted worker group) goes on
+in the same W&B run. Offline, it calls `wandb.init` with the same arguments: Ray's demands an API key. Ray's `WandbLoggerCallback`
 is a Tune callback that logs what trials report; a `raypack train` run has no Tune, and trials of
 a sweep log from their rank 0 like any run (grouped by the sweep's name, `runs.trial_config`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import netrc
 import os
+import secrets
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -48,11 +48,13 @@ class TrackingTargets:
     """`run.wandb` as a dict (mode, project, entity, group, tags), with `dir` and `id` added; None: off."""
 
 
-def targets(cfg: Config, root: str) -> TrackingTargets:
-    """Where the run in `root` tracks, from its config and the environment; a ConfigError, before
-    anything starts, for a tracker that could not work there."""
+def targets(cfg: Config, root: str, check: bool = True) -> TrackingTargets:
+    """Where the run in `root` tracks, from its config and the environment; with `check`, a
+    ConfigError, before anything starts, for a tracker that could not work there."""
     t, w = cfg.train, cfg.run.wandb
     local = not storage.is_uri(root)
+    if not check:
+        return TrackingTargets(f"{root}/tensorboard" if t.tensorboard and local else None)
     # Event files, MLflow's file store and an offline W&B run need a local folder.
     if t.mlflow and not local and not os.environ.get("MLFLOW_TRACKING_URI"):
         raise ConfigError("train.mlflow: with a URI run.storage_path, set MLFLOW_TRACKING_URI to a tracking server")
@@ -72,6 +74,12 @@ def targets(cfg: Config, root: str) -> TrackingTargets:
     )
 
 
+def save_wandb_id(root: str, tracking: TrackingTargets) -> None:
+    """Keep the run's W&B id in its folder, once the run has started, for its resumes."""
+    if tracking.wandb and not storage.exists(f"{root}/{WANDB_ID}"):
+        storage.write_text(f"{root}/{WANDB_ID}", tracking.wandb["id"])
+
+
 def _wandb_key() -> bool:
     """Whether W&B has an API key here: WANDB_API_KEY, or the netrc entry `wandb login` writes."""
     if os.environ.get("WANDB_API_KEY"):
@@ -83,9 +91,15 @@ def _wandb_key() -> bool:
         return False
 
 
-def wandb_id(run_dir: str) -> str:
-    """One W&B run id per raypack run folder: a resume continues the same W&B run."""
-    return hashlib.sha256(run_dir.encode()).hexdigest()[:16]
+WANDB_ID = "raypack_wandb_id"
+"""The run's W&B run id, in its folder: a resume continues that W&B run, and a new run that reuses
+the folder's name after it was removed starts its own."""
+
+
+def wandb_id(root: str) -> str:
+    """The W&B id saved in the run folder, or a new one for a run that has none yet."""
+    path = f"{root}/{WANDB_ID}"
+    return storage.read_text(path).strip() if storage.exists(path) else secrets.token_hex(8)
 
 
 def wandb_dir(run_dir: str) -> Path:
@@ -184,7 +198,9 @@ def _start_mlflow(uri: str | None, run_name: str, params: dict[str, Any]):
     mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI", uri))
     mlflow.set_experiment("raypack")
     mlflow.start_run(run_name=run_name)
-    mlflow.log_params(_flat(params))
+    # MLflow refuses a param value over its length limit (500 characters in older servers): an
+    # inline chat template or a long list of paths is cut, not a failed start.
+    mlflow.log_params({k: v if len(str(v)) <= 500 else f"{str(v)[:497]}..." for k, v in _flat(params).items()})
     return mlflow
 
 

@@ -43,7 +43,7 @@ from raypack.errors import ConfigError, InputError
 from raypack.runtime import init_ray, is_local_instance
 from raypack.train.placement import check_request, process_group, worker_resources
 from raypack.train.preflight import Checked, preflight
-from raypack.train.tracking import TrackingTargets, targets
+from raypack.train.tracking import TrackingTargets, save_wandb_id, targets
 
 SUMMARY = ("step", "loss", "eval_loss", "tokens_per_s", "packing_efficiency", "peak_memory_gb")
 """The metrics a finished run records in its result file and prints."""
@@ -96,11 +96,14 @@ class Outcome:
     """Ray Train's `Result` of the fit, when one ran."""
 
 
-def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbacks: Sequence = ()) -> Outcome:
+def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbacks: Sequence = (),
+          trial: bool = False) -> Outcome:
     """Train the run `cfg` names, or continue it from its last checkpoint; see the module doc.
     `resume`: `cfg` is the run's own saved config (with overrides), so it is not compared with
     what the run was started with. `reprepare` packs changed sources again (a run with no
-    checkpoint yet). `callbacks`: Ray Train callbacks (a sweep trial forwards reports with one)."""
+    checkpoint yet). `callbacks`: Ray Train callbacks (a sweep trial forwards reports with one).
+    `trial`: a sweep trial, which waits for room for its workers behind the other trials for as
+    long as it takes, not `train.start_timeout_s`."""
     root = runs.run_dir(cfg)
     trained = runs.has_checkpoint(root)
     if not resume:
@@ -112,13 +115,12 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
         )
     checked = preflight(cfg, reprepare=reprepare)
     cfg = checked.cfg
-    tracking = targets(cfg, root)
     if done := _finished(root, checked):
         # What ended it is what to raise: a step cap, or the epochs
         more = "train.max_steps=null" if cfg.train.max_steps == done["step"] else "train.epochs=N"
         print(f"[raypack] run {cfg.run.name!r} is complete ({done['step']} steps); nothing to train. "
               f"Start a new run with run.name=NEW_NAME, or train on with --resume {root} {more}", flush=True)
-        return Outcome(root, True, done["metrics"], done.get("checkpoint"), tracking)
+        return Outcome(root, True, done["metrics"], done.get("checkpoint"), targets(cfg, root, check=False))
     if trained:
         _check_same_data(cfg, root, checked)
         print(f"[raypack] run {cfg.run.name!r} exists in {root}: continuing from its last checkpoint", flush=True)
@@ -126,16 +128,18 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
             storage.remove_dir(orphan)
             print(f"[raypack] removed {orphan}: saved as the run stopped, never registered", flush=True)
 
+    tracking = targets(cfg, root)  # a tracker that can't work here stops before Ray starts
     fresh = not storage.exists(root)
     init_ray()
     try:
-        check_request(cfg)
-        trainer = build_trainer(checked, reprepare=reprepare, callbacks=callbacks)
+        check_request(cfg, wait=not trial)
+        trainer = build_trainer(checked, tracking, reprepare=reprepare, callbacks=callbacks)
     except BaseException:
         if fresh:  # a start that failed leaves nothing that looks like a run
             storage.remove_dir(root)
         raise
     runs.save_config(cfg)
+    save_wandb_id(root, tracking)
     result = fit_trainer(trainer)
     metrics = dict(result.metrics or {})
     checkpoint = result.checkpoint.path if result.checkpoint else None
@@ -188,13 +192,14 @@ def _check_same_data(cfg: Config, root: str, checked: Checked) -> None:
     )
 
 
-def build_trainer(checked: Checked, *, reprepare: bool = False, callbacks: Sequence = ()) -> TorchTrainer:
+def build_trainer(checked: Checked, tracking: TrackingTargets, *, reprepare: bool = False,
+                  callbacks: Sequence = ()) -> TorchTrainer:
     """The `TorchTrainer` for `checked.cfg` (preflight's record), with its packed data prepared
-    (or reused) under the run dir; `reprepare` packs the data again from changed sources."""
+    (or reused) under the run dir, tracking to `tracking`; `reprepare` packs the data again from
+    changed sources."""
     cfg = checked.cfg
     t = cfg.train
     root = runs.run_dir(cfg)
-    tracking = targets(cfg, root)  # a tracker that can't work here stops before the data is prepared
     prepared = prepare(cfg, t.num_workers, packed_root(cfg, t.num_workers, root), checked.sources,
                        vocab_size=checked.vocab_size, reprepare=reprepare)
     loop_config = {
@@ -202,11 +207,12 @@ def build_trainer(checked: Checked, *, reprepare: bool = False, callbacks: Seque
         "data": prepared.to_dict(),
         "tracking": asdict(tracking),
     }
-    # WANDB_API_KEY and W&B's other settings reach rank 0 this way when the driver has them; Ray
-    # shows a runtime_env's variables in its dashboard, so on a shared cluster set the key on the
-    # nodes (a Kubernetes Secret) rather than in the driver's environment.
+    # W&B's settings reach rank 0 this way, but never WANDB_API_KEY: Ray shows a runtime_env's
+    # variables in its dashboard. Workers find the key where the driver did: in the environment
+    # the local instance was started with, or on a cluster's nodes (a Kubernetes Secret).
     env = {k: v for k, v in os.environ.items()
-           if k in ("TORCH_EXTENSIONS_DIR", "HF_HOME", "MLFLOW_TRACKING_URI") or k.startswith("WANDB_")}
+           if k in ("TORCH_EXTENSIONS_DIR", "HF_HOME", "MLFLOW_TRACKING_URI")
+           or (k.startswith("WANDB_") and k != "WANDB_API_KEY")}
     quiet = {
         # Ray Train patches print() in workers to log through its own logger, whose console
         # handler writes to stderr while the print still reaches stdout: every line twice.

@@ -192,7 +192,7 @@ class TrainRun(ray.tune.Trainable):
 def _fit_task(cfg: Config, callback: ForwardReports) -> str | None:
     previous = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
     try:
-        outcome = start(cfg, callbacks=[callback])
+        outcome = start(cfg, callbacks=[callback], trial=True)
     except Exception as e:  # Train V2 raises a failed run's error from fit()
         return f"{type(e).__name__}: {e}"
     finally:

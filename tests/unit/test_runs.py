@@ -13,7 +13,7 @@ from raypack.errors import ConfigError
 from raypack.runs import (SAVED_CONFIG, SWEEP_CONFIG, absolute_paths, at, check_same_config, local_path, run_dir,
                           save_config, saved_config, storage_path, trial_config, trial_name)
 
-from paths import TEST_ASSETS
+from paths import REPO, TEST_ASSETS
 
 
 def test_storage_path_and_run_dir(tmp_path, monkeypatch):
@@ -56,6 +56,25 @@ def test_resume_reads_a_saved_run_folder():
     assert cfg.pack.strategy == "bfd" and cfg.train.grad_accum == 2
     assert cfg.train.lr == 0.5  # the override wins
     assert cfg.tune == load().tune  # a section the file predates takes its defaults
+
+
+def test_a_run_saved_before_the_eval_cap_keeps_its_uncapped_split_and_packed_key(tmp_path):
+    """A config saved before data.eval_max_examples existed resumes with no cap, and its packed
+    data keeps the key it was made under (that of raypack before the cap: pinned here), so its
+    checkpoints still index it; a run saved now keeps the default cap."""
+    from raypack.data.cache import packed_key
+
+    quickstart = str(REPO / "jobs" / "configs" / "quickstart.yaml")
+
+    old = load(quickstart, [f"run.storage_path={tmp_path}"])
+    save_config(old)
+    path = tmp_path / "quickstart" / SAVED_CONFIG
+    path.write_text("\n".join(line for line in path.read_text().splitlines() if "eval_max_examples" not in line))
+    resumed = saved_config(str(tmp_path / "quickstart"))
+    assert resumed.data.eval_max_examples is None
+    # the quickstart's key at 2 ranks in raypack before the cap (fb44f35), with no cap now
+    assert packed_key(load(quickstart, ["data.eval_max_examples=null"]), 2) == "2acb373fcb2b86aa"
+    assert load(quickstart).data.eval_max_examples == 2000
 
 
 def test_resume_round_trips_what_train_saves(tmp_path):

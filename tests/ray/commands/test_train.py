@@ -105,6 +105,11 @@ def test_a_run_prints_its_own_lines_once_resumes_from_another_folder_and_then_sa
     assert not list(other_dir.iterdir()), "the resume wrote into the working folder"
     last = more.stdout.split("[raypack] training finished\n")[1]
     assert last.startswith("  step                 4\n")
+    # the resume went on in the same W&B run: a second segment of it, synced together
+    wandb_id = (run / "raypack_wandb_id").read_text()
+    segments = sorted((run / "wandb" / "wandb").glob("offline-run-*"))
+    assert len(segments) == 2 and all(s.name.endswith(f"-{wandb_id}") for s in segments), segments
+    assert f"  wandb                wandb sync {run}/wandb/wandb/offline-run-*" in last
 
     for again_cmd, cwd in ((resume, other_dir), (cmd, first_dir)):
         again = subprocess.run(again_cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
