@@ -183,24 +183,20 @@ def empty_rows(rank: int, steps: np.ndarray, num_ranks: int) -> pa.Table:
 
 
 def write_rank(rows: pa.Table, out: str, rank: int, num_steps: int, num_ranks: int,
-                group_rows: int = ROWS_PER_FILE, tally=None) -> int:
+                group_rows: int = ROWS_PER_FILE) -> int:
     """Add the rank's empty packs, sort by step, write files whose names sort in step order, in
-    row groups of `group_rows` rows. `tally`: a progress.Tally told the rows of each file written."""
-    steps = rows["step"].to_numpy()
-    have = np.zeros(num_steps, dtype=bool)
-    have[steps] = True
+    row groups of `group_rows` rows: a whole rank at once (`finish_rank` streams one)."""
     # assemble_rows sorts by pack, which within a rank is step order: sorting again (a copy of
-    # every token) is needed only to slot in empty packs, or for rows from elsewhere.
-    if not have.all() or (np.diff(steps) < 0).any():
-        rows = pa.concat_tables([rows, empty_rows(rank, np.flatnonzero(~have), num_ranks)]).sort_by("step")
+    # every token) is needed only for rows from elsewhere, or to slot in empty packs.
+    if (np.diff(rows["step"].to_numpy()) < 0).any():
+        rows = rows.sort_by("step")
+    rows = _with_empty_packs(rows, rank, 0, num_steps, num_ranks)
     fs, path = storage.resolve(out)  # a local folder or object storage shared by every node
     fs.create_dir(path, recursive=True)
     per_file = max(1, ROWS_PER_FILE // group_rows) * group_rows
     for i in range(0, max(rows.num_rows, 1), per_file):
         name = f"{path}/part-{i // per_file:06d}.parquet"
         pq.write_table(rows.slice(i, per_file), name, filesystem=fs, row_group_size=group_rows)
-        if tally is not None:
-            ray.get(tally.add.remote(("rows written", rank, i), min(per_file, rows.num_rows - i)))
     return rows.num_rows
 
 
