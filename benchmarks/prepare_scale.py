@@ -1,28 +1,32 @@
-"""`prepare` at a million examples against a single-process pyarrow floor, in one run.
+"""`prepare` at 1M to 10M examples against a single-process pyarrow floor, each size in one run.
 
-    PYTHONPATH=. python benchmarks/prepare_scale.py --out benchmarks/results/prepare_scale_cpu_<date>.md
+    PYTHONPATH=. python benchmarks/prepare_scale.py --n 1000000 3000000 10000000 --dir /tmp/ps \
+        --out benchmarks/results/prepare_scale_cpu_<date>.md
     PYTHONPATH=. python benchmarks/prepare_scale.py --smoke --out /tmp/prepare_scale.md      # seconds
 
-Input: `--n` pre-tokenized examples (the `tokenized` format: `input_ids` only, so labels are the
-ids) with WildChat-like lengths (raypack.data.synthetic, clipped to `--budget`), random ids,
-written once as Parquet in `--files` files. Then, each in its own process, one after the other:
+Input: `--n` pre-tokenized examples (the `tokenized` format: `input_ids` only, so they train on
+their ids, stored once) with `--lengths short` (single-turn chats, about 100 tokens on average)
+or WildChat-like lengths clipped to `--budget`, random ids, written once per size as Parquet in
+`--files` files. Then, for each size, each in its own process, one after the other:
 
 - `raypack`: `raypack.data.prepare.prepare` on a local Ray instance: read and validate, the
-  tokenize stage, lengths to the driver, the balanced plan over `--ranks` ranks, the routed pack
-  stage and the write of each rank's rows (eval_fraction 0, so exactly the floor's work, plus
-  validation and counting).
+  tokenize stage (its rows streamed to Parquet), lengths to the driver, the balanced plan over
+  `--ranks` ranks, the routed pack stage and the write of each rank's rows (eval_fraction 0, so
+  exactly the floor's work, plus validation and counting).
 - `floor`: one process, no Ray: read every file with pyarrow, the same plan (make_plan), and the
   same vectorized routing and row assembly functions (`route_block`, `finish_rank_tables`),
   writing the same rows. It is what the work costs without Ray's distribution (and its ability
   to run on more than one machine).
 
 Measured: wall seconds; CPU seconds (the floor's process; for raypack the driver and every
-process of its local Ray instance, from after Ray started, via psutil); the driver's peak resident memory (getrusage ru_maxrss of that process:
-Ray's workers are other processes, the floor has only the one) and its resident memory before the
-work (imports, Ray start); the largest RSS of any Ray worker (polled); the object store's peak bytes in use and bytes spilled, polled every
-0.5 s from the raylet (`ray._private.internal_api.get_memory_info_reply`, the numbers `ray memory
---stats-only` prints). The two outputs are then compared rank by rank (row count, tokens, a
-checksum of input_ids and labels): the floor must have written the same rows.
+process of its local Ray instance, from after Ray started, via psutil); the driver's peak
+resident memory (getrusage ru_maxrss) and the peak RSS of every other process, polled every
+0.5 s with the title Ray gives a worker for the task it runs; the object store's peak bytes in
+use and bytes spilled, polled from the raylet (`ray._private.internal_api.get_memory_info_reply`,
+the numbers `ray memory --stats-only` prints); the packed output's bytes on disk. The two outputs
+are then compared rank by rank (rows, tokens, rows with labels, checksums of input_ids and
+labels): the floor must have written the same rows. The report checks issue 25's targets: every
+process <= 4 GiB, spilled bytes <= the packed output, CPU seconds <= 2x the floor's.
 """
 
 from __future__ import annotations
@@ -51,9 +55,22 @@ from raypack.config import load  # noqa: E402
 from raypack.data.synthetic import sample_lengths  # noqa: E402
 
 
-def make_input(folder: Path, n: int, budget: int, files: int, seed: int = 0) -> dict:
+SHORT_CHAT = (70.0, 0.8, 8)
+"""(median, lognormal sigma, min) of `--lengths short`: single-turn chats of about 100 tokens on
+average, so that 10M examples and their packed rows fit this machine's disk."""
+
+
+def input_lengths(kind: str, n: int, budget: int, seed: int = 0) -> np.ndarray:
+    if kind == "wildchat":
+        return sample_lengths("wildchat", n, seed=seed, max_length=budget)
+    median, sigma, lo = SHORT_CHAT
     rng = np.random.default_rng(seed)
-    lengths = sample_lengths("wildchat", n, seed=seed, max_length=budget)
+    return np.clip(np.rint(rng.lognormal(np.log(median), sigma, n)), lo, budget).astype(np.int64)
+
+
+def make_input(folder: Path, n: int, budget: int, files: int, kind: str, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    lengths = input_lengths(kind, n, budget, seed)
     folder.mkdir(parents=True, exist_ok=True)
     for i, part in enumerate(np.array_split(lengths, files)):
         offsets = np.concatenate(([0], np.cumsum(part))).astype(np.int32)
@@ -93,7 +110,8 @@ def child_raypack(args, data: str, out: str) -> dict:
             ray.shutdown()
             time.sleep(10)
     state = get_state_from_address(ray.get_runtime_context().gcs_address)
-    peak = {"used": 0, "spilled": 0, "worker_rss": 0}
+    peak = {"used": 0, "spilled": 0}
+    processes: dict[int, tuple[int, str]] = {}  # pid -> (peak RSS, what it ran then)
     done = threading.Event()
     cpu_before = cpu_seconds_of_tree()
 
@@ -102,7 +120,9 @@ def child_raypack(args, data: str, out: str) -> dict:
             stats = get_memory_info_reply(state).store_stats
             peak["used"] = max(peak["used"], stats.object_store_bytes_used)
             peak["spilled"] = max(peak["spilled"], stats.spilled_bytes_total)
-            peak["worker_rss"] = max([peak["worker_rss"], *largest_child_rss()])
+            for pid, rss, name in child_rss():
+                if rss > processes.get(pid, (0, ""))[0]:
+                    processes[pid] = (rss, name)
             done.wait(0.5)
 
     thread = threading.Thread(target=poll, daemon=True)
@@ -114,10 +134,12 @@ def child_raypack(args, data: str, out: str) -> dict:
     wall = time.perf_counter() - t0
     done.set()
     thread.join()
+    top = sorted(processes.values(), reverse=True)
     return {"wall": wall, "cpu": cpu_seconds_of_tree() - cpu_before, "rss_before_mib": before,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "worker_peak_rss_mib": peak["worker_rss"] / 2**20, "store_peak_mib": peak["used"] / 2**20,
-            "spilled_mib": peak["spilled"] / 2**20, "steps": prepared.steps_per_rank}
+            "worker_peak_rss_mib": top[0][0] / 2**20 if top else 0.0, "store_peak_mib": peak["used"] / 2**20,
+            "spilled_mib": peak["spilled"] / 2**20, "steps": prepared.steps_per_rank,
+            "processes": len(processes), "largest": [(round(rss / 2**20), name) for rss, name in top[:6]]}
 
 
 def cpu_seconds_of_tree() -> float:
@@ -135,13 +157,16 @@ def cpu_seconds_of_tree() -> float:
     return total
 
 
-def largest_child_rss() -> list[int]:
+def child_rss() -> list[tuple[int, int, str]]:
+    """(pid, RSS, title) of every process under this one: Ray names a worker's process after the
+    task it runs (`ray::route_file`), so a peak says which stage it belongs to."""
     import psutil
 
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
-            out.append(p.memory_info().rss)
+            title = " ".join(p.cmdline())[:48].strip() or p.name()
+            out.append((p.pid, p.memory_info().rss, title))
         except psutil.Error:
             pass
     return out
@@ -164,7 +189,9 @@ def child_floor(args, data: str, out: str) -> dict:
         eid = (i << 42) | (rows << 10)  # raypack.data.sources.example_id, vectorized
         assert int(eid[-1]) == example_id(i, t.num_rows - 1)
         n = pc.list_value_length(t["input_ids"]).to_numpy().astype(np.int64)
-        tables.append(t.append_column("example_id", pa.array(eid)).append_column("labels", t["input_ids"]))
+        # no labels: the row trains on its ids, which tokenize stores once (null labels), as here
+        tables.append(t.append_column("example_id", pa.array(eid)).append_column(
+            "labels", pa.nulls(t.num_rows, pa.list_(pa.int32()))))
         ids.append(eid)
         lengths.append(n)
     ids, lengths = np.concatenate(ids), np.concatenate(lengths)
@@ -187,16 +214,22 @@ def child_floor(args, data: str, out: str) -> dict:
 
 
 def digest(folder: str, ranks: int) -> list[tuple]:
-    """Per rank: rows, tokens, and checksums of input_ids and labels weighted by position."""
+    """Per rank: rows, tokens, rows with labels of their own, and checksums of input_ids and
+    labels weighted by position."""
     out = []
     for r in range(ranks):
         t = pq.read_table(f"{folder}/rank={r}", columns=["step", "input_ids", "labels", "num_tokens"])
         t = t.sort_by("step")
         ids = pc.list_flatten(t["input_ids"]).to_numpy().astype(np.int64)
         labels = pc.list_flatten(t["labels"]).to_numpy().astype(np.int64)
-        w = np.arange(len(ids), dtype=np.int64) % 1_000_003
-        out.append((t.num_rows, int(t["num_tokens"].to_numpy().sum()), int((ids * w).sum()), int((labels * w).sum())))
+        w = np.arange(max(len(ids), len(labels)), dtype=np.int64) % 1_000_003
+        out.append((t.num_rows, int(t["num_tokens"].to_numpy().sum()), t.num_rows - t["labels"].null_count,
+                    int((ids * w[:len(ids)]).sum()), int((labels * w[:len(labels)]).sum())))
     return out
+
+
+def folder_mib(folder: Path) -> float:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) / 2**20
 
 
 def run_guarded(cmd: list[str], min_free_gib: float) -> tuple[int, str, str]:
@@ -223,9 +256,44 @@ def run_guarded(cmd: list[str], min_free_gib: float) -> tuple[int, str, str]:
         return proc.returncode, out.read(), err.read()
 
 
+def measure(args, n: int, scratch: Path) -> dict:
+    """Both runs at `n` examples, each in its own process: their figures and whether they wrote the same rows."""
+    t0 = time.perf_counter()
+    marker = scratch / f"input-{n}-{args.budget}-{args.files}-{args.lengths}.json"  # beside, not in, the data
+    if marker.exists():  # a --dir kept from an earlier run with the same input
+        data = json.loads(marker.read_text())
+    else:
+        for old in scratch.glob("input-*.json"):
+            old.unlink()
+        shutil.rmtree(scratch / "input", ignore_errors=True)
+        data = make_input(scratch / "input", n, args.budget, args.files, args.lengths)
+        marker.write_text(json.dumps(data))
+    print(f"input: {data} in {time.perf_counter() - t0:.0f} s", flush=True)
+    settings = ["--budget", str(args.budget), "--ranks", str(args.ranks), "--files", str(args.files),
+                "--actors", str(args.actors), "--lengths", args.lengths, "--n", str(n), "--dir", str(scratch)]
+    results = {}
+    for which in ("raypack", "floor"):
+        shutil.rmtree(scratch / which, ignore_errors=True)
+        cmd = [sys.executable, __file__, *settings, "--child", which]
+        code, stdout, stderr = run_guarded(cmd, args.min_free_gib)
+        if code:
+            print(stdout[-3000:], stderr[-5000:], file=sys.stderr)
+            raise SystemExit(f"{which} failed at n={n}")
+        results[which] = json.loads(stdout.strip().splitlines()[-1])
+        results[which]["packed_mib"] = folder_mib(scratch / which / "train")
+        print(which, results[which], flush=True)
+    same = digest(str(scratch / "raypack" / "train"), args.ranks) == digest(str(scratch / "floor" / "train"), args.ranks)
+    return {"data": data, "results": results, "same": same}
+
+
+GIB4 = 4 * 1024
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--n", type=int, default=1_000_000)
+    p.add_argument("--n", type=int, nargs="+", default=[1_000_000], help="examples; several: one run each, in order")
+    p.add_argument("--lengths", choices=["short", "wildchat"], default="short",
+                   help="short: single-turn chats, ~100 tokens on average; wildchat: WildChat-like, clipped to --budget")
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--files", type=int, default=16)
@@ -237,68 +305,67 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child", choices=["raypack", "floor"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:
-        args.n, args.files, args.ranks = 2000, 2, 2
+        args.n, args.files, args.ranks = [2000], 2, 2
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="prepare_scale_"))
     if args.child:  # one measured run in this fresh process; the result goes to stdout's last line
+        args.n = args.n[0]
         fn = child_raypack if args.child == "raypack" else child_floor
         print(json.dumps(fn(args, str(scratch / "input"), str(scratch / args.child))))
         return 0
     started = host_now()
-    t0 = time.perf_counter()
-    marker = scratch / f"input-{args.n}-{args.budget}-{args.files}.json"  # beside, not in, the data
-    if marker.exists():  # a --dir kept from an earlier run with the same input
-        data = json.loads(marker.read_text())
-    else:
-        shutil.rmtree(scratch / "input", ignore_errors=True)
-        data = make_input(scratch / "input", args.n, args.budget, args.files)
-        marker.write_text(json.dumps(data))
-    print(f"input: {data} in {time.perf_counter() - t0:.0f} s", flush=True)
-    given = argv if argv is not None else sys.argv[1:]
-    forwarded = [a for i, a in enumerate(given) if a != "--out" and not a.startswith("--out=")
-                 and (i == 0 or given[i - 1] != "--out")]
-    results = {}
-    for which in ("raypack", "floor"):
-        shutil.rmtree(scratch / which, ignore_errors=True)
-        cmd = [sys.executable, __file__, *forwarded, "--dir", str(scratch), "--child", which]
-        code, stdout, stderr = run_guarded(cmd, args.min_free_gib)
-        if code:
-            print(stdout[-3000:], stderr[-5000:], file=sys.stderr)
-            raise SystemExit(f"{which} failed")
-        results[which] = json.loads(stdout.strip().splitlines()[-1])
-        print(which, results[which], flush=True)
-    same = digest(str(scratch / "raypack" / "train"), args.ranks) == digest(str(scratch / "floor" / "train"), args.ranks)
-    ratio = results["raypack"]["wall"] / results["floor"]["wall"]
-    cpu_ratio = results["raypack"]["cpu"] / results["floor"]["cpu"]
-    print(f"raypack / floor wall: {ratio:.2f}x, cpu {cpu_ratio:.2f}x; same rows: {same}")
+    runs = {n: measure(args, n, scratch) for n in args.n}
     if not args.dir:
         shutil.rmtree(scratch, ignore_errors=True)
+    for n, run in runs.items():
+        r, f = run["results"]["raypack"], run["results"]["floor"]
+        print(f"n={n}: raypack / floor wall {r['wall'] / f['wall']:.2f}x, cpu {r['cpu'] / f['cpu']:.2f}x; "
+              f"same rows: {run['same']}")
     if args.out or args.smoke:
-        rows = [f"| {k} | {v['wall']:.1f} | {v['cpu']:.0f} | {v['rss_before_mib']:.0f} | {v['peak_rss_mib']:.0f} | "
-                f"{v['worker_peak_rss_mib']:.0f} | {v['store_peak_mib']:.0f} | {v['spilled_mib']:.0f} | {v['steps']} |"
-                for k, v in results.items()]
-        lines = [
-            *cpu_header("prepare at scale vs a single-process pyarrow floor (CPU)", __file__, argv, args.smoke, started,
-                        ("numpy", "pyarrow", "ray")),
-            "",
-            f"Input: {data['examples']:,} pre-tokenized examples, {data['tokens']:,} tokens (WildChat-like lengths clipped "
-            f"to {args.budget}), {data['input_mib']:.0f} MiB of Parquet in {args.files} files; plan: balanced, budget "
-            f"{args.budget}, {args.ranks} ranks.",
-            "",
-            "| run | wall s | CPU s (all processes) | driver RSS before MiB | driver peak RSS MiB | largest worker RSS MiB "
-            "| object store peak MiB | spilled MiB | steps per rank |",
-            "|---|---|---|---|---|---|---|---|---|",
-            *rows,
-            "",
-            f"raypack / floor: wall **{ratio:.2f}x**, CPU seconds **{cpu_ratio:.2f}x**. Same rows written (per rank: "
-            f"rows, tokens, checksums of input_ids and labels): **{same}**. CPU s for raypack sums the driver and "
-            "every process of its local Ray instance (daemons included) from after Ray started; on a loaded host "
-            "the wall ratio favours the many-process run, so the CPU ratio is the fairer one.",
-            "",
-        ]
         out = results_path("prepare_scale", args.smoke, args.out)
-        out.write_text("\n".join(lines))
+        out.write_text("\n".join(report(args, argv, started, runs)))
         print(f"wrote {out}")
-    return 0 if same else 1
+    return 0 if all(run["same"] for run in runs.values()) else 1
+
+
+def report(args, argv, started, runs: dict[int, dict]) -> list[str]:
+    lines = [
+        *cpu_header("prepare at scale vs a single-process pyarrow floor (CPU)", __file__, argv, args.smoke, started,
+                    ("numpy", "pyarrow", "ray")),
+        "",
+        f"Plan: balanced, budget {args.budget}, {args.ranks} ranks; input lengths `{args.lengths}` "
+        + ("(lognormal, median {:.0f}, sigma {}, at least {} tokens)".format(*SHORT_CHAT) if args.lengths == "short"
+           else "(WildChat-like, clipped to the budget)") + f", pre-tokenized, no labels, in {args.files} Parquet files.",
+        "",
+        "| examples | tokens | run | wall s | CPU s (all processes) | driver peak RSS MiB | largest other process "
+        "RSS MiB | object store peak MiB | spilled MiB | packed output MiB | steps per rank |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for n, run in runs.items():
+        d = run["data"]
+        for k, v in run["results"].items():
+            lines.append(f"| {n:,} | {d['tokens']:,} | {k} | {v['wall']:.1f} | {v['cpu']:.0f} | {v['peak_rss_mib']:.0f} | "
+                         f"{v['worker_peak_rss_mib']:.0f} | {v['store_peak_mib']:.0f} | {v['spilled_mib']:.0f} | "
+                         f"{v['packed_mib']:.0f} | {v['steps']} |")
+    lines += ["", "Targets (issue 25), raypack at each size:", "",
+              "| examples | every process <= 4 GiB | spilled <= packed output | CPU s <= 2x the floor's | same rows |",
+              "|---|---|---|---|---|"]
+    for n, run in runs.items():
+        r, f = run["results"]["raypack"], run["results"]["floor"]
+        biggest = max(r["peak_rss_mib"], r["worker_peak_rss_mib"])
+        ok = lambda good: "met" if good else "**missed**"  # noqa: E731
+        lines.append(f"| {n:,} | {ok(biggest <= GIB4)} ({biggest:,.0f} MiB) | "
+                     f"{ok(r['spilled_mib'] <= r['packed_mib'])} ({r['spilled_mib']:,.0f} of {r['packed_mib']:,.0f} MiB) | "
+                     f"{ok(r['cpu'] <= 2 * f['cpu'])} ({r['cpu'] / f['cpu']:.2f}x) | {run['same']} |")
+    lines += ["", "The largest processes of each raypack run (peak RSS MiB, and the process title at that peak: Ray "
+              "names a worker after the task it runs):", ""]
+    for n, run in runs.items():
+        r = run["results"]["raypack"]
+        lines.append(f"- {n:,} ({r['processes']} processes): " + "; ".join(f"{m:,} `{t}`" for m, t in r["largest"]))
+    lines += ["", "CPU s for raypack sums the driver and every process of its local Ray instance (daemons included) "
+              "from after Ray started; the floor is one process reading, planning, routing and writing the same "
+              "rows with the same functions. Same rows: per rank, rows, tokens, rows with labels of their own, and "
+              "checksums of input_ids and labels.", ""]
+    return lines
 
 
 if __name__ == "__main__":

@@ -100,3 +100,14 @@ def list_files(path: str, suffix: str = "") -> list[str]:
         return []
     infos = fs.get_file_info(pafs.FileSelector(p))
     return sorted(i.path for i in infos if i.type == pafs.FileType.File and i.path.endswith(suffix))
+
+
+def file_sizes(path: str, suffix: str = "") -> list[tuple[str, int]]:
+    """(path, bytes) of the files directly under `path` ending in `suffix`, sorted by name; each
+    path as `resolve` takes it (a URI keeps its scheme); [] if the folder doesn't exist."""
+    fs, p = resolve(path)
+    if fs.get_file_info(p).type != pafs.FileType.Directory:
+        return []
+    scheme = path.split("://", 1)[0] + "://" if is_uri(path) else ""
+    infos = fs.get_file_info(pafs.FileSelector(p))
+    return sorted((scheme + i.path, i.size) for i in infos if i.type == pafs.FileType.File and i.path.endswith(suffix))

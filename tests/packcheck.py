@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from raypack.data.formats import TRAINS_ON_IDS, row_labels
 from raypack.data.shards import iter_rank_packs
 from raypack.data.strategies import STRATEGIES
 
@@ -18,6 +19,8 @@ def make_examples(n: int, budget: int, seed: int = 0) -> list[dict]:
         length = int(rng.integers(1, budget + 1))
         tokens = (eid * 1000 + np.arange(length)).astype(np.int32)  # every token tells its origin
         labels = np.where(rng.random(length) < 0.3, -100, tokens).astype(np.int32)
+        if rng.random() < 0.3:
+            labels = TRAINS_ON_IDS  # as pre-tokenized rows without labels are stored
         rows.append({"example_id": eid, "input_ids": tokens, "labels": labels, "length": length})
     return rows
 
@@ -48,18 +51,21 @@ def check_rows(out_dir, plan, ids, source):
             if len(sel) == 0:
                 assert row["input_ids"] == [0] and row["labels"] == [-100] and row["example_ids"] == []
                 continue
-            want_ids, want_lab, want_pos = [], [], []
+            want_ids, want_lab, want_pos, on_ids = [], [], [], []
             for e in sel:
                 src = by_id[int(ids[plan.example[e]])]
                 s, t = int(plan.start[e]), int(plan.end[e])
                 want_ids += list(src["input_ids"][s:t])
-                want_lab += list(src["labels"][s:t])  # labels only from the piece's own example
+                want_lab += list(row_labels(src)[s:t])  # labels only from the piece's own example
+                on_ids.append(src["labels"] is TRAINS_ON_IDS)
                 want_pos += list(range(t - s))  # positions restart at every boundary
                 seen.append((src["example_id"], s, t))
             if not plan.reset_positions:
                 want_pos = list(range(len(want_ids)))
             assert row["input_ids"] == want_ids
-            assert row["labels"] == want_lab
+            assert row_labels(row) == want_lab
+            # stored once: a row whose every piece trains on its ids has no labels of its own
+            assert (row["labels"] is TRAINS_ON_IDS) == all(on_ids)
             assert row["position_ids"] == want_pos
             assert row["example_ids"] == [int(ids[plan.example[e]]) for e in sel]
             assert row["num_tokens"] == len(want_ids)

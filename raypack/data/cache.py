@@ -122,8 +122,9 @@ class Tokenized:
 
     key: str
     """Its `tokenized_key`."""
-    ds: Any
-    """Materialized Ray Dataset: example_id, input_ids, labels, length."""
+    data_dir: str | None
+    """The Parquet files of its rows (example_id, input_ids, labels, length), what the pack stage
+    reads; None when they were not kept (`rows=False`)."""
     lengths: np.ndarray
     ids: np.ndarray
     stats: dict[str, Any]
@@ -133,10 +134,12 @@ class Tokenized:
     seconds: float
 
 
-def tokenized(cfg: Config, sources: Sources, vocab_size: int | None = None) -> Tokenized:
+def tokenized(cfg: Config, sources: Sources, vocab_size: int | None = None, scratch: str | None = None) -> Tokenized:
     """Tokenize `cfg`'s data (`sources`, its listing), or read it back from `data.cache_path`
     when an entry with the same `tokenized_key`, made from sources that have not changed since, is
-    there (then nothing is tokenized). `vocab_size`: the model's, which bounds pre-tokenized ids."""
+    there (then nothing is tokenized). `vocab_size`: the model's, which bounds pre-tokenized ids.
+    The rows are written to the cache entry, else to `scratch` (a folder the caller removes when
+    it has packed them); with neither, they are not kept (lengths and counts only)."""
     t0 = time.perf_counter()
     key = tokenized_key(cfg)
     folder = f"{storage.absolute(cfg.data.cache_path)}/tokenized/{key}" if cfg.data.cache_path else None
@@ -144,15 +147,22 @@ def tokenized(cfg: Config, sources: Sources, vocab_size: int | None = None) -> T
     if saved is not None:
         changes = changed_sources(saved.get("sources", {}), sources.fingerprint)
         if not changes:
-            ds = ray.data.read_parquet(saved["data_dir"]).materialize()
-            lengths, ids = lengths_and_ids(ds)
+            lengths, ids = lengths_and_ids(ray.data.read_parquet(saved["data_dir"], columns=["example_id", "length"]))
             print(f"[raypack] reusing tokenized data in {saved['data_dir']}", flush=True)
-            return Tokenized(saved["key"], ds, lengths, ids, saved["stats"], True, time.perf_counter() - t0)
+            return Tokenized(saved["key"], saved["data_dir"], lengths, ids, saved["stats"], True, time.perf_counter() - t0)
         print(f"[raypack] the sources changed since {folder} was tokenized ({changes[0]}): tokenizing again", flush=True)
 
     print(f"[raypack] reading and tokenizing {len(sources.files)} source file(s)", flush=True)
-    ds, tok_stats = tokenize_dataset(cfg, sources, vocab_size)
-    require_supervised(tok_stats, cfg)
+    data_dir = fresh_folder(folder) if folder else scratch
+    if scratch and not folder:
+        storage.remove_dir(scratch)  # write_parquet appends: a stopped run's files would join
+    try:
+        _, tok_stats = tokenize_dataset(cfg, sources, vocab_size, out_dir=data_dir or "")
+        require_supervised(tok_stats, cfg)
+    except BaseException:  # Ctrl-C included: rows written for nothing (a cache entry is committed below)
+        if data_dir:
+            storage.remove_dir(data_dir)
+        raise
     stats = {k: v for k, v in dataclasses.asdict(tok_stats).items() if k not in ("lengths", "ids")}
     lengths, ids = ordered(tok_stats.lengths, tok_stats.ids)
     print(f"[raypack] {tok_stats.examples_in} examples: {tok_stats.examples_out} rows, {tok_stats.tokens} tokens "
@@ -161,12 +171,10 @@ def tokenized(cfg: Config, sources: Sources, vocab_size: int | None = None) -> T
           f"{tok_stats.bad_rows} bad rows skipped; lost {tok_stats.losses()} ({time.perf_counter() - t0:.1f} s)",
           flush=True)
     if folder:
-        data_dir = fresh_folder(folder)
-        ds.write_parquet(data_dir)
         commit(folder, {"key": key, "data_dir": data_dir, "stats": stats, "sources": recorded(sources.fingerprint),
                         "seconds": time.perf_counter() - t0})
         print(f"[raypack] tokenized {len(ids)} examples into {data_dir}", flush=True)
-    return Tokenized(key, ds, lengths, ids, stats, False, time.perf_counter() - t0)
+    return Tokenized(key, data_dir, lengths, ids, stats, False, time.perf_counter() - t0)
 
 
 def supervised(tok: Tokenized, cfg: Config) -> None:

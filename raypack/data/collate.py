@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from raypack.data.formats import IGNORE_INDEX
+from raypack.data.formats import IGNORE_INDEX, row_labels
 
 
 def example_starts(position_ids: np.ndarray) -> np.ndarray:
@@ -44,7 +44,7 @@ def _examples(rows: Sequence[Mapping[str, Any]]):
     """Yield (input_ids, labels, position_ids) numpy slices, one per example, in row order."""
     for row in rows:
         ids = np.asarray(row["input_ids"], dtype=np.int64)
-        labels = np.asarray(row["labels"], dtype=np.int64)
+        labels = np.asarray(row_labels(row), dtype=np.int64)
         pos = np.asarray(row["position_ids"], dtype=np.int64)
         if not (len(ids) == len(labels) == len(pos)):
             raise ValueError(

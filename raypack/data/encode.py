@@ -15,7 +15,7 @@ Per example (labels are NOT shifted: labels[i] is the target of token i, the mod
     instruction  "### Instruction:\n{instruction}\n\n[### Input:\n{input}\n\n]### Response:\n"
                  + output; loss on the output (`completion`/`assistant`) or everywhere (`all`)
     completion   prompt + completion, tokenized apart so masking is exact at the seam
-    tokenized    passed through; labels default to input_ids
+    tokenized    passed through; labels default to input_ids (stored as null, see labels_list)
 
 EOS is appended once to text formats (not when the text already ends with it, as Phi-3's template
 does) and, appended or not, carries loss when the example ends with supervised text (always,
@@ -248,15 +248,16 @@ class Encoder:
             return None
         labels = batch["labels"].combine_chunks()
         # Rows without labels, and every row under label_mask=all, train on their ids.
-        labels = ids if self.label_mask == "all" or labels.null_count == len(labels) else pc.if_else(
-            pc.is_valid(labels), labels, ids)
+        on_ids = self.label_mask == "all" or labels.null_count == len(labels)
+        labels = ids if on_ids else pc.if_else(pc.is_valid(labels), labels, ids)
         whole = _label_tokens(lengths, pc.list_flatten(labels).to_numpy())
         if over.any():  # truncate, or drop (a dropped row's tokens are never counted or kept)
             ids, labels = pc.list_slice(ids, 0, L), pc.list_slice(labels, 0, L)
         flags = np.where(over, DROPPED if self.overlength == "drop" else TRUNCATED, OK)
         kept = np.minimum(lengths, L).astype(np.int32)
         return _columns(batch["example_id"].to_numpy(), kept, pc.list_flatten(ids).to_numpy(),
-                        pc.list_flatten(labels).to_numpy(), flags, whole)
+                        pc.list_flatten(labels).to_numpy(), flags, whole,
+                        same=np.ones(len(kept), bool) if on_ids else None)
 
 
 def kept_rows(table: pa.Table) -> pa.Table:
@@ -306,6 +307,23 @@ def _table(eids, ids_out, labels_out, flags, source) -> pa.Table:
                     np.asarray(source, dtype=np.int32))
 
 
+def labels_list(offsets: np.ndarray, ids: np.ndarray, labels: np.ndarray, same: np.ndarray | None = None) -> pa.ListArray:
+    """The labels column of rows whose flat ids and labels `offsets` cuts: null for a row whose
+    labels are its ids (`formats.TRAINS_ON_IDS`), so that pre-tokenized data without labels, the
+    common case at scale, moves and stores its tokens once instead of twice."""
+    if same is None:
+        differ = np.concatenate(([0], np.cumsum(ids != labels)))
+        same = differ[offsets[1:]] == differ[offsets[:-1]]
+    if not same.any():
+        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(labels.astype(np.int32, copy=False)))
+    lengths = np.diff(offsets)
+    kept = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(np.where(same, 0, lengths), out=kept[1:])
+    values = labels[:0] if same.all() else labels[np.repeat(~same, lengths)]
+    values = values.astype(np.int32, copy=False)
+    return pa.ListArray.from_arrays(pa.array(kept), pa.array(values, pa.int32()), mask=pa.array(same))
+
+
 def _label_tokens(lengths: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """Label tokens the loss sees in each row of flat `labels` (row i: the next lengths[i] values).
     A row's first token predicts nothing before it (collate masks every example start), so a
@@ -319,8 +337,9 @@ def _label_tokens(lengths: np.ndarray, labels: np.ndarray) -> np.ndarray:
 
 
 def _columns(eids: np.ndarray, lengths: np.ndarray, ids: np.ndarray, labels: np.ndarray, flags: np.ndarray,
-             source: np.ndarray) -> pa.Table:
-    """OUT_SCHEMA rows from flat arrays: row i's tokens are the next lengths[i] values of ids / labels."""
+             source: np.ndarray, same: np.ndarray | None = None) -> pa.Table:
+    """OUT_SCHEMA rows from flat arrays: row i's tokens are the next lengths[i] values of ids / labels.
+    `same`: the rows whose labels are their ids, when the caller knows (else they are compared)."""
     offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
     label_tokens = _label_tokens(lengths, labels)
@@ -328,7 +347,7 @@ def _columns(eids: np.ndarray, lengths: np.ndarray, ids: np.ndarray, labels: np.
         [
             pa.array(eids, pa.int64()),
             pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids.astype(np.int32, copy=False))),
-            pa.ListArray.from_arrays(pa.array(offsets), pa.array(labels.astype(np.int32, copy=False))),
+            labels_list(offsets, ids, labels, same),
             pa.array(lengths.astype(np.int32, copy=False)),
             pa.array(flags.astype(np.int8)),
             pa.array(label_tokens.astype(np.int32)),

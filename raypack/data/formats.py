@@ -28,6 +28,15 @@ import pyarrow.compute as pc
 ROLES = ("system", "user", "assistant")
 IGNORE_INDEX = -100
 """The label of a token that carries no loss: in tokenized rows, packed rows and batches alike."""
+TRAINS_ON_IDS = None
+"""The `labels` of a tokenized or packed row whose labels are its own input_ids (pre-tokenized
+rows without labels, `label_mask: all`): stored once, as the ids, never as a second copy."""
+
+
+def row_labels(row: dict) -> Any:
+    """A tokenized or packed row's labels, its input_ids where they stand for them (TRAINS_ON_IDS)."""
+    labels = row["labels"]
+    return row["input_ids"] if labels is TRAINS_ON_IDS else labels
 
 
 class FormatError(ValueError):

@@ -45,7 +45,7 @@ import ray
 from raypack import storage
 from raypack.data.formats import IGNORE_INDEX
 from raypack.data.plan import Plan
-from raypack.data.progress import Progress, Tally
+from raypack.data.progress import Progress, Tally, on_driver_node
 
 FINISH_BYTES_PER_TOKEN = 96
 """Peak bytes per token of the batch of rows a rank's finishing task assembles at once (sorting,
@@ -59,6 +59,8 @@ PIECE_BYTES = 120
 where its tokens are, and the sort order)."""
 FINISH_BASE_BYTES = 256 * 2**20
 """A worker's own memory (Python, pyarrow) before any rows."""
+ROUTE_BYTES_PER_FILE_BYTE = 8
+"""Peak bytes of a routing task per byte of the Parquet file it reads (see `route_memory`)."""
 ROWS_PER_FILE = 4096
 """Packed rows per output Parquet file, rounded down to whole row groups (files are named in step order)."""
 
@@ -72,8 +74,14 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.repeat(starts - (ends - counts), counts) + np.arange(total)
 
 
-def _list_array(offsets: np.ndarray, values: np.ndarray, type_: pa.DataType) -> pa.Array:
-    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, type_))
+def _list_array(offsets: np.ndarray, values: np.ndarray, type_: pa.DataType, null: np.ndarray | None = None) -> pa.Array:
+    mask = pa.array(null) if null is not None and null.any() else None
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values, type_), mask=mask)
+
+
+def _valid(lists: pa.Array) -> np.ndarray:
+    """Which lists are not null (null labels: the row trains on its ids, formats.TRAINS_ON_IDS)."""
+    return np.ones(len(lists), bool) if lists.null_count == 0 else lists.is_valid().to_numpy(zero_copy_only=False)
 
 
 def _as_lists(column) -> pa.ListArray:
@@ -105,13 +113,16 @@ class Router:
             "example_id": ids[row],
         }
         start, end = r["start"][entry], r["end"][entry]
-        piece_offsets = np.concatenate(([0], np.cumsum(end - start)))
         for col in ("input_ids", "labels"):
             lists = _as_lists(batch[col])
-            base = lists.offsets.to_numpy()[:-1].astype(np.int64) - lists.offsets[0].as_py()
+            # A piece of a row whose labels are null (its ids) gets null labels: nothing copied.
+            valid = _valid(lists)[row]
+            length = np.where(valid, end - start, 0)
+            base = lists.offsets.to_numpy()[:-1].astype(np.int64)  # into .values, a slice's too
             values = lists.values.to_numpy(zero_copy_only=False)
-            gather = _ranges(base[row] + start, end - start)
-            out[col] = _list_array(piece_offsets, values[gather].astype(np.int32), pa.int32())
+            gather = _ranges(base[row] + start, length)
+            out[col] = _list_array(np.concatenate(([0], np.cumsum(length))), values[gather].astype(np.int32),
+                                   pa.int32(), ~valid)
         return pa.table(out)
 
 
@@ -147,13 +158,11 @@ def assemble_rows(pieces: pa.Table, reset_positions: bool) -> pa.Table:
     total = int(row_offsets[-1])
     restart = piece_offsets[:-1] if reset_positions else np.repeat(row_offsets[:-1], pieces_per_row)
     positions = np.arange(total) - np.repeat(restart, piece_len)
-    cols = {}
-    for col in ("input_ids", "labels"):
-        values = pc.list_flatten(pieces[col]).to_numpy(zero_copy_only=False)
-        cols[col] = _list_array(row_offsets, values.astype(np.int32), pa.int32())
+    ids = pc.list_flatten(pieces["input_ids"]).to_numpy(zero_copy_only=False).astype(np.int32)
     return pa.table(
         {
-            **cols,
+            "input_ids": _list_array(row_offsets, ids, pa.int32()),
+            "labels": _row_labels(pieces["labels"], ids, heads, piece_len, row_tokens),
             "position_ids": _list_array(row_offsets, positions.astype(np.int32), pa.int32()),
             "example_ids": _list_array(np.concatenate(([0], np.cumsum(pieces_per_row))),
                                        pieces["example_id"].to_numpy(), pa.int64()),
@@ -163,6 +172,21 @@ def assemble_rows(pieces: pa.Table, reset_positions: bool) -> pa.Table:
             "num_tokens": pa.array(row_tokens, pa.int32()),
         }
     )
+
+
+def _row_labels(labels, ids: np.ndarray, heads: np.ndarray, piece_len: np.ndarray, row_tokens: np.ndarray) -> pa.Array:
+    """The labels column of rows assembled from pieces: null for a row whose every piece's labels
+    are null (its ids), and for a row that mixes the two, the ids written out where a piece has none."""
+    piece_valid = _valid(labels)
+    values = pc.list_flatten(labels).to_numpy(zero_copy_only=False).astype(np.int32)
+    if piece_valid.all():
+        return _list_array(np.concatenate(([0], np.cumsum(row_tokens))), values, pa.int32())
+    row_valid = np.logical_or.reduceat(piece_valid, heads) if len(heads) else np.zeros(0, bool)
+    full = ids.copy()
+    full[np.repeat(piece_valid, piece_len)] = values
+    kept = np.where(row_valid, row_tokens, 0)
+    return _list_array(np.concatenate(([0], np.cumsum(kept))), full[np.repeat(row_valid, row_tokens)], pa.int32(),
+                       ~row_valid)
 
 
 def empty_rows(rank: int, steps: np.ndarray, num_ranks: int) -> pa.Table:
@@ -214,12 +238,32 @@ def route_block(block: pa.Table, routing: dict[str, np.ndarray], num_ranks: int,
     return parts if num_ranks > 1 else parts[0]
 
 
+def route_file(path: str, select, routing: dict[str, np.ndarray], num_ranks: int, tally=None):
+    """`route_block` for one Parquet file of tokenized rows, read by the task itself, so that the
+    tokenized rows never sit in the object store beside their pieces. `select`: (sorted example
+    ids, True to keep those / False to keep the others), or None for every row."""
+    fs, p = storage.resolve(path)
+    block = pq.read_table(p, filesystem=fs, columns=["example_id", "input_ids", "labels"])
+    if select is not None:
+        ids, keep = select
+        block = block.filter(pa.array(np.isin(block["example_id"].to_numpy(), ids, assume_unique=True) == keep))
+    return route_block(block, routing, num_ranks, tally)
+
+
+def route_memory(file_bytes: int) -> int:
+    """Bytes to reserve for a `route_file` task: the file's rows as Arrow, the pieces cut from
+    them and the gathers between, each a few times the file (int32 tokens compress little)."""
+    return FINISH_BASE_BYTES + ROUTE_BYTES_PER_FILE_BYTE * file_bytes
+
+
 def label_tokens(rows: pa.Table) -> int:
     """Label tokens of packed rows that the loss sees: not -100, and not where positions restart
     (collate masks every example start; wrapped_noreset restarts only at a row's start)."""
     labels = pc.list_flatten(rows["labels"]).to_numpy(zero_copy_only=False)
     positions = pc.list_flatten(rows["position_ids"]).to_numpy(zero_copy_only=False)
-    return int(((labels != IGNORE_INDEX) & (positions != 0)).sum())
+    # A row with null labels trains on its ids, which are never -100.
+    valid = np.repeat(_valid(rows["labels"].combine_chunks()), rows["num_tokens"].to_numpy())
+    return int(((labels != IGNORE_INDEX) & (positions[valid] != 0)).sum() + (positions[~valid] != 0).sum())
 
 
 def _column(table: pa.Table, name: str) -> np.ndarray:
@@ -249,24 +293,26 @@ class _RankPieces:
         self.part = cat([np.full(t.num_rows, i) for i, t in enumerate(parts)], np.int64)
         self.start = {c: cat([l[c][0][:-1] for l in self.lists], np.int64) for c in ("input_ids", "labels")}
         self.length = cat([np.diff(l["input_ids"][0]) for l in self.lists], np.int64)
+        self.labeled = cat([_valid(_as_lists(t["labels"])) for t in parts], bool)  # null labels: its ids
         self.order = np.lexsort((keys["pos"], keys["pack"]))
         self.keys = {k: v[self.order] for k, v in keys.items()}
 
     def take(self, lo: int, hi: int) -> pa.Table:
         """Pieces lo..hi in (pack, position) order, as the Router made them."""
         sel = self.order[lo:hi]
-        length, part = self.length[sel], self.part[sel]
-        offsets = np.concatenate(([0], np.cumsum(length)))
+        part, labeled = self.part[sel], self.labeled[sel]
         by_part = np.argsort(part, kind="stable")
         bounds = np.searchsorted(part[by_part], np.arange(len(self.lists) + 1))
         out = {}
         for col in ("input_ids", "labels"):
+            length = self.length[sel] if col == "input_ids" else np.where(labeled, self.length[sel], 0)
+            offsets = np.concatenate(([0], np.cumsum(length)))
             values = np.empty(int(offsets[-1]), np.int32)
             for p in np.flatnonzero(np.diff(bounds)):
                 idx = by_part[bounds[p]:bounds[p + 1]]
                 src = _ranges(self.start[col][sel[idx]], length[idx])
                 values[_ranges(offsets[idx], length[idx])] = self.lists[p][col][1][src]
-            out[col] = _list_array(offsets, values, pa.int32())
+            out[col] = _list_array(offsets, values, pa.int32(), None if col == "input_ids" else ~labeled)
         cols = {k: pa.array(self.keys[k][lo:hi], pa.int64() if k in ("pack", "example_id") else pa.int32())
                 for k in self.KEYS}
         return pa.table({**cols, **out})
@@ -354,27 +400,36 @@ def finish_memory(plan: Plan, group_rows: int = ROWS_PER_FILE) -> np.ndarray:
     return np.minimum(want, 0.8 * largest) if largest else want
 
 
-def materialize(ds: ray.data.Dataset, plan: Plan, example_ids: np.ndarray, out_dir: str,
-                group_rows: int = ROWS_PER_FILE, stage: str = "pack") -> dict[str, Any]:
+def materialize(source: ray.data.Dataset | list[tuple[str, int]], plan: Plan, example_ids: np.ndarray, out_dir: str,
+                group_rows: int = ROWS_PER_FILE, stage: str = "pack", select=None) -> dict[str, Any]:
     """Write the packed rows of `plan` under `out_dir/rank=<r>/` (replacing what was there), in
     Parquet row groups of `group_rows` rows (prepare passes whole optimizer steps; the default,
-    one group per file, suits a reader that only streams). Returns counts (rows; label tokens
-    per rank, which the driver checks before training) and seconds. Prints `stage`'s progress
-    (raypack/data/progress.py): examples routed, then rows written."""
+    one group per file, suits a reader that only streams). `source`: the tokenized rows, as a
+    Ray Dataset or as (path, bytes) of Parquet files (`storage.file_sizes`), which the routing
+    tasks read themselves, filtered by `select` (see `route_file`). Returns counts (rows; label
+    tokens per rank, which the driver checks before training) and seconds. Prints `stage`'s
+    progress (raypack/data/progress.py): examples routed, then rows written."""
     t0 = time.perf_counter()
     out = out_dir.rstrip("/")
     storage.remove_dir(out)  # write_parquet appends by default; a stale shard would corrupt a rank
     routing = ray.put(plan_routing(plan, example_ids))
     args = (plan.num_steps, plan.num_ranks, plan.reset_positions)
-    tally = Tally.remote()
+    tally = on_driver_node(Tally).remote()
     poll = functools.partial(_pack_progress, tally, len(example_ids), plan.num_steps * plan.num_ranks)
     try:
         with Progress(stage, poll):
-            route = ray.remote(num_cpus=0.5, num_returns=plan.num_ranks)(route_block)
-            parts = [route.remote(block, routing, plan.num_ranks, tally) for block in ds.to_arrow_refs()]
+            # One CPU a task: fractions start more workers at once than a small node's CPUs start well.
+            if isinstance(source, list):
+                route = ray.remote(num_cpus=1, num_returns=plan.num_ranks)(route_file)
+                chosen = ray.put(select) if select is not None else None
+                parts = [route.options(memory=route_memory(size)).remote(path, chosen, routing, plan.num_ranks, tally)
+                         for path, size in source]
+            else:
+                route = ray.remote(num_cpus=1, num_returns=plan.num_ranks)(route_block)
+                parts = [route.remote(block, routing, plan.num_ranks, tally) for block in source.to_arrow_refs()]
             if plan.num_ranks == 1:
                 parts = [[p] for p in parts]
-            finish = ray.remote(num_cpus=0.5)(_finish_and_count)
+            finish = ray.remote(num_cpus=1)(_finish_and_count)
             memory = finish_memory(plan, group_rows)
             done = ray.get([finish.options(memory=int(memory[r])).remote(
                 f"{out}/rank={r}", r, *args, *[p[r] for p in parts], group_rows=group_rows, tally=tally)

@@ -5,8 +5,8 @@
     prepared = prepare(cfg, num_ranks, root, sources)    # all of it, into root
 
     tokenized ──> split by example_id hash ──> make_plan (lengths only) ──> materialize
-                  (raypack/data/holdout.py)                                 └─ <root>/train/rank=R/
-                                                                            └─ <root>/eval/rank=R/
+    (Parquet:     (raypack/data/holdout.py)                                 └─ <root>/train/rank=R/
+     the cache, or <root>/tokenized/ until packed)                          └─ <root>/eval/rank=R/
 
 The plan is `strategies.make_plan(lengths, cfg.pack, ranks, grad_accum)`, the call `raypack
 plan` makes on `training_examples`: built for ranks × accum virtual ranks and folded, so every
@@ -28,7 +28,6 @@ import time
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
 from raypack import storage
 from raypack.config import Config
@@ -64,28 +63,40 @@ def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_s
         return found
 
     t0 = time.perf_counter()
-    if tok is None:
-        tok = tokenized(cfg, sources, vocab_size)
-    elif tok.key != tokenized_key(cfg):
-        raise ValueError("prepare: the tokenized examples passed in were made with another data or tokenize config")
-    else:
-        supervised(tok, cfg)
     # In the shared cache, a fresh folder committed by the manifest (raypack/data/cache.py); a
     # run's own packed/ folder is rewritten in place, as only that run uses it.
     out = fresh_folder(root) if cfg.data.cache_path else root
-    held_out = held_out_mask(tok.ids, cfg)
-    print(held_out_line(tok.ids, held_out, cfg), flush=True)
-    train_ds, eval_ds = _split(tok.ds, tok.ids[held_out])
-    train_lengths, train_ids = tok.lengths[~held_out], tok.ids[~held_out]
+    scratch = f"{out}/tokenized"  # the tokenized rows, when no cache keeps them: removed once packed
+    new = not storage.exists(out)
+    try:
+        if tok is None:
+            tok = tokenized(cfg, sources, vocab_size, scratch=scratch)
+        elif tok.key != tokenized_key(cfg):
+            raise ValueError("prepare: the tokenized examples passed in were made with another data or tokenize config")
+        else:
+            supervised(tok, cfg)
+        held_out = held_out_mask(tok.ids, cfg)
+        print(held_out_line(tok.ids, held_out, cfg), flush=True)
+        files = storage.file_sizes(tok.data_dir, ".parquet")
+        held_ids = np.sort(tok.ids[held_out])
+        train = (files, (held_ids, False) if len(held_ids) else None)
+        evals = (files, (held_ids, True)) if len(held_ids) else None
+        train_lengths, train_ids = tok.lengths[~held_out], tok.ids[~held_out]
 
-    plan, stats, rank_labels = _pack(train_ds, train_lengths, train_ids, cfg, num_ranks, f"{out}/train")
-    _check_every_rank_trains(plan, rank_labels, cfg, num_ranks, len(train_ids))
-    eval_dir = None
-    if eval_ds is not None:
-        _pack_eval(eval_ds, tok.lengths[held_out], tok.ids[held_out], cfg, num_ranks, f"{out}/eval", plan.padded)
-        eval_dir = f"{out}/eval"
-    epochs = (_repacked_epochs(train_ds, train_lengths, train_ids, cfg, num_ranks, out, plan, stats)
-              if cfg.pack.repack_each_epoch else [])
+        plan, stats, rank_labels = _pack(train, train_lengths, train_ids, cfg, num_ranks, f"{out}/train")
+        _check_every_rank_trains(plan, rank_labels, cfg, num_ranks, len(train_ids))
+        eval_dir = None
+        if evals is not None:
+            _pack_eval(evals, tok.lengths[held_out], tok.ids[held_out], cfg, num_ranks, f"{out}/eval", plan.padded)
+            eval_dir = f"{out}/eval"
+        epochs = (_repacked_epochs(train, train_lengths, train_ids, cfg, num_ranks, out, plan, stats)
+                  if cfg.pack.repack_each_epoch else [])
+    except BaseException:
+        if new:  # a folder this call made and could not fill: nothing half-made stays behind
+            storage.remove_dir(out)
+        raise
+    finally:
+        storage.remove_dir(scratch)
 
     trained = train_lengths.astype(np.float64)
     prepared = Prepared(
@@ -115,31 +126,17 @@ def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_s
     return prepared
 
 
-def _keep(batch: pa.Table, held_ids: np.ndarray, want_eval: bool) -> pa.Table:
-    # pyarrow in and out: the numpy format would turn the token lists into tensor columns.
-    mask = np.isin(batch["example_id"].to_numpy(), held_ids, assume_unique=True) == want_eval
-    return batch.filter(mask)
-
-
-def _split(ds, held_ids: np.ndarray):
-    """(training rows, held-out rows or None) of the tokenized dataset, as lazy Ray Datasets."""
-    if not len(held_ids):
-        return ds, None
-    held_ids = np.sort(held_ids)
-    keep = [ds.map_batches(_keep, fn_kwargs={"held_ids": held_ids, "want_eval": e}, batch_format="pyarrow")
-            for e in (False, True)]
-    return keep[0], keep[1]
-
-
-def _pack(ds, lengths, ids, cfg: Config, num_ranks: int, out_dir: str,
+def _pack(rows, lengths, ids, cfg: Config, num_ranks: int, out_dir: str,
           epoch: int = 0) -> tuple[Plan, dict[str, Any], list[int]]:
-    """Plan `lengths` and write the rows under `out_dir`: (plan, its stats, label tokens per rank)."""
+    """Plan `lengths` and write the rows under `out_dir`: (plan, its stats, label tokens per rank).
+    `rows`: (the tokenized Parquet files, which of their examples: see `pack.route_file`)."""
     accum = cfg.train.grad_accum
     plan = make_plan(lengths, cfg.pack, num_ranks, accum, epoch=epoch)
     stats = plan.stats()
     stats["packing_efficiency"] = stats.pop("efficiency")
-    info = materialize(ds, plan, ids, out_dir, group_rows=group_steps_for(cfg.pack.budget, accum) * accum,
-                       stage=f"pack {out_dir.rsplit('/', 1)[-1]}")
+    files, select = rows
+    info = materialize(files, plan, ids, out_dir, group_rows=group_steps_for(cfg.pack.budget, accum) * accum,
+                       stage=f"pack {out_dir.rsplit('/', 1)[-1]}", select=select)
     return plan, stats, info["rank_label_tokens"]
 
 
@@ -156,16 +153,16 @@ def _check_every_rank_trains(plan: Plan, rank_labels: list[int], cfg: Config, nu
         )
 
 
-def _pack_eval(ds, lengths, ids, cfg: Config, num_ranks: int, out_dir: str, padded: bool) -> None:
+def _pack_eval(rows, lengths, ids, cfg: Config, num_ranks: int, out_dir: str, padded: bool) -> None:
     """Eval packs with one exact strategy whatever trains: whole examples, positions reset (pad
     for padded runs, whose model attends with a padding mask), so eval loss compares across the
     strategies of a sweep."""
     pack = dataclasses.replace(cfg.pack, strategy="pad" if padded else "bfd", repack_each_epoch=False)
     eval_cfg = dataclasses.replace(cfg, pack=pack, train=dataclasses.replace(cfg.train, grad_accum=1))
-    _pack(ds, lengths, ids, eval_cfg, num_ranks, out_dir)
+    _pack(rows, lengths, ids, eval_cfg, num_ranks, out_dir)
 
 
-def _repacked_epochs(ds, lengths, ids, cfg: Config, num_ranks: int, root: str, first: Plan,
+def _repacked_epochs(rows, lengths, ids, cfg: Config, num_ranks: int, root: str, first: Plan,
                      first_stats: dict[str, Any]) -> list[dict[str, Any]]:
     """pack.repack_each_epoch: a plan and rows per epoch (epoch 0's are `first`), as many as the
     run's epochs or max_steps can use."""
@@ -176,7 +173,7 @@ def _repacked_epochs(ds, lengths, ids, cfg: Config, num_ranks: int, root: str, f
         if t.max_steps and steps >= t.max_steps:
             break
         print(f"[raypack] packing epoch {e + 1}/{t.epochs} (pack.repack_each_epoch)", flush=True)
-        plan, stats, _ = _pack(ds, lengths, ids, cfg, num_ranks, f"{root}/train_epoch={e}", epoch=e)
+        plan, stats, _ = _pack(rows, lengths, ids, cfg, num_ranks, f"{root}/train_epoch={e}", epoch=e)
         epochs.append({"dir": f"{root}/train_epoch={e}", "steps_per_rank": int(plan.num_steps), "stats": stats})
         steps += plan.num_steps // accum
     return epochs

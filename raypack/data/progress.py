@@ -45,6 +45,16 @@ class Tally:
         return out
 
 
+def on_driver_node(actor_class):
+    """`actor_class` placed on the driver's node: a counter that a stage's tasks report to must
+    outlive any worker node lost mid-stage (Ray restarts no actor by default), or every retried
+    task would fail on it."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    return actor_class.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+
+
 def duration(seconds: float) -> str:
     """12s, 3m05s, 2h04m."""
     s = int(round(seconds))

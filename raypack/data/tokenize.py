@@ -15,8 +15,9 @@ The encoding rules (templates, label masks, EOS, over-length policies) live in r
 Reading streams into tokenization (no pass over the read rows first): the tokenizer actors count
 good and bad source rows as they go, and a bad row under `on_bad_rows: error` (or an unreadable
 file) stops the pipeline, after which the driver re-reads the sources, in parallel and without
-tokenizing, to name the first bad row in file order exactly as `read_sources_with_report` does. The dataset
-comes back materialized: counting needs every row anyway, and so does the planner.
+tokenizing, to name the first bad row in file order exactly as `read_sources_with_report` does. The rows
+stream into Parquet files (prepare), or into the object store (tests, small tools): the planner
+needs only the lengths and ids, which the actors report with their counts.
 """
 
 from __future__ import annotations
@@ -29,16 +30,19 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import ray
 
+from raypack import storage
 from raypack.config import Config
 from raypack.data.encode import Encoder, TokenizeError, check_chat_template, counts, kept_rows, load_tokenizer
 from raypack.data.listing import Sources, known_rows
-from raypack.data.progress import Progress
+from raypack.data.progress import Progress, on_driver_node
 from raypack.data.sources import read_rows, read_sources_with_report, row_location
 from raypack.errors import SourceError
 
 
 TOKENIZED_BATCH = 4096
 """Least rows per batch for `data.format: tokenized`."""
+TOKENIZED_FILE_BYTES = 32 * 2**20
+"""Least bytes of tokenized rows (in memory) per Parquet file written for the pack stage."""
 
 
 @dataclass
@@ -167,10 +171,16 @@ class _SourceEncoder(Encoder):
         return kept_rows(table)
 
 
-def tokenize_dataset(cfg: Config, sources: Sources, vocab_size: int | None = None) -> tuple[ray.data.Dataset, TokenizeStats]:
+def tokenize_dataset(cfg: Config, sources: Sources, vocab_size: int | None = None,
+                     out_dir: str | None = None) -> tuple[ray.data.Dataset | None, TokenizeStats]:
     """Stages 1 and 2: read `sources` (the listing of `cfg.data.paths`), tokenize by
     `cfg.tokenize`, keep examples of up to `cfg.max_length` tokens whole. `vocab_size` (the
-    model's), when given, bounds the ids of pre-tokenized rows."""
+    model's), when given, bounds the ids of pre-tokenized rows.
+
+    Where the rows go: with `out_dir`, streamed into Parquet files there (what prepare packs
+    from: they never all sit in the object store) and returned as a lazy dataset over them;
+    `out_dir=""` keeps none (counts only, bounded memory: `raypack plan`); without, the dataset
+    comes back materialized in the object store."""
     t = cfg.tokenize
     max_length = cfg.max_length
     # Fail on the driver, with a config-level message, before any actor starts.
@@ -179,12 +189,12 @@ def tokenize_dataset(cfg: Config, sources: Sources, vocab_size: int | None = Non
     # Declared pre-tokenized data runs no tokenizer: small batches would only add per-batch cost
     # (at 1M rows, 4,000 batches of 256).
     batch_size = max(t.batch_size, TOKENIZED_BATCH) if cfg.data.format == "tokenized" else t.batch_size
-    counter = _Counts.remote()
+    counter = on_driver_node(_Counts).remote()
     try:
         # Blocks of a few batches let every actor take a share of a large read unit, and the
         # streaming repartition keeps reading and tokenizing overlapped.
         with Progress("tokenize", functools.partial(_read_so_far, counter, sources.files)):
-            out = src.repartition(target_num_rows_per_block=4 * batch_size).map_batches(
+            pipeline = src.repartition(target_num_rows_per_block=4 * batch_size).map_batches(
                 _SourceEncoder,
                 fn_constructor_kwargs=dict(
                     on_bad_rows=cfg.data.on_bad_rows, tokenizer=t.tokenizer, chat_template=t.chat_template,
@@ -196,7 +206,17 @@ def tokenize_dataset(cfg: Config, sources: Sources, vocab_size: int | None = Non
                 # The non-deprecated form of concurrency=N; fractional CPUs leave the read tasks room.
                 compute=ray.data.ActorPoolStrategy(size=t.num_actors),
                 num_cpus=t.num_cpus,
-            ).materialize()
+            )
+            if out_dir:
+                # Files of a few tens of MB: each is one routing task's read (pack.route_file).
+                pipeline.write_parquet(out_dir, min_bytes_per_file=TOKENIZED_FILE_BYTES)
+                out = ray.data.read_parquet(out_dir) if storage.exists(out_dir) else None  # none: no row kept
+            elif out_dir is not None:
+                for _ in pipeline.iter_internal_ref_bundles():
+                    pass
+                out = None
+            else:
+                out = pipeline.materialize()
         batches = ray.get(counter.get.remote())
     except Exception:
         # A bad row or chat data without a template stopped the pipeline inside an actor, where
@@ -225,7 +245,7 @@ def tokenize_dataset(cfg: Config, sources: Sources, vocab_size: int | None = Non
     stats.lengths = np.concatenate([b["lengths"] for b in batches]) if batches else np.zeros(0, np.int32)
     stats.ids = np.concatenate([b["ids"] for b in batches]) if batches else np.zeros(0, np.int64)
     stats.examples_out, stats.tokens = len(stats.lengths), int(stats.lengths.sum())
-    if stats.examples_out != out.count():  # cheap on a materialized dataset; guards the counting
+    if out is not None and stats.examples_out != out.count():  # cheap: the block or file metadata
         raise RuntimeError(f"tokenize counted {stats.examples_out} rows but produced {out.count()}")
     return out, stats
 

@@ -14,6 +14,7 @@ from raypack.config import ASSETS, Config, DataConfig, TokenizeConfig, load
 from raypack.data.encode import TokenizeError
 from raypack.data.listing import Sources, list_sources, read_units
 from raypack.errors import SourceError
+from raypack.data.formats import row_labels
 from raypack.data.tokenize import lengths_and_ids, ordered, tokenize_dataset
 
 pytestmark = pytest.mark.ray
@@ -42,6 +43,9 @@ def test_tokenize_contract_and_overlength_counts(ray_local):
     assert str(table.schema.field("example_id").type) == "int64" and str(table.schema.field("length").type) == "int32"
     assert str(table.schema.field("input_ids").type) == str(table.schema.field("labels").type) == "list<item: int32>"
     rows = table.to_pydict()
+    # a piece of only completion tokens trains on all its ids: its labels are stored as null
+    assert None in rows["labels"]
+    rows["labels"] = [row_labels(dict(input_ids=i, labels=l)) for i, l in zip(rows["input_ids"], rows["labels"])]
     assert len(set(rows["example_id"])) == len(rows["example_id"]) == stats.examples_out
     assert all(n == len(i) == len(l) and 1 <= n <= 200 for n, i, l in zip(rows["length"], rows["input_ids"], rows["labels"]))
     assert all(all(x == -100 or x == t for x, t in zip(l, i)) for i, l in zip(rows["input_ids"], rows["labels"]))

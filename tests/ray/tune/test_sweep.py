@@ -76,7 +76,7 @@ def test_asha_stops_the_stalled_trial(ray_local, tmp_path, monkeypatch, attempt)
 
     calls = []
     real = prepare_module.tokenize_dataset
-    monkeypatch.setattr(prepare_module, "tokenize_dataset", lambda cfg, *a: calls.append(1) or real(cfg, *a))
+    monkeypatch.setattr(prepare_module, "tokenize_dataset", lambda cfg, *a, **k: calls.append(1) or real(cfg, *a, **k))
     name = f"asha-{attempt}-{uuid.uuid4().hex[:6]}"
     # lr 1e-6 stalls at the initial loss. In this order each later healthy trial beats the ones
     # before it at the rung (step 4), so ASHA (rf 2: keep the better half) stops only the stall.

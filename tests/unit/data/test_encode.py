@@ -12,6 +12,7 @@ from raypack.data import sources
 from raypack.data.formats import validate
 from raypack.data.encode import DROPPED, OK, SPLIT, TRUNCATED, Encoder, TokenizeError
 from raypack.data.formats import IGNORE_INDEX as IGNORE
+from raypack.data.formats import TRAINS_ON_IDS, row_labels
 
 TOK = str(ASSETS / "tokenizer")
 CONV = [
@@ -72,7 +73,8 @@ def test_chat_label_masks_token_by_token(tok, mode):
     else:
         ids, labels = expected_chat(tok, CONV, lambda j, last: True)
     assert row["input_ids"] == ids
-    assert row["labels"] == labels
+    assert row_labels(row) == labels
+    assert (row["labels"] is TRAINS_ON_IDS) == (mode == "all")  # stored once
     # the first token predicts nothing (collate masks it), so a label there counts for nothing
     assert row["length"] == len(ids) and row["_label_tokens"] == sum(l != IGNORE for l in labels[1:])
 
@@ -120,7 +122,7 @@ def test_instruction_and_completion_masks(tok, mode):
         ids = [tok.bos_token_id] + enc(p) + enc(c) + [tok.eos_token_id]
         n_prompt = 1 + len(enc(p))
         labels = ids if mode == "all" else [IGNORE] * n_prompt + ids[n_prompt:]
-        assert row["input_ids"] == ids and row["labels"] == labels
+        assert row["input_ids"] == ids and row_labels(row) == labels
 
 
 def test_instruction_without_input_skips_input_section(tok):
@@ -131,7 +133,7 @@ def test_instruction_without_input_skips_input_section(tok):
 def test_tokenized_passes_through():
     rows = encode([{"input_ids": [5, 6, 7]}, {"input_ids": [5, 6, 7], "labels": [IGNORE, 6, 7]}], "tokenized")
     assert [r["input_ids"] for r in rows] == [[5, 6, 7], [5, 6, 7]]
-    assert [r["labels"] for r in rows] == [[5, 6, 7], [IGNORE, 6, 7]]
+    assert [r["labels"] for r in rows] == [TRAINS_ON_IDS, [IGNORE, 6, 7]]  # no copy of the ids
 
 
 @pytest.mark.parametrize("overlength", ["truncate", "drop", "split"])
@@ -175,7 +177,7 @@ def test_overlength_policies(tok):
 
     trunc = encode(recs, "completion", overlength="truncate", max_length=L)
     assert [r["_flag"] for r in trunc] == [OK, TRUNCATED, TRUNCATED]
-    assert trunc[1]["input_ids"] == full_mid["input_ids"][:L] and trunc[2]["labels"] == full_long["labels"][:L]
+    assert trunc[1]["input_ids"] == full_mid["input_ids"][:L] and row_labels(trunc[2]) == row_labels(full_long)[:L]
 
     split = encode(recs, "completion", overlength="split", max_length=L)
     parents = {r["example_id"] >> 10 for r in split}
@@ -185,7 +187,7 @@ def test_overlength_policies(tok):
         assert [r["example_id"] & 1023 for r in pieces] == list(range(-(-full["length"] // L)))
         assert all(r["_flag"] == SPLIT for r in pieces)
         assert sum((r["input_ids"] for r in pieces), []) == full["input_ids"]
-        assert sum((r["labels"] for r in pieces), []) == full["labels"]
+        assert sum((row_labels(r) for r in pieces), []) == row_labels(full)
     assert len({r["example_id"] for r in split}) == len(split)
 
 
