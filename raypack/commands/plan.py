@@ -41,7 +41,8 @@ from raypack.errors import ConfigError, InputError
 
 COLUMNS = ("strategy", "packs", "steps", "optimizer_steps", "tokens_per_optimizer_step", "efficiency",
            "padding_fraction", "token_imbalance", "attention_imbalance", "token_imbalance_worst",
-           "attention_imbalance_worst", "seconds")
+           "attention_imbalance_worst", "split_padding", "seconds")
+"""split_padding: the share of a row's tokens that pads it to a multiple of train.sequence_parallel."""
 
 
 def _from_config(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         # With --json, stdout holds the JSON alone: the progress lines of preparing go to stderr.
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
             lengths, ids = _from_config(cfg)
-    ranks, accum = cfg.train.num_workers, cfg.train.grad_accum
+    ranks, split, accum = cfg.train.data_parallel, cfg.train.sequence_parallel, cfg.train.grad_accum
     rows = []
     for i, name in enumerate(names):
         pack = cfg.pack if name == cfg.pack.strategy else _with_strategy(cfg, name)
@@ -92,7 +93,9 @@ def run(args: argparse.Namespace) -> int:
         stats = plan.stats()
         optimizer_steps = plan.num_steps // accum
         stats["optimizer_steps"] = optimizer_steps
-        stats["tokens_per_optimizer_step"] = float(plan.pack_tokens().sum()) / max(optimizer_steps, 1)
+        tokens = plan.pack_tokens()
+        stats["tokens_per_optimizer_step"] = float(tokens.sum()) / max(optimizer_steps, 1)
+        stats["split_padding"] = float((-tokens % split).sum() / max((tokens + -tokens % split).sum(), 1))
         rows.append({k: stats[k] for k in COLUMNS})
         if i == 0 and args.out:
             table = plan.to_table()
@@ -103,6 +106,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"{len(lengths)} examples, {int(np.sum(lengths))} tokens, budget {cfg.pack.budget}, {ranks} ranks x "
           f"{accum} micro-steps per optimizer step, {cfg.train.epochs} epoch(s)"
           + (", a new plan per epoch" if cfg.pack.repack_each_epoch else ", a new step order per epoch"))
+    if split > 1:
+        print(f"sequence parallel: {ranks} groups of {split} workers ({cfg.train.num_workers} in all), each row's "
+              f"tokens split {split} ways: at most {-(-cfg.pack.budget // split)} tokens a worker; rows padded to a "
+              f"multiple of {split}: {rows[0]['split_padding']:.4%} padding ({names[0]})")
     header = (f"{'strategy':<16}{'packs':>9}{'steps':>8}{'opt.steps':>10}{'tok/opt.step':>13}{'effic.':>8}"
               f"{'padding':>8}{'tok.imb':>8}{'attn.imb':>9}{'worst tok/attn':>15}{'seconds':>8}")
     print(header)

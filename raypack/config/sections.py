@@ -161,7 +161,13 @@ class ModelConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
     num_workers: int = 2
-    """Ray Train workers, one data-parallel rank each."""
+    """Ray Train workers. Each is a data-parallel rank, or with `sequence_parallel` N one of the N
+    ranks of a group that trains one packed row together."""
+    sequence_parallel: int = 1
+    """Ranks that split each packed row's tokens (Ulysses: every attention layer exchanges tokens
+    for heads with two all-to-alls, raypack/model/ulysses.py). It must divide num_workers, which
+    then form num_workers / N data-parallel groups, and the model's attention heads;
+    `pack.budget` is a row's tokens over its whole group."""
     use_gpu: bool = False
     """One GPU per worker when true; gloo on the CPU otherwise."""
     cpus_per_worker: float = 1.0
@@ -234,6 +240,18 @@ class TrainConfig:
         _check(self.start_timeout_s is None or self.start_timeout_s > 0, "train.start_timeout_s",
                "a positive number or null", self.start_timeout_s)
         _check(not self.offload_params or self.zero_stage == 3, "train.offload_params", "zero_stage 3", self.zero_stage)
+        _check(self.sequence_parallel > 0, "train.sequence_parallel", "a positive int", self.sequence_parallel)
+        _check(self.num_workers % self.sequence_parallel == 0, "train.sequence_parallel",
+               f"a divisor of train.num_workers ({self.num_workers})", self.sequence_parallel)
+        # Each rank's loss sees only its shard of the row: the full loss would shift labels
+        # within a shard and lose the token at every shard boundary.
+        _check(self.sequence_parallel == 1 or self.loss == "chunked", "train.loss",
+               "chunked with train.sequence_parallel > 1 (its targets come from the whole row)", self.loss)
+
+    @property
+    def data_parallel(self) -> int:
+        """Data-parallel ranks: groups of `sequence_parallel` workers, each with its own packed rows."""
+        return self.num_workers // self.sequence_parallel
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

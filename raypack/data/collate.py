@@ -106,6 +106,42 @@ def _collate_padded(examples, pad_token_id: int) -> dict[str, torch.Tensor]:
     }
 
 
+def shard_batch(batch: Mapping[str, Any], n: int, pad_token_id: int = 0) -> list[dict[str, Any]]:
+    """One packed micro-batch (`collate_packed` and `loss.label_targets`' keys) cut into the `n`
+    shards of a sequence-parallel group (raypack/model/ulysses.py), for n = 2:
+
+        input_ids      a0 a1 a2 a3 a4 b0 b1 P      the row, padded to a multiple of n with one
+        position_ids    0  1  2  3  4  0  1 0      example of pad tokens that carries no loss
+        shard           0  0  0  0  1  1  1 1
+        cu_seq_lens    [0, 5, 7, 8]                the whole row's, on every shard
+
+    Each shard keeps its tokens' ids, positions and raw labels, and the loss targets of its own
+    positions, found on the whole row before cutting: a shard's last token predicts the next
+    shard's first, so no label is lost or counted twice at a cut."""
+    ids, pos, labels = batch["input_ids"], batch["position_ids"], batch["labels"]
+    total = ids.shape[1]
+    pad = -total % n
+    cu, max_len = batch["cu_seq_lens_q"], batch["max_length_q"]
+    if pad:
+        ids = torch.cat([ids, ids.new_full((1, pad), pad_token_id)], 1)
+        pos = torch.cat([pos, torch.arange(pad, dtype=pos.dtype)[None]], 1)
+        labels = torch.cat([labels, labels.new_full((1, pad), IGNORE_INDEX)], 1)
+        cu = torch.cat([cu, cu.new_tensor([total + pad])])
+        max_len = max(max_len, pad)
+    size = (total + pad) // n
+    where = batch["loss_positions"] // size
+    shards = []
+    for k in range(n):
+        mine = where == k
+        shards.append({
+            "input_ids": ids[:, k * size:(k + 1) * size], "position_ids": pos[:, k * size:(k + 1) * size],
+            "labels": labels[:, k * size:(k + 1) * size], "cu_seq_lens_q": cu, "cu_seq_lens_k": cu,
+            "max_length_q": max_len, "max_length_k": max_len,
+            "loss_positions": batch["loss_positions"][mine] - k * size, "loss_targets": batch["loss_targets"][mine],
+        })  # fmt: skip
+    return shards
+
+
 def count_label_tokens(batch: Mapping[str, Any]) -> int:
     """Label tokens that contribute to the shifted loss (labels[..., 1:] != -100). Call it on the
     host batch, before moving it to the device, or it syncs."""

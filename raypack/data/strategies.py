@@ -252,8 +252,19 @@ def check_strategies(cfg: Config, source: str = "") -> None:
             check_repack(cfg.pack.strategy, "pack.repack_each_epoch")
         for name in cfg.tune.strategies:
             check_strategy_name(name, "tune.strategies")
+        check_split(cfg.pack.strategy, cfg.train.sequence_parallel, "pack.strategy")
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}" if source else str(e)) from None
+
+
+def check_split(name: str, sequence_parallel: int, field: str = "pack.strategy") -> None:
+    """ConfigError for a padded strategy under train.sequence_parallel > 1: its batches run the
+    model's own attention, which the Ulysses exchange (raypack/model/ulysses.py) never reaches."""
+    if sequence_parallel > 1 and STRATEGIES[name].padded:
+        raise ConfigError(
+            f"{field}: {name} pads one example a row and runs the model's own attention, which "
+            f"train.sequence_parallel={sequence_parallel} can't split; use a packed strategy"
+        )
 
 
 def check_repack(name: str, field: str = "pack.repack_each_epoch") -> None:

@@ -41,6 +41,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from raypack.model import ulysses
 from raypack.model.exact import LastCache, chunk_cu_seqlens, exact_attention
 from raypack.model.traits import PADDED, UnsupportedModelError, row_scaled_layers
 
@@ -272,6 +273,16 @@ def _make_forward(backend: str | None):
                 f"{type(module).__name__} asks for {'non-causal attention' if is_causal is False else 'a position bias'}, "
                 f"which raypack's varlen attention does not implement; use a padded strategy ({PADDED})"
             )
+        group = ulysses.active()
+        if group is not None:  # this rank's shard of the row -> the whole row, H/N heads
+            if kwargs.get("cu_seq_lens_q") is None:
+                # Without them a shard can only see its own positions, not where the row's examples start.
+                raise UnsupportedModelError(
+                    f"{type(module).__name__} got no cu_seq_lens_q: its layers don't pass the forward's attention "
+                    "keyword arguments through to attention, so train.sequence_parallel can't tell it where the "
+                    "whole row's examples start; train it with train.sequence_parallel=1"
+                )
+            query, key, value, s_aux = ulysses.heads_for_row(module, query, key, value, s_aux, group)
         cu, max_len = _metadata(query, kwargs)
         check_row_scaling(module, query.shape[0] * query.shape[2])
         chunk = layer_chunk_size(module)
@@ -282,7 +293,8 @@ def _make_forward(backend: str | None):
             if chunk:  # chunked layers: the same kernels over the chunks of every example
                 cu, max_len = chunk_cu_seqlens(cu, chunk, query.shape[0] * query.shape[2]), min(max_len, chunk)
             out = _KERNELS[chosen](module, query, key, value, cu, max_len, dropout, scaling, sliding_window, softcap, s_aux)
-        return out.reshape(query.shape[0], query.shape[2], query.shape[1], -1), None
+        out = out.reshape(query.shape[0], query.shape[2], query.shape[1], -1)
+        return (out if group is None else ulysses.tokens_for_rank(out, group)), None
 
     forward.__name__ = f"{NAMES[backend or 'auto']}_forward"
     return forward

@@ -168,13 +168,15 @@ def check_model(
     *,
     name: str | None = None,
     packed: bool = True,
+    split: int = 1,
 ) -> None:
     """Refuse, before any data or worker work, a model that is not a causal LM transformers knows
     here (remote code is checked once built), or, if `packed`, one that can't train exactly on
     packed rows with `attention` on `device_type` (`sdpa` means transformers' own attention over
     packed position_ids: only the model-wide traits apply). Builds the model on the meta device:
     no weights, a few seconds for 70B. `max_row_tokens` is the longest packed row, if known;
-    `name` names the model in errors (default: its name, or its config's class)."""
+    `name` names the model in errors (default: its name, or its config's class); `split`: the
+    train.sequence_parallel its heads must divide by."""
     config, default_name, _ = _config(name_or_config, trust_remote_code, vocab_size)
     name = name or default_name
     if MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None) is None and not getattr(config, "auto_map", None):
@@ -182,7 +184,7 @@ def check_model(
     if not packed:
         return
     backends = () if attention in ("sdpa", "eager") else attn.candidate_backends(attention, device_type)
-    _check_on_meta(config, name, backends, trust_remote_code, max_row_tokens)
+    check_packable(meta_model(config, trust_remote_code), name, backends, max_row_tokens=max_row_tokens, split=split)
 
 
 def meta_model(config: PretrainedConfig, trust_remote_code: bool = False):
@@ -193,10 +195,6 @@ def meta_model(config: PretrainedConfig, trust_remote_code: bool = False):
     # what the checks read, and raypack's names change no model's structure.
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, attn_implementation="eager", trust_remote_code=trust_remote_code)
-
-
-def _check_on_meta(config, name: str, backends, trust_remote_code: bool, max_row_tokens: int | None = None) -> None:
-    check_packable(meta_model(config, trust_remote_code), name, backends, max_row_tokens=max_row_tokens)
 
 
 def load_model(
@@ -228,7 +226,7 @@ def load_model(
     if packed and not zero3:
         # refuse before building or reading a checkpoint; under ZeRO-3 a meta build would fight
         # zero.Init, so the built model is checked instead (the driver's check_model ran already)
-        _check_on_meta(config, name, attn.candidate_backends(attention, _device_type()), trust_remote_code)
+        check_packable(meta_model(config, trust_remote_code), name, attn.candidate_backends(attention, _device_type()))
     model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     if model_cls is not None and impl == "sdpa" and not getattr(model_cls, "_supports_sdpa", False):
         impl = "eager"  # older architectures (Bloom, ...): padded batches still train

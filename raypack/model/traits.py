@@ -123,14 +123,22 @@ def backend_reasons(model: torch.nn.Module, backend: str) -> list[str]:
 
 
 def check_packable(
-    model: torch.nn.Module, name: str, backends: Sequence[str] = ("sdpa_varlen",), max_row_tokens: int | None = None
+    model: torch.nn.Module, name: str, backends: Sequence[str] = ("sdpa_varlen",), max_row_tokens: int | None = None,
+    split: int = 1,
 ) -> None:
     """Raise UnsupportedModelError unless `model` trains exactly on packed rows under one of
     `backends` (the ones `attention='auto'` may pick, or the one it names). `max_row_tokens`,
     when known, bounds the rows (the pack budget); row-position traits are checked against it
-    here and otherwise per batch by the attention function."""
+    here and otherwise per batch by the attention function. `split`: train.sequence_parallel,
+    whose all-to-all hands each rank 1/split of every layer's query heads (raypack/model/ulysses.py)."""
     cls = type(model).__name__
     what = f"{name} ({cls})"
+    heads = getattr(model.config.get_text_config(), "num_attention_heads", None)
+    if split > 1 and (not heads or heads % split):
+        raise UnsupportedModelError(
+            f"{what}: train.sequence_parallel={split} splits every attention layer's query heads over {split} ranks, "
+            f"and it has {heads or 'no known number of'} heads; use a sequence_parallel that divides them"
+        )
     reasons = []
     if not getattr(type(model), "_supports_attention_backend", False):
         reasons.append("transformers can't route its attention through AttentionInterface")

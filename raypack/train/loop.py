@@ -25,6 +25,7 @@ between steps, and syncs once at its end, which times the compute and reads the 
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -41,11 +42,13 @@ from raypack.data.encode import load_tokenizer
 from raypack.data.shards import Prepared, iter_epoch_packs, iter_rank_packs
 from raypack.model.adapters import apply_adapters, frozen_digest, quantization_config, trainable_summary
 from raypack.model.build import load_model, resolve_dtype
+from raypack.model.ulysses import SequenceGroup, sequence_parallel
 from raypack.train.engine import deepspeed_config, setup_engine
 from raypack.train.checkpoint import TrainState, report_and_checkpoint, restore
 from raypack.train.loss import CausalLMLoss, make_loss
 from raypack.train.metrics import Eta, Reporter, model_flops_per_token
-from raypack.train.prefetch import Prefetcher, StepBatch, prepare_step
+from raypack.train.prefetch import StepBatch, prepare_step
+from raypack.train.sequence import data_rank, make_groups, probe_split, step_source
 from raypack.train.tracking import Trackers, TrackingTargets
 
 # --- setup --------------------------------------------------------------------------------------
@@ -155,14 +158,14 @@ def train_step(engine, step: StepBatch, loss: CausalLMLoss, wait_s: float = 0.0)
 
 
 @torch.no_grad()
-def evaluate(engine, data: Prepared, rank: int, loss: CausalLMLoss) -> float | None:
-    """Token-mean loss over the held-out packs of every rank."""
+def evaluate(engine, data: Prepared, group: SequenceGroup, loss: CausalLMLoss) -> float | None:
+    """Token-mean loss over the held-out packs of every rank (of every group's shards)."""
     if not data.eval_dir:
         return None
     engine.eval()
     total, labels = torch.zeros((), dtype=torch.float64, device=engine.device), 0
-    prepare = _preparer(data, engine.device)
-    with Prefetcher(iter_rank_packs(data.eval_dir, rank), 1, prepare) as steps:
+    rows = functools.partial(iter_rank_packs, data.eval_dir, data_rank(dist.get_rank(), group.size))
+    with _steps(data, engine.device, group, rows, 1) as steps:
         for step in steps:
             labels += step.label_tokens
             total += loss(engine, move_batch(step.batches[0], engine.device))  # no sync per batch
@@ -171,11 +174,15 @@ def evaluate(engine, data: Prepared, rank: int, loss: CausalLMLoss) -> float | N
     return float(summed[0] / summed[1].clamp_min(1))
 
 
-def _preparer(data: Prepared, device: torch.device):
-    def prepare(group: list[dict]) -> StepBatch:
-        return prepare_step(group, padded=data.padded, pad_token_id=data.pad_token_id, pin=device.type == "cuda")
+def _steps(data: Prepared, device: torch.device, group: SequenceGroup, rows, accum: int):
+    """This rank's steps of `rows()` (a group's first rank reads and shares them, sequence.py)."""
+    pin = device.type == "cuda"
 
-    return prepare
+    def prepare(rows: list[dict]) -> StepBatch:
+        # Shards are pinned where they land, after the scatter.
+        return prepare_step(rows, padded=data.padded, pad_token_id=data.pad_token_id, pin=pin and group.size == 1)
+
+    return step_source(group, rows, accum, prepare, data.pad_token_id, pin)
 
 
 # --- the loop -------------------------------------------------------------------------------------
@@ -196,17 +203,25 @@ class Worker:
     total_steps: int
     config: dict[str, Any]
     """The train_loop_config the worker was started with."""
+    group: SequenceGroup = SequenceGroup(size=1, rank=0)
+    """The ranks that share this rank's rows (train.sequence_parallel; a group of one without)."""
     tokenizer: Any = None
     """Rank 0's tokenizer, saved with the final model (loaded at setup, not in the step loop)."""
+
+    @property
+    def data_rank(self) -> int:
+        """Whose packed rows this rank trains: its group's."""
+        return data_rank(self.rank, self.group.size)
 
 
 def train_loop_per_worker(config: dict) -> None:
     w = setup_worker(config)
-    for epoch in range(w.state.epoch, w.cfg.train.epochs):
-        train_epoch(w, epoch)
-        if w.state.step >= w.total_steps:
-            break
-        check_epoch_read(w, epoch)
+    with sequence_parallel(w.group):  # attention splits rows over the group from here on
+        for epoch in range(w.state.epoch, w.cfg.train.epochs):
+            train_epoch(w, epoch)
+            if w.state.step >= w.total_steps:
+                break
+            check_epoch_read(w, epoch)
     w.reporter.close()
 
 
@@ -243,7 +258,9 @@ def setup_worker(config: dict) -> Worker:
               f"{counts['total_params']:,} ({counts['trainable_params'] / counts['total_params']:.2%}); the base is frozen",
               flush=True)
     tokenizer = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template) if rank == 0 else None
-    return Worker(cfg, data, rank, engine, scheduler, loss, state, reporter, total_steps, config, tokenizer)
+    group = make_groups(t.sequence_parallel)
+    probe_split(engine, group, loss)  # a model that can't split its rows stops here, before any step
+    return Worker(cfg, data, rank, engine, scheduler, loss, state, reporter, total_steps, config, group, tokenizer)
 
 
 def train_epoch(w: Worker, epoch: int) -> None:
@@ -252,9 +269,9 @@ def train_epoch(w: Worker, epoch: int) -> None:
     if epoch != state.epoch:
         state.epoch, state.micro_step = epoch, 0
     w.reporter.static = _epoch_static(w.data, epoch, w.total_steps)  # per-epoch plans have their own balance
-    rows = iter_epoch_packs(w.data, w.rank, epoch, start_step=state.micro_step)
+    rows = functools.partial(iter_epoch_packs, w.data, w.data_rank, epoch, start_step=state.micro_step)
     # The plan gives every rank the same multiple of `accum` steps, so a short group is the epoch end.
-    with Prefetcher(rows, accum, _preparer(w.data, w.engine.device)) as steps:
+    with _steps(w.data, w.engine.device, w.group, rows, accum) as steps:
         while state.step < w.total_steps:
             t0 = time.perf_counter()
             if (step := next(steps, None)) is None:
@@ -281,7 +298,7 @@ def after_step(w: Worker, epoch: int) -> None:
     extra = {}
     if eval_due:
         t_eval = time.perf_counter()
-        extra["eval_loss"] = evaluate(w.engine, w.data, w.rank, w.loss)
+        extra["eval_loss"] = evaluate(w.engine, w.data, w.group, w.loss)
         w.reporter.exclude(time.perf_counter() - t_eval)
     metrics = w.reporter.summary(step, epoch, extra)
     if final and w.state.base_digest and base_digests(w.engine) != w.state.base_digest:
@@ -302,7 +319,7 @@ def check_epoch_read(w: Worker, epoch: int) -> None:
     if w.state.micro_step != epoch_steps:
         raise RuntimeError(
             f"rank {w.rank} read {w.state.micro_step} of {epoch_steps} packs from "
-            f"{folder}/rank={w.rank}; is run.storage_path shared by every node?"
+            f"{folder}/rank={w.data_rank}; is run.storage_path shared by every node?"
         )
 
 

@@ -188,12 +188,24 @@ class Memory:
         zero = f"ZeRO-{t.zero_stage}" + (" + optimizer offload" if t.offload_optimizer else "")
         return (f"{self.total / scale:.1f} {unit} = {terms}{host} ({mode}: {_count(self.trained)} of {_count(arch.params)} "
                 f"params trained; {zero} over {t.num_workers} rank(s); gradient checkpointing "
-                f"{'on' if m.gradient_checkpointing else 'off'}; {tokens or cfg.pack.budget} tokens a row; {t.loss} loss; "
+                f"{'on' if m.gradient_checkpointing else 'off'}; {_row(cfg, tokens)}; {t.loss} loss; "
                 f"{unit} = 1e{9 if unit == 'GB' else 6} B; ~3-5 GB of CUDA context and buffers not counted)")  # fmt: skip
+
+
+def _row(cfg: Config, tokens: int | None) -> str:
+    if tokens or cfg.train.sequence_parallel == 1:
+        return f"{tokens or cfg.pack.budget} tokens a row"
+    return f"{cfg.pack.budget} tokens a row over {cfg.train.sequence_parallel} ranks, {rank_tokens(cfg)} a rank"
 
 
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}k"
+
+
+def rank_tokens(cfg: Config) -> int:
+    """Tokens a rank holds of a full row: pack.budget, or its 1/N under sequence parallelism (the
+    all-to-all's buffers, a layer's q, k, v and output twice over, come and go within a layer)."""
+    return -(-cfg.pack.budget // cfg.train.sequence_parallel)
 
 
 def chunk_tokens(cfg: Config, vocab: int) -> int:
@@ -211,11 +223,11 @@ def preset_zero(cfg: Config) -> dict[str, Any]:
 def estimate(cfg: Config, arch: Arch, *, tokens: int | None = None, loss: str | None = None,
              chunk: int | None = None, zero: Mapping[str, Any] | None = None) -> Memory:
     """Bytes per GPU of a run of `cfg` on a model of shape `arch`: `tokens` per micro-batch (default
-    pack.budget), `loss` full or chunked (default train.loss) in chunks of `chunk` tokens (default
+    a rank's share of pack.budget), `loss` full or chunked (default train.loss) in chunks of `chunk` tokens (default
     the loss's own), `zero` the preset's ZeRO section (default read from train.deepspeed_preset)."""
     t, peft = cfg.train, cfg.model.peft
     zero = preset_zero(cfg) if zero is None else zero
-    tokens = tokens or cfg.pack.budget
+    tokens = tokens or rank_tokens(cfg)
     n, p = t.num_workers, arch.params
     trained = trained_params(arch, peft)
 

@@ -81,7 +81,7 @@ def preflight(cfg: Config, *, reprepare: bool = False) -> Checked:
         _check_rows(checked, vocab)
     from raypack.data.cache import packed_root, reusable  # Ray Data: imported once the cheap checks passed
 
-    n = cfg.train.num_workers
+    n = cfg.train.data_parallel
     prepared = reusable(cfg, n, packed_root(cfg, n, run_dir(cfg)), checked.sources, reprepare)
     return Checked(cfg=cfg, sources=checked.sources, formats=formats, vocab_size=vocab, prepared=prepared)
 
@@ -149,7 +149,8 @@ def check_packed_model(cfg: Config, config=None) -> None:
     max_row = cfg.pack.budget if strategy.bounded_rows else None
     check_model(config if config is not None else m.name, attention=m.attention,
                 device_type="cuda" if cfg.train.use_gpu else "cpu", trust_remote_code=m.trust_remote_code,
-                max_row_tokens=max_row, name=m.name, packed=not strategy.padded)  # fmt: skip
+                max_row_tokens=max_row, name=m.name, packed=not strategy.padded,
+                split=cfg.train.sequence_parallel)  # fmt: skip
 
 
 def check_adapters(cfg: Config, config) -> None:

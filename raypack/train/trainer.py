@@ -169,16 +169,17 @@ def _finished(root: str, checked: Checked) -> dict | None:
 def _check_same_data(cfg: Config, root: str, checked: Checked) -> None:
     """A run with checkpoints continues only on the packed data they index: refuse, before
     anything is prepared, a config whose packed data differs from the one the run saved."""
-    n = cfg.train.num_workers
+    n = cfg.train.data_parallel
     if checked.prepared is not None:
         return  # this config's packed data is there, made from these sources
     saved = runs.saved_config(root)
     # The run's packed/ is there, but keyed otherwise: packing again would overwrite the rows
     # its checkpoints index, so only a missing folder is made again.
     made = read_manifest(storage.absolute(packed_root(cfg, n, root)))
-    if made is None and packed_key(saved, saved.train.num_workers) == packed_key(cfg, n):
+    if made is None and packed_key(saved, saved.train.data_parallel) == packed_key(cfg, n):
         return  # same config, its packed folder gone: packing again makes the same rows
-    shaping = ("data.", "tokenize.", "pack.", "train.num_workers", "train.grad_accum", "train.epochs", "train.max_steps")
+    shaping = ("data.", "tokenize.", "pack.", "train.num_workers", "train.sequence_parallel", "train.grad_accum",
+               "train.epochs", "train.max_steps")
     diff = [d for d in runs.differences(saved, cfg) if d.startswith(shaping)]
     if not diff:
         raise InputError(
@@ -200,7 +201,8 @@ def build_trainer(checked: Checked, tracking: TrackingTargets, *, reprepare: boo
     cfg = checked.cfg
     t = cfg.train
     root = runs.run_dir(cfg)
-    prepared = prepare(cfg, t.num_workers, packed_root(cfg, t.num_workers, root), checked.sources,
+    # One set of packed rows per data-parallel rank: a sequence-parallel group shares its rows.
+    prepared = prepare(cfg, t.data_parallel, packed_root(cfg, t.data_parallel, root), checked.sources,
                        vocab_size=checked.vocab_size, reprepare=reprepare)
     loop_config = {
         "cfg": cfg.to_dict(),

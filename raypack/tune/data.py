@@ -74,7 +74,7 @@ def prepare_sweep_data(base: Config, sources: Sources, cache: str) -> SweepData:
     sweep can draw, into `cache`. Returns the equal-work batch sizes and what it cost. `sources`:
     the listing of `base.data.paths` (preflight's)."""
     out = SweepData(cache=cache)
-    ranks, accum = base.train.num_workers, base.train.grad_accum
+    ranks, accum = base.train.data_parallel, base.train.grad_accum
     tokenizations: dict[str, Any] = {}
     for strategy, budget in pack_configs(base):
         cfg = with_pack(base, cache, strategy, budget)

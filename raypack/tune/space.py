@@ -27,7 +27,7 @@ from ray.tune.schedulers import AsyncHyperBandScheduler
 from ray.tune.search import BasicVariantGenerator
 
 from raypack.config import Config
-from raypack.data.strategies import check_strategies
+from raypack.data.strategies import check_split, check_strategies
 from raypack.errors import ConfigError
 from raypack.train.metrics import REPORTED
 
@@ -58,6 +58,8 @@ def check(cfg: Config) -> None:
     """Raise ConfigError (naming the key) for a sweep config Ray Tune would fail on later."""
     check_strategies(cfg)
     t = cfg.tune
+    for name in t.strategies:
+        check_split(name, cfg.train.sequence_parallel, "tune.strategies")
     if t.lora_ranks and not cfg.model.peft.enabled:
         raise ConfigError("tune.lora_ranks: sweeps adapter ranks, so it needs model.peft.method: lora (or qlora)")
     if t.metric not in REPORTED:

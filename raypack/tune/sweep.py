@@ -135,7 +135,7 @@ def collect_rows(results, experiment: str, cfg: Config, data: SweepData) -> list
 
 def report_context(cfg: Config, data: SweepData) -> Context:
     t, tr = cfg.tune, cfg.train
-    per_step = " x ".join(str(v) for v in (cfg.pack.budget, tr.num_workers, tr.grad_accum))
+    per_step = " x ".join(str(v) for v in (cfg.pack.budget, tr.data_parallel, tr.grad_accum))
     takes = [s for s in t.strategies if STRATEGIES[s].takes_batch_size]
     if t.equal_work == "tokens_per_step" and takes:
         sizes = "; ".join(f"budget {b}: {b} / {data.mean_length[b]:.1f} = {b / data.mean_length[b]:.3f}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import pyarrow.parquet as pq
 
 from raypack.cli import main
@@ -15,7 +16,7 @@ from raypack.data.synthetic import sample_lengths
 
 KEYS = ["strategy", "packs", "steps", "optimizer_steps", "tokens_per_optimizer_step", "efficiency",
         "padding_fraction", "token_imbalance", "attention_imbalance", "token_imbalance_worst",
-        "attention_imbalance_worst", "seconds"]
+        "attention_imbalance_worst", "split_padding", "seconds"]
 
 
 def test_plan_cli_json_and_out_are_the_training_plan(tmp_path, capsys):
@@ -138,3 +139,18 @@ def test_plan_on_its_data_says_when_the_estimate_is_not_available(monkeypatch):
     line = memory_line(load(None, ["model.name=no-such-org/no-such-model-raypack"]), offline=False)
     assert line == ("memory per GPU (estimate): n/a (model.name 'no-such-org/no-such-model-raypack': "
                     "can't load its config (no network))")
+
+
+def test_plan_shows_sequence_parallel_groups_and_their_padding(tmp_path, capsys):
+    np.save(tmp_path / "l.npy", np.array([5, 3, 2, 7, 9, 6]))
+    argv = ["plan", "--lengths", str(tmp_path / "l.npy"), "pack.budget=10", "pack.strategy=bfd",
+            "train.num_workers=4", "train.sequence_parallel=2"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "2 ranks x 1 micro-steps" in text  # the data-parallel groups plan the rows
+    assert "sequence parallel: 2 groups of 2 workers (4 in all)" in text and "at most 5 tokens a worker" in text
+    assert main([*argv, "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    cfg = load(None, ["pack.budget=10", "pack.strategy=bfd", "train.num_workers=4", "train.sequence_parallel=2"])
+    tokens = make_plan(np.array([5, 3, 2, 7, 9, 6]), cfg.pack, 2).pack_tokens()
+    assert row["split_padding"] == pytest.approx((tokens % 2).sum() / (tokens + tokens % 2).sum()) and row["split_padding"] > 0

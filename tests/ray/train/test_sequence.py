@@ -1,0 +1,154 @@
+"""Sequence parallelism under Ray Train and DeepSpeed (raypack/train/sequence.py, model/ulysses.py).
+
+One optimizer step on 4 workers in 2 groups of 2 (each group 2 micro-batches of packed rows whose
+examples cross the shard cut; the group's first rank reads them and scatters the shards): the loss
+and every gradient equal a single process running each example alone with the model's own
+attention. Under ZeRO-2, ZeRO-3 with gradient checkpointing on a tied, softcapped head (Gemma 2),
+and LoRA under ZeRO-3 with checkpointing. Then `raypack train` itself: 4 workers with
+train.sequence_parallel=2 log the same losses as 2 workers without, through a worker that dies in
+the middle of the epoch and a restart from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from trackfiles import tensorboard_scalars
+
+from tests.ray.train.test_loop import EXAMPLES, VOCAB, packed_row
+from tests.ray.train.test_trainer import CONFIG, loop_killed_once, trained_ids, with_worker_loop
+
+pytestmark = pytest.mark.ray
+
+CASES = {  # zero stage, tiny family, config overrides, gradient checkpointing, LoRA
+    "zero2-llama": (2, "llama", {}, False, False),
+    "zero3-checkpointing-gemma2-tied-softcap": (3, "gemma2", {"final_logit_softcapping": 0.5}, True, False),
+    "zero3-checkpointing-lora-qwen3": (3, "qwen3", {}, True, True),
+}
+
+
+def build(case, attention="auto"):
+    from raypack.config import PeftConfig
+    from raypack.model.adapters import apply_adapters
+    from raypack.model.build import load_model
+
+    _, family, overrides, checkpointing, lora = CASES[case]
+    torch.manual_seed(0)
+    model = load_model(f"tiny-{family}", attention=attention, dtype="float32", vocab_size=VOCAB,
+                       gradient_checkpointing=checkpointing, **overrides)
+    if lora:
+        model = apply_adapters(model, PeftConfig(method="lora", r=4, alpha=8))
+        g = torch.Generator().manual_seed(1)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # peft starts B at 0, where every lora_A gradient is 0
+                p.data = torch.randn(p.shape, generator=g) * 0.1
+    return model
+
+
+def loop(config):
+    import deepspeed
+    import ray.train
+    import torch.distributed as dist
+
+    from raypack.config import TrainConfig
+    from raypack.model.ulysses import sequence_parallel
+    from raypack.train.engine import setup_engine
+    from raypack.train.loop import forward_backward, global_count
+    from raypack.train.loss import make_loss
+    from raypack.train.prefetch import prepare_step
+    from raypack.train.sequence import ShardedSteps, data_rank, make_groups, probe_split
+
+    rank = ray.train.get_context().get_world_rank()
+    results = {}
+    group = make_groups(2)
+    for case in config["cases"]:
+        cfg = TrainConfig(num_workers=4, sequence_parallel=2, zero_stage=CASES[case][0], grad_accum=2, grad_clip=0.0,
+                          warmup_steps=0, deepspeed_preset=config["preset"])
+        engine, _ = setup_engine(build(case), cfg, dtype=torch.float32, world_size=4, total_steps=1)
+        loss_fn = make_loss(engine, "chunked", chunk_tokens=7)
+        probe_split(engine, group, loss_fn)
+        # the group's first rank reads its data rank's rows; the shards are scattered to the others
+        mine = [prepare_step([packed_row(mb) for mb in EXAMPLES[data_rank(rank, 2)]])] if group.rank == 0 else None
+        step = next(ShardedSteps(iter(mine) if mine else None, group, pad_token_id=0, pin=False))
+        with sequence_parallel(group):
+            n = float(global_count([step.label_tokens], engine.device)[:, 0].sum())
+            loss_sum = forward_backward(engine, step.batches, 4 * 2 / n, loss_fn)
+        loss = float(global_count([float(loss_sum)], engine.device)[:, 0].sum()) / n
+        grads = {name: deepspeed.utils.safe_get_full_grad(p).clone()
+                 for name, p in engine.module.named_parameters() if p.requires_grad}
+        results[case] = {"loss": loss, "grads": grads, "tokens": step.tokens, "examples": step.example_ids}
+        engine.destroy()
+        dist.barrier()
+    if rank in (0, 1):
+        torch.save(results, f"{config['out']}.{rank}")
+
+
+def test_one_step_split_over_groups_matches_each_example_alone(ray_local, tmp_path):
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    out = tmp_path / "rank.pt"
+    preset = tmp_path / "zero.json"  # partition even the tiny head under ZeRO-3, as a real model's
+    preset.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
+    TorchTrainer(
+        loop,
+        train_loop_config={"out": str(out), "cases": list(CASES), "preset": str(preset)},
+        torch_config=TorchConfig(backend="gloo"),
+        scaling_config=ScalingConfig(num_workers=4, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name=f"split-{tmp_path.name}", storage_path=str(tmp_path / "runs")),
+    ).fit()
+    got, second = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+
+    examples = [e for mbs in EXAMPLES.values() for mb in mbs for e in mb]
+    rows = [packed_row(mb) for mb in EXAMPLES[0]]
+    for case in CASES:
+        # one group's two shards hold the group's tokens once, and only the first lists the examples
+        assert got[case]["tokens"] + second[case]["tokens"] == sum(r["num_tokens"] for r in rows), case
+        assert got[case]["examples"] == [i for r in rows for i in r["example_ids"]] and second[case]["examples"] == []
+        model = build(case, attention="eager")  # the model's own attention, independent of raypack's
+        total = sum(torch.nn.functional.cross_entropy(model(input_ids=torch.as_tensor(e)[None]).logits[0, :-1],
+                                                      torch.as_tensor(e)[1:], reduction="sum") for e in examples)
+        loss = total / sum(len(e) - 1 for e in examples)
+        loss.backward()
+        assert got[case]["loss"] == pytest.approx(loss.item(), rel=1e-5), case
+        trained = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        assert got[case]["grads"].keys() == trained.keys(), case
+        for name, p in trained.items():
+            torch.testing.assert_close(got[case]["grads"][name], p.grad, rtol=1e-4, atol=1e-6, msg=f"{case}: {name}")
+
+
+def test_raypack_train_split_over_two_ranks_logs_the_losses_of_one(ray_local, tmp_path, monkeypatch):
+    """`raypack train`'s own path (prepare, each group's rows read once and scattered, Ulysses, the
+    loop) with num_workers=4, sequence_parallel=2, ZeRO-3 and gradient checkpointing, against
+    num_workers=2 on the same packed rows (2 data ranks): the same loss at every step, the same eval
+    loss and tokens. In the split run the second rank of the second group dies after step 3, in the
+    middle of the epoch: the group restarts from the step-2 checkpoint, and every example still
+    trains once."""
+    from raypack.config import load
+    from raypack.train import trainer
+
+    common = ["pack.budget=256", "pack.strategy=bfd", "train.max_steps=5", "train.report_every_steps=1",
+              "train.checkpoint_every_steps=2", "train.zero_stage=3", "train.lr=1e-2", "train.max_failures=1",
+              "model.gradient_checkpointing=true", f"run.storage_path={tmp_path}", "data.eval_fraction=0.05"]
+    one = trainer.start(load(CONFIG, [*common, "train.num_workers=2", "run.name=one"])).result
+    split_cfg = load(CONFIG, [*common, "train.num_workers=4", "train.sequence_parallel=2", "run.name=split"])
+    marker = tmp_path / "fault-fired"
+    with_worker_loop(monkeypatch, loop_killed_once, fault={"rank": 3, "step": 3, "marker": str(marker)})
+    split = trainer.start(split_cfg).result
+    assert marker.exists(), "the injected worker failure never fired"
+    assert one.metrics["step"] == split.metrics["step"] == 5 and split.error is None
+
+    losses = [tensorboard_scalars(tmp_path / name / "tensorboard")["train/loss"] for name in ("one", "split")]
+    assert sorted(losses[0]) == sorted(losses[1]) == [1, 2, 3, 4, 5]
+    for step in losses[0]:
+        assert losses[1][step] == pytest.approx(losses[0][step], rel=1e-4), step
+    assert split.metrics["eval_loss"] == pytest.approx(one.metrics["eval_loss"], rel=1e-4)
+    assert split.metrics["tokens_seen"] == one.metrics["tokens_seen"]  # the rows' padding is not counted
+
+    ids, steps = trained_ids(Path(split.checkpoint.path))
+    assert steps == [[1, 2, 3, 4, 5]] * 4  # every rank took each step once, the redone ones included
+    assert len(ids) == len(set(ids))  # each example once: only a group's first rank lists them
+    assert sorted(ids) == sorted(trained_ids(Path(one.checkpoint.path))[0])
