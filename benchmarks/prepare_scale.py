@@ -112,6 +112,7 @@ def child_raypack(args, data: str, out: str) -> dict:
     state = get_state_from_address(ray.get_runtime_context().gcs_address)
     peak = {"used": 0, "spilled": 0}
     processes: dict[int, tuple[int, str]] = {}  # pid -> (peak RSS, what it ran then)
+    private: dict[int, int] = {}  # pid -> peak RSS less shared pages (the object store's, mapped)
     done = threading.Event()
     cpu_before = cpu_seconds_of_tree()
 
@@ -120,9 +121,10 @@ def child_raypack(args, data: str, out: str) -> dict:
             stats = get_memory_info_reply(state).store_stats
             peak["used"] = max(peak["used"], stats.object_store_bytes_used)
             peak["spilled"] = max(peak["spilled"], stats.spilled_bytes_total)
-            for pid, rss, name in child_rss():
+            for pid, rss, shared, name in child_rss():
                 if rss > processes.get(pid, (0, ""))[0]:
                     processes[pid] = (rss, name)
+                private[pid] = max(private.get(pid, 0), rss - shared)
             done.wait(0.5)
 
     thread = threading.Thread(target=poll, daemon=True)
@@ -139,7 +141,8 @@ def child_raypack(args, data: str, out: str) -> dict:
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "worker_peak_rss_mib": top[0][0] / 2**20 if top else 0.0, "store_peak_mib": peak["used"] / 2**20,
             "spilled_mib": peak["spilled"] / 2**20, "steps": prepared.steps_per_rank,
-            "processes": len(processes), "largest": [(round(rss / 2**20), name) for rss, name in top[:6]]}
+            "processes": len(processes), "largest": [(round(rss / 2**20), name) for rss, name in top[:6]],
+            "worker_peak_private_mib": max(private.values(), default=0) / 2**20}
 
 
 def cpu_seconds_of_tree() -> float:
@@ -157,16 +160,19 @@ def cpu_seconds_of_tree() -> float:
     return total
 
 
-def child_rss() -> list[tuple[int, int, str]]:
-    """(pid, RSS, title) of every process under this one: Ray names a worker's process after the
-    task it runs (`ray::route_file`), so a peak says which stage it belongs to."""
+def child_rss() -> list[tuple[int, int, int, str]]:
+    """(pid, RSS, shared, title) of every process under this one: Ray names a worker's process
+    after the task it runs (`ray::route_file`), so a peak says which stage it belongs to; `shared`
+    counts the mapped pages other processes share (the object store's, where Ray's tasks read
+    their arguments in place)."""
     import psutil
 
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
             title = " ".join(p.cmdline())[:48].strip() or p.name()
-            out.append((p.pid, p.memory_info().rss, title))
+            mem = p.memory_info()
+            out.append((p.pid, mem.rss, mem.shared, title))
         except psutil.Error:
             pass
     return out
@@ -210,7 +216,7 @@ def child_floor(args, data: str, out: str) -> dict:
     wall = time.perf_counter() - t0
     return {"wall": wall, "cpu": time.process_time() - cpu0, "rss_before_mib": before,
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "worker_peak_rss_mib": 0.0,
-            "store_peak_mib": 0.0, "spilled_mib": 0.0, "steps": int(plan.num_steps)}
+            "worker_peak_private_mib": 0.0, "store_peak_mib": 0.0, "spilled_mib": 0.0, "steps": int(plan.num_steps)}
 
 
 def digest(folder: str, ranks: int) -> list[tuple]:
@@ -337,14 +343,15 @@ def report(args, argv, started, runs: dict[int, dict]) -> list[str]:
            else "(WildChat-like, clipped to the budget)") + f", pre-tokenized, no labels, in {args.files} Parquet files.",
         "",
         "| examples | tokens | run | wall s | CPU s (all processes) | driver peak RSS MiB | largest other process "
-        "RSS MiB | object store peak MiB | spilled MiB | packed output MiB | steps per rank |",
+        "RSS MiB (largest private) | object store peak MiB | spilled MiB | packed output MiB | steps per rank |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for n, run in runs.items():
         d = run["data"]
         for k, v in run["results"].items():
             lines.append(f"| {n:,} | {d['tokens']:,} | {k} | {v['wall']:.1f} | {v['cpu']:.0f} | {v['peak_rss_mib']:.0f} | "
-                         f"{v['worker_peak_rss_mib']:.0f} | {v['store_peak_mib']:.0f} | {v['spilled_mib']:.0f} | "
+                         f"{v['worker_peak_rss_mib']:.0f} ({v['worker_peak_private_mib']:.0f}) | {v['store_peak_mib']:.0f} | "
+                         f"{v['spilled_mib']:.0f} | "
                          f"{v['packed_mib']:.0f} | {v['steps']} |")
     lines += ["", "Targets (issue 25), raypack at each size:", "",
               "| examples | every process <= 4 GiB | spilled <= packed output | CPU s <= 2x the floor's | same rows |",

@@ -6,8 +6,9 @@
 Both sides run the same per-batch work (raypack.data.encode.Encoder: chat template, assistant
 mask, EOS) with the same tokenizer on the same synthetic chat JSONL, one process per core:
 
-- raypack: `tokenize_dataset` end to end (read + validate + ids + tokenize + counts, materialized),
-  `tokenize.num_actors` = cores, fractional CPUs. Actor start-up is in every run.
+- raypack: `tokenize_dataset` end to end (read + validate + ids + tokenize + counts, the rows
+  written to Parquet as prepare writes them), `tokenize.num_actors` = cores, fractional CPUs.
+  Actor start-up is in every run; its CPU seconds are reported by process.
 - datasets: `load_dataset("json")` into a fresh cache, then `map(batched=True, num_proc=cores)`.
 
 The sides alternate, twice each (once with --smoke), so that other jobs on a shared host weigh on both.
@@ -24,6 +25,7 @@ import os
 import platform
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -65,7 +67,7 @@ def run_datasets(path: str, tokenizer: str, cores: int, batch_size: int, cache: 
     return t2 - t0, t2 - t1, len(out), int(sum(out["length"]))
 
 
-def run_ray(path: str, tokenizer: str, cores: int, batch_size: int) -> tuple[float, int, int]:
+def run_ray(path: str, tokenizer: str, cores: int, batch_size: int, out_dir: str) -> tuple[float, int, int, dict]:
     from raypack.data.listing import Sources
     from raypack.data.tokenize import tokenize_dataset
 
@@ -73,10 +75,68 @@ def run_ray(path: str, tokenizer: str, cores: int, batch_size: int) -> tuple[flo
         data=DataConfig(paths=(path,)),
         tokenize=TokenizeConfig(tokenizer=tokenizer, max_length=1 << 20, batch_size=batch_size, num_actors=cores, num_cpus=0.5),
     )
+    watch = CpuByTitle()
     t0 = time.perf_counter()
-    ds, stats = tokenize_dataset(cfg, Sources.of(cfg.data.paths))
+    with watch:  # the rows go where prepare puts them: Parquet files, as datasets' map writes Arrow files
+        _, stats = tokenize_dataset(cfg, Sources.of(cfg.data.paths), out_dir=out_dir)
     dt = time.perf_counter() - t0
-    return dt, stats.examples_out, stats.tokens
+    return dt, stats.examples_out, stats.tokens, watch.seconds
+
+
+KINDS = ("tokenizing (the actors' batches)", "tokenizer actors starting (constructor)",
+         "idle workers (process start, imports)", "reading the JSONL", "writing Parquet", "driver", "Ray's own processes")
+
+
+def kinds(seconds: dict[str, float]) -> dict[str, float]:
+    """CpuByTitle's seconds grouped into KINDS."""
+    out: dict[str, float] = {}
+    for title, sec in seconds.items():
+        kind = (KINDS[1] if title.startswith("ray::MapWorker") and title.endswith("__init__")
+                else KINDS[0] if title.startswith("ray::MapWorker") else KINDS[2] if title == "ray::IDLE"
+                else KINDS[3] if "read" in title.lower() else KINDS[4] if title == "ray::Write"
+                else KINDS[5] if title == "driver" else KINDS[6])
+        out[kind] = out.get(kind, 0.0) + sec
+    return out
+
+
+class CpuByTitle:
+    """CPU seconds of this process and every process under it (a local Ray instance's), by what
+    each was doing: Ray titles a worker after the task or actor it runs (`ray::MapWorker(...)`), so
+    polling every 0.5 s attributes each interval's CPU to the title seen at its end."""
+
+    def __init__(self):
+        import psutil
+
+        self.psutil, self.seconds, self.last = psutil, {}, {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _poll(self) -> None:
+        for p in [self.psutil.Process(), *self.psutil.Process().children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+                used = t.user + t.system
+                title = (" ".join(p.cmdline()) or p.name()).split(" ")[0][:60] if p.pid != os.getpid() else "driver"
+            except self.psutil.Error:
+                continue
+            delta = used - self.last.get(p.pid, used if p.pid in self.last else 0.0)
+            self.last[p.pid] = used
+            self.seconds[title] = self.seconds.get(title, 0.0) + max(delta, 0.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            self._poll()
+
+    def __enter__(self):
+        self._poll()
+        self.seconds.clear()  # from now on
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._poll()
 
 
 def main(argv=None) -> int:
@@ -87,12 +147,13 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer", default=str(ASSETS / "tokenizer"))
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--cores", type=int, default=os.cpu_count())
+    ap.add_argument("--rounds", type=int, default=2, help="runs a side, alternating")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     started = host_now()
     if args.smoke:
         args.n, args.cores = 200, 1
-    runs = 1 if args.smoke else 2
+    runs = 1 if args.smoke else args.rounds
     out_path = results_path("tokenize", args.smoke, args.out)
 
     import ray
@@ -104,7 +165,7 @@ def main(argv=None) -> int:
                 f.write(json.dumps(rec) + "\n")
 
         # Alternate the two sides so that load from other jobs on a shared host drifts onto both.
-        ds_runs, ray_runs = [], []
+        ds_runs, ray_runs, cpu_runs = [], [], []
         for i in range(runs):
             ds_total, ds_map, ds_rows, ds_tokens = run_datasets(path, args.tokenizer, args.cores, args.batch_size, os.path.join(tmp, f"hf{i}"))
             ds_runs.append((ds_total, ds_map))
@@ -112,10 +173,11 @@ def main(argv=None) -> int:
             # A fresh Ray instance per run (and none while datasets forks its workers).
             ray.init(address="local", num_cpus=max(4, args.cores * 2), include_dashboard=False, log_to_driver=False)
             ray.data.DataContext.get_current().enable_progress_bars = False
-            dt, rows, tokens = run_ray(path, args.tokenizer, args.cores, args.batch_size)
+            dt, rows, tokens, cpu = run_ray(path, args.tokenizer, args.cores, args.batch_size, os.path.join(tmp, f"rp{i}"))
             ray.shutdown()
             ray_runs.append(dt)
-            print(f"raypack:  {rows} rows, {tokens} tokens, {dt:.2f} s")
+            cpu_runs.append(cpu)
+            print(f"raypack:  {rows} rows, {tokens} tokens, {dt:.2f} s; CPU s by process: {cpu}")
     assert rows == ds_rows and tokens == ds_tokens, "the two sides disagree on the output"
 
     best = min(ray_runs)
@@ -141,8 +203,19 @@ def main(argv=None) -> int:
         "",
         "raypack's time also covers what the datasets side skips: row validation with file:line errors, "
         "stable example ids, over-length handling and the counting pass over every row. "
-        "Ray start-up (`ray.init`) is not counted; tokenizer actor start-up is.",
+        "Ray start-up (`ray.init`) is not counted; tokenizer actor start-up is. Both sides write their "
+        "rows to disk: datasets' map its Arrow cache files, raypack the Parquet files prepare packs from.",
+        "",
+        "Where raypack's CPU seconds went, by what each process was doing (Ray titles a worker after the task "
+        "or actor it runs; polled every 0.5 s):",
+        "",
+        "| what | " + " | ".join(f"run {i + 1}" for i in range(len(cpu_runs))) + " |",
+        "|---|" + "---|" * len(cpu_runs),
     ]
+    grouped = [kinds(cpu) for cpu in cpu_runs]
+    for kind in KINDS:
+        lines.append(f"| {kind} | " + " | ".join(f"{g.get(kind, 0.0):.1f}" for g in grouped) + " |")
+    lines.append("| all | " + " | ".join(f"{sum(g.values()):.1f}" for g in grouped) + " |")
     out_path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"\nwrote {out_path}")

@@ -62,7 +62,7 @@ def _from_config(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
 def _load_lengths(path: str) -> np.ndarray:
     try:
         lengths = np.load(path)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, EOFError) as e:
         raise ConfigError(f"--lengths {path}: not a readable .npy file ({e})") from None
     if lengths.ndim != 1 or not np.issubdtype(lengths.dtype, np.integer):
         raise ConfigError(f"--lengths {path}: expected a 1-d integer array, got {lengths.dtype} of shape {lengths.shape}")

@@ -260,6 +260,9 @@ def setup_worker(config: dict) -> Worker:
     tokenizer = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template) if rank == 0 else None
     group = make_groups(t.sequence_parallel)
     probe_split(engine, group, loss)  # a model that can't split its rows stops here, before any step
+    if rank == 0 and group.size > 1:
+        print(f"[raypack] sequence parallel: {world} workers in {world // group.size} groups of {group.size}; each "
+              f"row's tokens split {group.size} ways, at most {-(-cfg.pack.budget // group.size)} a worker", flush=True)
     return Worker(cfg, data, rank, engine, scheduler, loss, state, reporter, total_steps, config, group, tokenizer)
 
 
