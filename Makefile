@@ -7,6 +7,7 @@
 #                     not in CI: it finds a dependency's new release before the lock moves to it)
 #   make bench-gpu    on a CUDA machine: GPU tests + benchmarks in < 9 min (tools/bench_gpu.py); Ray and
 #                     DeepSpeed come from the wheels in .whl (tools/gpu_wheels.sh) where they are missing
+#   make bench-peers  on a CUDA machine: raypack against TRL's SFTTrainer, same GPU (benchmarks/peers.py), < 10 min
 #   make bench-smoke  the same steps on the CPU with every benchmark's --smoke
 PYTHON ?= python3
 VENV   ?= .venv
@@ -16,7 +17,7 @@ LOCK   := constraints.txt
 BIN    := $(VENV)/bin
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup run test test-latest lock bench-gpu bench-smoke clean
+.PHONY: setup run test test-latest lock bench-gpu bench-peers bench-smoke clean
 setup: $(VENV)/.installed
 
 # torch first, from $(TORCH) (another version on a CUDA box: the lock's torch pin is left out of
@@ -49,6 +50,9 @@ lock:
 BENCH_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 bench-gpu:
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(BENCH_PYTHON) tools/bench_gpu.py
+
+bench-peers:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(BENCH_PYTHON) tools/bench_gpu.py --peers
 
 bench-smoke: setup
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(BIN)/python tools/bench_gpu.py --smoke

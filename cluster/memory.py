@@ -55,7 +55,8 @@ ARCHS = {
     "Qwen/Qwen2.5-7B": Arch(28, 3584, 18944, 28, 4, 152064, qkv_bias=True),
 }
 CONFIGS = ["llama8b_zero3_1node.yaml", "llama8b_zero3_2node.yaml", "llama8b_zero3_4node.yaml",
-           "llama70b_zero3_offload.yaml", "qwen7b.yaml", "sweeps/packing.yaml", "llama8b_lora_1gpu.yaml"]
+           "llama70b_zero3_offload.yaml", "qwen7b.yaml", "sweeps/packing.yaml", "llama8b_lora_1gpu.yaml",
+           "llama8b_long_sp8.yaml"]
 ZERO2 = ["train.zero_stage=2", "train.deepspeed_preset=zero2"]
 """The choice for several nodes without EFA or TCPX (cluster/README.md, "Interconnect")."""
 VARIANTS = [("llama8b_zero3_2node.yaml", ZERO2), ("llama8b_zero3_4node.yaml", ZERO2),
@@ -83,7 +84,8 @@ class Row:
 
     @property
     def tokens(self) -> int:
-        return max([self.cfg.pack.budget, *(self.cfg.tune.budgets or ())])
+        """Tokens a GPU holds of the longest row: a row's 1/N under train.sequence_parallel N."""
+        return -(-max([self.cfg.pack.budget, *(self.cfg.tune.budgets or ())]) // self.cfg.train.sequence_parallel)
 
     @cached_property
     def zero(self) -> dict:
@@ -184,7 +186,7 @@ def _fits(budget: int) -> str:
 def markdown() -> str:
     rs = rows(variants=True)
     lines = [
-        "| config | model (params) | ranks (nodes) | ZeRO | tokens / row | weights | grads | optimizer "
+        "| config | model (params) | ranks (nodes) | ZeRO | tokens / GPU | weights | grads | optimizer "
         "| activations | loss, full logits | **total / GPU** | loss, chunked | total, chunked | GPU / node | host RAM / node |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]

@@ -10,6 +10,7 @@ function that a test defines.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -28,11 +29,24 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def asked_for_slow(config) -> bool:
+    """`-m` names `slow` (not as `not slow`), or RAYPACK_SLOW=1. A plain `pytest tests` (the
+    README's and CI's command) leaves the `slow` tests out: multi-minute runs of what a faster
+    test already covers for one case."""
+    expr = config.getoption("markexpr") or ""
+    return bool(re.search(r"(?<!not )\bslow\b", expr)) or os.environ.get("RAYPACK_SLOW") == "1"
+
+
 def pytest_collection_modifyitems(config, items):
     # Everything under tests/ray/ starts Ray: `pytest -m "not ray"` is the fast tier.
     for item in items:
         if Path(str(item.fspath)).resolve().relative_to(TESTS).parts[0] == "ray":
             item.add_marker(pytest.mark.ray)
+    if not asked_for_slow(config):
+        skip_slow = pytest.mark.skip(reason="slow: run with `pytest -m slow` or RAYPACK_SLOW=1")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip_slow)
     if has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

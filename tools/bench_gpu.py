@@ -2,6 +2,7 @@
 
     make bench-gpu          # CUDA: the GPU tests and four benchmarks; results in benchmarks/results/
     make bench-smoke        # CPU: the same steps with every benchmark's --smoke (what CI runs)
+    make bench-peers        # CUDA: raypack against TRL's SFTTrainer (benchmarks/peers.py), apart: ~9 min
     python tools/bench_gpu.py [--smoke] [--budget SECONDS] [--results-dir DIR] [--only NAME ...]
 
 The GPU machine has torch with CUDA and transformers but no Ray, no DeepSpeed and no network. If
@@ -9,7 +10,8 @@ Ray or DeepSpeed is missing, step 0 installs the wheels carried next to the chec
 (tools/gpu_wheels.sh gathers them) into a private folder and restarts this script with it first
 on PYTHONPATH, so that every step, and this script's version lines, see the same packages.
 
-    0. install    ray, deepspeed, peft (and the carried transformers) from .whl, if one is missing
+    0. install    ray, deepspeed, peft, trl, liger-kernel (and the carried transformers) from .whl,
+                  if one is missing
     1. gpu_tests  pytest -m gpu tests/gpu                      -> gpu_tests_<device>_<date>.md
     2. train      benchmarks/train_throughput.py (ZeRO-2)      -> train_<device>_<date>.md
     3. loss       benchmarks/loss_memory.py                    -> loss_memory_<device>_<date>.md
@@ -74,6 +76,11 @@ STEPS = [
     # H100 (two ~1.2B models built on the GPU, 2 settings x 2 rounds x 2 sides x 4 steps of 16k tokens).
     Step("lora", "lora", ["benchmarks/lora_throughput.py"], cap_s=90, min_s=45, smoke_args=["--smoke"]),
 ]  # fmt: skip
+PEERS = [
+    # `make bench-peers`, a command of its own: TRL's SFTTrainer twice and raypack twice on a ~1.1B
+    # model, each configuration a fresh process of ~1-2 min on an H100 (estimated, not yet run).
+    Step("peers", "peers", ["benchmarks/peers.py"], cap_s=540, min_s=300, smoke_args=["--smoke"]),
+]
 
 
 class Log:
@@ -190,6 +197,7 @@ def main(argv=None) -> int:
     p.add_argument("--results-dir", default=None,
                    help="where results files go (default benchmarks/results/; smoke: a temp folder)")  # fmt: skip
     p.add_argument("--only", nargs="+", choices=[s.name for s in STEPS], help="run only these steps")
+    p.add_argument("--peers", action="store_true", help="`make bench-peers`: raypack against TRL, instead of the steps")
     p.add_argument("--wheels", default=str(REPO / ".whl"), help="wheels to install where ray/deepspeed are missing")
     p.add_argument("--site", default=str(Path(tempfile.gettempdir()) / "raypack-site"), help="where they are installed")
     p.add_argument("--install", action="store_true", help="install the wheels even where ray and deepspeed import")
@@ -207,7 +215,8 @@ def main(argv=None) -> int:
         print("[bench-gpu] no CUDA GPU here: make bench-gpu measures raypack on a GPU. "
               "`make bench-smoke` runs the same steps on the CPU with every benchmark's --smoke.", file=sys.stderr)  # fmt: skip
         return 2
-    if (args.install or not have("ray", "deepspeed", "peft")) and not os.environ.get(READY):
+    needs = ("ray", "deepspeed", "trl") if args.peers else ("ray", "deepspeed", "peft")
+    if (args.install or not have(*needs)) and not os.environ.get(READY):
         install_wheels(Path(args.wheels), Path(args.site))  # does not return: restarts this script
     if not have("ray", "deepspeed"):
         print("[bench-gpu] ray/deepspeed still not importable after installing the wheels", file=sys.stderr)
@@ -224,8 +233,8 @@ def main(argv=None) -> int:
     results_dir.mkdir(parents=True, exist_ok=True)
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     log = Log(Path(tempfile.mkdtemp(prefix="raypack-bench-")) / f"bench_gpu_{device}{suffix}_{date}.log")
-    budget = args.budget or (1500.0 if args.smoke else 525.0)
-    steps = [s for s in STEPS if not args.only or s.name in args.only]
+    budget = args.budget or (1500.0 if args.smoke else 540.0 if args.peers else 525.0)
+    steps = PEERS if args.peers else [s for s in STEPS if not args.only or s.name in args.only]
     env = step_env(args.smoke, cuda, results_dir)
     log(f"[bench-gpu] {device}{' (smoke)' if args.smoke else ''}: {', '.join(s.name for s in steps)}; budget {budget:.0f} s; "
         f"results in {results_dir}; log {log.path}" + (f"; copies to {out}" if out else ""))  # fmt: skip

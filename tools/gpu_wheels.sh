@@ -66,8 +66,12 @@ tf_version=$("$py" -c 'from importlib.metadata import version; print(version("tr
 rm -f "$dest"/transformers-*.whl
 "$py" -m pip download -q --no-deps --only-binary=:all: -d "$dest" "transformers==$tf_version"
 rm -f "$dest"/huggingface_hub-*.whl
-# peft (model.peft, the lora step) and accelerate, which it imports: pure Python, this venv's versions.
-for pkg in peft accelerate; do
+# peft (model.peft, the lora step) and accelerate, which it imports, and trl (bench-peers): pure
+# Python, this venv's versions; liger-kernel (model.kernels, on the GPU machine's Triton): pure
+# Python, pyproject's range (it is not in the CPU venv).
+rm -f "$dest"/liger_kernel-*.whl
+"$py" -m pip download -q --no-deps --only-binary=:all: -d "$dest" "liger-kernel>=0.8.5,<0.9"
+for pkg in peft accelerate trl; do
   v=$("$py" -c "from importlib.metadata import version; print(version('$pkg'))")
   rm -f "$dest"/"$pkg"-*.whl
   "$py" -m pip download -q --no-deps --only-binary=:all: -d "$dest" "$pkg==$v"

@@ -154,6 +154,10 @@ class ModelConfig:
     """Allow model code from the hub; off unless you trust the source."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
+    kernels: Literal["auto", "liger", "none"] = "auto"
+    """Fused kernels for the same math (raypack/model/kernels.py): `liger` swaps in Liger-Kernel's
+    RMSNorm, RoPE and SwiGLU/GeGLU (CUDA, `pip install 'raypack[liger]'`, the families it has
+    kernels for; refused elsewhere), `auto` does where it can, `none` never."""
     peft: PeftConfig = field(default_factory=PeftConfig)
     """Parameter-efficient fine-tuning: LoRA or QLoRA adapters instead of every weight."""
 
@@ -217,10 +221,14 @@ class TrainConfig:
     """On a cluster raypack joined: how long a start waits for room for its workers (an autoscaler
     adding nodes, other work finishing) before it stops with one line; null waits as long as it
     takes. Workers that the cluster's nodes and published node types can never hold stop it at once."""
-    loss: Literal["chunked", "full"] = "chunked"
+    loss: Literal["chunked", "full", "liger"] = "chunked"
     """`chunked` computes the loss from the final hidden states a chunk of label tokens at a time and
     never holds the [tokens, vocab] logits (raypack/train/loss.py; a model it can't reproduce exactly
-    is refused at setup); `full` takes the model's own logits, for any model."""
+    is refused at setup); `full` takes the model's own logits, for any model; `liger` is Liger-Kernel's
+    fused linear cross-entropy on the same hidden states (CUDA, `raypack[liger]`)."""
+    compile: bool = False
+    """torch.compile each decoder layer (regional, dynamic shapes: a new packed length doesn't
+    recompile; raypack/model/kernels.py). Not with ZeRO-3 or sequence_parallel."""
     loss_chunk_tokens: int = 0
     """Label tokens per chunk of the chunked loss; 0: 2048, fewer where one chunk's fp32 logits would pass 1 GiB."""
     tensorboard: bool = True
@@ -245,8 +253,13 @@ class TrainConfig:
                f"a divisor of train.num_workers ({self.num_workers})", self.sequence_parallel)
         # Each rank's loss sees only its shard of the row: the full loss would shift labels
         # within a shard and lose the token at every shard boundary.
-        _check(self.sequence_parallel == 1 or self.loss == "chunked", "train.loss",
-               "chunked with train.sequence_parallel > 1 (its targets come from the whole row)", self.loss)
+        _check(self.sequence_parallel == 1 or self.loss != "full", "train.loss",
+               "chunked or liger with train.sequence_parallel > 1 (their targets come from the whole row)", self.loss)
+        # ZeRO-3 gathers weights in hooks on every submodule, which a compiled layer would trace;
+        # a split row's all-to-alls have not been tested compiled.
+        _check(not self.compile or self.zero_stage < 3, "train.compile", "false with train.zero_stage 3", self.compile)
+        _check(not self.compile or self.sequence_parallel == 1, "train.compile",
+               "false with train.sequence_parallel > 1", self.compile)
 
     @property
     def data_parallel(self) -> int:

@@ -54,13 +54,13 @@ class UnsupportedModelError(InputError):
     """The model cannot train exactly on packed rows (with this backend); padded strategies still work."""
 
 
-def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+def decoder(model: torch.nn.Module) -> torch.nn.Module:
     """The text decoder, where packed rows flow (a vision or audio tower sees no packed row)."""
     try:
-        decoder = model.get_decoder()
+        found = model.get_decoder()
     except (AttributeError, NotImplementedError, ValueError):
-        decoder = None
-    return decoder if isinstance(decoder, torch.nn.Module) else model
+        found = None
+    return found if isinstance(found, torch.nn.Module) else model
 
 
 def token_mixers(model: torch.nn.Module) -> list[str]:
@@ -73,16 +73,16 @@ def token_mixers(model: torch.nn.Module) -> list[str]:
         odd = sorted({t for t in types if t not in EXACT_LAYER_TYPES})
         if odd:
             found.append(f"{field} {', '.join(odd)}")
-    decoder = _decoder(model)
-    for name, module in decoder.named_modules():
+    text = decoder(model)
+    for name, module in text.named_modules():
         if isinstance(module, torch.nn.Conv1d):
             found.append(f"a convolution over the sequence ({name})")
             break
-    for name, module in decoder.named_modules():
+    for name, module in text.named_modules():
         if getattr(module, "is_causal", None) is False:
             found.append(f"bidirectional attention ({name}.is_causal is False)")
             break
-    for name, _ in decoder.named_parameters():
+    for name, _ in text.named_parameters():
         if name.rsplit(".", 1)[-1] == "A_log":
             found.append(f"a state-space (Mamba-style) scan ({name.rsplit('.', 1)[0]})")
             break

@@ -42,6 +42,7 @@ from raypack.data.encode import load_tokenizer
 from raypack.data.shards import Prepared, iter_epoch_packs, iter_rank_packs
 from raypack.model.adapters import apply_adapters, frozen_digest, quantization_config, trainable_summary
 from raypack.model.build import load_model, resolve_dtype
+from raypack.model.kernels import apply_kernels, compile_layers, compiled_graphs
 from raypack.model.ulysses import SequenceGroup, sequence_parallel
 from raypack.train.engine import deepspeed_config, setup_engine
 from raypack.train.checkpoint import TrainState, report_and_checkpoint, restore
@@ -75,8 +76,11 @@ def setup(cfg: Config, data: Prepared, world_size: int):
         vocab_size=data.vocab_size,
         quantization=quantization_config(dtype) if m.peft.method == "qlora" else None,
     )
+    apply_kernels(model, m.kernels, "cuda" if cfg.train.use_gpu else "cpu")  # before adapters wrap its modules
     if m.peft.enabled:
         model = apply_adapters(model, m.peft, m.name)
+    if cfg.train.compile:
+        compile_layers(model)  # compiled at the first step: seconds, once per layer class
     total = data.total_steps(cfg.train.grad_accum, cfg.train.epochs, cfg.train.max_steps)
     engine, scheduler = setup_engine(model, cfg.train, dtype=model.dtype, world_size=world_size, total_steps=total)
     del zero3
@@ -281,6 +285,8 @@ def train_epoch(w: Worker, epoch: int) -> None:
                 break
             values = train_step(w.engine, step, w.loss, wait_s=time.perf_counter() - t0)
             values["lr"] = w.scheduler.get_last_lr()[0]
+            if w.cfg.train.compile:  # graphs Dynamo compiled so far: a count that grows is recompiling
+                values["compiled_graphs"] = float(compiled_graphs())
             if values["skipped_steps"] and w.rank == 0:
                 print(f"[raypack] step {state.step + 1}: no rank has a label token; skipped (no update)", flush=True)
             state.step += 1

@@ -49,7 +49,7 @@ from raypack.train.chunked_ce import Transform, chunked_cross_entropy
 # the chunk size is a memory budget: its home is the (torch-free) memory estimate
 from raypack.train.memory import CHUNK_BYTES, CHUNK_TOKENS, default_chunk  # noqa: F401
 
-LOSSES = ("chunked", "full")
+LOSSES = ("chunked", "full", "liger")
 TARGET_KEYS = ("loss_positions", "loss_targets")
 """Batch keys `label_targets` fills on the host; the loss pops them before the model's forward."""
 
@@ -175,6 +175,8 @@ class CausalLMLoss:
         self.transforms = output_transforms(model.config)
         self.transform = _compose(self.transforms)
         self.chunk = chunk_tokens or default_chunk(self.vocab)
+        if kind == "liger":
+            self.fused = _liger_loss(model.config, self.transforms, self.model_name)
 
     def __call__(self, forward: Callable[..., Any], batch: dict[str, Any]) -> torch.Tensor:
         """Σ cross-entropy (fp32 scalar) over the label tokens of `batch`, a collated batch with
@@ -212,6 +214,8 @@ class CausalLMLoss:
 
     def _call_head(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         def chunked(h: torch.Tensor) -> torch.Tensor:
+            if self.kind == "liger":
+                return self.fused(self.head.weight, h, targets, self.head.bias).float()
             return chunked_cross_entropy(h, self.head.weight, self.head.bias, targets, self.chunk, self.transform)
 
         with _forward_as(self.head, chunked):
@@ -225,8 +229,25 @@ class CausalLMLoss:
     def describe(self) -> str:
         if self.kind == "full":
             return "full logits"
+        if self.kind == "liger":
+            return "Liger's fused linear cross-entropy"
         extra = "; then " + ", ".join(name for name, _ in self.transforms) if self.transforms else ""
         return f"chunked, {self.chunk} label tokens a chunk{extra}"
+
+
+def _liger_loss(config: Any, transforms: list[tuple[str, Transform]], model_name: str):
+    """Liger-Kernel's fused linear cross-entropy (sum over the targets), with the one output
+    transform it implements, Gemma's softcapping; a model with another is refused."""
+    from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+    cap = getattr(config, "final_logit_softcapping", None)
+    others = [name for name, _ in transforms if "final_logit_softcapping" not in name]
+    if others:
+        raise UnsupportedLossError(
+            f"train.loss=liger: {model_name} applies {', '.join(others)} to its logits, which Liger's fused "
+            "linear cross-entropy does not; set train.loss: chunked"
+        )
+    return LigerFusedLinearCrossEntropyLoss(reduction="sum", softcap=cap)
 
 
 # --- setup ---------------------------------------------------------------------------------------
@@ -278,7 +299,7 @@ def make_loss(engine: Any, kind: str = "chunked", chunk_tokens: int = 0, padded:
     Every rank must call it (under ZeRO-3 the probe's forward gathers parameters collectively)."""
     module = getattr(engine, "module", engine)
     loss = CausalLMLoss(module, kind, chunk_tokens)
-    if kind == "chunked":
+    if kind != "full":
         device = getattr(engine, "device", None) or next(module.parameters()).device
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in probe_batch(loss.vocab, padded).items()}
         probe(loss, engine, module, batch)

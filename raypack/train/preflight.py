@@ -15,8 +15,9 @@ Ray instance starts or a file is written. In order, cheapest first:
 4. `model.name` resolves to a config (a tiny family, a local folder or the hub; no weights are
    loaded) of a causal LM that, if the strategy packs, trains exactly on packed rows with the
    configured attention on the workers' device (a meta-device build: `check_packed_model`), and
-   every id the tokenizer makes is below its vocabulary size; with `model.peft`, its adapters
-   apply to the model and the loss can train them (`check_adapters`);
+   every id the tokenizer makes is below its vocabulary size; Liger-Kernel, where it is asked
+   for, can run (`check_kernels`); with `model.peft`, its adapters apply to the model and the
+   loss can train them (`check_adapters`);
 5. small local data (up to `ROW_CHECK_BYTES`): every row, as the Ray read would check it,
    pre-tokenized ids against the model's vocabulary included; larger data is checked row by row
    while Ray reads it, with the same messages;
@@ -123,6 +124,7 @@ def check_model_and_tokenizer(cfg: Config, tok) -> int:
     # A tiny model is built with the tokenizer's vocabulary (see raypack.data.prepare), so it fits.
     config = model_config(m.name, m.trust_remote_code, vocab_size=len(tok))
     check_packed_model(cfg, config)
+    check_kernels(cfg, config)
     check_adapters(cfg, config)
     vocab = model_vocab_size(config)
     if len(tok) > vocab:
@@ -151,6 +153,17 @@ def check_packed_model(cfg: Config, config=None) -> None:
                 device_type="cuda" if cfg.train.use_gpu else "cpu", trust_remote_code=m.trust_remote_code,
                 max_row_tokens=max_row, name=m.name, packed=not strategy.padded,
                 split=cfg.train.sequence_parallel)  # fmt: skip
+
+
+def check_kernels(cfg: Config, config) -> None:
+    """model.kernels: liger and train.loss: liger where Liger-Kernel can't run (no CUDA, no
+    package, a family it has no kernels for) are refused here, before Ray starts."""
+    from raypack.model.kernels import liger_loss_available, resolve_kernels
+
+    device = "cuda" if cfg.train.use_gpu else "cpu"
+    resolve_kernels(cfg.model.kernels, config.model_type, device)
+    if cfg.train.loss == "liger":
+        liger_loss_available(device)
 
 
 def check_adapters(cfg: Config, config) -> None:

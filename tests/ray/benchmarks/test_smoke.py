@@ -20,6 +20,8 @@ COMMANDS = {  # script -> what its results file must show
     "prepare_scale.py": ["| 2,000 | ", " | raypack | ", " | floor | ", "| every process <= 4 GiB |", " | True |"],
     "sweep_prepare.py": ["| 1 | per trial |", "| 2 | once |", "Time saved per sweep"],
     "sweep_spread.py": ["Per strategy, median [min, max]", "Median ratio bfd / balanced"],
+    # TRL's SFTTrainer twice and raypack twice (the second compiled) on the tiny model
+    "peers.py": ["| trl-sdpa | ", "| trl-varlen | ", "| raypack | ", "| raypack-fast | ", "raypack / trl-varlen tokens/s"],
 }
 
 

@@ -6,8 +6,8 @@ Ray instance on the machine, is in its docstring and cluster/README.md).
   (`--smoke`): the CPU work starts a CPU node and no GPU node, the config exactly one GPU node.
   10-40 s on 2 cores shared with other Ray jobs. gcp-gpu.yaml has the same shape (one CPU type,
   one 8-GPU type, at most 4 of each), so it would cost the same and show nothing more here.
-- `slow`, run only when asked for (`pytest -m slow tests/ray/cluster`, or
-  RAYPACK_FAKE_AUTOSCALER=all): every launcher file with every GPU config, ~25 s each.
+- `slow`, run only when asked for (`pytest -m slow tests/ray/cluster`; tests/conftest.py skips
+  `slow` tests otherwise): every launcher file with every GPU config, ~25 s each.
 
 Each run is bounded twice: the script's own --deadline (it then ends its head and exits 3 with
 what it waited for and the head's logs), and, should the script outlive that anyway, this test
@@ -17,7 +17,6 @@ ends it and its head's process group and fails with the script's output. It neve
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import subprocess
 import sys
@@ -35,13 +34,6 @@ _spec.loader.exec_module(fa)
 
 SMOKE_LIMIT_S = 180  # the CI case; it takes 10-40 s
 FULL_LIMIT_S = 600  # one launcher file x every GPU config; ~25 s
-
-
-def asked_for_slow(config) -> bool:
-    """`-m` names `slow` (not as `not slow`), or RAYPACK_FAKE_AUTOSCALER=all. A plain `pytest
-    tests` (the README's and CI's command) leaves the slow case out."""
-    expr = config.getoption("markexpr") or ""
-    return bool(re.search(r"(?<!not )\bslow\b", expr)) or os.environ.get("RAYPACK_FAKE_AUTOSCALER") == "all"
 
 
 def heads(output: str) -> list[tuple[int, Path]]:
@@ -108,9 +100,7 @@ def test_the_autoscaler_starts_the_right_node_types_on_aws_gpu_yaml(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", [p.name for p in fa.LAUNCHERS])
-def test_the_autoscaler_places_every_gpu_config_on_each_launcher_file(launcher, request, tmp_path):
-    if not asked_for_slow(request.config):
-        pytest.skip("every launcher file x every GPU config, ~25 s each: `pytest -m slow tests/ray/cluster`")
+def test_the_autoscaler_places_every_gpu_config_on_each_launcher_file(launcher, tmp_path):
     rc, out, took = run_script([f"--launcher={launcher}"], FULL_LIMIT_S, tmp_path)
     report = checks(out)
     assert rc == 0 and len(report) == 2 + len(fa.GPU_CONFIGS), out[-6000:]

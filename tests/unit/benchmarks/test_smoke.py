@@ -31,7 +31,7 @@ NO_RAY = {  # script -> what its results file must show
     "pack_plan.py": ["| flan | 20,000 | 2048 | balanced |", "## Balance at budget 2048", "| flan | 20,000 | 512 |"],
 }
 NEEDS_RAY = {"train_throughput.py", "pack_materialize.py", "tokenize_throughput.py", "prepare_scale.py", "sweep_prepare.py",
-             "sweep_spread.py"}
+             "sweep_spread.py", "peers.py"}
 """Run by tests/ray/benchmarks/test_smoke.py (train_throughput through `make bench-smoke`'s driver)."""
 
 

@@ -1,0 +1,61 @@
+"""Liger-Kernel on packed rows (CUDA, Triton; skipped without a GPU or the liger-kernel package):
+with its RMSNorm, RoPE and SwiGLU/GeGLU applied (model.kernels: liger), packed rows give each
+example's logits, loss and gradients run alone; its fused linear cross-entropy (train.loss:
+liger) gives the chunked loss's sum and head gradient. fp32, where bf16 rounding would drown the
+check. Liger patches some functions module-wide (RoPE), so the references run with its kernels
+too: what this checks is that they keep packed examples apart, which is what raypack adds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from exactness import packed_vs_alone, rel_err
+from families import FAMILIES
+
+from raypack.data.collate import collate_packed, move_batch
+from raypack.model import kernels
+from raypack.model.build import load_model
+from raypack.train.loss import CausalLMLoss, label_targets
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("liger_kernel")
+
+LENGTHS = ([300, 41, 1, 150], [500, 77])
+TOLERANCE = 1e-4  # fp32 on the GPU: other reduction orders, no TF32 in matmuls by default
+LIGER = sorted(f for f, spec in FAMILIES.items() if not spec.refused and f in kernels.liger_families())
+
+
+@pytest.mark.parametrize("family", LIGER)
+def test_liger_kernels_keep_packed_examples_apart(family):
+    config = FAMILIES[family].build_config(family)
+    torch.manual_seed(0)
+    model = load_model(config, attention="sdpa_varlen", dtype="float32").cuda().eval()
+    assert kernels.apply_kernels(model, "liger", "cuda") == "liger"
+    ref = load_model(config, attention="eager", dtype="float32").cuda().eval()
+    kernels.apply_kernels(ref, "liger", "cuda")
+    ref.load_state_dict(model.state_dict())
+    errors = packed_vs_alone(model, ref, lengths=LENGTHS, device="cuda")
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < TOLERANCE, f"{family} + liger: {worst} off by {errors[worst]:.2e}"
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # plain, and a softcapped head
+def test_liger_loss_is_the_chunked_loss(family):
+    config = FAMILIES[family].build_config(family)
+    if family == "gemma2":
+        config.final_logit_softcapping = 5.0
+    torch.manual_seed(0)
+    model = load_model(config, attention="sdpa_varlen", dtype="float32").cuda().eval()
+    rows = [{"input_ids": list(range(3, 3 + n)), "labels": list(range(3, 3 + n)), "position_ids": list(range(n))}
+            for n in (200, 57)]
+    batch = collate_packed(rows)
+    batch.update(label_targets(batch["labels"]))
+    batch = move_batch(batch, "cuda")
+    results = {}
+    for kind in ("chunked", "liger"):
+        model.zero_grad(set_to_none=True)
+        loss = CausalLMLoss(model, kind)(model, batch)
+        loss.backward()
+        results[kind] = (loss.detach(), model.get_output_embeddings().weight.grad.clone())
+    assert rel_err(results["liger"][0], results["chunked"][0]) < TOLERANCE
+    assert rel_err(results["liger"][1], results["chunked"][1]) < TOLERANCE

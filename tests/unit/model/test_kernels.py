@@ -1,0 +1,77 @@
+"""raypack/model/kernels.py on the CPU: regional torch.compile keeps packed rows exact (fp32, Inductor)
+and a new row length or example count compiles nothing new; `model.kernels` and `train.loss: liger`
+refused where Liger-Kernel can't run. Liger itself is CUDA only: tests/gpu/model/test_kernels.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from exactness import packed_vs_alone
+from families import FAMILIES, TOLERANCE
+
+from raypack.config import load
+from raypack.errors import InputError
+from raypack.model import kernels
+from raypack.model.build import load_model
+
+COMPILED = ["llama", "gemma2"]
+"""Compiled in every run (~20 s each on 2 cores): plain, and sliding windows with softcapping."""
+COMPILED_SLOW = ["qwen3", "gpt_oss", "deepseek_v3", "phi3", "mixtral"]
+
+
+def _compiled_vs_alone(family: str) -> None:
+    config = FAMILIES[family].build_config(family)
+    torch.manual_seed(0)
+    model = load_model(config, attention="sdpa_varlen", dtype="float32").eval()
+    ref = load_model(config, attention="eager", dtype="float32").eval()
+    ref.load_state_dict(model.state_dict())
+    assert kernels.compile_layers(model) == config.num_hidden_layers
+    errors = packed_vs_alone(model, ref)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < TOLERANCE, f"{family} compiled: {worst} off by {errors[worst]:.2e}"
+    graphs = kernels.compiled_graphs()
+    assert graphs > 0, "nothing was compiled"
+    # other rows: other total lengths and example counts, and no new graph
+    errors = packed_vs_alone(model, ref, lengths=([10, 7, 3, 2], [5, 19]), seed=1)
+    assert max(errors.values()) < TOLERANCE
+    assert kernels.compiled_graphs() == graphs, "a new packed length recompiled"
+
+
+@pytest.mark.parametrize("family", COMPILED)
+def test_compiled_layers_are_exact_and_do_not_recompile(family):
+    torch._dynamo.reset()
+    _compiled_vs_alone(family)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", COMPILED_SLOW)
+def test_more_families_compiled(family):
+    torch._dynamo.reset()
+    _compiled_vs_alone(family)
+
+
+def test_liger_is_used_where_it_can_run_and_refused_where_asked_for_and_it_cannot(monkeypatch):
+    monkeypatch.setattr(kernels, "liger_installed", lambda: False)
+    assert kernels.resolve_kernels("auto", "llama", "cuda") == "none"
+    assert kernels.resolve_kernels("none", "llama", "cuda") == "none"
+    with pytest.raises(InputError, match="not installed"):
+        kernels.resolve_kernels("liger", "llama", "cuda")
+    with pytest.raises(InputError, match="Triton on CUDA"):
+        kernels.resolve_kernels("liger", "llama", "cpu")
+    monkeypatch.setattr(kernels, "liger_installed", lambda: True)
+    monkeypatch.setattr(kernels, "liger_families", lambda: frozenset({"llama"}))
+    assert kernels.resolve_kernels("auto", "llama", "cuda") == "liger"
+    assert kernels.resolve_kernels("auto", "llama", "cpu") == "none"
+    assert kernels.resolve_kernels("auto", "nemotron", "cuda") == "none"
+    with pytest.raises(InputError, match="no kernels for model_type 'nemotron'"):
+        kernels.resolve_kernels("liger", "nemotron", "cuda")
+
+
+def test_compile_is_refused_where_untested():
+    from raypack.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="train.compile: expected false with train.zero_stage 3"):
+        load(None, ["train.compile=true", "train.zero_stage=3"])
+    with pytest.raises(ConfigError, match="train.compile: expected false with train.sequence_parallel > 1"):
+        load(None, ["train.compile=true", "train.num_workers=2", "train.sequence_parallel=2"])
+    assert load(None, ["train.compile=true"]).train.compile
