@@ -5,7 +5,7 @@
 #   make lock         regenerate constraints.txt after a change to pyproject.toml's dependencies
 #   make test-latest  the suite on the newest versions pyproject.toml's ranges allow (.venv-latest;
 #                     not in CI: it finds a dependency's new release before the lock moves to it)
-#   make bench-gpu    on a CUDA machine: GPU tests + benchmarks in < 9 min (tools/bench_gpu.py); Ray and
+#   make bench-gpu    on a CUDA machine: GPU tests + benchmarks in < 10 min (tools/bench_gpu.py); Ray and
 #                     DeepSpeed come from the wheels in .whl (tools/gpu_wheels.sh) where they are missing
 #   make bench-peers  on a CUDA machine: raypack against TRL's SFTTrainer, same GPU (benchmarks/peers.py), < 10 min
 #   make bench-smoke  the same steps on the CPU with every benchmark's --smoke

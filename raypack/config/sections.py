@@ -154,12 +154,25 @@ class ModelConfig:
     """Allow model code from the hub; off unless you trust the source."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
+    tiled_mlp_tokens: int = 0
+    """Long rows: run each layer's MLP this many tokens at a time, each tile recomputed in backward,
+    so its [tokens, intermediate] activations exist one tile at a time (raypack/model/kernels.py); 0: off."""
+    offload_checkpoints: bool = False
+    """Long rows, with gradient_checkpointing: keep each layer's checkpointed input in host memory
+    between forward and backward instead of on the GPU."""
     kernels: Literal["auto", "liger", "none"] = "auto"
     """Fused kernels for the same math (raypack/model/kernels.py): `liger` swaps in Liger-Kernel's
     RMSNorm, RoPE and SwiGLU/GeGLU (CUDA, `pip install 'raypack[liger]'`, the families it has
     kernels for; refused elsewhere), `auto` does where it can, `none` never."""
     peft: PeftConfig = field(default_factory=PeftConfig)
     """Parameter-efficient fine-tuning: LoRA or QLoRA adapters instead of every weight."""
+
+    def __post_init__(self) -> None:
+        _check(self.tiled_mlp_tokens >= 0, "model.tiled_mlp_tokens", "an int >= 0", self.tiled_mlp_tokens)
+        # Without checkpointing, autograd saves every activation: offloading them all would move
+        # far more than the checkpoints this option is for.
+        _check(not self.offload_checkpoints or self.gradient_checkpointing, "model.offload_checkpoints",
+               "false without model.gradient_checkpointing", self.offload_checkpoints)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -60,7 +60,10 @@ where its tokens are, and the sort order)."""
 FINISH_BASE_BYTES = 256 * 2**20
 """A worker's own memory (Python, pyarrow) before any rows."""
 ROUTE_BYTES_PER_FILE_BYTE = 8
-"""Peak bytes of a routing task per byte of the Parquet file it reads (see `route_memory`)."""
+"""Bytes a routing task may hold per byte of the (uncompressed) Parquet file it reads: the rows as
+Arrow, the pieces cut from them and the gathers between. Ample: at 10M examples (files of at least
+tokenize.TOKENIZED_FILE_BYTES) no Ray process held more than 591 MiB of its own
+(benchmarks/results/prepare_scale_cpu_20261127.md)."""
 ROWS_PER_FILE = 4096
 """Packed rows per output Parquet file, rounded down to whole row groups (files are named in step order)."""
 
@@ -251,8 +254,7 @@ def route_file(path: str, select, routing: dict[str, np.ndarray], num_ranks: int
 
 
 def route_memory(file_bytes: int) -> int:
-    """Bytes to reserve for a `route_file` task: the file's rows as Arrow, the pieces cut from
-    them and the gathers between, each a few times the file (int32 tokens compress little)."""
+    """Bytes to reserve for a `route_file` task reading a file of `file_bytes`."""
     return FINISH_BASE_BYTES + ROUTE_BYTES_PER_FILE_BYTE * file_bytes
 
 

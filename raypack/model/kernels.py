@@ -1,4 +1,5 @@
-"""Faster kernels for the same math, exact or refused: regional torch.compile and Liger-Kernel.
+"""Faster kernels and lighter memory for the same math, exact or refused: regional torch.compile,
+Liger-Kernel, and for long rows a tiled MLP and checkpoints offloaded to the host.
 
 `train.compile`: every decoder layer's forward is compiled with torch.compile (regional
 compilation, `nn.Module.compile`): one layer's graph is compiled once and reused by every layer
@@ -19,16 +20,31 @@ They compute per token (RoPE from each token's own position_ids), so packed exam
 is refused, before Ray starts, without CUDA, without the package, or for a family Liger has no
 kernels for; `auto` uses them where all three hold and runs the model's own code elsewhere;
 `none` never. Liger's fused linear cross-entropy is `train.loss: liger` (raypack/train/loss.py).
+
+For long rows (ALST's two memory savers, arXiv 2506.13996), both exact, as they change only where
+values live and when they are computed, not the values:
+- `model.tiled_mlp_tokens: N`: every decoder layer's MLP runs N tokens at a time, and in training
+  each tile is recomputed in backward (a checkpoint per tile), so the MLP's [tokens, intermediate]
+  activations (the largest of a layer: 8 bytes x intermediate size a token in bf16) exist for one
+  tile at a time, also while gradient checkpointing recomputes the layer. The MLP works per token,
+  MoE routing included; an MLP that returns more than its hidden states (GPT-OSS's router scores)
+  is refused.
+- `model.offload_checkpoints`: with gradient checkpointing, what autograd saves for backward, the
+  layers' input hidden states, goes to pinned host memory during the forward and comes back for
+  the backward (`torch.autograd.graph.save_on_cpu`): 2 bytes x hidden x layers a token leave the GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
+import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from raypack.errors import InputError
-from raypack.model.traits import decoder
+from raypack.model.traits import UnsupportedModelError, decoder
 
 KERNELS = ("auto", "liger", "none")
 LIGER_PATCHES = dict(rope=True, rms_norm=True, swiglu=True, geglu=True, layer_norm=True,
@@ -37,21 +53,68 @@ LIGER_PATCHES = dict(rope=True, rms_norm=True, swiglu=True, geglu=True, layer_no
 train.loss: liger, on the hidden states raypack selects) nor a patched forward of the whole model."""
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The text decoder's layers: what regional compilation compiles."""
-    layers = getattr(decoder(model), "layers", None)
-    if not isinstance(layers, nn.ModuleList) or not len(layers):
-        raise InputError(f"train.compile: {type(model).__name__} has no decoder `layers` to compile one by one; "
-                         "set train.compile: false")
-    return layers
+MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe")
+"""What transformers' decoder layers call their MLP (or MoE block)."""
+
+
+LAYER_LISTS = ("layers", "h", "layer", "blocks")
+"""What transformers' text models call their list of decoder layers (GPT-2: h; BERT: encoder.layer)."""
+
+
+def decoder_layers(model: nn.Module, option: str) -> nn.ModuleList:
+    """The text decoder's layers (the first layer list found under it), which `option`, the
+    setting that needs them, works on."""
+    for name, module in decoder(model).named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) and name.rsplit(".", 1)[-1] in LAYER_LISTS:
+            return module
+    raise InputError(f"{option}: {type(model).__name__} has no list of decoder layers ({', '.join(LAYER_LISTS)}) "
+                     "to apply it to; turn it off")
 
 
 def compile_layers(model: nn.Module) -> int:
     """torch.compile each decoder layer in place (see the module doc); returns how many."""
-    layers = decoder_layers(model)
+    layers = decoder_layers(model, "train.compile")
     for layer in layers:
         layer.compile(dynamic=True)
     return len(layers)
+
+
+def tile_mlps(model: nn.Module, tokens: int) -> int:
+    """Run every decoder layer's MLP `tokens` tokens at a time (see the module doc); returns how many."""
+    count = 0
+    for layer in decoder_layers(model, "model.tiled_mlp_tokens"):
+        mlp = next((getattr(layer, n) for n in MLP_NAMES if isinstance(getattr(layer, n, None), nn.Module)), None)
+        if mlp is None:
+            raise InputError(f"model.tiled_mlp_tokens: {type(layer).__name__} has no MLP under a name raypack knows "
+                             f"({', '.join(MLP_NAMES)}); set it to 0")
+        # An instance attribute: the module's hooks (ZeRO-3's gathers) still run once around all tiles.
+        mlp.forward = _tiled(mlp.forward, tokens, type(mlp).__name__)
+        count += 1
+    return count
+
+
+def _tiled(forward, tokens: int, name: str):
+    def tiled(hidden: torch.Tensor, *args, **kwargs):
+        if args or kwargs:
+            return forward(hidden, *args, **kwargs)
+        recompute = torch.is_grad_enabled() and hidden.shape[-2] > tokens
+        outs = [checkpoint(forward, tile, use_reentrant=False) if recompute else forward(tile)
+                for tile in hidden.split(tokens, dim=-2)]
+        # Checked on every call, short ones too: the loss's setup probe then refuses it before any step.
+        if not all(isinstance(o, torch.Tensor) for o in outs):
+            raise UnsupportedModelError(f"model.tiled_mlp_tokens: {name} returns more than its hidden states (router "
+                                        "scores), which tiles can't be joined back into; set it to 0")
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+
+    return tiled
+
+
+def checkpoint_offload(enabled: bool, device: torch.device):
+    """The context the training forward runs in: what autograd saves goes to the host when `enabled`
+    (model.offload_checkpoints), pinned on CUDA so the copies overlap compute."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=torch.device(device).type == "cuda")
 
 
 def liger_installed() -> bool:

@@ -42,7 +42,7 @@ from raypack.data.encode import load_tokenizer
 from raypack.data.shards import Prepared, iter_epoch_packs, iter_rank_packs
 from raypack.model.adapters import apply_adapters, frozen_digest, quantization_config, trainable_summary
 from raypack.model.build import load_model, resolve_dtype
-from raypack.model.kernels import apply_kernels, compile_layers, compiled_graphs
+from raypack.model.kernels import apply_kernels, checkpoint_offload, compile_layers, compiled_graphs, tile_mlps
 from raypack.model.ulysses import SequenceGroup, sequence_parallel
 from raypack.train.engine import deepspeed_config, setup_engine
 from raypack.train.checkpoint import TrainState, report_and_checkpoint, restore
@@ -79,6 +79,8 @@ def setup(cfg: Config, data: Prepared, world_size: int):
     apply_kernels(model, m.kernels, "cuda" if cfg.train.use_gpu else "cpu")  # before adapters wrap its modules
     if m.peft.enabled:
         model = apply_adapters(model, m.peft, m.name)
+    if m.tiled_mlp_tokens:
+        tile_mlps(model, m.tiled_mlp_tokens)
     if cfg.train.compile:
         compile_layers(model)  # compiled at the first step: seconds, once per layer class
     total = data.total_steps(cfg.train.grad_accum, cfg.train.epochs, cfg.train.max_steps)
@@ -109,13 +111,16 @@ def base_digests(engine) -> list[int]:
     return digests
 
 
-def forward_backward(engine, batches: list[dict], scale: float | torch.Tensor, loss: CausalLMLoss) -> torch.Tensor:
-    """Backward every micro-batch of one optimizer step; the caller runs the final engine.step()."""
+def forward_backward(engine, batches: list[dict], scale: float | torch.Tensor, loss: CausalLMLoss,
+                     offload: bool = False) -> torch.Tensor:
+    """Backward every micro-batch of one optimizer step; the caller runs the final engine.step().
+    `offload`: model.offload_checkpoints."""
     total = torch.zeros((), device=engine.device)
     for i, batch in enumerate(batches):
         # move_batch keeps cu_seq_lens_q and _k one tensor; two copies would cost a device
         # comparison (a sync) in every attention layer.
-        loss_sum = loss(engine, move_batch(batch, engine.device))
+        with checkpoint_offload(offload, engine.device):
+            loss_sum = loss(engine, move_batch(batch, engine.device))
         engine.backward(loss_sum * scale)
         total += loss_sum.detach()
         if i < len(batches) - 1:
@@ -123,8 +128,9 @@ def forward_backward(engine, batches: list[dict], scale: float | torch.Tensor, l
     return total
 
 
-def train_step(engine, step: StepBatch, loss: CausalLMLoss, wait_s: float = 0.0) -> dict[str, float]:
-    """One optimizer step on prefetched micro-batches; `wait_s` is how long the loop waited for them."""
+def train_step(engine, step: StepBatch, loss: CausalLMLoss, wait_s: float = 0.0, offload: bool = False) -> dict[str, float]:
+    """One optimizer step on prefetched micro-batches; `wait_s` is how long the loop waited for them;
+    `offload`: model.offload_checkpoints."""
     t0 = time.perf_counter()
     world = dist.get_world_size()
     # Every rank needs N, the step's global label count, before its first backward. Reading it
@@ -143,7 +149,7 @@ def train_step(engine, step: StepBatch, loss: CausalLMLoss, wait_s: float = 0.0)
             "skipped_steps": 1.0,
         }
     scale = world * len(step.batches) / n_global
-    loss_sum = forward_backward(engine, step.batches, scale, loss)
+    loss_sum = forward_backward(engine, step.batches, scale, loss, offload)
     engine.step()
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)  # the step's closing sync: `busy` covers the real compute
@@ -283,7 +289,8 @@ def train_epoch(w: Worker, epoch: int) -> None:
             t0 = time.perf_counter()
             if (step := next(steps, None)) is None:
                 break
-            values = train_step(w.engine, step, w.loss, wait_s=time.perf_counter() - t0)
+            values = train_step(w.engine, step, w.loss, wait_s=time.perf_counter() - t0,
+                                offload=w.cfg.model.offload_checkpoints)
             values["lr"] = w.scheduler.get_last_lr()[0]
             if w.cfg.train.compile:  # graphs Dynamo compiled so far: a count that grows is recompiling
                 values["compiled_graphs"] = float(compiled_graphs())

@@ -27,7 +27,9 @@ Per rank (= per GPU); P parameters, P_t of them trained, N ranks, T = tokens in 
   layer's input (2h) is kept, plus one layer recomputed. The backward through frozen layers needs
   the same tensors (each adapter's A reads the linear's saved input), and LoRA adds its own: the
   r-wide A x of every adapted linear (2r B per token), and with dropout the dropped-out input and
-  its mask (3 B per input feature).
+  its mask (3 B per input feature). `model.tiled_mlp_tokens` keeps the MLP's 8i bytes a token for
+  one tile only; `model.offload_checkpoints` moves the layers' inputs (2h x layers a token) to the
+  host. With `train.sequence_parallel` N, T is a rank's 1/N of the row.
 - loss: the logits at their peak, 12 B per element (bf16 logits 2 + fp32 upcast 4 + fp32 gradient
   4 + bf16 gradient 2), over all T tokens (`train.loss: full`) or one chunk (`chunked`), whose fp32
   sum of the head's gradient (4 B x vocab x hidden) is counted too where the head trains (not with
@@ -252,10 +254,16 @@ def estimate(cfg: Config, arch: Arch, *, tokens: int | None = None, loss: str | 
     if peft.enabled:
         shapes = arch.linears()
         per_layer += sum(2 * peft.r + (3 * shapes[name][0] if peft.dropout > 0 else 0) for name in adapted(peft))
-    if cfg.model.gradient_checkpointing:
-        activations = tokens * (2 * arch.hidden * arch.layers + 2 * per_layer)
+    m = cfg.model
+    # model.tiled_mlp_tokens: the MLP's gate/up/act/product exist for one tile at a time
+    tile = min(m.tiled_mlp_tokens or tokens, tokens)
+    layer = tokens * per_layer - (tokens - tile) * 8 * arch.inter
+    if m.gradient_checkpointing:
+        saved = tokens * 2 * arch.hidden * arch.layers  # each layer's input, kept for backward
+        activations = 2 * layer + (0 if m.offload_checkpoints else saved)
+        host += saved if m.offload_checkpoints else 0.0
     else:
-        activations = tokens * per_layer * arch.layers
+        activations = layer * arch.layers
 
     kind = loss or t.loss
     if kind == "full":

@@ -75,3 +75,63 @@ def test_compile_is_refused_where_untested():
     with pytest.raises(ConfigError, match="train.compile: expected false with train.sequence_parallel > 1"):
         load(None, ["train.compile=true", "train.num_workers=2", "train.sequence_parallel=2"])
     assert load(None, ["train.compile=true"]).train.compile
+
+
+TILED = ["llama", "gemma2", "mixtral", "deepseek_v3", "gpt2", "qwen3_moe"]
+"""Plain, GeGLU with softcapping, MoE, MLA with MoE and shared experts, GPT-2's MLP (under `h`), Qwen3 MoE."""
+
+
+@pytest.mark.parametrize("family", TILED)
+def test_tiled_mlp_is_exact(family):
+    """MLPs run 5 tokens at a time (rows of up to 30 tokens: several tiles, cut inside examples),
+    each tile recomputed in backward: each example alone, logits, loss and every gradient."""
+    config = FAMILIES[family].build_config(family)
+    torch.manual_seed(0)
+    model = load_model(config, attention="sdpa_varlen", dtype="float32").train()
+    ref = load_model(config, attention="eager", dtype="float32").train()
+    ref.load_state_dict(model.state_dict())
+    assert kernels.tile_mlps(model, 5) == config.num_hidden_layers
+    model.eval(), ref.eval()  # no dropout or router jitter; grad mode is what tiles checkpoint under
+    errors = packed_vs_alone(model, ref)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < TOLERANCE, f"{family} tiled: {worst} off by {errors[worst]:.2e}"
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "llama4"])
+def test_tiled_mlp_refuses_an_mlp_that_returns_router_scores(family):
+    from raypack.model.traits import UnsupportedModelError
+
+    torch.manual_seed(0)
+    model = load_model(FAMILIES[family].build_config(family), attention="sdpa_varlen", dtype="float32").eval()
+    kernels.tile_mlps(model, 5)
+    with pytest.raises(UnsupportedModelError, match="returns more than its hidden states"):
+        packed_vs_alone(model, model)
+
+
+def test_offloaded_checkpoints_leave_the_loss_and_gradients_as_they_were():
+    """model.offload_checkpoints runs the forward under torch's save_on_cpu (what autograd saves
+    goes to the host; on the CPU a copy that stays there): the step's loss and every gradient are
+    bit for bit the same. What it saves on a GPU is for the GPU benchmark to measure."""
+    from raypack.data.collate import collate_packed
+    from raypack.train.loss import CausalLMLoss, label_targets
+
+    torch.manual_seed(0)
+    model = load_model("tiny-llama", attention="sdpa_varlen", dtype="float32", vocab_size=256,
+                       gradient_checkpointing=True).train()
+    rows = [{"input_ids": list(range(3, 43)), "labels": list(range(3, 43)), "position_ids": list(range(40))}]
+    batch = collate_packed(rows)
+    batch.update(label_targets(batch["labels"]))
+    loss_fn = CausalLMLoss(model, "chunked")
+    results = []
+    for offload in (False, True):
+        model.zero_grad(set_to_none=True)
+        context = kernels.checkpoint_offload(offload, torch.device("cpu"))
+        assert isinstance(context, torch.autograd.graph.save_on_cpu) == offload
+        with context:
+            loss = loss_fn(model, batch)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(results[0][1][n], results[1][1][n]) for n in results[0][1])
+    with pytest.raises(Exception, match="model.offload_checkpoints"):
+        load(None, ["model.offload_checkpoints=true"])
