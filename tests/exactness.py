@@ -80,3 +80,13 @@ def packed_vs_alone(model, ref, lengths=LENGTHS, seed=0, device="cpu") -> dict[s
             scale = max(q.grad.abs().max().item(), floor)
             errors[f"grad:{name}"] = (p.grad - q.grad).abs().max().item() / scale
     return errors
+
+
+def random_lora_b(model, seed: int = 1, scale: float = 0.1):
+    """`model` with every LoRA B matrix drawn at random: peft starts B at zero, where every lora_A
+    gradient is zero, which any path would match."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data = (torch.randn(p.shape, generator=g) * scale).to(p.device, p.dtype)
+    return model

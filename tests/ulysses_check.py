@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from exactness import make_rows, rel_err
+from exactness import make_rows, random_lora_b, rel_err
 from families import FAMILIES
 
 from raypack.config import PeftConfig
@@ -45,11 +45,7 @@ def _model(family: str, lora: bool):
     torch.manual_seed(0)
     model = load_model(FAMILIES[family].build_config(family), attention="sdpa_varlen", dtype="float32")
     if lora:
-        model = apply_adapters(model, LORA)
-        g = torch.Generator().manual_seed(1)
-        for name, p in model.named_parameters():
-            if "lora_B" in name:  # peft's zero B would make every lora_A gradient zero
-                p.data = torch.randn(p.shape, generator=g) * 0.1
+        model = random_lora_b(apply_adapters(model, LORA))
     return model.eval()
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from exactness import packed_vs_alone
+from exactness import packed_vs_alone, random_lora_b
 
 from raypack.config import PeftConfig
 from raypack.model.adapters import apply_adapters, frozen_digest, quantization_config
@@ -21,14 +21,6 @@ LORA = PeftConfig(method="lora", r=8, alpha=16)
 SIZES = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32, intermediate_size=512)
 
 
-def _random_b(model, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            p.data = (torch.randn(p.shape, generator=g) * 0.05).to(p.device, p.dtype)
-    return model
-
-
 def _adapter_errors(errors):
     return {k: v for k, v in errors.items() if k.startswith("grad:") and "lora_" in k}
 
@@ -37,7 +29,7 @@ def _adapter_errors(errors):
 def test_lora_bf16_varlen_matches_examples_alone(attention):
     torch.manual_seed(0)
     config = tiny_config("llama", **SIZES)
-    model = _random_b(apply_adapters(load_model(config, attention=attention, dtype="bfloat16").cuda(), LORA))
+    model = random_lora_b(apply_adapters(load_model(config, attention=attention, dtype="bfloat16").cuda(), LORA), scale=0.05)
     ref = apply_adapters(load_model(config, attention="eager", dtype="bfloat16").cuda(), LORA)
     ref.load_state_dict(model.state_dict())
     errors = packed_vs_alone(model.eval(), ref.eval(), lengths=LENGTHS, device="cuda")
@@ -50,7 +42,7 @@ def test_qlora_adapters_are_exact_and_the_4bit_base_is_untouched(tmp_path):
     torch.manual_seed(0)
     load_model(tiny_config("llama", **SIZES), dtype="bfloat16").save_pretrained(tmp_path / "base")
     quant = quantization_config(torch.bfloat16)
-    model = _random_b(apply_adapters(load_model(str(tmp_path / "base"), dtype="bfloat16", quantization=quant), LORA))
+    model = random_lora_b(apply_adapters(load_model(str(tmp_path / "base"), dtype="bfloat16", quantization=quant), LORA), scale=0.05)
     ref = apply_adapters(load_model(str(tmp_path / "base"), attention="eager", dtype="bfloat16", quantization=quant), LORA)
     # the same checkpoint quantizes the same way; the adapters are what differs
     ref.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" in k}, strict=False)

@@ -130,6 +130,8 @@ recompute (transformers issue 47254); offload runs DeepSpeed's CPU Adam."""
 
 
 def build_lora_model(case, attention="auto"):
+    from exactness import random_lora_b
+
     from raypack.config import PeftConfig
     from raypack.model.adapters import apply_adapters
     from raypack.model.build import load_model
@@ -138,12 +140,7 @@ def build_lora_model(case, attention="auto"):
     torch.manual_seed(0)
     model = load_model(f"tiny-{family}", attention=attention, dtype="float32", vocab_size=VOCAB,
                        gradient_checkpointing=extra.get("gradient_checkpointing", False), **overrides)
-    model = apply_adapters(model, PeftConfig(method="lora", r=4, alpha=8))
-    g = torch.Generator().manual_seed(1)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:  # peft starts B at 0, where every lora_A gradient is 0
-            p.data = torch.randn(p.shape, generator=g) * 0.1
-    return model
+    return random_lora_b(apply_adapters(model, PeftConfig(method="lora", r=4, alpha=8)))
 
 
 def lora_loop(config):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from exactness import random_lora_b
 from trackfiles import tensorboard_scalars
 
 from tests.ray.train.test_loop import EXAMPLES, VOCAB, packed_row
@@ -40,11 +41,7 @@ def build(case, attention="auto"):
     model = load_model(f"tiny-{family}", attention=attention, dtype="float32", vocab_size=VOCAB,
                        gradient_checkpointing=checkpointing, **overrides)
     if lora:
-        model = apply_adapters(model, PeftConfig(method="lora", r=4, alpha=8))
-        g = torch.Generator().manual_seed(1)
-        for name, p in model.named_parameters():
-            if "lora_B" in name:  # peft starts B at 0, where every lora_A gradient is 0
-                p.data = torch.randn(p.shape, generator=g) * 0.1
+        model = random_lora_b(apply_adapters(model, PeftConfig(method="lora", r=4, alpha=8)))
     return model
 
 

@@ -161,13 +161,9 @@ def test_saved_adapter_base_and_merged_model_load_back(tmp_path):
 def test_dora_and_rslora_stay_exact_on_packed_rows(peft):
     """DoRA's magnitude is per output feature, rsLoRA only rescales: packing changes neither
     (dropout is off in eval mode, as in the family checks)."""
-    from exactness import packed_vs_alone
+    from exactness import packed_vs_alone, random_lora_b
 
-    model = apply_adapters(tiny(), peft)
-    g = torch.Generator().manual_seed(2)
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            p.data = torch.randn(p.shape, generator=g) * 0.1
+    model = random_lora_b(apply_adapters(tiny(), peft), seed=2)
     ref = apply_adapters(load_model(tiny_config("llama"), attention="eager", dtype="float32"), peft)
     ref.load_state_dict(model.state_dict())
     errors = packed_vs_alone(model.eval(), ref.eval())

@@ -23,7 +23,7 @@ import copy
 
 import pytest
 import torch
-from exactness import packed_vs_alone
+from exactness import packed_vs_alone, random_lora_b
 from families import FAMILIES, TOLERANCE
 from transformers import AutoModelForCausalLM
 
@@ -80,12 +80,7 @@ LORA = PeftConfig(method="lora", r=4, alpha=8, target_modules=("all-linear",))
 def _with_random_adapters(model):
     """`model` with LoRA on every linear layer but the head, B random: peft starts B at zero, and
     with B = 0 every lora_A gradient is zero, which any path would match."""
-    wrapped = apply_adapters(model, LORA)
-    g = torch.Generator().manual_seed(1)
-    for name, p in wrapped.named_parameters():
-        if "lora_B" in name:
-            p.data = torch.randn(p.shape, generator=g) * 0.1
-    return wrapped
+    return random_lora_b(apply_adapters(model, LORA))
 
 
 @pytest.mark.parametrize("family", [f for f, spec in FAMILIES.items() if not spec.refused])
