@@ -41,6 +41,10 @@ from raypack.errors import SourceError
 
 TOKENIZED_BATCH = 4096
 """Least rows per batch for `data.format: tokenized`."""
+TOKENIZER_MEMORY = 2**30
+"""Memory each tokenizer actor declares to Ray: torch, transformers and a tokenizer imported, plus a
+few batches. Measured at 1M-10M pre-tokenized rows (benchmarks/results/prepare_scale_cpu_20261127.md):
+up to 1.2 GiB RSS with shared pages, and no Ray process held more than 591 MiB of its own."""
 TOKENIZED_FILE_BYTES = 32 * 2**20
 """Least bytes of tokenized rows (in memory) per Parquet file written for the pack stage."""
 
@@ -206,6 +210,7 @@ def tokenize_dataset(cfg: Config, sources: Sources, vocab_size: int | None = Non
                 # The non-deprecated form of concurrency=N; fractional CPUs leave the read tasks room.
                 compute=ray.data.ActorPoolStrategy(size=t.num_actors),
                 num_cpus=t.num_cpus,
+                memory=TOKENIZER_MEMORY,
             )
             if out_dir:
                 # Files of a few tens of MB: each is one routing task's read (pack.route_file).
