@@ -5,7 +5,10 @@ Liger-Kernel, and for long rows a tiled MLP and checkpoints offloaded to the hos
 compilation, `nn.Module.compile`): one layer's graph is compiled once and reused by every layer
 of its class through Inductor's cache, so compile time stays in seconds, and `dynamic=True` makes
 the row length (different every step for packed rows) and `max_length` symbolic from the first
-call, so a new length does not recompile. raypack's attention function stays out of the graphs
+call, so a new length does not recompile. A few variants do compile once each, early: the first
+training step after the setup probe (which ran without gradients), and a one-token row (an empty
+pack: Dynamo specializes sizes 0 and 1); seen on tiny_cpu.yaml, 8 graphs after step 1 and 12 from
+step 3 on. raypack's attention function stays out of the graphs
 (`torch.compiler.disable` in attention.py): it reads cu_seqlens on the host and the exact CPU path
 loops over examples, which Dynamo would unroll once per example count. What gets compiled is the
 rest of each layer, the memory-bound elementwise work (norms, RoPE, the MLP's activation, the
