@@ -7,7 +7,8 @@
 #                     not in CI: it finds a dependency's new release before the lock moves to it)
 #   make bench-gpu    on a CUDA machine: GPU tests + benchmarks in < 10 min (tools/bench_gpu.py); Ray and
 #                     DeepSpeed come from the wheels in .whl (tools/gpu_wheels.sh) where they are missing
-#   make bench-peers  on a CUDA machine: raypack against TRL's SFTTrainer, same GPU (benchmarks/peers.py), < 10 min
+#   make bench-peers  on a CUDA machine: raypack against TRL's SFTTrainer, same GPU (benchmarks/peers.py), and
+#                     where a train step's time goes (benchmarks/step_profile.py), < 10 min
 #   make bench-smoke  the same steps on the CPU with every benchmark's --smoke
 PYTHON ?= python3
 VENV   ?= .venv

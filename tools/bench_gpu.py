@@ -1,8 +1,9 @@
 """`make bench-gpu`: raypack's GPU evidence in one command, on a bare GPU machine, in under 10 minutes.
 
-    make bench-gpu          # CUDA: the GPU tests and four benchmarks; results in benchmarks/results/
+    make bench-gpu          # CUDA: the GPU tests and five benchmarks; results in benchmarks/results/
     make bench-smoke        # CPU: the same steps with every benchmark's --smoke (what CI runs)
-    make bench-peers        # CUDA: raypack against TRL's SFTTrainer (benchmarks/peers.py), apart: ~9 min
+    make bench-peers        # CUDA, apart: raypack against TRL's SFTTrainer (benchmarks/peers.py) and where
+                            # a step's time goes (benchmarks/step_profile.py, plain and compiled): < 10 min
     python tools/bench_gpu.py [--smoke] [--budget SECONDS] [--results-dir DIR] [--only NAME ...]
 
 The GPU machine has torch with CUDA and transformers but no Ray, no DeepSpeed and no network. If
@@ -84,8 +85,12 @@ STEPS = [
 ]  # fmt: skip
 PEERS = [
     # `make bench-peers`, a command of its own: TRL's SFTTrainer twice and raypack twice on a ~1.1B
-    # model, each configuration a fresh process of ~1-2 min on an H100 (estimated, not yet run).
-    Step("peers", "peers", ["benchmarks/peers.py"], cap_s=540, min_s=300, smoke_args=["--smoke"]),
+    # model, each configuration a fresh process of ~1-2 min on an H100 (estimated: none has run on one).
+    Step("peers", "peers", ["benchmarks/peers.py"], cap_s=450, min_s=300, smoke_args=["--smoke"]),
+    # where a step's time goes (issue 24), plain and compiled: ~20 s each expected on an H100
+    Step("profile", "step_profile", ["benchmarks/step_profile.py"], cap_s=60, min_s=30, smoke_args=["--smoke"]),
+    Step("profile_compiled", "step_profile_compiled", ["benchmarks/step_profile.py", "--compile"], cap_s=60,
+         min_s=30, smoke_args=["--smoke"]),
 ]
 
 
