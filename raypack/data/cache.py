@@ -123,8 +123,8 @@ class Tokenized:
     key: str
     """Its `tokenized_key`."""
     data_dir: str | None
-    """The Parquet files of its rows (example_id, input_ids, labels, length), what the pack stage
-    reads; None when they were not kept (`rows=False`)."""
+    """The folder of its rows' Parquet files (example_id, input_ids, labels, length), which the
+    pack stage reads; None when they were not kept (`tokenized` with no cache and no scratch)."""
     lengths: np.ndarray
     ids: np.ndarray
     stats: dict[str, Any]

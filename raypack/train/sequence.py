@@ -11,8 +11,8 @@ rank reads and collates them (the usual Prefetcher), cuts every micro-batch into
 shard and storage serves each row once, not N times. The scatter runs in the loop's thread, at
 the same point of every rank's loop, so the group's collectives can never interleave (a
 prefetch thread doing it could still be inside a scatter when the loop stops). What it costs:
-one gloo scatter of a few integer tensors per micro-batch, against the seconds a long row's
-forward and backward take.
+one gloo scatter per optimizer step, of a few integer tensors per micro-batch (ids, positions,
+labels, loss targets: ~32 bytes a token), while the first rank's next step is already prefetched.
 """
 
 from __future__ import annotations
