@@ -12,7 +12,7 @@ shard and storage serves each row once, not N times. The scatter runs in the loo
 the same point of every rank's loop, so the group's collectives can never interleave (a
 prefetch thread doing it could still be inside a scatter when the loop stops). What it costs:
 one gloo scatter per optimizer step, of a few integer tensors per micro-batch (ids, positions,
-labels, loss targets: ~32 bytes a token), while the first rank's next step is already prefetched.
+labels, loss positions and targets: int64, ~40 bytes a token), while the first rank's next step is already prefetched.
 """
 
 from __future__ import annotations
