@@ -59,6 +59,15 @@ def results_path(theme: str, smoke: bool = False, out: str | None = None) -> Pat
     return path
 
 
+def write_results(theme: str, smoke: bool, out: str | None, lines: list[str]) -> Path:
+    """Write a results file (see results_path), echo it, and say where it went."""
+    path = results_path(theme, smoke, out)
+    path.write_text("\n".join(lines))
+    print("\n".join(lines))
+    print(f"wrote {path}")
+    return path
+
+
 def command_line(script: str, argv: list[str] | None) -> str:
     args = argv if argv is not None else sys.argv[1:]
     return f"PYTHONPATH=. python benchmarks/{Path(script).name} {shlex.join(args)}".strip()

@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import command_line, device_name, gpu_or_smoke, machine, results_path, smoke_banner, versions  # noqa: E402
+from benchmarks.common import command_line, device_name, gpu_or_smoke, machine, smoke_banner, versions, write_results  # noqa: E402
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=1 << 20,
@@ -173,10 +173,7 @@ def main(argv=None) -> int:
         lines.append(f"- {model}, {options}: {shown or 'no length finished in its time'}")
     lines += ["", f"ALST reports {ALST_8B_ONE_H100:,} tokens for Llama-3.1-8B on one H100 (with its own offloads "
               "and tiling); compare the 8b-lora rows, whose frozen base has no optimizer state.", ""]
-    out = results_path("long_context", args.smoke, args.out)
-    out.write_text("\n".join(lines))
-    print("\n".join(lines))
-    print(f"wrote {out}")
+    write_results("long_context", args.smoke, args.out, lines)
     return 0
 
 

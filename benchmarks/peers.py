@@ -46,7 +46,7 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")  # ray.train.r
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import command_line, device_name, gpu_or_smoke, machine, results_path, smoke_banner, versions  # noqa: E402
+from benchmarks.common import command_line, device_name, gpu_or_smoke, machine, smoke_banner, versions, write_results  # noqa: E402
 
 CONFIGS = ("trl-sdpa", "trl-varlen", "raypack", "raypack-fast")
 GOALS = {  # issue 24, on an H100
@@ -297,10 +297,7 @@ def main(argv=None) -> int:
               "model's input; raypack: its TensorBoard tokens per step). MFU: raypack's FLOP count per token for the "
               "data's length mix over the GPU's dense bf16 peak. The last-step losses differ by each trainer's packing "
               "of the same data: they should be close, not equal.", ""]
-    out = results_path("peers", args.smoke, args.out)
-    out.write_text("\n".join(lines))
-    print("\n".join(lines))
-    print(f"wrote {out}")
+    write_results("peers", args.smoke, args.out, lines)
     return 0
 
 

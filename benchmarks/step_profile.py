@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import command_line, device_name, gpu_or_smoke, machine, results_path, smoke_banner, versions  # noqa: E402
+from benchmarks.common import command_line, device_name, gpu_or_smoke, machine, smoke_banner, versions, write_results  # noqa: E402
 from benchmarks.loss_memory import build, make_rows, set_checkpointing  # noqa: E402
 from raypack.data.collate import move_batch  # noqa: E402
 from raypack.model import kernels  # noqa: E402
@@ -124,10 +124,7 @@ def main(argv=None) -> int:
     lines += ["", "Buckets are kernel-name patterns (benchmarks/step_profile.py BUCKETS), first match wins; "
               "the host gap is the wall time less the kernels' time (kernels on several streams could overlap, "
               "which would shrink it).", ""]
-    out = results_path("step_profile", args.smoke, args.out)
-    out.write_text("\n".join(lines))
-    print("\n".join(lines))
-    print(f"wrote {out}")
+    write_results("step_profile", args.smoke, args.out, lines)
     return 0
 
 
