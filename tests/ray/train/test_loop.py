@@ -80,23 +80,29 @@ def loop(config):
         torch.save({"loss": loss, "grads": grads}, config["out"])
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_two_ranks_two_microbatches_match_single_process(ray_local, tmp_path, case):
+def fit_on_gloo(fn, tmp_path, name: str, workers: int, **config) -> None:
+    """Run `fn` on `workers` Ray Train workers over gloo, with `config` plus a DeepSpeed preset
+    (`preset`) that partitions even tiny parameters under ZeRO-3: it keeps those under 1e5 elements
+    whole on every rank ("persistent"), and a threshold of 0 partitions the tiny head as a real
+    model's would be."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    out = tmp_path / "rank0.pt"
-    # ZeRO-3 keeps parameters under 1e5 elements whole on every rank ("persistent"); a threshold
-    # of 0 partitions the tiny model's head as a real model's would be.
     preset = tmp_path / "zero.json"
     preset.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
     TorchTrainer(
-        loop,
-        train_loop_config={"out": str(out), "case": case, "preset": str(preset)},
+        fn,
+        train_loop_config={**config, "preset": str(preset)},
         torch_config=TorchConfig(backend="gloo"),
-        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(name=f"exact-loss-{tmp_path.name}", storage_path=str(tmp_path / "runs")),
+        scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name=f"{name}-{tmp_path.name}", storage_path=str(tmp_path / "runs")),
     ).fit()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_ranks_two_microbatches_match_single_process(ray_local, tmp_path, case):
+    out = tmp_path / "rank0.pt"
+    fit_on_gloo(loop, tmp_path, "exact-loss", 2, out=str(out), case=case)
     got = torch.load(out)
 
     # Reference: one process, each example alone, Σ token losses / total label tokens.
@@ -185,19 +191,8 @@ def test_lora_under_every_zero_stage_matches_single_process(ray_local, tmp_path)
     """Every adapter gradient of one optimizer step (2 ranks x 2 micro-batches of packed rows, the
     chunked loss) equals the gradient of the same examples run one at a time through the model's
     own attention; the base weights get no gradient and stay bit-identical through the update."""
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
     out = tmp_path / "rank0.pt"
-    preset = tmp_path / "zero.json"
-    preset.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
-    TorchTrainer(
-        lora_loop,
-        train_loop_config={"out": str(out), "cases": list(LORA_CASES), "preset": str(preset)},
-        torch_config=TorchConfig(backend="gloo"),
-        scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(name=f"exact-lora-{tmp_path.name}", storage_path=str(tmp_path / "runs")),
-    ).fit()
+    fit_on_gloo(lora_loop, tmp_path, "exact-lora", 2, out=str(out), cases=list(LORA_CASES))
     got = torch.load(out)
 
     examples = [e for mbs in EXAMPLES.values() for mb in mbs for e in mb]

@@ -11,7 +11,6 @@ the middle of the epoch and a restart from its checkpoint.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ import torch
 from exactness import random_lora_b
 from trackfiles import tensorboard_scalars
 
-from tests.ray.train.test_loop import EXAMPLES, VOCAB, packed_row
+from tests.ray.train.test_loop import EXAMPLES, VOCAB, fit_on_gloo, packed_row
 from tests.ray.train.test_trainer import CONFIG, loop_killed_once, trained_ids, with_worker_loop
 
 pytestmark = pytest.mark.ray
@@ -84,19 +83,8 @@ def loop(config):
 
 
 def test_one_step_split_over_groups_matches_each_example_alone(ray_local, tmp_path):
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
     out = tmp_path / "rank.pt"
-    preset = tmp_path / "zero.json"  # partition even the tiny head under ZeRO-3, as a real model's
-    preset.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
-    TorchTrainer(
-        loop,
-        train_loop_config={"out": str(out), "cases": list(CASES), "preset": str(preset)},
-        torch_config=TorchConfig(backend="gloo"),
-        scaling_config=ScalingConfig(num_workers=4, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(name=f"split-{tmp_path.name}", storage_path=str(tmp_path / "runs")),
-    ).fit()
+    fit_on_gloo(loop, tmp_path, "split", 4, out=str(out), cases=list(CASES))
     got, second = torch.load(f"{out}.0"), torch.load(f"{out}.1")
 
     examples = [e for mbs in EXAMPLES.values() for mb in mbs for e in mb]
