@@ -10,6 +10,8 @@
 #   make bench-peers  on a CUDA machine: raypack against TRL's SFTTrainer, same GPU (benchmarks/peers.py), and
 #                     where a train step's time goes (benchmarks/step_profile.py), < 10 min
 #   make bench-smoke  the same steps on the CPU with every benchmark's --smoke
+#   make test-liger   Liger-Kernel's exactness tests on the CPU, in Triton's interpreter: installs
+#                     liger-kernel and triton (1 GB, not in the lock) into .cache/liger, not .venv
 PYTHON ?= python3
 VENV   ?= .venv
 # Pinned so pip takes the CPU build where one is on disk; override for a CUDA machine.
@@ -18,7 +20,7 @@ LOCK   := constraints.txt
 BIN    := $(VENV)/bin
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup run test test-latest lock bench-gpu bench-peers bench-smoke clean
+.PHONY: setup run test test-latest test-liger lock bench-gpu bench-peers bench-smoke clean
 setup: $(VENV)/.installed
 
 # torch first, from $(TORCH) (another version on a CUDA box: the lock's torch pin is left out of
@@ -36,6 +38,15 @@ run: setup
 
 test: setup
 	$(BIN)/pytest -q tests
+
+# The liger extra's version; triton: the newest, which Liger's kernels are checked with on the CPU.
+LIGER_CPU ?= liger-kernel==0.8.5 triton==3.9.0
+.cache/liger/.installed: | setup
+	$(BIN)/pip install -q --no-deps --target .cache/liger $(LIGER_CPU)
+	touch $@
+
+test-liger: setup .cache/liger/.installed
+	PYTHONPATH=$(CURDIR)/.cache/liger $(BIN)/pytest -q tests/unit/model/test_liger_interpreted.py
 
 test-latest:
 	rm -rf .venv-latest && $(PYTHON) -m venv .venv-latest

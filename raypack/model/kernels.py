@@ -19,7 +19,8 @@ no test has run compiled.
 `model.kernels`: Liger-Kernel's fused RMSNorm, RoPE and SwiGLU/GeGLU (Triton, CUDA only; `pip
 install 'raypack[liger]'`), applied to the model instance by Liger's own per-family function.
 They compute per token (RoPE from each token's own position_ids), so packed examples stay apart;
-`tests/gpu/model/test_kernels.py` checks packed against each example alone with them on. `liger`
+`tests/gpu/model/test_kernels.py` (CUDA) and `tests/unit/model/test_liger_interpreted.py` (Triton's
+CPU interpreter, `make test-liger`) check packed against each example alone with them on. `liger`
 is refused, before Ray starts, without CUDA, without the package, or for a family Liger has no
 kernels for; `auto` uses them where all three hold and runs the model's own code elsewhere;
 `none` never. Liger's fused linear cross-entropy is `train.loss: liger` (raypack/train/loss.py).
@@ -159,7 +160,17 @@ def apply_kernels(model: nn.Module, kernels: str, device_type: str) -> str:
     if chosen == "liger":
         from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
 
-        _apply_liger_kernel_to_instance(model, **LIGER_PATCHES)
+        try:
+            _apply_liger_kernel_to_instance(model, **LIGER_PATCHES)
+        except NotImplementedError:
+            # Liger lists some families whose RoPE it has no kernel for (GLM-4, Qwen3.5 in 0.8.5): it
+            # raises on rope=True before patching anything, so the rest still applies, with the
+            # model's own RoPE.
+            try:
+                _apply_liger_kernel_to_instance(model, **{**LIGER_PATCHES, "rope": False})
+            except NotImplementedError as e:
+                raise UnsupportedModelError(f"model.kernels: Liger-Kernel refuses {model.config.model_type}: {e}; "
+                                            "set model.kernels: none") from e
     return chosen
 
 

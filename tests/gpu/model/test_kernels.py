@@ -2,8 +2,9 @@
 with its RMSNorm, RoPE and SwiGLU/GeGLU applied (model.kernels: liger), packed rows give each
 example's logits, loss and gradients run alone; its fused linear cross-entropy (train.loss:
 liger) gives the chunked loss's sum and head gradient. fp32, where bf16 rounding would drown the
-check. Liger patches some functions module-wide (RoPE), so the references run with its kernels
-too: what this checks is that they keep packed examples apart, which is what raypack adds."""
+check. The reference is the model's own code, except for RoPE, which Liger patches module-wide
+(so the reference runs Liger's RoPE too). tests/unit/model/test_liger_interpreted.py runs the
+same checks on the CPU in Triton's interpreter, for the families that need no CUDA driver."""
 
 from __future__ import annotations
 
@@ -30,10 +31,9 @@ def test_liger_kernels_keep_packed_examples_apart(family):
     config = FAMILIES[family].build_config(family)
     torch.manual_seed(0)
     model = load_model(config, attention="sdpa_varlen", dtype="float32").cuda().eval()
-    assert kernels.apply_kernels(model, "liger", "cuda") == "liger"
-    ref = load_model(config, attention="eager", dtype="float32").cuda().eval()
-    kernels.apply_kernels(ref, "liger", "cuda")
+    ref = load_model(config, attention="eager", dtype="float32").cuda().eval()  # before Liger patches classes
     ref.load_state_dict(model.state_dict())
+    assert kernels.apply_kernels(model, "liger", "cuda") == "liger"
     errors = packed_vs_alone(model, ref, lengths=LENGTHS, device="cuda")
     worst = max(errors, key=errors.get)
     assert errors[worst] < TOLERANCE, f"{family} + liger: {worst} off by {errors[worst]:.2e}"

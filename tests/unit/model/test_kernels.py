@@ -1,6 +1,7 @@
 """raypack/model/kernels.py on the CPU: regional torch.compile keeps packed rows exact (fp32, Inductor)
 and a new row length or example count compiles nothing new; `model.kernels` and `train.loss: liger`
-refused where Liger-Kernel can't run. Liger itself is CUDA only: tests/gpu/model/test_kernels.py."""
+refused where Liger-Kernel can't run. Liger itself is Triton: tests/gpu/model/test_kernels.py on
+CUDA, tests/unit/model/test_liger_interpreted.py in Triton's CPU interpreter (`make test-liger`)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,32 @@ def test_liger_is_used_where_it_can_run_and_refused_where_asked_for_and_it_canno
     assert kernels.resolve_kernels("auto", "nemotron", "cuda") == "none"
     with pytest.raises(InputError, match="no kernels for model_type 'nemotron'"):
         kernels.resolve_kernels("liger", "nemotron", "cuda")
+
+
+def test_liger_without_a_rope_kernel_for_a_family_keeps_the_models_rope(monkeypatch):
+    """Liger 0.8.5 raises NotImplementedError for rope=True on GLM-4 and Qwen3.5, before patching
+    anything: the other kernels still apply. (A stand-in for Liger's apply function: the real one
+    runs in tests/unit/model/test_liger_interpreted.py, glm4 included.)"""
+    import sys
+    import types
+
+    calls = []
+
+    def apply(model, **patches):
+        calls.append(patches["rope"])
+        if patches["rope"] or model.refuse_all:
+            raise NotImplementedError("liger_rotary_pos_emb is not available")
+
+    fake = types.ModuleType("liger_kernel.transformers.monkey_patch")
+    fake._apply_liger_kernel_to_instance = apply
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", fake)
+    monkeypatch.setattr(kernels, "resolve_kernels", lambda *_: "liger")
+    model = types.SimpleNamespace(config=types.SimpleNamespace(model_type="glm4"), refuse_all=False)
+    assert kernels.apply_kernels(model, "liger", "cuda") == "liger"
+    assert calls == [True, False]
+    model.refuse_all = True
+    with pytest.raises(kernels.UnsupportedModelError, match="Liger-Kernel refuses glm4.*model.kernels: none"):
+        kernels.apply_kernels(model, "liger", "cuda")
 
 
 def test_compile_is_refused_where_untested():
