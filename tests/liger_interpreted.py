@@ -4,6 +4,8 @@ that the checks of tests/gpu/model/test_kernels.py run without a GPU, in fp32:
 - `model.kernels: liger` (raypack.model.kernels.apply_kernels, Liger's RMSNorm, RoPE, SwiGLU/GeGLU
   and LayerNorm on the model instance): one packed forward and backward gives each example's
   logits, loss and gradients run alone through the model's own code with the same weights;
+- the same with `train.compile` on (raypack.model.kernels.compile_layers), and no new graph for rows of
+  other lengths;
 - `train.loss: liger` (Liger's fused linear cross-entropy): the chunked loss's sum and gradients.
 
 Run in a fresh process, as tests/unit/model/test_liger_interpreted.py does: TRITON_INTERPRET is
@@ -12,7 +14,7 @@ whole process (RoPE is a module function, so the reference runs Liger's RoPE too
 MLPs are the model's own).
 
     TRITON_INTERPRET=1 python tests/liger_interpreted.py llama gemma2   # one JSON object on stdout:
-    {"kernels/llama": {what: rel err}, ..., "loss/llama": {...}}        # or {"error": ...} for a check
+    {"kernels/llama": {what: rel err}, ..., "compiled/llama": ..., "loss/llama": ...}  # or {"error": ...}
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from triton.runtime import interpreter
 
 LENGTHS = ([30, 7, 1, 15], [50, 9])
 LOSS_FAMILIES = ("llama", "gemma2")  # plain, and a softcapped head
+COMPILED_FAMILIES = ("llama", "gemma2")  # SwiGLU, and GeGLU with sliding windows
 MOE_GPU_ONLY = frozenset({"deepseek_v2", "deepseek_v3", "mixtral", "qwen3_moe"})
 """Families whose experts Liger swaps for its fused MoE kernel, which asks the CUDA driver for the
 device's properties: the interpreter has no driver; tests/gpu/model/test_kernels.py runs them."""
@@ -59,12 +62,14 @@ def _patch_interpreter() -> None:
     libdevice.tanh = lambda x: 2 * tl.sigmoid(2 * x) - 1
 
 
-def check_kernels(family: str) -> dict[str, float]:
+def check_kernels(family: str, compiled: bool = False) -> dict[str, float]:
     from exactness import packed_vs_alone
     from families import FAMILIES
 
     from raypack.model import kernels
     from raypack.model.build import load_model
+
+    torch._dynamo.reset()
 
     config = FAMILIES[family].build_config(family)
     torch.manual_seed(0)
@@ -79,7 +84,20 @@ def check_kernels(family: str) -> dict[str, float]:
         raise AssertionError(f"{family}: Liger swapped no module in")
     if {k: v.shape for k, v in model.state_dict().items()} != shapes:
         raise AssertionError(f"{family}: Liger changed the weights' shapes")
-    return {**packed_vs_alone(model, ref, lengths=LENGTHS), "liger_modules": swapped}
+    if not compiled:
+        return {**packed_vs_alone(model, ref, lengths=LENGTHS), "liger_modules": swapped}
+    # train.compile: Liger's kernels stay out of the graphs (Dynamo tracing them would trace the
+    # interpreter here); the rest compiles, and rows of other lengths add no graph
+    kernels.compile_layers(model)
+    errors = packed_vs_alone(model, ref, lengths=LENGTHS)
+    graphs = kernels.compiled_graphs()
+    more = packed_vs_alone(model, ref, lengths=([10, 7, 3, 2], [5, 19]), seed=1)
+    return {**errors, **{f"{k} (other rows)": v for k, v in more.items()}, "liger_modules": swapped,
+            "graphs": graphs, "new_graphs": kernels.compiled_graphs() - graphs}
+
+
+def check_compiled(family: str) -> dict[str, float]:
+    return check_kernels(family, compiled=True)
 
 
 def check_loss(family: str) -> dict[str, float]:
@@ -114,6 +132,7 @@ def main(families: list[str]) -> None:
     _patch_interpreter()
     results = {}
     checks = [(f"kernels/{f}", check_kernels, f) for f in families]
+    checks += [(f"compiled/{f}", check_compiled, f) for f in COMPILED_FAMILIES]
     checks += [(f"loss/{f}", check_loss, f) for f in LOSS_FAMILIES]
     for name, check, family in checks:
         try:

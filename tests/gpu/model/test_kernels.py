@@ -39,6 +39,25 @@ def test_liger_kernels_keep_packed_examples_apart(family):
     assert errors[worst] < TOLERANCE, f"{family} + liger: {worst} off by {errors[worst]:.2e}"
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_liger_kernels_compiled_keep_packed_examples_apart(family):
+    """train.compile with Liger on: its kernels run outside the graphs (kernels.compile_layers)."""
+    torch._dynamo.reset()
+    config = FAMILIES[family].build_config(family)
+    torch.manual_seed(0)
+    model = load_model(config, attention="sdpa_varlen", dtype="float32").cuda().eval()
+    ref = load_model(config, attention="eager", dtype="float32").cuda().eval()
+    ref.load_state_dict(model.state_dict())
+    kernels.apply_kernels(model, "liger", "cuda")
+    kernels.compile_layers(model)
+    errors = packed_vs_alone(model, ref, lengths=LENGTHS, device="cuda")
+    graphs = kernels.compiled_graphs()
+    errors.update(packed_vs_alone(model, ref, lengths=([120, 33, 2], [260, 9]), seed=1, device="cuda"))
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < TOLERANCE, f"{family} + liger, compiled: {worst} off by {errors[worst]:.2e}"
+    assert kernels.compiled_graphs() == graphs, "a new packed length recompiled"
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2"])  # plain, and a softcapped head
 def test_liger_loss_is_the_chunked_loss(family):
     config = FAMILIES[family].build_config(family)

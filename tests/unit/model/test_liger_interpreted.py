@@ -1,7 +1,7 @@
 """Liger-Kernel on packed rows without a GPU: its Triton kernels run in Triton's CPU interpreter
 (tests/liger_interpreted.py, in one subprocess). With Liger's RMSNorm, RoPE, SwiGLU/GeGLU on,
 packed rows give each example's logits, loss and gradients run alone through the model's own
-code; Liger's fused linear cross-entropy gives the chunked loss. fp32.
+code, compiled (train.compile) or not; Liger's fused linear cross-entropy gives the chunked loss. fp32.
 
 Skipped unless liger-kernel and triton are importable: Triton is a 1 GB install that a CPU machine
 needs only for this, so it is not in the lock; `make test-liger` installs both beside .venv and runs
@@ -40,9 +40,12 @@ def results():
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+COUNTS = ("liger_modules", "graphs", "new_graphs")
+
+
 def _worst(errors: dict) -> tuple[str, float]:
     assert "error" not in errors, errors["error"]
-    worst = max((k for k in errors if k != "liger_modules"), key=errors.get)
+    worst = max((k for k in errors if k not in COUNTS), key=errors.get)
     return worst, errors[worst]
 
 
@@ -52,6 +55,15 @@ def test_liger_kernels_keep_packed_examples_apart(results, family):
     what, err = _worst(errors)
     assert errors["liger_modules"] > 0
     assert err < TOLERANCE, f"{family} + liger: {what} off by {err:.2e}"
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_liger_kernels_compiled_keep_packed_examples_apart_and_do_not_recompile(results, family):
+    errors = results[f"compiled/{family}"]
+    what, err = _worst(errors)
+    assert err < TOLERANCE, f"{family} + liger, compiled: {what} off by {err:.2e}"
+    assert errors["graphs"] > 0, "nothing was compiled"
+    assert errors["new_graphs"] == 0, "a new packed length recompiled"
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
