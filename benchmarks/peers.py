@@ -152,7 +152,6 @@ def child_raypack(args, work: Path, fast: bool) -> dict:
     from raypack.config import Config, DataConfig, ModelConfig, PackConfig, RunConfig, TokenizeConfig, TrainConfig
     from raypack.model.kernels import liger_installed
     from raypack.runs import run_dir
-    from raypack.runtime import RaySettings, init_ray
     from raypack.train.trainer import start
 
     import torch
@@ -170,8 +169,7 @@ def child_raypack(args, work: Path, fast: bool) -> dict:
                           compile=fast),
         run=RunConfig(name=f"peers-{'fast' if fast else 'default'}", storage_path=str(work / "runs")),
     )  # fmt: skip
-    init_ray(RaySettings(dashboard=False))
-    result = start(cfg).result
+    result = start(cfg).result  # starts Ray as `raypack train` does (its settings: the dashboard too)
     tb = read_tensorboard(f"{run_dir(cfg)}/tensorboard")
     measured = range(args.warmup + 1, args.warmup + args.steps + 1)
     tokens = sum(tb[s]["train/tokens"] for s in measured)
