@@ -13,9 +13,9 @@ step 3 on. raypack's attention function stays out of the graphs
 loops over examples, which Dynamo would unroll once per example count. What gets compiled is the
 rest of each layer, the memory-bound elementwise work (norms, RoPE, the MLP's activation, the
 residual adds) that Inductor fuses; with Liger on, its fused kernels stay out of the graphs too
-(`_keep_liger_out_of_graphs`) and Inductor fuses the rest. Refused under ZeRO-3, whose weight gathers run in hooks on
-every submodule that a compiled layer would have to trace, and with sequence parallelism, which
-no test has run compiled.
+(`_keep_liger_out_of_graphs`) and Inductor fuses the rest. Refused under ZeRO-3, whose weight
+gathers run in hooks on every submodule that a compiled layer would have to trace, and with
+sequence parallelism, which no test has run compiled.
 
 `model.kernels`: Liger-Kernel's fused RMSNorm, RoPE and SwiGLU/GeGLU (Triton, CUDA only; `pip
 install 'raypack[liger]'`), applied to the model instance by Liger's own per-family function.
