@@ -24,7 +24,7 @@ Each step runs under its own time limit, cut so that all of them, and the instal
 seconds (default 570 on a GPU) with time kept for the steps after it; a step that fails or runs out of time is
 reported and the next one still runs. On an H100 steps 1-4 took ~310 s in all; steps 5 (~50 s)
 and 6 (its own 120 s budget) have not run yet: with a ~30 s install, ~510 s of the 570. The caps
-(1010 s in all) are upper bounds; what bounds a step is the budget less the min_s kept for the
+(1070 s in all) are upper bounds; what bounds a step is the budget less the min_s kept for the
 steps after it (415 s in all). Progress goes to the console and to one combined log. With
 $OUT set (the device tool's output folder), the results files and the combined log are copied
 there after every step, so even a run cut short returns what it finished. Exit status: 0 when
@@ -68,8 +68,10 @@ class Step:
 
 
 STEPS = [
+    # 29 s on an H100 before the Liger tests (Triton builds each kernel once, two compiled models):
+    # not yet run with them, hence the room
     Step("gpu_tests", "gpu_tests", ["-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-rA", "-p", "no:cacheprovider"],
-         cap_s=120, min_s=40),
+         cap_s=180, min_s=40),
     Step("train", "train", ["benchmarks/train_throughput.py", "--zero-stage", "2"], cap_s=300, min_s=150,
          smoke_args=["--smoke"]),
     Step("loss", "loss_memory", ["benchmarks/loss_memory.py"], cap_s=150, min_s=60, smoke_args=["--smoke"]),
