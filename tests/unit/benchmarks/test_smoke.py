@@ -19,7 +19,7 @@ from bench_gpu import STEPS  # noqa: E402
 
 NO_RAY = {  # script -> what its results file must show
     "attention_cpu.py": ["| 64 | 1 |", "| 128 | 1 |"],
-    "attention_throughput.py": ["| flan | packed_varlen |", "| flan | pad |"],
+    "attention_throughput.py": ["| flan | packed_varlen |", "| flan | pad |", "| flan | packed_chunked |"],
     "epoch_rows.py": ["| window | windowed shuffle (epoch 2) |", "| per_epoch | plan order |"],
     # each case refused before Ray starts: exit code 2, Ray not started
     "fail_fast.py": ["| unknown pack.strategy | this checkout |", "| 2 | 1 | no |", "| train.lr=inf | this checkout |"],
