@@ -4,8 +4,8 @@ that the checks of tests/gpu/model/test_kernels.py run without a GPU, in fp32:
 - `model.kernels: liger` (raypack.model.kernels.apply_kernels, Liger's RMSNorm, RoPE, SwiGLU/GeGLU
   and LayerNorm on the model instance): one packed forward and backward gives each example's
   logits, loss and gradients run alone through the model's own code with the same weights;
-- the same with `train.compile` on (raypack.model.kernels.compile_layers), and no new graph for rows of
-  other lengths;
+- the same with `train.compile` on (raypack.model.kernels.compile_layers), and no new graph for
+  rows of other lengths;
 - `train.loss: liger` (Liger's fused linear cross-entropy): the chunked loss's sum and gradients.
 
 Run in a fresh process, as tests/unit/model/test_liger_interpreted.py does: TRITON_INTERPRET is
@@ -70,7 +70,6 @@ def check_kernels(family: str, compiled: bool = False) -> dict[str, float]:
     from raypack.model.build import load_model
 
     torch._dynamo.reset()
-
     config = FAMILIES[family].build_config(family)
     torch.manual_seed(0)
     model = load_model(config, attention="sdpa_varlen", dtype="float32").eval()

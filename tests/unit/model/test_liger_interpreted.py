@@ -5,7 +5,8 @@ code, compiled (train.compile) or not; Liger's fused linear cross-entropy gives 
 
 Skipped unless liger-kernel and triton are importable: Triton is a 1 GB install that a CPU machine
 needs only for this, so it is not in the lock; `make test-liger` installs both beside .venv and runs
-this file (~2 minutes on 2 cores). tests/gpu/model/test_kernels.py runs the same checks compiled on CUDA."""
+this file (~2 minutes on 2 cores). tests/gpu/model/test_kernels.py runs the same checks on CUDA, the
+MoE families included."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from families import FAMILIES
 pytest.importorskip("triton")
 pytest.importorskip("liger_kernel")
 
-from liger_interpreted import MOE_GPU_ONLY  # noqa: E402
+from liger_interpreted import COMPILED_FAMILIES, LOSS_FAMILIES, MOE_GPU_ONLY  # noqa: E402
 
 from raypack.model import kernels  # noqa: E402
 
@@ -57,7 +58,7 @@ def test_liger_kernels_keep_packed_examples_apart(results, family):
     assert err < TOLERANCE, f"{family} + liger: {what} off by {err:.2e}"
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", COMPILED_FAMILIES)
 def test_liger_kernels_compiled_keep_packed_examples_apart_and_do_not_recompile(results, family):
     errors = results[f"compiled/{family}"]
     what, err = _worst(errors)
@@ -66,7 +67,7 @@ def test_liger_kernels_compiled_keep_packed_examples_apart_and_do_not_recompile(
     assert errors["new_graphs"] == 0, "a new packed length recompiled"
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", LOSS_FAMILIES)
 def test_liger_loss_is_the_chunked_loss(results, family):
     what, err = _worst(results[f"loss/{family}"])
     assert err < TOLERANCE, f"{family}: liger's {what} off by {err:.2e}"
