@@ -157,11 +157,15 @@ def check_packed_model(cfg: Config, config=None) -> None:
 
 def check_kernels(cfg: Config, config) -> None:
     """model.kernels: liger and train.loss: liger where Liger-Kernel can't run (no CUDA, no
-    package, a family it has no kernels for) are refused here, before Ray starts."""
+    package, a family it has no kernels for, a structure it is not verified on) are refused here,
+    before Ray starts."""
     from raypack.model.kernels import liger_loss_available, resolve_kernels
 
     device = "cuda" if cfg.train.use_gpu else "cpu"
-    resolve_kernels(cfg.model.kernels, config.model_type, device)
+    if resolve_kernels(cfg.model.kernels, config.model_type, device) == "liger":
+        from raypack.model.build import meta_model
+
+        resolve_kernels(cfg.model.kernels, config.model_type, device, meta_model(config, cfg.model.trust_remote_code))
     if cfg.train.loss == "liger":
         liger_loss_available(device)
 
