@@ -13,8 +13,8 @@ One run, same data, same model init, same lr schedule, both paths back to back:
    `train_loop_per_worker` (it reuses the packed folder: same fingerprint). Throughput comes from
    the per-step TensorBoard events rank 0 writes (tokens, step time, data wait, wall time), so the
    measured window is exactly steps warmup+1..warmup+steps and includes everything between steps
-   (reports, logging) but not the final checkpoint. Result.metrics (tokens_per_s, mfu) is shown as
-   well: it counts only time inside train_step, over the last report window.
+   (reports, logging); the run saves no checkpoint (train.save_final: false). The last report's
+   tokens_per_s and mfu are shown as well: they count only time inside train_step, over its window.
 3. Standalone: in this process, a 1-process torch.distributed group, what each worker runs
    (`raypack.train.loop.setup`, `raypack.train.loss.make_loss`, the prefetcher and
    `raypack.train.loop.train_step`) on the very same packed rows (`iter_rank_packs`, read into
@@ -116,7 +116,7 @@ def make_config(args, workdir: Path, data_path: Path, model_name: str, use_gpu: 
             num_workers=1, use_gpu=use_gpu, cpus_per_worker=1.0, zero_stage=args.zero_stage, optimizer="torch",
             grad_accum=1, epochs=1, max_steps=total_steps, seed=args.seed, warmup_steps=2, lr=1e-4, loss=args.loss,
             report_every_steps=args.report_every, checkpoint_every_steps=0, eval_every_steps=0,
-            max_failures=0, tensorboard=True, mlflow=False,
+            max_failures=0, tensorboard=True, mlflow=False, save_final=False,  # no checkpoint to measure
         ),
         run=RunConfig(name=f"train_bench_{os.getpid()}_{int(time.time())}", storage_path=str(workdir / "runs")),
     )  # fmt: skip
@@ -178,12 +178,12 @@ def run_full_stack(cfg: Config, warmup: int, steps: int) -> dict:
         raise ValueError("--warmup must be >= 1: the window starts at the end of the last warmup step")
     out = window([tb[s]["train/tokens"] for s in measured], [tb[s]["train/step_time_s"] for s in measured],
                  [tb[s]["train/data_wait_s"] for s in measured], start, tb[warmup + steps]["wall_time"])  # fmt: skip
-    metrics = result.metrics or {}
+    last = tb[warmup + steps]  # the last step reports: its summary scalars are in the events too
     out.update(
         losses=[tb[s]["train/loss"] for s in range(1, warmup + steps + 1)],
-        reported_tokens_per_s=metrics.get("tokens_per_s"),
-        reported_mfu=metrics.get("mfu"),
-        peak_gib=metrics.get("peak_memory_gb"),
+        reported_tokens_per_s=last.get("train/tokens_per_s"),
+        reported_mfu=last.get("train/mfu"),
+        peak_gib=last.get("train/peak_memory_gb"),
         fit_s=fit_s,
     )
     return out
@@ -409,7 +409,7 @@ def render(args, argv, device, data, prepared, params, fpt, full, alone, ratio, 
         f"{pct(alone['mfu'])} | {num(alone['peak_gib'], '.2f')} | {alone['data_wait_s'] * 1e3:.2f} ms | "
         f"{alone['data_wait_share']:.2%} |",
         "",
-        f"Full stack's own final report (Result.metrics, last {args.report_every}-step window or less, time inside "
+        f"Full stack's own final report (its TensorBoard summary, last {args.report_every}-step window or less, time inside "
         f"train_step only): tokens_per_s {num(full['reported_tokens_per_s'])}, mfu {pct(full['reported_mfu'])}.",
         "",
         "| target | value | |",

@@ -225,6 +225,10 @@ class TrainConfig:
     """Optimizer steps between evals; 0 evaluates only at the end."""
     checkpoint_every_steps: int = 0
     """Optimizer steps between checkpoints; 0 checkpoints only at the end."""
+    save_final: bool = True
+    """Checkpoint, with the Hugging Face model, at the last step. False ends the run without one, for
+    throughput measurements that keep nothing (benchmarks/peers.py); such a run, run again, trains
+    again from its last checkpoint, or from the start."""
     max_failures: int = 1
     """Worker-group restarts from the last checkpoint before the run fails."""
     keep_checkpoints: int = 2

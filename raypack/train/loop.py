@@ -307,7 +307,7 @@ def after_step(w: Worker, epoch: int) -> None:
     """Evaluate, report and checkpoint, each when it is due (all of them at the last step)."""
     t, step = w.cfg.train, w.state.step
     final = step == w.total_steps
-    ckpt_due = final or _every(step, t.checkpoint_every_steps)
+    ckpt_due = (final and t.save_final) or _every(step, t.checkpoint_every_steps)
     eval_due = final or _every(step, t.eval_every_steps)
     if not (ckpt_due or eval_due or w.reporter.due(step)):
         return

@@ -30,7 +30,7 @@ from raypack.train.tracking import Trackers
 REPORTED = (
     "step", "epoch", "loss", "eval_loss", "lr", "tokens_per_s", "tokens_per_step", "tokens_seen",
     "train_time_s", "eval_time_s", "step_time_s", "data_wait_s", "rank_imbalance", "peak_memory_gb",
-    "mfu", "total_steps", "steps_per_epoch", "packing_efficiency", "padding_fraction",
+    "window_peak_memory_gb", "memory_gb", "mfu", "total_steps", "steps_per_epoch", "packing_efficiency", "padding_fraction",
     "token_imbalance", "attention_imbalance",
 )
 """Every metric a report can carry (`Reporter.summary` and the static values the loop adds);
@@ -52,6 +52,21 @@ def peak_memory_gb() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def memory_gb() -> float | None:
+    """Device memory allocated now, between steps: the weights, optimizer state and whatever else
+    outlives a step (the peak adds a step's activations and gradients on top). CUDA only."""
+    return torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
+def window_peak_memory_gb() -> float:
+    """`peak_memory_gb` since the last call: on CUDA the allocator's peak is reset after reading it,
+    so each report's window has its own (the CPU's resident peak can't be reset)."""
+    peak = peak_memory_gb()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    return peak
 
 
 def model_flops_per_token(model_config: Any, seq_len_sq_mean: float, seq_len_mean: float | None = None,
@@ -114,6 +129,7 @@ class Reporter:
     eta: Eta | None = None
     """The time-left estimate the progress line shows; None: steps only."""
     _window: list[dict[str, float]] = field(default_factory=list)
+    _peak_memory: float = 0.0
     _last: float = field(default_factory=time.perf_counter)
     _excluded: float = 0.0
 
@@ -159,6 +175,8 @@ class Reporter:
         # only those has no loss, not a loss of 0.
         trained = [w for w in window if w["label_tokens"] > 0]
         label_tokens = sum(w["label_tokens"] for w in trained)
+        window_peak = window_peak_memory_gb()
+        self._peak_memory = max(self._peak_memory, window_peak)
         metrics: dict[str, Any] = {
             "step": step,
             "epoch": epoch,
@@ -173,7 +191,9 @@ class Reporter:
             "data_wait_s": sum(w["data_wait_s"] for w in window) / max(len(window), 1),
             "rank_imbalance": max((w["rank_imbalance"] for w in window), default=1.0),
             "lr": window[-1]["lr"] if window else 0.0,
-            "peak_memory_gb": peak_memory_gb(),
+            "peak_memory_gb": self._peak_memory,
+            "window_peak_memory_gb": window_peak,
+            "memory_gb": memory_gb(),
             "mfu": None,
             "eval_loss": None,
         }
