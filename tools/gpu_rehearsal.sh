@@ -69,7 +69,7 @@ tmp=$(mktemp -d /tmp/rpr-XXXX)  # short: Ray's unix sockets live under it (107-b
 # A venv's scripts name their interpreter by path; the copy's python is what the kit runs.
 py=$run/bin/python
 say "running the kit offline (loopback only) with $py"
-args=${*:---smoke}
+args=${*:---smoke --budget 3600}
 say "tools/bench_gpu.py $args"
 status=0
 unshare --net -- sh -c "ip link set lo up && cd '$travel' && env -u VIRTUAL_ENV PATH='$run/bin:$PATH' \

@@ -22,7 +22,8 @@ this reads). How the set is worked out:
    checks them on the machine before any step runs.
 5. cp312 manylinux x86_64 or pure-Python wheels, downloaded into .cache/gpu-wheels; a package with
    only an sdist (DeepSpeed) is built here into a pure-Python wheel.
-6. Trimmed: Ray's rllib, serve, llm, dashboard web client and jars, which raypack never imports;
+6. Trimmed: Ray's rllib, serve, llm and jars, which raypack never imports, and the dashboard's
+   web page (not the dashboard);
    transformers' model folders that nothing on raypack's path names (see `transformers_keep`).
 7. The wheels and the repository as it travels (tracked and untracked, not ignored, files) must
    fit in --limit-mib (default 60: the device tool carries 64 MiB in all), or this fails saying so.
@@ -74,9 +75,14 @@ NEVER_IMPORTED = {
 none of them imported by Ray's driver, dashboard and agents, Ray Train/Tune/Data, DeepSpeed, TRL,
 peft or datasets; `make gpu-rehearsal` runs the kit without them)."""
 TRIM = {
-    "ray": ("ray/rllib/", "ray/serve/", "ray/llm/", "ray/dashboard/client/", "ray/jars/"),
+    # The dashboard's web page (its scripts and images, 2.4 MiB) goes; the dashboard itself stays
+    # (raypack starts it, Ray Train's State API and `ray job submit` talk to it) and refuses to start
+    # without client/build/ and client/build/static/, so their small files stay. The GPU machine is
+    # reached by no browser anyway.
+    "ray": ("ray/rllib/", "ray/serve/", "ray/llm/", "ray/jars/", "ray/dashboard/client/build/static/js/",
+            "ray/dashboard/client/build/static/media/", "ray/dashboard/client/build/speedscope-"),
 }
-"""Folders dropped from a carried wheel: raypack never imports them."""
+"""Paths dropped from a carried wheel: raypack never imports them."""
 
 
 def fail(message: str) -> None:
