@@ -12,7 +12,7 @@
 #   make bench-peers  on a CUDA machine: only raypack against TRL and the step profiles
 #   make bench-smoke  the gpu-check steps on the CPU with every benchmark's --smoke
 #   make gpu-rehearsal  gpu-check as the GPU machine runs it, on the CPU: a Python 3.12 venv holding only the
-#                     image's packages, the wheels as gathered, offline (tools/gpu_rehearsal.sh; root, ~15 min)
+#                     image's packages, the wheels as gathered, offline (tools/gpu_rehearsal.sh; root, ~5 GB, ~25 min on 2 cores)
 #   make test-liger   Liger-Kernel's exactness tests on the CPU, in Triton's interpreter: installs
 #                     liger-kernel and triton (1 GB, not in the lock) into .cache/liger, not .venv
 PYTHON ?= python3
