@@ -64,3 +64,28 @@ def test_warmup_then_cosine():
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
     assert lrs[4] == pytest.approx(1.0) and lrs[20] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
+
+
+def test_bf16_precisions_adamw_keeps_the_updates_rounding_drops():
+    """1000 AdamW steps of 1e-4 on a bf16 weight of 1.0, where an ulp is 2^-7: each update is below
+    half an ulp. torch's AdamW on bf16 weights (TRL on a bf16-loaded model) rounds every one away;
+    raypack's (torch-optimi's, Kahan-summed) lands where fp32 weights do, within an ulp."""
+    from raypack.train.engine import make_optimizer
+
+    def train(dtype, optimizer):
+        w = torch.nn.Parameter(torch.ones(64, dtype=dtype))
+        opt = optimizer([{"params": [w], "weight_decay": 0.0}])
+        for _ in range(1000):
+            w.grad = torch.ones_like(w)  # Adam's step is lr (times 1 - a vanishing bias term)
+            opt.step()
+        return w.detach().float()
+
+    def torch_adamw(groups):
+        return torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
+
+    cfg = TrainConfig(zero_stage=2, precision="bf16", lr=1e-4)
+    reference = train(torch.float32, torch_adamw)
+    assert reference.mean().item() == pytest.approx(0.9, abs=1e-3)
+    assert torch.equal(train(torch.bfloat16, torch_adamw), torch.ones(64))  # every update lost
+    kahan = train(torch.bfloat16, lambda groups: make_optimizer(groups, cfg))
+    assert (kahan - reference).abs().max().item() <= 2**-7
