@@ -239,6 +239,10 @@ class TrainConfig:
     """Checkpoint, with the Hugging Face model, at the last step. False ends the run without one, for
     throughput measurements that keep nothing (benchmarks/peers.py); such a run, run again, trains
     again from its last checkpoint, or from the start."""
+    overlap_start: bool = True
+    """Start the worker group as the data preparation starts (tokenize, plan, pack on the driver),
+    so the workers' processes and imports don't wait for it (raypack/train/handoff.py); false: one
+    after the other (a cluster whose Ray Data needs the CPUs the workers reserve)."""
     max_failures: int = 1
     """Worker-group restarts from the last checkpoint before the run fails."""
     keep_checkpoints: int = 2

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import deepspeed
@@ -46,18 +46,21 @@ from raypack.model.build import load_model
 from raypack.model.kernels import apply_kernels, checkpoint_offload, compile_layers, compiled_graphs, tile_mlps
 from raypack.model.ulysses import SequenceGroup, sequence_parallel
 from raypack.train.engine import deepspeed_config, model_dtype, setup_engine
+from raypack.train.handoff import receive
 from raypack.train.checkpoint import TrainState, report_and_checkpoint, restore
 from raypack.train.loss import CausalLMLoss, make_loss
 from raypack.train.metrics import Eta, Reporter, model_flops_per_token
 from raypack.train.prefetch import StepBatch, prepare_step
 from raypack.train.sequence import data_rank, make_groups, probe_split, step_source
+from raypack.train.startup import Startup
 from raypack.train.stepvalues import HostCounts, Pending, StepTimer
 from raypack.train.tracking import Trackers, TrackingTargets
 
 # --- setup --------------------------------------------------------------------------------------
 
 
-def setup(cfg: Config, data: Prepared, world_size: int):
+def setup(cfg: Config, data: Prepared, world_size: int, clock: Startup | None = None):
+    clock = clock or Startup()
     torch.manual_seed(cfg.train.seed)
     m = cfg.model
     dtype = model_dtype(cfg.train, m.dtype)
@@ -86,8 +89,10 @@ def setup(cfg: Config, data: Prepared, world_size: int):
     if cfg.train.compile:
         compile_layers(model)  # compiled at the first step: seconds, once per layer class
     total = data.total_steps(cfg.train.grad_accum, cfg.train.epochs, cfg.train.max_steps)
+    clock.mark("model")
     engine, scheduler = setup_engine(model, cfg.train, dtype=model.dtype, world_size=world_size, total_steps=total)
     del zero3
+    clock.mark("deepspeed")
     return engine, scheduler, total
 
 
@@ -204,6 +209,8 @@ class Worker:
     """The step's host numbers summed over the ranks (raypack/train/stepvalues.py)."""
     pending: Pending | None = None
     """The last step enqueued whose values are not read yet (read a step late)."""
+    clock: Startup = field(default_factory=Startup)
+    """This start-up's marks, the driver's and this worker's (raypack/train/startup.py)."""
 
     @property
     def data_rank(self) -> int:
@@ -225,10 +232,12 @@ def train_loop_per_worker(config: dict) -> None:
 def setup_worker(config: dict) -> Worker:
     """Build the engine, probe the loss, restore the last checkpoint and start the clocks."""
     cfg = Config.from_dict(config["cfg"])
-    data = Prepared.from_dict(config["data"])
+    data = Prepared.from_dict(receive(config))  # waits while the driver prepares it (train.overlap_start)
+    clock = Startup(dict(config.get("startup", {})))
+    clock.mark("received")
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    engine, scheduler, total_steps = setup(cfg, data, world)
+    engine, scheduler, total_steps = setup(cfg, data, world, clock)
     host_counts = HostCounts.open(world, engine.device)
     # Probes the model once (a short forward on every rank): a model the chunked loss can't
     # reproduce exactly stops here, before any step.
@@ -262,8 +271,9 @@ def setup_worker(config: dict) -> Worker:
     if rank == 0 and group.size > 1:
         print(f"[raypack] sequence parallel: {world} workers in {world // group.size} groups of {group.size}; each "
               f"row's tokens split {group.size} ways, at most {-(-cfg.pack.budget // group.size)} a worker", flush=True)
+    clock.mark("setup")
     return Worker(cfg, data, rank, engine, scheduler, loss, state, reporter, total_steps, config, group, tokenizer,
-                  host_counts)
+                  host_counts, clock=clock)
 
 
 def train_epoch(w: Worker, epoch: int) -> None:
@@ -292,6 +302,11 @@ def train_epoch(w: Worker, epoch: int) -> None:
             # The previous step's values: read now, with this step enqueued behind it.
             log_pending(w)
             w.pending = pending
+            if "first_step" not in w.clock.marks:  # this start's first step: read at once, once
+                log_pending(w)
+                w.clock.mark("first_step")
+                if w.rank == 0:
+                    print(f"[raypack] start-up: {w.clock.line()}", flush=True)
             after_step(w, epoch)
 
 
@@ -319,6 +334,8 @@ def after_step(w: Worker, epoch: int) -> None:
         extra["eval_loss"] = evaluate(w.engine, w.data, w.group, w.loss)
         w.reporter.exclude(time.perf_counter() - t_eval)
     metrics = w.reporter.summary(step, epoch, extra)
+    if final:  # after the trackers had theirs: a dict of phases, not a scalar
+        metrics["startup_s"] = w.clock.phases()
     if final and w.state.base_digest and base_digests(w.engine) != w.state.base_digest:
         raise RuntimeError("the frozen base weights changed during training: an optimizer or hook wrote to them")
     m = w.cfg.model
