@@ -239,10 +239,11 @@ class TrainConfig:
     """Checkpoint, with the Hugging Face model, at the last step. False ends the run without one, for
     throughput measurements that keep nothing (benchmarks/peers.py); such a run, run again, trains
     again from its last checkpoint, or from the start."""
-    overlap_start: bool = True
+    overlap_start: bool = False
     """Start the worker group as the data preparation starts (tokenize, plan, pack on the driver),
-    so the workers' processes and imports don't wait for it (raypack/train/handoff.py); false: one
-    after the other (a cluster whose Ray Data needs the CPUs the workers reserve)."""
+    the workers waiting for the data (raypack/train/handoff.py), instead of one after the other. Both
+    are mostly CPU work: on 2 cores it measured no gain (benchmarks/startup.py); for machines with
+    cores to spare, where Ray Data doesn't need the CPUs the workers reserve."""
     max_failures: int = 1
     """Worker-group restarts from the last checkpoint before the run fails."""
     keep_checkpoints: int = 2

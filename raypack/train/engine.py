@@ -41,7 +41,8 @@ import torch
 from raypack.config import TrainConfig
 from raypack.train.presets import PRESETS, find_auto, load_preset
 
-__all__ = ["PRESETS", "deepspeed_config", "load_preset", "lr_lambda", "make_optimizer", "model_dtype", "setup_engine"]
+__all__ = ["PRESETS", "deepspeed_config", "load_preset", "lr_lambda", "make_optimizer", "model_dtype", "setup_engine",
+           "skip_shm_build"]
 
 BETAS = (0.9, 0.95)
 EPS = 1e-8
@@ -121,8 +122,28 @@ def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+SHM_OP = "deepspeed_shm_comm"
+
+
+def skip_shm_build() -> None:
+    """Start-up: DeepSpeed's communication backend builds, on the CPU, a shared-memory all-reduce
+    (a JIT C++ build: 60-110 s on 2 cores the first time, and again for every new venv or extension
+    folder), after probing every op's compiler. Only `inference_all_reduce` uses it, and training
+    never calls that. DeepSpeed keeps the compatibility table it reads as a dict meant for edits
+    (deepspeed/ops/__init__.py): marking the op unavailable skips the probe and the build. Call it
+    before DeepSpeed starts its backend (deepspeed.initialize, init_distributed)."""
+    import deepspeed.ops
+
+    table = vars(deepspeed.ops).get("__compatible_ops__")
+    if table is None:
+        deepspeed.ops.__compatible_ops__ = {SHM_OP: False}
+    else:
+        table[SHM_OP] = False
+
+
 def setup_engine(model: torch.nn.Module, cfg: TrainConfig, *, dtype: torch.dtype, world_size: int, total_steps: int):
     """`deepspeed.initialize` with raypack's optimizer and schedule. Returns (engine, scheduler)."""
+    skip_shm_build()
     ds_config = deepspeed_config(cfg, dtype=dtype, world_size=world_size)
     optimizer = None
     if "optimizer" not in ds_config:

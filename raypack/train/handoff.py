@@ -5,9 +5,9 @@
     handoff.put.remote({"prepared": prepared.to_dict(), "marks": {...}})   # or {"error": "..."}
     data = receive(config)                             # worker: a Prepared dict, waited for if need be
 
-With train.overlap_start (the default) the driver starts the worker group as soon as Ray is up and
-prepares the data meanwhile (raypack/train/trainer.py): the workers' processes, imports and
-process group cost tens of seconds that no longer wait for tokenizing and packing. A zero-CPU
+With train.overlap_start the driver starts the worker group as soon as Ray is up and prepares the
+data meanwhile (raypack/train/trainer.py): the workers' processes, imports and process group, tens
+of seconds, need not wait for tokenizing and packing where there are cores to run both. A zero-CPU
 actor holds the record until the driver puts it; a worker asks and waits. A preparation that
 fails hands over its error instead: every worker raises `PreparationFailed` (an InputError, so Ray
 Train does not retry), and the driver raises the original.

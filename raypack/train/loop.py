@@ -45,7 +45,7 @@ from raypack.model.adapters import apply_adapters, frozen_digest, quantization_c
 from raypack.model.build import load_model
 from raypack.model.kernels import apply_kernels, checkpoint_offload, compile_layers, compiled_graphs, tile_mlps
 from raypack.model.ulysses import SequenceGroup, sequence_parallel
-from raypack.train.engine import deepspeed_config, model_dtype, setup_engine
+from raypack.train.engine import deepspeed_config, model_dtype, setup_engine, skip_shm_build
 from raypack.train.handoff import receive
 from raypack.train.checkpoint import TrainState, report_and_checkpoint, restore
 from raypack.train.loss import CausalLMLoss, make_loss
@@ -68,6 +68,7 @@ def setup(cfg: Config, data: Prepared, world_size: int, clock: Startup | None = 
     if cfg.train.zero_stage == 3:
         # While this object lives, transformers builds the model under deepspeed.zero.Init, so
         # each rank materializes only its partition instead of the whole model (8 x 140 GB for 70B).
+        skip_shm_build()  # before DeepSpeed's backend starts (engine.py)
         deepspeed.init_distributed()  # joins Ray Train's process group; the config checks world size
         zero3 = HfDeepSpeedConfig(deepspeed_config(cfg.train, dtype=dtype, world_size=world_size))
     model = load_model(

@@ -21,9 +21,9 @@ learning curves and time-to-quality need.
 
 from __future__ import annotations
 
+import math
 import resource
 import time
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any

@@ -23,7 +23,7 @@ a worker's compare: one machine, or nodes whose clocks agree):
 | worker setup | workers | deepspeed, setup | the loss probe, the checkpoint restored, trackers, the tokenizer |
 | first step | workers | setup, first_step | the first optimizer step, until its loss is read |
 
-With train.overlap_start (the default) the worker group starts as the data preparation does
+With train.overlap_start the worker group starts as the data preparation does
 (raypack/train/trainer.py), so those two run side by side and the total, from the process's
 start to the first step's end, is less than the phases' sum. A run that Ray Train restarted after
 a failure reports the attempt that finished: its worker group phase then holds the failed attempts

@@ -4,11 +4,12 @@
     outcome = start(cfg, resume=True)        # cfg from the run's saved config (runs.saved_config)
 
     cfg ──> preflight (no Ray) ──> can this run continue? ──> init_ray ──> room for the workers?
-        ──> TorchTrainer.fit ──> workers: start, import, wait for the data ──> raypack.train.loop
-        └─> (a thread) prepare: tokenize, plan, pack (once, reused on resume) ──> handed over
+        ──> prepare (tokenize, plan, pack; once, reused on resume) ──> TorchTrainer.fit
+                                                 workers: raypack.train.loop.train_loop_per_worker
 
-With train.overlap_start off, the data is prepared first and the fit starts after it. Either way
-the start-up's phases reach the run's result (raypack/train/startup.py).
+With train.overlap_start the fit starts right after the room check, and a thread prepares the data
+meanwhile, handing it to the workers when it is ready (raypack/train/handoff.py). Either way the
+start-up's phases reach the run's result (raypack/train/startup.py).
 
 Runs land in `<run.storage_path>/<run.name>/` (raypack/runs.py): the saved config, Ray's result
 files and checkpoints, `packed/` (the plan's per-rank packs, or under `data.cache_path` when set)

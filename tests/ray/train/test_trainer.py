@@ -177,7 +177,7 @@ def test_a_failed_preparation_stops_the_workers_that_started_beside_it(ray_local
         raise SourceError("chat.jsonl line 3: not valid JSON")
 
     monkeypatch.setattr(trainer, "prepare", failing_prepare)
-    cfg = tiny_cfg(tmp_path, "train.max_failures=2")
+    cfg = tiny_cfg(tmp_path, "train.max_failures=2", "train.overlap_start=true")
     with pytest.raises(SourceError, match="chat.jsonl line 3"):
         trainer.start(cfg)
     assert not (tmp_path / cfg.run.name).exists()
