@@ -39,6 +39,7 @@ import deepspeed
 import torch
 
 from raypack.config import TrainConfig
+from raypack.model.build import resolve_dtype
 from raypack.train.presets import PRESETS, find_auto, load_preset
 
 __all__ = ["PRESETS", "deepspeed_config", "load_preset", "lr_lambda", "make_optimizer", "model_dtype", "setup_engine",
@@ -97,8 +98,6 @@ def deepspeed_config(cfg: TrainConfig, *, dtype: torch.dtype, world_size: int) -
 
 def model_dtype(cfg: TrainConfig, dtype: str) -> torch.dtype:
     """The weights' dtype: model.dtype's, or bf16 for train.precision bf16 (the config refuses another)."""
-    from raypack.model.build import resolve_dtype
-
     return torch.bfloat16 if cfg.precision == "bf16" else resolve_dtype(dtype)
 
 

@@ -236,7 +236,7 @@ def prepare_data(checked: Checked, reprepare: bool, clock: Startup | None = None
     clock = clock or Startup()
     clock.mark("prepare")
     cfg = checked.cfg
-    n = cfg.train.data_parallel  # one set of packed rows per data-parallel rank: a sequence-parallel group shares its rows
+    n = cfg.train.data_parallel  # packed rows per data-parallel rank: a sequence-parallel group shares them
     prepared = prepare(cfg, n, packed_root(cfg, n, runs.run_dir(cfg)), checked.sources, vocab_size=checked.vocab_size,
                        reprepare=reprepare)
     clock.mark("data")
@@ -269,7 +269,10 @@ class Preparing:
         except BaseException as e:  # handed to the workers, which stop; the driver raises it
             self.error = e
             value = {"error": f"data preparation failed on the driver: {e}"}
-        ray.get(handoff.put.remote(value))
+        try:
+            ray.get(handoff.put.remote(value))
+        except Exception as e:  # Ray shut down under it (Ctrl-C): the workers are gone with it
+            self.error = self.error or e
 
     def wait(self) -> BaseException | None:
         """Wait for the preparation to end; its error, if it failed."""
