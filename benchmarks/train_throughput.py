@@ -202,6 +202,7 @@ def run_standalone(cfg: Config, prepared, warmup: int, steps: int) -> dict:
     from raypack.train.loop import setup, train_step
     from raypack.train.loss import make_loss
     from raypack.train.prefetch import Prefetcher, prepare_step
+    from raypack.train.stepvalues import HostCounts
 
     cuda = torch.cuda.is_available()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
@@ -220,21 +221,34 @@ def run_standalone(cfg: Config, prepared, warmup: int, steps: int) -> dict:
         def prepare(group):
             return prepare_step(group, padded=prepared.padded, pad_token_id=prepared.pad_token_id, pin=cuda)
 
+        def read(pending, i):
+            values = pending.resolve()
+            losses.append(values["loss"])
+            if i >= warmup:
+                tokens.append(values["tokens"])
+                times.append(values["step_time_s"])
+                waits.append(values["data_wait_s"])
+
+        counts, pending = HostCounts(world=1), None
         with Prefetcher(rows, 1, prepare) as batches:
             for i in range(len(rows)):
                 if i == warmup:
+                    if pending is not None:  # the warm-up's last step, read before the clock starts
+                        read(pending, i - 1)
+                        pending = None
                     if cuda:
                         torch.cuda.synchronize()
                         torch.cuda.reset_peak_memory_stats()
                     start = time.perf_counter()
                 t0 = time.perf_counter()
                 step = next(batches)
-                values = train_step(engine, step, loss, wait_s=time.perf_counter() - t0)  # ends in a host sync
-                losses.append(values["loss"])
-                if i >= warmup:
-                    tokens.append(values["tokens"])
-                    times.append(values["step_time_s"])
-                    waits.append(values["data_wait_s"])
+                # as the loop does: enqueue this step, then read the last one's values
+                current = train_step(engine, step, loss, counts, i + 1, wait_s=time.perf_counter() - t0)
+                if pending is not None:
+                    read(pending, i - 1)
+                pending = current
+        if pending is not None:
+            read(pending, len(rows) - 1)
         if cuda:
             torch.cuda.synchronize()
         out = window(tokens, times, waits, start, time.perf_counter())

@@ -2,7 +2,7 @@
 
     <run.storage_path>/<run.name>/            run_dir(cfg): a local folder or a URI
         raypack_config.yaml                   the config it trains, saved once, paths absolute
-        raypack_result.json                   written when training finishes (last step, metrics)
+        raypack_result.json                   written when training finishes (last step, metrics, start-up phases)
         raypack_wandb_id                      its W&B run's id, with run.wandb on (train/tracking.py)
         packed/, tensorboard/, checkpoint_*   prepare's rows, the event files, Ray Train's state
         export/step_<N>/                      `raypack export`'s Hugging Face folders (its default --out)
@@ -180,8 +180,13 @@ def read_result(root: str) -> dict[str, Any] | None:
     return json.loads(storage.read_text(path)) if storage.exists(path) else None
 
 
-def write_result(root: str, step: int, metrics: dict[str, Any], checkpoint: str | None) -> None:
-    storage.write_text(f"{root}/{RESULT}", json.dumps({"step": step, "metrics": metrics, "checkpoint": checkpoint}, indent=1))
+def write_result(root: str, step: int, metrics: dict[str, Any], checkpoint: str | None,
+                 startup: dict[str, float] | None = None) -> None:
+    """`startup`: seconds per start-up phase before the first step (raypack/train/startup.py)."""
+    result = {"step": step, "metrics": metrics, "checkpoint": checkpoint}
+    if startup:
+        result["startup_s"] = startup
+    storage.write_text(f"{root}/{RESULT}", json.dumps(result, indent=1))
 
 
 # --- sweep trials --------------------------------------------------------------------------------

@@ -98,6 +98,11 @@ STEPS = [
     Step("profile", "step_profile", ["benchmarks/step_profile.py"], cap_s=60, min_s=30, smoke_args=["--smoke"]),
     Step("profile_compiled", "step_profile_compiled", ["benchmarks/step_profile.py", "--compile"], cap_s=75,
          min_s=30, smoke_args=["--smoke"]),
+    # What a step waits for before and after issue 35's lean step, with both sides' tokens/s and
+    # torch's sync debug mode: two ~1.2B ZeRO-2 engines, 13 steps of 16k tokens each (not yet run
+    # on a GPU; ~1 min expected).
+    Step("syncs", "step_syncs", ["benchmarks/step_syncs.py"], cap_s=90, min_s=45, required=False,
+         smoke_args=["--smoke"]),
     Step("train", "train", ["benchmarks/train_throughput.py", "--zero-stage", "2"], cap_s=200, min_s=100,
          required=False, smoke_args=["--smoke"]),
     Step("loss", "loss_memory", ["benchmarks/loss_memory.py"], cap_s=90, min_s=40, required=False,
@@ -112,7 +117,7 @@ STEPS = [
     Step("gpu_tests_more", "gpu_tests_more", [*PYTEST, "-m", "gpu and slow", *GPU_TESTS], cap_s=150, min_s=40,
          required=False),
 ]  # fmt: skip
-PEERS = ("peers", "profile", "profile_compiled")
+PEERS = ("peers", "profile", "profile_compiled", "syncs")
 """--peers: raypack against TRL and where its step's time goes, alone."""
 
 

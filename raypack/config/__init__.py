@@ -64,6 +64,10 @@ class Config:
             _check(self.train.zero_stage < 3, "model.peft.method", "lora or none with train.zero_stage 3 (qlora "
                    "runs under ZeRO 0-2: its frozen 4-bit weights are not partitioned)", "qlora")
 
+        # train.precision bf16 keeps the weights in bf16: a float32 or float16 model can't.
+        _check(self.train.precision != "bf16" or self.model.dtype in ("auto", "bfloat16"), "model.dtype",
+               "auto or bfloat16 with train.precision: bf16", self.model.dtype)
+
     @property
     def max_length(self) -> int:
         """Longest example, in tokens, that tokenize keeps whole: `tokenize.max_length` or `pack.budget`."""

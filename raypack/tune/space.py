@@ -68,7 +68,7 @@ def check(cfg: Config) -> None:
     if ranks_by_metric and t.metric == "eval_loss" and not _eval_in_every_report(cfg):
         raise ConfigError(
             f"tune.metric: eval_loss with scheduler {t.scheduler!r} / search_alg {t.search_alg!r} needs an eval in "
-            "every report: set train.eval_every_steps so that it divides train.report_every_steps "
+            "every report: set train.report_every_steps and train.eval_every_steps so that it divides it "
             "(and train.checkpoint_every_steps), or rank by loss"
         )
     if t.scheduler == "asha" and t.asha.time_attr == "training_iteration" and t.asha.max_t is None:
@@ -83,7 +83,8 @@ def check(cfg: Config) -> None:
 def _eval_in_every_report(cfg: Config) -> bool:
     tr = cfg.train
     every = tr.eval_every_steps
-    return every > 0 and tr.report_every_steps % every == 0 and tr.checkpoint_every_steps % every == 0
+    reports = tr.report_every_steps  # None: chosen as the run goes, so not known to line up
+    return every > 0 and reports is not None and reports % every == 0 and tr.checkpoint_every_steps % every == 0
 
 
 def param_space(cfg: Config) -> dict[str, Any]:

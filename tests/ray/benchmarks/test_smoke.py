@@ -21,6 +21,9 @@ COMMANDS = {  # script -> what its results file must show
     "prepare_scale.py": ["| 2,000 | ", " | raypack | ", " | floor | ", "| every process <= 4 GiB |", " | True |"],
     "sweep_prepare.py": ["| 1 | per trial |", "| 2 | once |", "Time saved per sweep"],
     "sweep_spread.py": ["Per strategy, median [min, max]", "Median ratio bfd / balanced"],
+    # DeepSpeed init with its shm all-reduce built and skipped (warm: --smoke builds nothing); both
+    # settings of train.overlap_start
+    "startup.py": ["| warm |", "| worker group |", "| waiting for data |", "overlap / sequential"],
     # TRL's SFTTrainer in both precision recipes and raypack's defaults on the tiny model (--configs below)
     "peers.py": ["| raypack | raypack train's defaults | ", "| trl | ", "| trl-mixed | ", "raypack / trl: **",
                  "2 forward(s) of a layer a micro-batch"],

@@ -30,11 +30,15 @@ NO_RAY = {  # script -> what its results file must show
                            "after every timed step: 21 frozen tensors bit-identical"],
     "pack_plan.py": ["| flan | 20,000 | 2048 | balanced |", "## Balance at budget 2048", "| flan | 20,000 | 512 |"],
     "step_profile.py": ["| matmuls |", "| elementwise and norms |", "profiled steps after"],
+    # one rank in-process and two spawned over gloo; raypack's own collectives on two ranks: the
+    # host gather of N and tokens, the loss's all_reduce
+    "step_syncs.py": ["## 1 rank", "## 2 ranks", "| collective: raypack (stepvalues.gather) | 0.0 | 1.0 |",
+                      "| sync: deepspeed (timer.start) |"],
     # every model x option set reached its longest smoke row
     "long_context.py": ["| 1b-full | none | 256 |", "| 8b-lora | both | 256 |", "| 1b-full | tiled | 256 |"],
 }
 NEEDS_RAY = {"train_throughput.py", "pack_materialize.py", "tokenize_throughput.py", "prepare_scale.py", "sweep_prepare.py",
-             "sweep_spread.py", "peers.py"}
+             "sweep_spread.py", "peers.py", "startup.py"}
 """Run by tests/ray/benchmarks/test_smoke.py (train_throughput through `make bench-smoke`'s driver)."""
 
 

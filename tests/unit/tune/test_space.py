@@ -21,6 +21,8 @@ def cfg(*overrides):
     (["tune.scheduler=asha", "tune.metric=eval_loss"], "tune.metric: eval_loss with scheduler 'asha'"),
     (["tune.scheduler=asha", "tune.metric=eval_loss", "train.eval_every_steps=4", "train.report_every_steps=10"],
      "needs an eval in every report"),
+    (["tune.scheduler=asha", "tune.metric=eval_loss", "train.eval_every_steps=5"],  # reports chosen as it goes
+     "needs an eval in every report"),
     (["tune.scheduler=asha", "tune.asha.time_attr=training_iteration"], "tune.asha.max_t: set it"),
 ])
 def test_check_refuses_with_the_key(overrides, message):
