@@ -72,8 +72,10 @@ def _load_lengths(path: str) -> np.ndarray:
 def run(args: argparse.Namespace) -> int:
     cfg = load(args.config, args.overrides)
     names = args.strategy or [cfg.pack.strategy]
+    # --lengths holds example lengths; a DPO config's own data holds (chosen, rejected) pairs
+    pairs = cfg.train.objective == "dpo" and not args.lengths
     if names == ["all"]:
-        names = list(STRATEGIES)
+        names = [n for n, s in STRATEGIES.items() if not (pairs and s.splits_examples)]
     for name in names:
         if "=" in name:  # --strategy takes every word after it
             raise ConfigError(f"--strategy {name}: looks like a dotted override; put overrides before --strategy")
@@ -89,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for i, name in enumerate(names):
         pack = cfg.pack if name == cfg.pack.strategy else _with_strategy(cfg, name)
-        plan = make_plan(lengths, pack, ranks, accum)
+        plan = make_plan(lengths, pack, ranks, accum, pairs=pairs)
         stats = plan.stats()
         optimizer_steps = plan.num_steps // accum
         stats["optimizer_steps"] = optimizer_steps
