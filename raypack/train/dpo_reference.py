@@ -120,3 +120,15 @@ def _read(path: str) -> dict[int, float]:
     fs, p = storage.resolve(path)
     table = pq.read_table(p, filesystem=fs)
     return dict(zip(table["example_id"].to_pylist(), table["logp"].to_pylist()))
+
+
+def make_dpo_loss(engine, base, cfg: Config, data: Prepared, rank: int, gather) -> DPOLoss:
+    """The DPO objective of a run, on `base` (the setup-probed CausalLMLoss): its reference
+    precomputed (read, or computed now, before the first step), or with `dpo.reference:
+    on_the_fly` taken per micro-batch with LoRA's adapters off. Every rank calls it at setup."""
+    module = engine.module
+    adapters_off = module.disable_adapter if is_peft_model(module) else None
+    loss = DPOLoss(base, cfg.dpo, gather, adapters_off=adapters_off)
+    if cfg.dpo.reference == "on_the_fly":
+        return loss
+    return DPOLoss(base, cfg.dpo, gather, reference=precomputed(engine, loss, cfg, data, rank))
