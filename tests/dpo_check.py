@@ -90,15 +90,27 @@ def sequence_logps(model, ids: list[int], prompt: int) -> torch.Tensor:
     return logps[prompt - 1:].sum()
 
 
-def pairs_alone_loss(model, ref_model, table, dpo: DpoConfig) -> torch.Tensor:
-    """The DPO loss (mean over pairs) with every sequence run alone, written from the formula."""
+def alone_reference(ref_model, table) -> dict[int, float]:
+    """{example_id: Σ log p of its completion} with every sequence run alone through `ref_model`."""
+    out = {}
+    with torch.no_grad():
+        for row in table.to_pylist():
+            prompt = next(i for i, v in enumerate(row["labels"]) if v != -100)
+            out[row["example_id"]] = sequence_logps(ref_model, row["input_ids"], prompt).item()
+    return out
+
+
+def pairs_alone_loss(model, reference, table, dpo: DpoConfig) -> torch.Tensor:
+    """The DPO loss (mean over pairs) with every sequence run alone, written from the formula;
+    `reference`: a model (run alone too) or {example_id: its reference log-prob sum}."""
+    if not isinstance(reference, dict):
+        reference = alone_reference(reference, table)
     rows = table.to_pylist()
     losses, chosen_nll, chosen_tokens = [], 0.0, 0
     for c, r in zip(rows[0::2], rows[1::2]):
         prompt = next(i for i, v in enumerate(c["labels"]) if v != -100)
         s = [sequence_logps(model, x["input_ids"], prompt) for x in (c, r)]
-        with torch.no_grad():
-            ref = [sequence_logps(ref_model, x["input_ids"], prompt) for x in (c, r)]
+        ref = [reference[x["example_id"]] for x in (c, r)]
         n = [len(x["input_ids"]) - prompt for x in (c, r)]
         if dpo.loss == "ipo":
             losses.append(((s[0] - ref[0]) / n[0] - (s[1] - ref[1]) / n[1] - 1 / (2 * dpo.beta)) ** 2)

@@ -203,34 +203,20 @@ class DPOLoss:
 
     def train_step(self, engine, step: PairStep, wait_s: float = 0.0, offload: bool = False) -> dict[str, float]:
         """One optimizer step on prefetched micro-batches of pairs (loop.train_step's DPO twin)."""
-        global_count = self.gather
         t0 = time.perf_counter()
         world = dist.get_world_size()
-        counts = global_count([step.pairs, step.chosen_tokens], engine.device)[:, :2].sum(0)
-        pairs, chosen_tokens = float(counts[0]), float(counts[1])
+        pairs, chosen_tokens = self.step_counts(engine, step)
         if pairs == 0:
-            tokens = float(global_count([step.tokens], engine.device)[:, 0].sum())
+            tokens = float(self.gather([step.tokens], engine.device)[:, 0].sum())
             return {"loss": float("nan"), "pairs": 0.0, "label_tokens": 0.0, "tokens": tokens,
                     "step_time_s": wait_s + time.perf_counter() - t0, "data_wait_s": wait_s, "rank_imbalance": 1.0,
                     "world_size": world, "skipped_steps": 1.0}
-        scale = world * len(step.batches) / pairs
-        sft_scale = self.cfg.sft_weight * pairs / max(chosen_tokens, 1.0)
-        total = torch.zeros((), device=engine.device)
-        stats: list = []
-        for i, batch in enumerate(step.batches):
-            with checkpoint_offload(offload, engine.device):
-                loss_sum = self(engine, {**move_batch(batch, engine.device), "sft_scale": sft_scale}, stats)
-            engine.backward(loss_sum * scale)
-            total += loss_sum.detach()
-            if i < len(step.batches) - 1:
-                engine.step()  # a no-op for the weights until the accumulation boundary
+        total, stats = self.forward_backward(engine, step, pairs, chosen_tokens, offload)
         engine.step()
         if engine.device.type == "cuda":
             torch.cuda.synchronize(engine.device)
         busy = time.perf_counter() - t0
-        local = torch.stack(stats).sum(0).cpu() if stats else torch.zeros(len(METRICS), dtype=torch.float64)
-        gathered = global_count([float(total), step.label_tokens, step.tokens, busy, *local.tolist()],
-                                engine.device).cpu()
+        gathered = self.gather([float(total), step.label_tokens, step.tokens, busy, *stats.tolist()], engine.device).cpu()
         summed = gathered.sum(0)
         values = {
             "loss": float(summed[0]) / pairs,
@@ -245,6 +231,30 @@ class DPOLoss:
         }
         values.update({name: float(summed[4 + k]) / pairs for k, name in enumerate(METRICS)})
         return values
+
+    def step_counts(self, engine, step: PairStep) -> tuple[float, float]:
+        """The step's pairs and chosen tokens over every rank (one tiny collective, as SFT's label count)."""
+        counts = self.gather([step.pairs, step.chosen_tokens], engine.device).sum(0)
+        return float(counts[0]), float(counts[1])
+
+    def forward_backward(self, engine, step: PairStep, pairs: float, chosen_tokens: float,
+                         offload: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Backward every micro-batch of one optimizer step, each scaled so that the step's
+        gradient is that of the mean over all `pairs` of the step (see the module docstring); the
+        caller runs the final engine.step(). Returns this rank's Σ loss and its METRICS sums."""
+        scale = dist.get_world_size() * len(step.batches) / pairs
+        sft_scale = self.cfg.sft_weight * pairs / max(chosen_tokens, 1.0)
+        total = torch.zeros((), device=engine.device)
+        stats: list = []
+        for i, batch in enumerate(step.batches):
+            with checkpoint_offload(offload, engine.device):
+                loss_sum = self(engine, {**move_batch(batch, engine.device), "sft_scale": sft_scale}, stats)
+            engine.backward(loss_sum * scale)
+            total += loss_sum.detach()
+            if i < len(step.batches) - 1:
+                engine.step()  # a no-op for the weights until the accumulation boundary
+        local = torch.stack(stats).sum(0).cpu() if stats else torch.zeros(len(METRICS), dtype=torch.float64)
+        return total, local
 
     @torch.no_grad()
     def evaluate(self, engine, data: Prepared, rank: int) -> dict[str, float]:
