@@ -181,3 +181,32 @@ def test_strategies_that_split_examples_are_refused_by_name():
         check_strategies(cfg)
     with pytest.raises(ConfigError, match="wrapped cuts examples"):
         make_plan(np.ones(4, np.int64), PackConfig(strategy="wrapped"), 1, pairs=True)
+
+
+def _normalized(path) -> list[dict]:
+    """Every row of a preference source, as read and validated (sources.read_unit), sorted by row."""
+    keys = ("prompt", "chosen", "rejected", "prompt_messages", "chosen_messages", "rejected_messages")
+    out = []
+    for unit in read_units(Sources.of((str(path),)).files):
+        table = read_unit({k: [v] for k, v in unit.items()}, "auto")
+        assert table["error"].null_count == table.num_rows, table["error"].drop_null().to_pylist()[:1]
+        out += [{k: r[k] for k in keys} for r in table.to_pylist()]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["parquet", "save_to_disk"])
+def test_parquet_and_save_to_disk_read_as_jsonl(kind, tmp_path):
+    """TRL's conversational pairs as Parquet (list<struct> columns) and as a datasets folder."""
+    import datasets
+
+    records = [json.loads(line) for line in SAMPLE.read_text().splitlines()[:40]]
+    ds = datasets.Dataset.from_list(records)
+    if kind == "parquet":
+        path = tmp_path / "pairs.parquet"
+        ds.to_parquet(str(path))
+    else:
+        path = tmp_path / "pairs"
+        ds.save_to_disk(str(path))
+    jsonl = tmp_path / "pairs.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert _normalized(path) == _normalized(jsonl)
