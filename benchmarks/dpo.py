@@ -14,6 +14,11 @@ optimizer steps, each configuration a fresh process:
 - `raypack`: `raypack train` with `train.objective: dpo` on one worker (Ray Train, DeepSpeed
   ZeRO-2, the chunked loss, the balanced strategy), its budget the pairs a step times their mean
   length, so a row holds as many pairs, on average, as TRL's batch.
+- `steps`: the two steps alone, in one process, alternating round by round, every pair of the
+  data once a round: TRL's (its collator's padded batches of `--pairs-per-step` pairs, its loss,
+  backward) against raypack's (its packed rows, its DPO loss, backward), the same weights, no
+  optimizer. Both see the same real tokens (checked), so the time ratio is the throughput ratio,
+  and a busy shared host slows both alike: the comparison to trust on a CPU.
 - `lora-reference`: LoRA (r 16) with the reference precomputed against on the fly (a no-grad
   forward with the adapters off in every step): which is faster, with the precompute's one pass
   counted in (`dpo.reference: auto` picks the one measured faster). In one process without Ray,
@@ -47,9 +52,9 @@ import numpy as np  # noqa: E402
 
 from benchmarks.common import command_line, device_name, gpu_or_smoke, machine, smoke_banner, versions, write_results  # noqa: E402
 
-CONFIGS = ("trl", "raypack", "lora-reference")
+CONFIGS = ("steps", "trl", "raypack", "lora-reference")
 ROUNDS = 5
-"""Alternating rounds of the LoRA reference comparison."""
+"""Alternating rounds of the in-process comparisons (`--rounds`; 2 for --smoke)."""
 
 
 def write_pairs(path: Path, n: int, max_words: int, seed: int) -> dict:
@@ -105,6 +110,8 @@ def child_trl(args, work: Path) -> dict:
     from raypack.config import ASSETS
 
     cuda = torch.cuda.is_available()
+    if not cuda:
+        torch.set_num_threads(1)  # as raypack's workers run (Ray gives each one thread)
     model = AutoModelForCausalLM.from_pretrained(work / "model", dtype=torch.bfloat16 if cuda else torch.float32,
                                                  attn_implementation="sdpa")
     tokens, times = [], []
@@ -195,6 +202,77 @@ def packed_rows(path: Path, budget: int) -> list[dict]:
     return assemble_rows(Router(plan_routing(plan, table["example_id"].to_numpy()))(table), True).to_pylist()
 
 
+def child_steps(args, work: Path) -> dict:
+    """TRL's DPO step on padded batches against raypack's on packed rows, alternating (module docstring)."""
+    import datasets
+    import torch
+    import transformers
+    from trl import DPOConfig, DPOTrainer
+
+    from raypack.config import ASSETS, DpoConfig
+    from raypack.model.build import load_model
+    from raypack.train.dpo import DPOLoss
+    from raypack.train.dpo_reference import rows_logps
+    from raypack.train.loss import make_loss
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if not cuda:
+        torch.set_num_threads(1)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    padded = transformers.AutoModelForCausalLM.from_pretrained(work / "model", dtype=dtype, attn_implementation="sdpa")
+    config = DPOConfig(output_dir=str(work / "trl-steps"), beta=0.1, precompute_ref_log_probs=True, max_length=None,
+                       per_device_train_batch_size=args.pairs_per_step, bf16=cuda, report_to=[], use_cpu=not cuda,
+                       activation_checkpointing=args.gradient_checkpointing, seed=args.seed)
+    tok = transformers.AutoTokenizer.from_pretrained(ASSETS / "tokenizer")
+    data = datasets.load_dataset("json", data_files=str(work / "pairs.jsonl"), split="train")
+    trainer = DPOTrainer(model=padded, args=config, train_dataset=data, processing_class=tok)
+    ds = trainer.train_dataset
+    groups = [range(i, min(i + args.pairs_per_step, len(ds))) for i in range(0, len(ds), args.pairs_per_step)]
+    batches = [{k: v.to(device) for k, v in trainer.data_collator([ds[j] for j in g]).items()} for g in groups]
+    packed = load_model(str(work / "model"), attention="auto", dtype="bfloat16" if cuda else "float32",
+                        gradient_checkpointing=args.gradient_checkpointing).to(device)
+    rows = packed_rows(work / "pairs.jsonl", args.budget)
+    loss = DPOLoss(make_loss(packed, "chunked"), DpoConfig(beta=0.1), _gather)
+    loss = DPOLoss(loss.base, DpoConfig(beta=0.1), _gather,
+                   reference=rows_logps(loss, packed, rows, False, 2, device))
+    steps = [loss.prepare_step([row]) for row in rows if row["example_ids"]]
+    tokens = {"trl": sum(int(b["attention_mask"].sum()) for b in batches), "raypack": sum(s.tokens for s in steps)}
+    if tokens["trl"] != tokens["raypack"]:
+        raise SystemExit(f"the two sides see different tokens: {tokens}")
+    pairs = sum(s.pairs for s in steps)
+    padded.train()
+    packed.train()
+
+    def trl_round() -> None:
+        for batch in batches:
+            trainer.compute_loss(padded, batch).backward()
+        padded.zero_grad(set_to_none=True)
+
+    def raypack_round() -> None:
+        for step in steps:
+            (loss(packed, _moved(step.batches[0], device)) / pairs).backward()
+        packed.zero_grad(set_to_none=True)
+
+    times: dict[str, list[float]] = {"trl": [], "raypack": []}
+    for r in range(args.rounds + 1):  # round 0 warms both up
+        for name, fn in (("trl", trl_round), ("raypack", raypack_round))[:: 1 if r % 2 else -1]:
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    median = {k: float(np.median(v)) for k, v in times.items()}
+    return {"tokens": tokens["trl"], "pairs": pairs, "rows": len(steps), "batches": len(batches),
+            "padded_tokens": sum(int(b["attention_mask"].numel()) for b in batches),
+            "trl_s": median["trl"], "raypack_s": median["raypack"],
+            "rounds": {k: [round(x, 3) for x in v] for k, v in times.items()}}
+
+
 def child_lora_reference(args, work: Path) -> dict:
     """LoRA's reference precomputed against on the fly, alternating (see the module docstring)."""
     import torch
@@ -231,8 +309,7 @@ def child_lora_reference(args, work: Path) -> dict:
     pre = DPOLoss(base, DpoConfig(beta=0.1), _gather, reference=reference)
     steps = [row for row in rows if row["example_ids"]][: args.steps]
     times: dict[str, list[float]] = {"precomputed": [], "on_the_fly": []}
-    rounds = 2 if args.smoke else ROUNDS
-    for r in range(rounds + 1):  # round 0 warms both up
+    for r in range(args.rounds + 1):  # round 0 warms both up
         for kind, loss in (("precomputed", pre), ("on_the_fly", otf))[:: 1 if r % 2 else -1]:
             sync()
             t0 = time.perf_counter()
@@ -285,8 +362,8 @@ def run_config(name: str, args, work: Path) -> dict:
 
 
 def child_args(args) -> list[str]:
-    return [*(["--smoke"] if args.smoke else []), "--budget", str(args.budget), "--pairs-per-step",
-            str(args.pairs_per_step), "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed),
+    return [*(["--smoke"] if args.smoke else []), "--rounds", str(args.rounds), "--budget", str(args.budget),
+            "--pairs-per-step", str(args.pairs_per_step), "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed),
             *(["--gradient-checkpointing"] if args.gradient_checkpointing else [])]
 
 
@@ -315,6 +392,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--gradient-checkpointing", action="store_true", default=None)
     p.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    p.add_argument("--rounds", type=int, default=None,
+                   help=f"alternating rounds in one process (default {ROUNDS}; smoke 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--out", default=None)
@@ -324,9 +403,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.gradient_checkpointing is None:
         args.gradient_checkpointing = not args.smoke
+    if args.rounds is None:
+        args.rounds = 2 if args.smoke else ROUNDS
     if args.child:
         work = Path(args.work)
-        children = {"trl": child_trl, "raypack": child_raypack, "lora-reference": child_lora_reference}
+        children = {"steps": child_steps, "trl": child_trl, "raypack": child_raypack,
+                    "lora-reference": child_lora_reference}
         result = children[args.child](args, work)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
@@ -361,18 +443,31 @@ def main(argv=None) -> int:
         "|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
-        if name != "lora-reference":
+        if name in ("trl", "raypack"):
             lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {r['pairs_per_s']:.1f} | {r['step_s']:.3f} | "
                          f"{r['peak_gib']:.2f} | {r['reference_s']:.1f} | {r['loss']:.4f} |")
     lines.append("")
     if "raypack" in results and "trl" in results:
         for key in ("tokens_per_s", "pairs_per_s"):
-            lines.append(f"- raypack / trl {key.replace('_per_s', '/s')}: **{results['raypack'][key] / results['trl'][key]:.2f}x**")
+            lines.append(f"- full stacks, run one after the other, raypack / trl {key.replace('_per_s', '/s')}: "
+                         f"**{results['raypack'][key] / results['trl'][key]:.2f}x**")
+    if "steps" in results:
+        r = results["steps"]
+        lines += ["", f"The steps alone, one process, alternating ({len(r['rounds']['trl'])} rounds, every pair once a "
+                  f"round; medians; seconds by round: {r['rounds']}):", "",
+                  "| step | real tokens | tokens computed | s a round | tokens/s |", "|---|---|---|---|---|",
+                  f"| TRL, {r['batches']} padded batches | {r['tokens']:,} | {r['padded_tokens']:,} | {r['trl_s']:.3f} | "
+                  f"{r['tokens'] / r['trl_s']:,.0f} |",
+                  f"| raypack, {r['rows']} packed rows | {r['tokens']:,} | {r['tokens']:,} | {r['raypack_s']:.3f} | "
+                  f"{r['tokens'] / r['raypack_s']:,.0f} |", "",
+                  f"- raypack / TRL tokens/s, the steps alone: **{r['trl_s'] / r['raypack_s']:.2f}x** (TRL computes "
+                  f"{r['padded_tokens'] / r['tokens']:.2f}x the real tokens)"]
     if "lora-reference" in results:
         r = results["lora-reference"]
         pre, otf, per_row = r["precomputed_step_s"], r["on_the_fly_step_s"], r["pass_per_row_s"]
         lines += ["", "LoRA's reference, precomputed or on the fly (one process, the two alternating over "
-                  f"{len(r['rounds']['precomputed'])} rounds of {args.steps} one-row steps; medians; seconds a step by round: {r['rounds']}):", "",
+                  f"{len(r['rounds']['precomputed'])} rounds of {args.steps} one-row steps; medians; seconds a step "
+                  f"by round: {r['rounds']}):", "",
                   "| | s / step | for E epochs of N rows |", "|---|---|---|",
                   f"| precomputed | {pre:.4f} | {per_row:.4f} x N (the pass, {r['rows']} rows in {r['pass_s']:.1f} s) "
                   f"+ {pre:.4f} x N x E |",
