@@ -269,9 +269,7 @@ class DPOLoss:
             step = self.prepare_step([row], data.padded, data.pad_token_id)
             batch = move_batch(step.batches[0], engine.device)
             pairs, chosen = pairs + step.pairs, chosen + step.chosen_tokens
-            if not step.pairs:
-                continue
-            kept: list = []
+            kept: list = []  # an empty pack runs its forward too: ZeRO-3's gathers are collective
             losses.append(self(engine, {**batch, "sft_scale": 0.0}, kept))
             stats.append(kept[0])
             nll.append(-kept[0][4])  # Σ chosen log-probs, for the NLL term

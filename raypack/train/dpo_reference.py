@@ -59,11 +59,10 @@ def reference_digest(model: torch.nn.Module) -> int:
 
 @torch.no_grad()
 def rows_logps(loss: DPOLoss, forward, rows, padded: bool, pad_token_id: int, device) -> dict[int, float]:
-    """{example_id: Σ log p of its completion} for every sequence of `rows` (one forward a row)."""
+    """{example_id: Σ log p of its completion} for every sequence of `rows` (one forward a row, an
+    empty pack's too: under ZeRO-3 every rank must run as many forwards as the others)."""
     out: dict[int, float] = {}
     for row in rows:
-        if not row["example_ids"]:
-            continue
         batch = move_batch(pair_batch(row, padded, pad_token_id), device)
         batch.pop("completion_tokens")
         sequence = batch.pop("sequence")

@@ -185,3 +185,26 @@ def test_family_packed_dpo_equals_each_pair_alone(family):
     errors = grad_errors(model, {n: p.grad for n, p in alone.named_parameters() if p.grad is not None})
     worst = max(errors, key=errors.get)
     assert errors[worst] < TOLERANCE, f"{family}: {worst} off by {errors[worst]:.2e}"
+
+
+def test_an_empty_pack_adds_nothing_and_still_runs_its_forward():
+    """The plan's filler rows (no pair) pass through the reference pass, the loss and its backward,
+    adding nothing: under ZeRO-3 every rank must run as many forwards as the others."""
+    from raypack.data.pack import empty_rows
+
+    dpo = DpoConfig(beta=0.2, sft_weight=0.3)
+    rows = packed_pair_rows(SAMPLE, 4, budget=400)[0]
+    empty = empty_rows(0, torch.tensor([99]).numpy(), 1).to_pylist()
+    losses, grads, counts = [], [], []
+    for with_empty in (False, True):
+        model, _ = _models()
+        forwards = []
+        model.register_forward_pre_hook(lambda *a: forwards.append(1))
+        loss, _ = raypack_step(model, rows + empty if with_empty else rows, dpo, after_reference=lambda m: perturb([m]))
+        losses.append(loss)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        counts.append(len(forwards))
+    assert counts[1] - counts[0] == 2  # the empty pack's, in the reference pass and in the step
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g)
