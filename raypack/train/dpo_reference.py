@@ -16,8 +16,9 @@ changed model (other weights, another dtype) gets its own. No second model is he
 runs the model being trained, before its first update (under LoRA, with the adapters off).
 
 With LoRA the reference can also be taken on the fly (`dpo.reference: on_the_fly`): one no-grad
-forward of each micro-batch with the adapters off, every epoch, instead of one pass up front.
-benchmarks/dpo.py times both; precomputed was the faster there (README, DPO), so `auto` picks it.
+forward of each micro-batch with the adapters off, every epoch and every evaluation, instead of
+one pass up front: the same work over one epoch, more after. benchmarks/dpo.py times both (the
+CPU runs: precomputed faster from 0.7-1.7 epochs on; README, DPO), so `auto` precomputes.
 """
 
 from __future__ import annotations
