@@ -105,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows))
         return 0
-    print(f"{len(lengths)} examples, {int(np.sum(lengths))} tokens, budget {cfg.pack.budget}, {ranks} ranks x "
+    counted = f"{len(lengths) // 2} pairs ({len(lengths)} sequences)" if pairs else f"{len(lengths)} examples"
+    print(f"{counted}, {int(np.sum(lengths))} tokens, budget {cfg.pack.budget}, {ranks} ranks x "
           f"{accum} micro-steps per optimizer step, {cfg.train.epochs} epoch(s)"
           + (", a new plan per epoch" if cfg.pack.repack_each_epoch else ", a new step order per epoch"))
     if split > 1:
