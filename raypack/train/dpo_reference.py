@@ -79,8 +79,9 @@ def precomputed(engine, loss: DPOLoss, cfg: Config, data: Prepared, rank: int) -
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, reference_digest(module))
     folder = f"{data.root}/reference/{reference_key(data, cfg, engine.device.type, digests)}"
-    found = torch.tensor([float(storage.exists(f"{folder}/{MANIFEST}"))])
-    dist.all_reduce(found, op=dist.ReduceOp.MIN)  # one answer for every rank, which all run the pass or none
+    # one answer for every rank, which all run the pass or none (on the engine's device: NCCL takes no host tensor)
+    found = torch.tensor([float(storage.exists(f"{folder}/{MANIFEST}"))], device=engine.device)
+    dist.all_reduce(found, op=dist.ReduceOp.MIN)
     path = f"{folder}/rank={rank}.parquet"
     if found.item():
         if rank == 0:
@@ -110,7 +111,8 @@ def precomputed(engine, loss: DPOLoss, cfg: Config, data: Prepared, rank: int) -
 
 
 def _write(path: str, logps: dict[int, float]) -> None:
-    table = pa.table({"example_id": pa.array(list(logps), pa.int64()), "logp": pa.array(list(logps.values()), pa.float64())})
+    table = pa.table({"example_id": pa.array(list(logps), pa.int64()),
+                      "logp": pa.array(list(logps.values()), pa.float64())})
     fs, p = storage.resolve(path)
     fs.create_dir(p.rsplit("/", 1)[0], recursive=True)
     pq.write_table(table, p, filesystem=fs)
