@@ -21,8 +21,9 @@ ASSETS_PREFIX = "raypack/assets/"
 class DataConfig:
     paths: tuple[str, ...] = (str(ASSETS / "sample" / "chat.jsonl"),)
     """JSONL, Parquet or `save_to_disk` folders; local paths or any URI Ray Data reads."""
-    format: Literal["auto", "chat", "instruction", "completion", "tokenized"] = "auto"
-    """Example format; `auto` detects it from the columns of each source."""
+    format: Literal["auto", "chat", "instruction", "completion", "tokenized", "preference"] = "auto"
+    """Example format; `auto` detects it from the columns of each source. `preference` rows
+    (prompt, chosen, rejected) train with `train.objective: dpo`."""
     on_bad_rows: Literal["error", "skip"] = "error"
     """`error` stops at the first bad row naming its file and line; `skip` counts and reports them."""
     max_dropped_fraction: float = 0.2
@@ -253,6 +254,9 @@ class TrainConfig:
     """On a cluster raypack joined: how long a start waits for room for its workers (an autoscaler
     adding nodes, other work finishing) before it stops with one line; null waits as long as it
     takes. Workers that the cluster's nodes and published node types can never hold stop it at once."""
+    objective: Literal["sft", "dpo"] = "sft"
+    """`sft`: cross-entropy on the label tokens; `dpo`: preference tuning on (prompt, chosen,
+    rejected) pairs, each pair packed whole in one row (the `dpo:` section, raypack/train/dpo.py)."""
     loss: Literal["chunked", "full", "liger"] = "chunked"
     """`chunked` computes the loss from the final hidden states a chunk of label tokens at a time and
     never holds the [tokens, vocab] logits (raypack/train/loss.py; a model it can't reproduce exactly

@@ -48,6 +48,8 @@ from raypack.model.ulysses import SequenceGroup, sequence_parallel
 from raypack.train.engine import deepspeed_config, model_dtype, setup_engine, skip_shm_build
 from raypack.train.handoff import receive
 from raypack.train.checkpoint import TrainState, report_and_checkpoint, restore
+from raypack.train.dpo import DPOLoss, reporter_fields
+from raypack.train.dpo_reference import make_dpo_loss
 from raypack.train.loss import CausalLMLoss, make_loss
 from raypack.train.metrics import Eta, Reporter, model_flops_per_token
 from raypack.train.prefetch import StepBatch, prepare_step
@@ -173,13 +175,14 @@ def evaluate(engine, data: Prepared, group: SequenceGroup, loss: CausalLMLoss) -
     return float(summed[0] / summed[1].clamp_min(1))
 
 
-def _steps(data: Prepared, device: torch.device, group: SequenceGroup, rows, accum: int):
-    """This rank's steps of `rows()` (a group's first rank reads and shares them, sequence.py)."""
+def _steps(data: Prepared, device: torch.device, group: SequenceGroup, rows, accum: int, collate=prepare_step):
+    """This rank's steps of `rows()` (a group's first rank reads and shares them, sequence.py);
+    `collate`: prefetch.prepare_step, or DPO's (whole pairs and their reference)."""
     pin = device.type == "cuda"
 
     def prepare(rows: list[dict]) -> StepBatch:
         # Shards are pinned where they land, after the scatter.
-        return prepare_step(rows, padded=data.padded, pad_token_id=data.pad_token_id, pin=pin and group.size == 1)
+        return collate(rows, padded=data.padded, pad_token_id=data.pad_token_id, pin=pin and group.size == 1)
 
     return step_source(group, rows, accum, prepare, data.pad_token_id, pin)
 
@@ -243,6 +246,8 @@ def setup_worker(config: dict) -> Worker:
     # Probes the model once (a short forward on every rank): a model the chunked loss can't
     # reproduce exactly stops here, before any step.
     loss = make_loss(engine, cfg.train.loss, cfg.train.loss_chunk_tokens, padded=data.padded)
+    if cfg.train.objective == "dpo":  # its reference log-probabilities: before a checkpoint is restored
+        loss = make_dpo_loss(engine, loss, cfg, data, rank, global_count)
     base = base_digests(engine) if cfg.model.peft.enabled else None
     state = restore(engine, rank, data.fingerprint, base)
     counts = trainable_summary(engine.module)
@@ -260,6 +265,7 @@ def setup_worker(config: dict) -> Worker:
         epochs=t.epochs,
         eta=Eta(total_steps, t.eval_every_steps, t.checkpoint_every_steps),
         gather=host_counts.gather if world > 1 else None,
+        **(reporter_fields() if isinstance(loss, DPOLoss) else {}),
     )
     reporter.start_clocks()
     if base and rank == 0:
@@ -285,13 +291,20 @@ def train_epoch(w: Worker, epoch: int) -> None:
     w.reporter.static = _epoch_static(w.data, epoch, w.total_steps)  # per-epoch plans have their own balance
     rows = functools.partial(iter_epoch_packs, w.data, w.data_rank, epoch, start_step=state.micro_step)
     # The plan gives every rank the same multiple of `accum` steps, so a short group is the epoch end.
-    with _steps(w.data, w.engine.device, w.group, rows, accum) as steps:
+    dpo = isinstance(w.loss, DPOLoss)
+    with _steps(w.data, w.engine.device, w.group, rows, accum, w.loss.prepare_step if dpo else prepare_step) as steps:
         while state.step < w.total_steps:
             t0 = time.perf_counter()
             if (step := next(steps, None)) is None:
                 break
-            pending = train_step(w.engine, step, w.loss, w.counts, state.step + 1, wait_s=time.perf_counter() - t0,
-                                 offload=w.cfg.model.offload_checkpoints)
+            if dpo:  # DPO's step reads its values at once: a Pending that is resolved already
+                values = w.loss.train_step(w.engine, step, wait_s=time.perf_counter() - t0,
+                                           offload=w.cfg.model.offload_checkpoints)
+                values["busy_s"] = values["step_time_s"] - values["data_wait_s"]  # the rank imbalance's input
+                pending = Pending(state.step + 1, values, values=values)
+            else:
+                pending = train_step(w.engine, step, w.loss, w.counts, state.step + 1, wait_s=time.perf_counter() - t0,
+                                     offload=w.cfg.model.offload_checkpoints)
             pending.host["lr"] = w.scheduler.get_last_lr()[0]
             if w.cfg.train.compile:  # graphs Dynamo compiled so far: a count that grows is recompiling
                 pending.host["compiled_graphs"] = float(compiled_graphs())
@@ -332,7 +345,10 @@ def after_step(w: Worker, epoch: int) -> None:
     extra = {}
     if eval_due:
         t_eval = time.perf_counter()
-        extra["eval_loss"] = evaluate(w.engine, w.data, w.group, w.loss)
+        if isinstance(w.loss, DPOLoss):  # eval_loss and TRL's eval_rewards/...
+            extra.update(w.loss.evaluate(w.engine, w.data, w.data_rank))
+        else:
+            extra["eval_loss"] = evaluate(w.engine, w.data, w.group, w.loss)
         w.reporter.exclude(time.perf_counter() - t_eval)
     metrics = w.reporter.summary(step, epoch, extra)
     if final:  # after the trackers had theirs: a dict of phases, not a scalar

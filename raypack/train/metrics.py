@@ -40,6 +40,10 @@ REPORTED = (
     "train_time_s", "eval_time_s", "step_time_s", "data_wait_s", "rank_imbalance", "peak_memory_gb",
     "window_peak_memory_gb", "memory_gb", "mfu", "total_steps", "steps_per_epoch", "packing_efficiency", "padding_fraction",
     "token_imbalance", "attention_imbalance",
+    # train.objective: dpo (raypack/train/dpo.py, TRL's names)
+    "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected",
+    "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies", "eval_rewards/margins",
+    "eval_logps/chosen", "eval_logps/rejected",
 )
 """Every metric a report can carry (`Reporter.summary` and the static values the loop adds);
 what a sweep may rank trials by."""
@@ -154,6 +158,10 @@ class Reporter:
     gather: Callable[[list[float]], np.ndarray] | None = None
     """Every rank's values as a [world, n] array (HostCounts.gather): each step's device time for the
     rank imbalance, and the report and step times the cadence is chosen from; None on one rank."""
+    weight_key: str = "label_tokens"
+    """The per-step count a window's loss is averaged over: label tokens (SFT), pairs (DPO)."""
+    means: tuple[str, ...] = ()
+    """More per-step values reported as their window's mean, weighted like the loss (DPO's rewards)."""
     _window: list[dict[str, float]] = field(default_factory=list)
     _peak_memory: float = 0.0
     _next_report: int = FIRST_REPORT
@@ -209,8 +217,10 @@ class Reporter:
             self.eta.trained(len(window), seconds)
         # Steps without a label token (skipped, see loop.train_step) weigh nothing; a window of
         # only those has no loss, not a loss of 0.
-        trained = [w for w in window if w["label_tokens"] > 0]
-        label_tokens = sum(w["label_tokens"] for w in trained)
+        key = self.weight_key
+        trained = [w for w in window if w[key] > 0]
+        weight = sum(w[key] for w in trained)
+        mean = lambda name: sum(w[name] * w[key] for w in trained) / weight if weight else None  # noqa: E731
         window_peak = window_peak_memory_gb()
         self._peak_memory = max(self._peak_memory, window_peak)
         # Each rank's device time a step, with the last report's time and this window's time a step
@@ -223,7 +233,7 @@ class Reporter:
         metrics: dict[str, Any] = {
             "step": step,
             "epoch": epoch,
-            "loss": sum(w["loss"] * w["label_tokens"] for w in trained) / label_tokens if label_tokens else None,
+            "loss": mean("loss"),
             "skipped_steps": sum(w.get("skipped_steps", 0.0) for w in window),
             "tokens_per_s": tokens / seconds if seconds else 0.0,
             "tokens_per_step": tokens / max(len(window), 1),
@@ -240,6 +250,7 @@ class Reporter:
             "memory_gb": memory_gb(),
             "mfu": None,
             "eval_loss": None,
+            **{name: mean(name) for name in self.means},
         }
         peak = peak_flops()
         if peak and self.flops_per_token:
@@ -257,6 +268,9 @@ class Reporter:
 
     def _progress(self, m: dict[str, Any]) -> None:
         eval_part = f" eval_loss {m['eval_loss']:.4f}" if m.get("eval_loss") is not None else ""
+        for key, name in (("rewards/accuracies", "acc"), ("eval_rewards/accuracies", "eval_acc")):  # DPO
+            if m.get(key) is not None:
+                eval_part += f" {name} {m[key]:.2f}"
         loss = f"{m['loss']:.4f}" if m["loss"] is not None else "-"
         left = f" left {duration(self.eta.left(m['step']))}" if self.eta is not None else ""
         print(

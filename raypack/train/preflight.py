@@ -94,10 +94,23 @@ def check_data(cfg: Config, *, rows: bool = True) -> Checked:
     cfg = absolute_paths(cfg)
     sources = Sources.of(cfg.data.paths)
     checked = Checked(cfg=cfg, sources=sources, formats=source_formats(cfg, sources))
+    check_objective_formats(cfg, checked.formats)
     if rows:
         _tokenizer(cfg, checked.formats)
         _check_rows(checked, None)
     return checked
+
+
+def check_objective_formats(cfg: Config, formats: dict[str, str]) -> None:
+    """Preference files train with train.objective: dpo, and dpo trains on preference files only."""
+    dpo = cfg.train.objective == "dpo"
+    wrong = next((p for p, f in formats.items() if (f == "preference") != dpo), None)
+    if wrong is not None and dpo:
+        raise SourceError(f"{wrong}: holds {formats[wrong]} data, but train.objective: dpo trains on preference "
+                          "rows (prompt, chosen, rejected)")
+    if wrong is not None:
+        raise SourceError(f"{wrong}: holds preference rows (prompt, chosen, rejected), which train with "
+                          "train.objective: dpo")
 
 
 def _tokenizer(cfg: Config, formats: dict[str, str]):

@@ -55,8 +55,10 @@ from raypack.train.preflight import Checked, preflight
 from raypack.train.startup import Startup
 from raypack.train.tracking import TrackingTargets, save_wandb_id, targets
 
-SUMMARY = ("step", "loss", "eval_loss", "tokens_per_s", "packing_efficiency", "peak_memory_gb")
-"""The metrics a finished run records in its result file and prints."""
+SUMMARY = ("step", "loss", "eval_loss", "rewards/accuracies", "eval_rewards/accuracies", "rewards/margins",
+           "tokens_per_s", "packing_efficiency", "peak_memory_gb")
+"""The metrics a finished run records in its result file and prints (a run that lacks one, as SFT
+lacks DPO's rewards, records it as null and prints none)."""
 
 
 def worker_loop(config: dict) -> None:

@@ -27,6 +27,9 @@ COMMANDS = {  # script -> what its results file must show
     # TRL's SFTTrainer in both precision recipes and raypack's defaults on the tiny model (--configs below)
     "peers.py": ["| raypack | raypack train's defaults | ", "| trl | ", "| trl-mixed | ", "raypack / trl: **",
                  "2 forward(s) of a layer a micro-batch"],
+    # TRL's DPOTrainer and raypack's DPO (the steps alone in one process too), and LoRA's reference
+    "dpo.py": ["| trl | ", "| raypack | ", "raypack / TRL tokens/s, the steps alone", "| precomputed | ",
+               "| on the fly | ", "on the fly / precomputed, a step"],
 }
 ARGS = {"peers.py": ["--configs", "raypack", "trl", "trl-mixed", "--gradient-checkpointing"]}
 """Beyond --smoke: peers' other rows (raypack-full, trl-sdpa) run the same two children with other settings."""

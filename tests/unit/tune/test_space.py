@@ -63,6 +63,24 @@ def test_param_space_per_kind():
     assert space == {"strategy": "bfd", "budget": 333, "lr": 0.5}
 
 
+def test_dpo_beta_is_a_dimension_of_a_dpo_sweep():
+    from raypack.runs import trial_config
+
+    dpo = ("train.objective=dpo", "data.paths=[raypack/assets/sample/preference.jsonl]", "tune.strategies=[bfd]")
+    space = param_space(cfg(*dpo, "tune.dpo_betas=[0.05, 0.5]"))
+    assert space == {"strategy": "bfd", "budget": 1024, "lr": 1e-3, "beta": {"grid_search": [0.05, 0.5]}}
+    assert param_space(cfg(*dpo, "dpo.beta=0.3"))["beta"] == 0.3  # no list: the base config's beta
+    assert planned_trials(cfg(*dpo, "tune.dpo_betas=[0.05, 0.1, 0.5]")) == 3
+    trial = trial_config(cfg(*dpo), {"strategy": "bfd", "budget": 512, "lr": 1e-3, "beta": 0.05}, "/tmp/runs", "t1")
+    assert trial.dpo.beta == 0.05 and trial.run.name == "bfd-b512-lr0.001-beta0.05-t1"
+    with pytest.raises(ConfigError, match="tune.dpo_betas: sweeps DPO's beta, so it needs train.objective: dpo"):
+        check(cfg("tune.dpo_betas=[0.1]"))
+    with pytest.raises(ConfigError, match="tune.strategies: wrapped cuts examples"):
+        check(cfg(*dpo, "tune.strategies=[bfd, wrapped]"))
+    with pytest.raises(ConfigError, match="eval_rewards/accuracies with scheduler 'asha'"):
+        check(cfg(*dpo, "tune.scheduler=asha", "tune.metric=eval_rewards/accuracies", "tune.mode=max"))
+
+
 def test_pack_configs_cover_every_draw():
     assert pack_configs(cfg("tune.strategies=[pad, bfd]", "tune.budgets=[256, 512]", "tune.budget_space=choice")) == [
         ("pad", 256), ("pad", 512), ("bfd", 256), ("bfd", 512)]
