@@ -112,7 +112,7 @@ STEPS = [
     Step("lora", "lora", ["benchmarks/lora_throughput.py"], cap_s=90, min_s=45, required=False,
          smoke_args=["--smoke"]),
     # It doubles row lengths for as long as its own --budget allows.
-    Step("long", "long_context", ["benchmarks/long_context.py", "--budget", "100"], cap_s=150, min_s=60,
+    Step("long", "long_context", ["benchmarks/long_context.py", "--budget", "120"], cap_s=150, min_s=60,
          required=False, smoke_args=["--smoke"]),
     Step("gpu_tests_more", "gpu_tests_more", [*PYTEST, "-m", "gpu and slow", *GPU_TESTS], cap_s=150, min_s=40,
          required=False),

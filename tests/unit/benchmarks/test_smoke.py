@@ -95,7 +95,7 @@ def test_gpu_check_budget_keeps_time_for_every_required_step():
     assert STEPS[: len(required)] == required, "a step that runs as time allows comes before a required one"
     assert [s.name for s in required[:2]] == ["gpu_tests", "peers"], "exactness first, then raypack against TRL"
     assert 60 + sum(s.min_s for s in required) <= BUDGET <= 9 * 60
-    assert set(PEERS) <= {s.name for s in required}
+    assert set(PEERS) <= {s.name for s in STEPS} and {"peers", "profile"} <= {s.name for s in required}
 
 
 def test_gpu_benchmarks_refuse_the_cpu_without_smoke():
