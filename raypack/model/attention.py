@@ -297,9 +297,9 @@ def _make_forward(backend: str | None):
         return (out if group is None else ulysses.tokens_for_rank(out, group)), None
 
     forward.__name__ = f"{NAMES[backend or 'auto']}_forward"
-    # Never traced by torch.compile (train.compile): it reads cu_seqlens on the host, and the exact
-    # path's loop over examples would be unrolled, and recompiled, once per example count.
-    return torch.compiler.disable(forward)
+    # Traced whole by torch.compile (train.compile): every backend is one op in the graph (the
+    # exact path's raypack::exact_varlen, torch's varlen_attn, flash-attn's own custom ops).
+    return forward
 
 
 def _no_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> None:

@@ -87,6 +87,36 @@ def compile_layers(model: nn.Module) -> int:
     return len(layers)
 
 
+def check_compiled(model: nn.Module, batch: dict) -> int:
+    """One training forward and backward of `batch` (a tiny packed batch on the model's device)
+    through the compiled layers, in train mode, under the model's own checkpointing: what the
+    first step runs. Refuses (UnsupportedModelError), before any step, a model whose layers Dynamo
+    can't trace whole: a graph break inside a checkpointed layer makes Dynamo run the whole
+    checkpoint eagerly, so the layer would not be compiled at all, forward or recompute. The
+    gradient is taken for the input embeddings only: no parameter's gradient is written, so
+    DeepSpeed's gradient hooks never fire. Returns the graphs compiled so far."""
+    from torch._dynamo.utils import counters
+
+    before = dict(counters["graph_break"])
+    was_training = model.training
+    model.train()
+    try:
+        embeds = model.get_input_embeddings()(batch["input_ids"]).detach().requires_grad_()
+        out = model(**{k: v for k, v in batch.items() if k not in ("input_ids", "labels")}, inputs_embeds=embeds)
+        torch.autograd.grad(out.logits.float().sum(), embeds)
+    finally:
+        model.train(was_training)
+    breaks = {why: n - before.get(why, 0) for why, n in counters["graph_break"].items() if n > before.get(why, 0)}
+    if breaks:
+        reasons = "; ".join(why.strip().splitlines()[0][:200] for why in breaks)
+        raise UnsupportedModelError(
+            f"train.compile: {type(model).__name__}'s decoder layers don't compile whole, so a compiled layer would "
+            f"run eagerly where it breaks, and a checkpointed one entirely (Dynamo's graph breaks: {reasons}); set "
+            "train.compile: false"
+        )
+    return compiled_graphs()
+
+
 def _keep_liger_out_of_graphs(layers: nn.Module) -> None:
     """With model.kernels: liger, Liger's kernels run outside the compiled graphs, as they run
     uncompiled, which its exactness tests check. Dynamo tracing into Liger's autograd Functions is
