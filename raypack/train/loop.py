@@ -42,6 +42,7 @@ from raypack.data.encode import load_tokenizer
 from raypack.data.shards import Prepared, iter_epoch_packs, iter_rank_packs
 from raypack.model.adapters import apply_adapters, frozen_digest, quantization_config, trainable_summary
 from raypack.model.build import load_model, resolve_dtype
+from raypack.model.checkpointing import check_selective
 from raypack.model.kernels import (apply_kernels, check_compiled, checkpoint_offload, compile_layers, compiled_graphs,
                                    tile_mlps)
 from raypack.model.ulysses import SequenceGroup, sequence_parallel
@@ -250,8 +251,12 @@ def setup_worker(config: dict) -> Worker:
     # Probes the model once (a short forward on every rank): a model the chunked loss can't
     # reproduce exactly stops here, before any step.
     loss = make_loss(engine, cfg.train.loss, cfg.train.loss_chunk_tokens, padded=data.padded)
+    probe = move_batch(probe_batch(loss.vocab, data.padded), engine.device)
+    _, changed = check_selective(engine.module, probe, cfg.model.gradient_checkpointing)
+    if changed and rank == 0:
+        print(f"[raypack] gradient checkpointing: full ({changed})", flush=True)
     if cfg.train.compile:  # a layer that can't compile whole, recompute included, stops here
-        check_compiled(engine.module, move_batch(probe_batch(loss.vocab, data.padded), engine.device))
+        check_compiled(engine.module, probe)
     base = base_digests(engine) if cfg.model.peft.enabled else None
     state = restore(engine, rank, data.fingerprint, base)
     counts = trainable_summary(engine.module)
