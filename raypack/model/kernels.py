@@ -187,13 +187,27 @@ def liger_families() -> frozenset[str]:
     return frozenset(MODEL_TYPE_TO_APPLY_LIGER_FN)
 
 
-def resolve_kernels(kernels: str, model_type: str, device_type: str) -> str:
-    """`liger` or `none` for `model.kernels` on this model and device; `liger` asked for where it
-    can't run is an InputError naming why."""
+KERNELS_COMPILED = "none"
+"""What `model.kernels: auto` applies under `train.compile`: `none`, so Inductor fuses the
+elementwise work (norms, RoPE, SwiGLU) that Liger's kernels would do, inside each layer's graph,
+recompute included. The one place auto's choice with compile lives. Not measured against Liger
+on a GPU yet: benchmarks/recompute.py's `compiled` and `liger` rows at one recompute mode decide
+it. Liger's kernels inside compiled graphs (`model.kernels: liger` with `train.compile`) run
+outside them (`_keep_liger_out_of_graphs`), which breaks each layer's graph; the setup probe
+(`check_compiled`) refuses that before training, so the pair is refused in the config."""
+
+
+def resolve_kernels(kernels: str, model_type: str, device_type: str, compiled: bool = False) -> str:
+    """`liger` or `none` for `model.kernels` on this model and device, with `train.compile` or
+    without; `liger` asked for where it can't run is an InputError naming why."""
     if kernels not in KERNELS:
         raise ValueError(f"model.kernels: expected one of {', '.join(KERNELS)}, got {kernels!r}")
-    if kernels == "none":
-        return "none"
+    if kernels == "none" or (kernels == "auto" and compiled):
+        return "none" if kernels == "none" else KERNELS_COMPILED
+    if compiled:
+        raise InputError("model.kernels=liger with train.compile: Liger's kernels run outside the compiled graphs, "
+                         "which breaks every layer's graph (a checkpointed layer would not compile at all); set "
+                         "model.kernels: auto (Inductor fuses the same elementwise work) or train.compile: false")
     why = ("Liger-Kernel is Triton on CUDA: set train.use_gpu" if device_type != "cuda"
            else "the liger-kernel package is not installed (pip install 'raypack[liger]')" if not liger_installed()
            else f"Liger-Kernel has no kernels for model_type {model_type!r}" if model_type not in liger_families()
@@ -206,10 +220,10 @@ def resolve_kernels(kernels: str, model_type: str, device_type: str) -> str:
     return "none"
 
 
-def apply_kernels(model: nn.Module, kernels: str, device_type: str) -> str:
-    """Apply `model.kernels` to a loaded model that will train on `device_type` (before adapters
-    wrap it): returns what was applied."""
-    chosen = resolve_kernels(kernels, model.config.model_type, device_type)
+def apply_kernels(model: nn.Module, kernels: str, device_type: str, compiled: bool = False) -> str:
+    """Apply `model.kernels` to a loaded model that will train on `device_type`, its layers then
+    compiled or not (before adapters wrap it): returns what was applied."""
+    chosen = resolve_kernels(kernels, model.config.model_type, device_type, compiled)
     if chosen == "liger":
         from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
 

@@ -82,7 +82,8 @@ def setup(cfg: Config, data: Prepared, world_size: int, rank: int = 0, local_ran
         vocab_size=data.vocab_size,
         quantization=quantization_config(dtype) if m.peft.method == "qlora" else None,
     )
-    apply_kernels(model, m.kernels, "cuda" if cfg.train.use_gpu else "cpu")  # before adapters wrap its modules
+    # before adapters wrap its modules
+    apply_kernels(model, m.kernels, "cuda" if cfg.train.use_gpu else "cpu", compiled=cfg.train.compile)
     if m.peft.enabled:
         model = apply_adapters(model, m.peft, m.name)
     if m.tiled_mlp_tokens:

@@ -161,7 +161,7 @@ def check_kernels(cfg: Config, config) -> None:
     from raypack.model.kernels import liger_loss_available, resolve_kernels
 
     device = "cuda" if cfg.train.use_gpu else "cpu"
-    resolve_kernels(cfg.model.kernels, config.model_type, device)
+    resolve_kernels(cfg.model.kernels, config.model_type, device, compiled=cfg.train.compile)
     if cfg.train.loss == "liger":
         liger_loss_available(device)
 

@@ -30,6 +30,7 @@ NO_RAY = {  # script -> what its results file must show
                            "after every timed step: 21 frozen tensors bit-identical"],
     "pack_plan.py": ["| flan | 20,000 | 2048 | balanced |", "## Balance at budget 2048", "| flan | 20,000 | 512 |"],
     "step_profile.py": ["| matmuls |", "| elementwise and norms |", "profiled steps after"],
+    "recompute.py": ["| none | eager |", "| full | eager |", "| selective | compiled |"],
     # every model x option set reached its longest smoke row
     "long_context.py": ["| 1b-full | none | 256 |", "| 8b-lora | both | 256 |", "| 1b-full | tiled | 256 |"],
 }
