@@ -320,8 +320,8 @@ def choose_checkpointing(cfg: Config, arch: Arch, capacity: float, device_type: 
     m = cfg.model
     if m.gradient_checkpointing != "auto":
         return m.gradient_checkpointing, "as configured"
-    # tiled MLPs drop the MLP's activations that selective would keep (the config refuses the pair)
-    modes = [c for c in CHECKPOINTING if not (m.tiled_mlp_tokens and c == "selective")]
+    # selective is refused with tiled MLPs (they drop what it keeps) and under ZeRO-3 (config/__init__.py)
+    modes = [c for c in CHECKPOINTING if not (c == "selective" and (m.tiled_mlp_tokens or cfg.train.zero_stage == 3))]
     usable, unit = usable_bytes(capacity, device_type), GB
     sizes = {c: estimate(cfg, arch, checkpointing=c).total for c in modes}
     fits = [c for c in modes if sizes[c] <= usable]

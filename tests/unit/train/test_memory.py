@@ -149,3 +149,9 @@ def test_auto_takes_the_fastest_mode_that_fits():
     assert mode == "full" and "selective" not in why
     assert choose_checkpointing(cfg("model.gradient_checkpointing=selective"), LLAMA_1B, 1.0) == ("selective",
                                                                                                    "as configured")
+
+
+def test_auto_never_takes_selective_under_zero3():
+    c = cfg("pack.budget=16384", "model.gradient_checkpointing=auto", "train.zero_stage=3")
+    mode, why = choose_checkpointing(c, LLAMA_1B, 1e9)
+    assert mode == "full" and "selective" not in why
