@@ -10,7 +10,8 @@ chunked loss, full fine-tuning with torch AdamW, one packed row of `--tokens` to
 examples) a step. Settings, each in its own process (an out-of-memory error leaves nothing
 behind): `model.gradient_checkpointing` none / selective / full, each eager and compiled
 (`train.compile`, the elementwise work fused by Inductor), and, where liger-kernel is installed,
-Liger's kernels uncompiled. Per setting, after `--warmup` steps: tokens/s over `--steps` steps,
+Liger's kernels uncompiled (not with selective, which raypack refuses there) and compiled (opaque
+ops in the graphs). Per setting, after `--warmup` steps: tokens/s over `--steps` steps,
 the peak memory of a step, the memory resident after the optimizer step (weights, gradients,
 AdamW state), and their difference, the step's transient memory, beside raypack's estimate of
 what depends on the mode (activations and the loss's working set, raypack/train/memory.py):
@@ -18,7 +19,7 @@ where the measured transient passes the estimate, `auto`'s margin is too thin.
 
 What decides `auto`: the fastest mode whose peak fits (the estimate should order them the same
 way), and for `model.kernels: auto` with `train.compile` (raypack/model/kernels.py, KERNELS_COMPILED):
-compiled without Liger against Liger uncompiled, at the same mode.
+compiled without Liger against compiled with Liger, at the same mode.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ sys.path.insert(0, str(REPO))
 from benchmarks.common import command_line, device_name, gpu_or_smoke, machine, smoke_banner, versions, write_results  # noqa: E402
 
 MODES = ("none", "selective", "full")
-KINDS = ("eager", "compiled", "liger")
+KINDS = ("eager", "compiled", "liger", "compiled-liger")
 """eager: the model's own code; compiled: train.compile with model.kernels none (Inductor fuses
-the elementwise work); liger: Liger-Kernel's RMSNorm, RoPE and SwiGLU, not compiled."""
+the elementwise work); liger: Liger-Kernel's RMSNorm, RoPE and SwiGLU, not compiled;
+compiled-liger: both, Liger's calls opaque ops in the compiled graphs (raypack/model/liger_graph.py)."""
 
 
 def child(args) -> None:
@@ -60,11 +62,11 @@ def child(args) -> None:
     with torch.device(device):
         model = load_model(config or "tiny-llama", attention="auto", dtype="bfloat16" if device == "cuda" else "float32",
                            vocab_size=768, gradient_checkpointing=args.mode)  # fmt: skip
-    if args.kind == "liger":
-        apply_kernels(model, "liger", device)
+    if "liger" in args.kind:
+        apply_kernels(model, "liger", device, compiled=args.kind == "compiled-liger")
     model.train()
     loss = make_loss(model, "chunked")
-    if args.kind == "compiled":
+    if args.kind.startswith("compiled"):
         compile_layers(model)
         check_compiled(model, move_batch(probe_batch(loss.vocab, False), device))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
@@ -98,7 +100,7 @@ def child(args) -> None:
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else float("nan")
     print("ROW " + json.dumps({
         "tokens_s": args.tokens / seconds, "peak": peak, "resident": resident if device == "cuda" else float("nan"),
-        "estimate": mem.activations + mem.loss, "graphs": compiled_graphs() if args.kind == "compiled" else None,
+        "estimate": mem.activations + mem.loss, "graphs": compiled_graphs() if args.kind.startswith("compiled") else None,
     }), flush=True)  # fmt: skip
 
 
@@ -142,10 +144,11 @@ def main(argv=None) -> int:
         return 2
     from raypack.model.kernels import liger_installed
 
-    kinds = [k for k in args.kinds if k != "liger" or liger_installed()]
+    kinds = [k for k in args.kinds if "liger" not in k or liger_installed()]
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     # a smoke run compiles one mode only: Inductor on 2 CPU cores takes most of a minute a setting
-    settings = [(m, k) for k in kinds for m in args.modes if not (args.smoke and k == "compiled" and m != "selective")]
+    settings = [(m, k) for k in kinds for m in args.modes if not (args.smoke and k == "compiled" and m != "selective")
+                and not (k == "liger" and m == "selective")]
     results = {(m, k): run_setting(args, m, k) for m, k in settings}
     lines = [f"# Recompute modes and elementwise kernels, {device_name()}, {time.strftime('%Y-%m-%d')}",
              *smoke_banner(args.smoke), "", f"Command: `{command_line(__file__, argv)}`", "",
@@ -165,7 +168,8 @@ def main(argv=None) -> int:
                      f"{transient / r['estimate']:.2f} |" if transient == transient else
                      f"| {mode} | {kind} | {r['tokens_s']:,.0f} | n/a | n/a | n/a | {_gib(r['estimate'])} | n/a |")
     lines += ["", "Read it: the fastest mode per kernels column is what `auto` should take when it fits; compiled "
-              "against liger at one mode is `model.kernels: auto`'s choice under `train.compile`.", ""]
+              "against compiled-liger at one mode is `model.kernels: auto`'s choice under `train.compile` "
+              "(KERNELS_COMPILED in raypack/model/kernels.py).", ""]
     write_results("recompute", args.smoke, args.out, lines)
     return 0
 

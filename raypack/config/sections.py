@@ -168,7 +168,8 @@ class ModelConfig:
     kernels: Literal["auto", "liger", "none"] = "auto"
     """Fused kernels for the same math (raypack/model/kernels.py): `liger` swaps in Liger-Kernel's
     RMSNorm, RoPE and SwiGLU/GeGLU (CUDA, `pip install 'raypack[liger]'`, the families it has
-    kernels for; refused elsewhere), `auto` does where it can, `none` never."""
+    kernels for; refused elsewhere), `auto` does where it can (with train.compile: leaves it to
+    Inductor to fuse the same work), `none` never."""
     peft: PeftConfig = field(default_factory=PeftConfig)
     """Parameter-efficient fine-tuning: LoRA or QLoRA adapters instead of every weight."""
 
@@ -251,8 +252,9 @@ class TrainConfig:
     is refused at setup); `full` takes the model's own logits, for any model; `liger` is Liger-Kernel's
     fused linear cross-entropy on the same hidden states (CUDA, `raypack[liger]`)."""
     compile: bool = False
-    """torch.compile each decoder layer (regional, dynamic shapes: a new packed length doesn't
-    recompile; raypack/model/kernels.py). Not with ZeRO-3 or sequence_parallel."""
+    """torch.compile each decoder layer whole, attention and gradient checkpointing's recompute
+    included (regional, dynamic shapes: a new packed length doesn't recompile; a layer that can't
+    compile whole is refused at setup; raypack/model/kernels.py). Not with ZeRO-3 or sequence_parallel."""
     loss_chunk_tokens: int = 0
     """Label tokens per chunk of the chunked loss; 0: 2048, fewer where one chunk's fp32 logits would pass 1 GiB."""
     tensorboard: bool = True

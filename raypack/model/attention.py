@@ -71,8 +71,12 @@ def attn_implementation_name(attention: str = "auto") -> str:
     return NAMES[attention]
 
 
+_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+"""Looked up once: a lookup inside a compiled layer's attention would break its graph."""
+
+
 def flash_attn_available() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    return _FLASH_ATTN
 
 
 def candidate_backends(attention: str, device_type: str) -> tuple[str, ...]:
@@ -209,6 +213,16 @@ def _flash(module, query, key, value, cu, max_len, dropout, scaling, window, sof
 
 
 _VARLEN_PARAMS: set[str] | None = None
+
+
+def prepare_compile() -> None:
+    """Before layers are compiled (train.compile): what the CUDA backends look up once, looked up
+    outside any graph, where an import or a signature read can't break it."""
+    global _VARLEN_PARAMS
+    if torch.cuda.is_available() and _VARLEN_PARAMS is None:
+        from torch.nn.attention.varlen import varlen_attn
+
+        _VARLEN_PARAMS = set(inspect.signature(varlen_attn).parameters)
 
 
 def _torch_varlen(module, query, key, value, cu, max_len, dropout, scaling, window, softcap, sinks) -> torch.Tensor:

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from raypack.config import Config, PeftConfig
+from raypack.errors import InputError
 
 GB = 1e9
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -312,16 +313,18 @@ def usable_bytes(capacity: float, device_type: str) -> float:
     return (capacity - (CONTEXT_BYTES if device_type == "cuda" else 0)) * (1 - AUTO_MARGIN)
 
 
-def choose_checkpointing(cfg: Config, arch: Arch, capacity: float, device_type: str = "cuda") -> tuple[str, str]:
+def choose_checkpointing(cfg: Config, arch: Arch, capacity: float, device_type: str = "cuda",
+                         selective: bool = True) -> tuple[str, str]:
     """model.gradient_checkpointing as a worker with `capacity` bytes of device memory runs it:
     the configured mode, or for `auto` the fastest of CHECKPOINTING whose estimate fits
     `usable_bytes` (full where none does: the smallest, and the run may still fit). Returns the
-    mode and one line saying why."""
+    mode and one line saying why. `selective`: whether this run may use it at all."""
     m = cfg.model
     if m.gradient_checkpointing != "auto":
         return m.gradient_checkpointing, "as configured"
     # selective is refused with tiled MLPs (they drop what it keeps) and under ZeRO-3 (config/__init__.py)
-    modes = [c for c in CHECKPOINTING if not (c == "selective" and (m.tiled_mlp_tokens or cfg.train.zero_stage == 3))]
+    selective = selective and not (m.tiled_mlp_tokens or cfg.train.zero_stage == 3)
+    modes = [c for c in CHECKPOINTING if selective or c != "selective"]
     usable, unit = usable_bytes(capacity, device_type), GB
     sizes = {c: estimate(cfg, arch, checkpointing=c).total for c in modes}
     fits = [c for c in modes if sizes[c] <= usable]
@@ -358,13 +361,25 @@ def device_bytes(device_type: str, ranks_here: int = 1) -> float:
 
 def resolve_checkpointing(cfg: Config, device_type: str, ranks_here: int = 1) -> tuple[str, str]:
     """`choose_checkpointing` on this worker: its device's memory, its model's shape from the model's
-    config (no weights). A shape the arithmetic can't size leaves auto at full, saying why."""
-    if cfg.model.gradient_checkpointing != "auto":
-        return cfg.model.gradient_checkpointing, "as configured"
-    from raypack.model.build import model_config  # transformers: only on a worker
+    config (no weights). A shape the arithmetic can't size leaves auto at full, saying why.
 
+    Liger's kernels uncompiled write in place into tensors selective keeps (its RoPE rotates q and k
+    inside the projections' outputs), so with them `selective` is refused and `auto` never takes it;
+    compiled, they run on copies (raypack/model/liger_graph.py)."""
+    from raypack.model.build import model_config  # transformers: only on a worker
+    from raypack.model.kernels import resolve_kernels
+
+    m = cfg.model
+    config = model_config(m.name, m.trust_remote_code)
+    in_place = not cfg.train.compile and resolve_kernels(m.kernels, config.model_type, device_type) == "liger"
+    if in_place and m.gradient_checkpointing == "selective":
+        raise InputError("model.gradient_checkpointing=selective with Liger-Kernel's kernels uncompiled: Liger's RoPE "
+                         "rotates q and k in place, inside the projections' outputs that selective keeps; set "
+                         "train.compile: true, model.kernels: none, or model.gradient_checkpointing: full")
+    if m.gradient_checkpointing != "auto":
+        return m.gradient_checkpointing, "as configured"
     try:
-        arch = Arch.from_config(model_config(cfg.model.name, cfg.model.trust_remote_code))
-        return choose_checkpointing(cfg, arch, device_bytes(device_type, ranks_here), device_type)
+        arch = Arch.from_config(config)
+        return choose_checkpointing(cfg, arch, device_bytes(device_type, ranks_here), device_type, not in_place)
     except (AttributeError, TypeError, ValueError) as e:  # a config without a Llama-like shape
         return "full", f"the memory estimate can't size this model ({e}); full needs least"

@@ -155,3 +155,20 @@ def test_auto_never_takes_selective_under_zero3():
     c = cfg("pack.budget=16384", "model.gradient_checkpointing=auto", "train.zero_stage=3")
     mode, why = choose_checkpointing(c, LLAMA_1B, 1e9)
     assert mode == "full" and "selective" not in why
+
+
+def test_liger_uncompiled_rules_selective_out(monkeypatch):
+    """Liger's RoPE writes into the q and k projections' outputs, which selective keeps."""
+    from raypack.errors import InputError
+    from raypack.model import kernels
+    from raypack.train.memory import resolve_checkpointing
+
+    monkeypatch.setattr(kernels, "resolve_kernels", lambda kernels, model_type, device, compiled=False: "liger")
+    run = ["model.name=tiny-llama", "pack.budget=64", "train.num_workers=1"]
+    with pytest.raises(InputError, match="selective with Liger-Kernel's kernels uncompiled"):
+        resolve_checkpointing(load(None, [*run, "model.gradient_checkpointing=selective"]), "cpu")
+    mode, why = resolve_checkpointing(load(None, [*run, "model.gradient_checkpointing=auto"]), "cpu")
+    assert mode in ("none", "full") and "selective" not in why
+    # compiled, Liger's calls run on copies: selective stands
+    compiled = load(None, [*run, "model.gradient_checkpointing=selective", "train.compile=true"])
+    assert resolve_checkpointing(compiled, "cpu") == ("selective", "as configured")
