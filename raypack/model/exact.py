@@ -98,7 +98,7 @@ def _eager(q, k, v, allowed, scale, softcap, sinks, keep) -> torch.Tensor:
     else:
         probs = torch.softmax(scores, dim=-1)
     probs = probs.to(v.dtype)
-    return (probs if keep is None else probs * keep) @ v
+    return (probs if keep is None else probs * keep.to(probs.dtype)) @ v
 
 
 def _eager_backward(go, q, k, v, allowed, scale, softcap, sinks, keep):
@@ -182,6 +182,10 @@ def _(query, key, value, cu, scale, window, softcap, sinks, chunk, dropout, seed
     return query.new_empty(query.shape[0] * query.shape[2], query.shape[1], value.shape[-1])
 
 
+BACKWARD_BYTES = 1 << 28
+"""The backward's working set per block of heads: one example's recomputed float32 scores."""
+
+
 @torch.library.custom_op("raypack::exact_varlen_backward", mutates_args=())
 def _exact_backward_op(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        cu: torch.Tensor, scale: float, window: int, softcap: float, sinks: torch.Tensor | None,
@@ -199,9 +203,14 @@ def _exact_backward_op(grad: torch.Tensor, query: torch.Tensor, key: torch.Tenso
     for n, qs, ks, vs, gs in zip(sizes, *pieces):
         keep = _keep(generator, heads, n, dropout, q.device) if dropout > 0 else None
         allowed = _allowed(cu, longest, window or None, q.device)[:n, :n]
-        a, b, c, d = _eager_backward(gs, qs, ks, vs, allowed, scale, softcap, sinks, keep)
-        dq.append(a), dk.append(b), dv.append(c)
-        dsinks = dsinks + d if sinks is not None else 0
+        # heads a block at a time: each block's [heads, n, n] float32 scores within BACKWARD_BYTES
+        step = max(1, BACKWARD_BYTES // (4 * n * n))
+        parts = [_eager_backward(gs[h:h + step], qs[h:h + step], ks[h:h + step], vs[h:h + step], allowed, scale,
+                                 softcap, None if sinks is None else sinks[h:h + step],
+                                 None if keep is None else keep[h:h + step]) for h in range(0, heads, step)]  # fmt: skip
+        dq.append(torch.cat([p[0] for p in parts])), dk.append(torch.cat([p[1] for p in parts]))
+        dv.append(torch.cat([p[2] for p in parts]))
+        dsinks = dsinks + torch.cat([p[3] for p in parts]) if sinks is not None else 0
     batch, length = query.shape[0], query.shape[2]
 
     def unflatten(pieces, like, group):  # (H, T, D) -> like's (B, H, L, D), GQA's groups summed
