@@ -110,7 +110,9 @@ def selective_hazard(model: nn.Module, batch: dict) -> str | None:
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), Watch() as watch:
+        # eagerly: Dynamo meeting a dispatch mode in compiled layers (train.compile) would skip
+        # them, and keep skipping them after
+        with torch.compiler.set_stance("force_eager"), torch.no_grad(), Watch() as watch:
             model(**batch)
     finally:
         model.train(was_training)

@@ -67,6 +67,7 @@ def loop(config):
     from raypack.train.prefetch import prepare_step
 
     from raypack.data.collate import move_batch
+    from raypack.model.checkpointing import check_selective
     from raypack.model.kernels import check_compiled, compile_layers, compiled_graphs
     from raypack.train.loss import probe_batch
 
@@ -82,9 +83,12 @@ def loop(config):
     if stage == 3:  # the weights really are partitioned outside forward
         assert engine.module.get_output_embeddings().weight.numel() == 0
     loss_fn = make_loss(engine, "chunked", chunk_tokens=7)
+    probe = move_batch(probe_batch(loss_fn.vocab, False), engine.device)
+    assert check_selective(engine.module, probe, "auto")[1] is None
     if extra.get("compile"):
-        check_compiled(engine.module, move_batch(probe_batch(loss_fn.vocab, False), engine.device))
+        check_compiled(engine.module, probe)
         probed = compiled_graphs()
+        assert probed > 0
     step = prepare_step([packed_row(mb) for mb in EXAMPLES[rank]])  # what the loop's prefetcher builds
     n = float(global_count([step.label_tokens], engine.device)[:, 0].sum())
     loss_sum = forward_backward(engine, step.batches, 2 * 2 / n, loss_fn)

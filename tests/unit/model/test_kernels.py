@@ -14,6 +14,7 @@ from raypack.config import load
 from raypack.errors import InputError
 from raypack.model import kernels
 from raypack.model.build import load_model
+from raypack.model.checkpointing import check_selective
 
 COMPILED = ["full", "selective"]
 """Llama compiled in training under each recomputing mode, in every run (~1 min each on 2 cores)."""
@@ -55,6 +56,8 @@ def _compiled_training_vs_alone(family: str, checkpointing: str) -> None:
         model(**probe)
         model.train()
     inference = kernels.compiled_graphs()
+    # the setup's other probes, in raypack.train.loop.setup_worker's order
+    assert check_selective(model, probe, checkpointing) == (checkpointing, None)
     kernels.check_compiled(model, probe)  # a graph break here is a refusal
     errors = packed_vs_alone(model, ref)  # train mode: every layer checkpointed
     worst = max(errors, key=errors.get)
