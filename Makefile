@@ -10,6 +10,9 @@
 #   make bench-peers  on a CUDA machine: raypack against TRL's SFTTrainer, same GPU (benchmarks/peers.py), and
 #                     where a train step's time goes (benchmarks/step_profile.py), < 10 min
 #   make bench-smoke  the same steps on the CPU with every benchmark's --smoke
+#   make bench-recompute  on a CUDA machine: each gradient checkpointing mode, eager, compiled and with
+#                     Liger, against the memory estimate (benchmarks/recompute.py; torch and
+#                     transformers only; not part of bench-gpu's 10 minutes)
 #   make test-liger   Liger-Kernel's exactness tests on the CPU, in Triton's interpreter: installs
 #                     liger-kernel and triton (1 GB, not in the lock) into .cache/liger, not .venv
 PYTHON ?= python3
@@ -20,7 +23,7 @@ LOCK   := constraints.txt
 BIN    := $(VENV)/bin
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup run test test-latest test-liger lock bench-gpu bench-peers bench-smoke clean
+.PHONY: setup run test test-latest test-liger lock bench-gpu bench-peers bench-smoke bench-recompute clean
 setup: $(VENV)/.installed
 
 # torch first, from $(TORCH) (another version on a CUDA box: the lock's torch pin is left out of
@@ -65,6 +68,9 @@ bench-gpu:
 
 bench-peers:
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(BENCH_PYTHON) tools/bench_gpu.py --peers
+
+bench-recompute:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(BENCH_PYTHON) benchmarks/recompute.py
 
 bench-smoke: setup
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(BIN)/python tools/bench_gpu.py --smoke
