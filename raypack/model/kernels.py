@@ -209,6 +209,19 @@ def resolve_kernels(kernels: str, model_type: str, device_type: str, compiled: b
     return "none"
 
 
+def check_selective_with(kernels: str, compiled: bool, checkpointing: str) -> bool:
+    """Whether `selective` gradient checkpointing may run with the resolved `kernels`: not with
+    Liger's uncompiled, whose RoPE rotates q and k in place inside the projections' outputs that
+    selective keeps (compiled, Liger's calls run on copies: liger_graph.py). Configured
+    `selective` there is an InputError; False tells `auto` to leave it out."""
+    allowed = not (kernels == "liger" and not compiled)
+    if not allowed and checkpointing == "selective":
+        raise InputError("model.gradient_checkpointing=selective with Liger-Kernel's kernels uncompiled: Liger's RoPE "
+                         "rotates q and k in place, inside the projections' outputs that selective keeps; set "
+                         "train.compile: true, model.kernels: none, or model.gradient_checkpointing: full")
+    return allowed
+
+
 def apply_kernels(model: nn.Module, kernels: str, device_type: str, compiled: bool = False) -> str:
     """Apply `model.kernels` to a loaded model that will train on `device_type`, its layers then
     compiled or not (before adapters wrap it): returns what was applied."""

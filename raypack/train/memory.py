@@ -52,7 +52,6 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from raypack.config import Config, PeftConfig
-from raypack.errors import InputError
 
 GB = 1e9
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -361,25 +360,19 @@ def device_bytes(device_type: str, ranks_here: int = 1) -> float:
 
 def resolve_checkpointing(cfg: Config, device_type: str, ranks_here: int = 1) -> tuple[str, str]:
     """`choose_checkpointing` on this worker: its device's memory, its model's shape from the model's
-    config (no weights). A shape the arithmetic can't size leaves auto at full, saying why.
-
-    Liger's kernels uncompiled write in place into tensors selective keeps (its RoPE rotates q and k
-    inside the projections' outputs), so with them `selective` is refused and `auto` never takes it;
-    compiled, they run on copies (raypack/model/liger_graph.py)."""
+    config (no weights). A shape the arithmetic can't size leaves auto at full, saying why. Where
+    the kernels rule selective out (kernels.check_selective_with), it is refused or left out."""
     from raypack.model.build import model_config  # transformers: only on a worker
-    from raypack.model.kernels import resolve_kernels
+    from raypack.model.kernels import check_selective_with, resolve_kernels
 
     m = cfg.model
     config = model_config(m.name, m.trust_remote_code)
-    in_place = not cfg.train.compile and resolve_kernels(m.kernels, config.model_type, device_type) == "liger"
-    if in_place and m.gradient_checkpointing == "selective":
-        raise InputError("model.gradient_checkpointing=selective with Liger-Kernel's kernels uncompiled: Liger's RoPE "
-                         "rotates q and k in place, inside the projections' outputs that selective keeps; set "
-                         "train.compile: true, model.kernels: none, or model.gradient_checkpointing: full")
+    kernels = resolve_kernels(m.kernels, config.model_type, device_type, cfg.train.compile)
+    selective = check_selective_with(kernels, cfg.train.compile, m.gradient_checkpointing)
     if m.gradient_checkpointing != "auto":
         return m.gradient_checkpointing, "as configured"
     try:
         arch = Arch.from_config(config)
-        return choose_checkpointing(cfg, arch, device_bytes(device_type, ranks_here), device_type, not in_place)
+        return choose_checkpointing(cfg, arch, device_bytes(device_type, ranks_here), device_type, selective)
     except (AttributeError, TypeError, ValueError) as e:  # a config without a Llama-like shape
         return "full", f"the memory estimate can't size this model ({e}); full needs least"
