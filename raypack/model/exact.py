@@ -7,6 +7,13 @@ a window mask); with logit softcapping or attention sinks it is transformers' ea
 Boundaries come from cu_seqlens, read as a list once per forward: free on the CPU, one sync per
 forward on CUDA. `chunk_cu_seqlens`, which the CUDA kernels use too, needs no read at all.
 
+The whole path is one torch.library custom op, `raypack::exact_varlen` (see `exact_attention`), so
+torch.compile keeps a layer's graph whole around it. Its backward is written out (the eager
+formula's gradients, scores recomputed per example, heads in blocks): nothing [L, L] is kept
+between forward and backward. On the CPU, side by side in one process on this 2-core host, a
+forward and backward of the attention alone took 1.25x (128 tokens) to 1.37x (1,024 tokens) the
+time of autograd through SDPA, the path before the op.
+
     row        [a0 a1 a2 a3 | b0 b1 b2 | c0 c1 c2 c3 c4]     cu_seqlens [0, 4, 7, 12]
     attention   causal(a)     causal(b)  causal(c)            three SDPA calls, nothing across
 """
