@@ -218,3 +218,36 @@ def test_offloaded_checkpoints_leave_the_loss_and_gradients_as_they_were():
     assert all(torch.equal(results[0][1][n], results[1][1][n]) for n in results[0][1])
     with pytest.raises(Exception, match="model.offload_checkpoints"):
         load(None, ["model.offload_checkpoints=true"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", ["lora", "offload"])
+def test_compiled_training_with_lora_or_offloaded_checkpoints(extra):
+    """train.compile beside LoRA adapters (peft's wrapped linears traced in the layer's graph) and
+    beside model.offload_checkpoints (torch's save_on_cpu hooks around the compiled layers): whole,
+    exact against each example alone. Whether offloading moves the compiled graphs' saved tensors
+    off a GPU is the GPU benchmark's to measure (benchmarks/long_context.py)."""
+    from exactness import random_lora_b
+    from torch._dynamo.utils import counters
+
+    from raypack.config import PeftConfig
+    from raypack.model.adapters import apply_adapters
+    from raypack.train.loss import probe_batch
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = load_model("tiny-llama", attention="sdpa_varlen", dtype="float32", vocab_size=512,
+                       gradient_checkpointing="full").train()  # fmt: skip
+    ref = load_model("tiny-llama", attention="eager", dtype="float32", vocab_size=512).eval()
+    if extra == "lora":
+        lora = PeftConfig(method="lora", r=4, alpha=8)
+        model, ref = random_lora_b(apply_adapters(model, lora)), apply_adapters(ref, lora).eval()
+    ref.load_state_dict(model.state_dict())
+    kernels.compile_layers(model)
+    context = kernels.checkpoint_offload(extra == "offload", torch.device("cpu"))
+    with context:
+        kernels.check_compiled(model, {k: v for k, v in probe_batch(512, padded=False).items() if k != "labels"})
+        errors = packed_vs_alone(model, ref)
+    assert max(errors.values()) < TOLERANCE, max(errors.items(), key=lambda kv: kv[1])
+    assert kernels.compiled_graphs() > 0 and not counters["graph_break"]
