@@ -5,14 +5,17 @@
 #   make lock         regenerate constraints.txt after a change to pyproject.toml's dependencies
 #   make test-latest  the suite on the newest versions pyproject.toml's ranges allow (.venv-latest;
 #                     not in CI: it finds a dependency's new release before the lock moves to it)
-#   make bench-gpu    on a CUDA machine: GPU tests + benchmarks in < 10 min (tools/bench_gpu.py); Ray and
-#                     DeepSpeed come from the wheels in .whl (tools/gpu_wheels.sh) where they are missing
-#   make bench-peers  on a CUDA machine: raypack against TRL's SFTTrainer, same GPU (benchmarks/peers.py), and
-#                     where a train step's time goes (benchmarks/step_profile.py), < 10 min
-#   make bench-smoke  the same steps on the CPU with every benchmark's --smoke
+#   make gpu-wheels   gather into .whl the wheels a bare GPU machine needs beside its image (tools/gpu_wheels.sh:
+#                     worked out from the lock and tools/gpu_image_packages.txt; wheels + repo <= 60 MiB)
+#   make gpu-check    on a CUDA machine: all of raypack's GPU evidence in <= 9 min, most valuable first (GPU
+#                     tests, raypack against TRL, step profiles, the other benchmarks); installs .whl first
+#   make bench-peers  on a CUDA machine: only raypack against TRL and the step profiles
+#   make bench-smoke  the gpu-check steps on the CPU with every benchmark's --smoke
+#   make gpu-rehearsal  gpu-check as the GPU machine runs it, on the CPU: a Python 3.12 venv holding only the
+#                     image's packages, the wheels as gathered, offline (tools/gpu_rehearsal.sh; root, ~5 GB, ~25 min on 2 cores)
 #   make bench-recompute  on a CUDA machine: each gradient checkpointing mode, eager, compiled and with
 #                     Liger, against the memory estimate (benchmarks/recompute.py; torch and
-#                     transformers only; not part of bench-gpu's 10 minutes)
+#                     transformers only; not part of gpu-check)
 #   make test-liger   Liger-Kernel's exactness tests on the CPU, in Triton's interpreter: installs
 #                     liger-kernel and triton (1 GB, not in the lock) into .cache/liger, not .venv
 PYTHON ?= python3
@@ -23,7 +26,7 @@ LOCK   := constraints.txt
 BIN    := $(VENV)/bin
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup run test test-latest test-liger lock bench-gpu bench-peers bench-smoke bench-recompute clean
+.PHONY: setup run test test-latest test-liger lock gpu-wheels gpu-check gpu-rehearsal bench-peers bench-smoke bench-recompute clean
 setup: $(VENV)/.installed
 
 # torch first, from $(TORCH) (another version on a CUDA box: the lock's torch pin is left out of
@@ -61,9 +64,15 @@ test-latest:
 lock:
 	TORCH="$(TORCH)" PYTHON=$(PYTHON) tools/lock.sh
 
-# No setup for bench-gpu: the GPU machine has no network; it uses the venv where there is one.
+gpu-wheels: setup
+	tools/gpu_wheels.sh
+
+gpu-rehearsal: setup
+	tools/gpu_rehearsal.sh
+
+# No setup for gpu-check: the GPU machine has no network; it uses the venv where there is one.
 BENCH_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
-bench-gpu:
+gpu-check:
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(BENCH_PYTHON) tools/bench_gpu.py
 
 bench-peers:

@@ -13,8 +13,11 @@ import datetime
 import os
 import platform
 import shlex
+import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -66,6 +69,45 @@ def write_results(theme: str, smoke: bool, out: str | None, lines: list[str]) ->
     print("\n".join(lines))
     print(f"wrote {path}")
     return path
+
+
+def run_streaming(cmd: list[str], *, cwd, env: dict[str, str], timeout: float, echo) -> tuple[int, float, list[str]]:
+    """Run `cmd` in its own process group, each line of its output (stderr merged) passed to `echo`
+    as it comes; at `timeout` seconds the group gets SIGTERM, then SIGKILL 15 s later. Returns (exit
+    status, 124 on time-out; seconds; the lines)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", start_new_session=True)  # fmt: skip
+    lines: list[str] = []
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            echo(line)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        rc = 124
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+    # Whatever the command left running in its group (a Ray instance's processes) goes with it.
+    _signal_group(proc.pid, signal.SIGKILL)
+    proc.wait()
+    reader.join(timeout=5)
+    return rc, time.perf_counter() - t0, lines
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def command_line(script: str, argv: list[str] | None) -> str:

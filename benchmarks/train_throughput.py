@@ -13,8 +13,8 @@ One run, same data, same model init, same lr schedule, both paths back to back:
    `train_loop_per_worker` (it reuses the packed folder: same fingerprint). Throughput comes from
    the per-step TensorBoard events rank 0 writes (tokens, step time, data wait, wall time), so the
    measured window is exactly steps warmup+1..warmup+steps and includes everything between steps
-   (reports, logging) but not the final checkpoint. Result.metrics (tokens_per_s, mfu) is shown as
-   well: it counts only time inside train_step, over the last report window.
+   (reports, logging); the run saves no checkpoint (train.save_final: false). The last report's
+   tokens_per_s and mfu are shown as well: they count only time inside train_step, over its window.
 3. Standalone: in this process, a 1-process torch.distributed group, what each worker runs
    (`raypack.train.loop.setup`, `raypack.train.loss.make_loss`, the prefetcher and
    `raypack.train.loop.train_step`) on the very same packed rows (`iter_rank_packs`, read into
@@ -116,7 +116,7 @@ def make_config(args, workdir: Path, data_path: Path, model_name: str, use_gpu: 
             num_workers=1, use_gpu=use_gpu, cpus_per_worker=1.0, zero_stage=args.zero_stage, optimizer="torch",
             grad_accum=1, epochs=1, max_steps=total_steps, seed=args.seed, warmup_steps=2, lr=1e-4, loss=args.loss,
             report_every_steps=args.report_every, checkpoint_every_steps=0, eval_every_steps=0,
-            max_failures=0, tensorboard=True, mlflow=False,
+            max_failures=0, tensorboard=True, mlflow=False, save_final=False,  # no checkpoint to measure
         ),
         run=RunConfig(name=f"train_bench_{os.getpid()}_{int(time.time())}", storage_path=str(workdir / "runs")),
     )  # fmt: skip
@@ -178,12 +178,12 @@ def run_full_stack(cfg: Config, warmup: int, steps: int) -> dict:
         raise ValueError("--warmup must be >= 1: the window starts at the end of the last warmup step")
     out = window([tb[s]["train/tokens"] for s in measured], [tb[s]["train/step_time_s"] for s in measured],
                  [tb[s]["train/data_wait_s"] for s in measured], start, tb[warmup + steps]["wall_time"])  # fmt: skip
-    metrics = result.metrics or {}
+    last = tb[warmup + steps]  # the last step reports: its summary scalars are in the events too
     out.update(
         losses=[tb[s]["train/loss"] for s in range(1, warmup + steps + 1)],
-        reported_tokens_per_s=metrics.get("tokens_per_s"),
-        reported_mfu=metrics.get("mfu"),
-        peak_gib=metrics.get("peak_memory_gb"),
+        reported_tokens_per_s=last.get("train/tokens_per_s"),
+        reported_mfu=last.get("train/mfu"),
+        peak_gib=last.get("train/peak_memory_gb"),
         fit_s=fit_s,
     )
     return out
@@ -202,6 +202,7 @@ def run_standalone(cfg: Config, prepared, warmup: int, steps: int) -> dict:
     from raypack.train.loop import setup, train_step
     from raypack.train.loss import make_loss
     from raypack.train.prefetch import Prefetcher, prepare_step
+    from raypack.train.stepvalues import HostCounts
 
     cuda = torch.cuda.is_available()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
@@ -220,21 +221,34 @@ def run_standalone(cfg: Config, prepared, warmup: int, steps: int) -> dict:
         def prepare(group):
             return prepare_step(group, padded=prepared.padded, pad_token_id=prepared.pad_token_id, pin=cuda)
 
+        def read(pending, i):
+            values = pending.resolve()
+            losses.append(values["loss"])
+            if i >= warmup:
+                tokens.append(values["tokens"])
+                times.append(values["step_time_s"])
+                waits.append(values["data_wait_s"])
+
+        counts, pending = HostCounts(world=1), None
         with Prefetcher(rows, 1, prepare) as batches:
             for i in range(len(rows)):
                 if i == warmup:
+                    if pending is not None:  # the warm-up's last step, read before the clock starts
+                        read(pending, i - 1)
+                        pending = None
                     if cuda:
                         torch.cuda.synchronize()
                         torch.cuda.reset_peak_memory_stats()
                     start = time.perf_counter()
                 t0 = time.perf_counter()
                 step = next(batches)
-                values = train_step(engine, step, loss, wait_s=time.perf_counter() - t0)  # ends in a host sync
-                losses.append(values["loss"])
-                if i >= warmup:
-                    tokens.append(values["tokens"])
-                    times.append(values["step_time_s"])
-                    waits.append(values["data_wait_s"])
+                # as the loop does: enqueue this step, then read the last one's values
+                current = train_step(engine, step, loss, counts, i + 1, wait_s=time.perf_counter() - t0)
+                if pending is not None:
+                    read(pending, i - 1)
+                pending = current
+        if pending is not None:
+            read(pending, len(rows) - 1)
         if cuda:
             torch.cuda.synchronize()
         out = window(tokens, times, waits, start, time.perf_counter())
@@ -409,7 +423,7 @@ def render(args, argv, device, data, prepared, params, fpt, full, alone, ratio, 
         f"{pct(alone['mfu'])} | {num(alone['peak_gib'], '.2f')} | {alone['data_wait_s'] * 1e3:.2f} ms | "
         f"{alone['data_wait_share']:.2%} |",
         "",
-        f"Full stack's own final report (Result.metrics, last {args.report_every}-step window or less, time inside "
+        f"Full stack's own final report (its TensorBoard summary, last {args.report_every}-step window or less, time inside "
         f"train_step only): tokens_per_s {num(full['reported_tokens_per_s'])}, mfu {pct(full['reported_mfu'])}.",
         "",
         "| target | value | |",

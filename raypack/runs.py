@@ -2,7 +2,7 @@
 
     <run.storage_path>/<run.name>/            run_dir(cfg): a local folder or a URI
         raypack_config.yaml                   the config it trains, saved once, paths absolute
-        raypack_result.json                   written when training finishes (last step, metrics)
+        raypack_result.json                   written when training finishes (last step, metrics, start-up phases)
         raypack_wandb_id                      its W&B run's id, with run.wandb on (train/tracking.py)
         packed/, tensorboard/, checkpoint_*   prepare's rows, the event files, Ray Train's state
         export/step_<N>/                      `raypack export`'s Hugging Face folders (its default --out)
@@ -180,8 +180,13 @@ def read_result(root: str) -> dict[str, Any] | None:
     return json.loads(storage.read_text(path)) if storage.exists(path) else None
 
 
-def write_result(root: str, step: int, metrics: dict[str, Any], checkpoint: str | None) -> None:
-    storage.write_text(f"{root}/{RESULT}", json.dumps({"step": step, "metrics": metrics, "checkpoint": checkpoint}, indent=1))
+def write_result(root: str, step: int, metrics: dict[str, Any], checkpoint: str | None,
+                 startup: dict[str, float] | None = None) -> None:
+    """`startup`: seconds per start-up phase before the first step (raypack/train/startup.py)."""
+    result = {"step": step, "metrics": metrics, "checkpoint": checkpoint}
+    if startup:
+        result["startup_s"] = startup
+    storage.write_text(f"{root}/{RESULT}", json.dumps(result, indent=1))
 
 
 # --- sweep trials --------------------------------------------------------------------------------
@@ -189,12 +194,13 @@ def write_result(root: str, step: int, metrics: dict[str, Any], checkpoint: str 
 
 def trial_name(params: dict[str, Any]) -> str:
     rank = f"-r{params['lora_r']}" if params.get("lora_r") is not None else ""
-    return f"{params['strategy']}-b{params['budget']}-lr{params['lr']:.3g}{rank}"
+    beta = f"-beta{params['beta']:.3g}" if params.get("beta") is not None else ""
+    return f"{params['strategy']}-b{params['budget']}-lr{params['lr']:.3g}{rank}{beta}"
 
 
 def trial_config(base: Config, params: dict[str, Any], runs_dir: str, suffix: str = "",
                  batch_size: float | None = None) -> Config:
-    """The base config with the trial's strategy, budget, lr, LoRA rank (and equal-work `batch_size`), its
+    """The base config with the trial's strategy, budget, lr, LoRA rank, DPO beta (and equal-work `batch_size`), its
     run under `runs_dir` with a name no other trial (or earlier sweep) uses: a reused name would
     resume that run."""
     name = trial_name(params) + (f"-{suffix}" if suffix else "")
@@ -209,6 +215,7 @@ def trial_config(base: Config, params: dict[str, Any], runs_dir: str, suffix: st
         pack=pack,
         model=model,
         train=dataclasses.replace(base.train, lr=params["lr"]),
+        dpo=dataclasses.replace(base.dpo, beta=params["beta"]) if params.get("beta") is not None else base.dpo,
         # W&B shows a sweep's trials together: one run each, grouped by the sweep's name.
         run=dataclasses.replace(base.run, name=name, storage_path=runs_dir,
                                 wandb=dataclasses.replace(base.run.wandb, group=base.run.wandb.group or base.run.name)),

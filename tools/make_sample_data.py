@@ -3,7 +3,8 @@
     python tools/make_sample_data.py      # rewrites raypack/assets/sample/
 
 chat.jsonl is what the embedded default fine-tune trains on: a few hundred conversations of about
-20 to 400 tokens. tokenized.parquet is the completion sample run through the bundled tokenizer,
+20 to 400 tokens. preference.jsonl is what the DPO quickstart (jobs/configs/dpo_quickstart.yaml)
+trains on: conversational (prompt, chosen, rejected) pairs in TRL's format. tokenized.parquet is the completion sample run through the bundled tokenizer,
 so it needs tools/make_tokenizer.py to have run first. Seeded, so the files come out the same.
 """
 
@@ -19,7 +20,7 @@ import pyarrow.parquet as pq
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from raypack.data.synthetic import make_examples  # noqa: E402
+from raypack.data.synthetic import make_examples, make_preference_examples  # noqa: E402
 
 
 def write_jsonl(path: Path, records: list[dict]) -> None:
@@ -39,6 +40,7 @@ def main() -> None:
     write_jsonl(out / "instruction.jsonl", make_examples("instruction", args.n, args.seed + 1, kind="flan", max_length=360))
     completions = make_examples("completion", args.n, args.seed + 2, kind="flan", max_length=360)
     write_jsonl(out / "completion.jsonl", completions)
+    write_jsonl(out / "preference.jsonl", make_preference_examples(args.n, args.seed + 3))
 
     from transformers import AutoTokenizer
 

@@ -72,8 +72,10 @@ def _load_lengths(path: str) -> np.ndarray:
 def run(args: argparse.Namespace) -> int:
     cfg = load(args.config, args.overrides)
     names = args.strategy or [cfg.pack.strategy]
+    # --lengths holds example lengths; a DPO config's own data holds (chosen, rejected) pairs
+    pairs = cfg.train.objective == "dpo" and not args.lengths
     if names == ["all"]:
-        names = list(STRATEGIES)
+        names = [n for n, s in STRATEGIES.items() if not (pairs and s.splits_examples)]
     for name in names:
         if "=" in name:  # --strategy takes every word after it
             raise ConfigError(f"--strategy {name}: looks like a dotted override; put overrides before --strategy")
@@ -89,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for i, name in enumerate(names):
         pack = cfg.pack if name == cfg.pack.strategy else _with_strategy(cfg, name)
-        plan = make_plan(lengths, pack, ranks, accum)
+        plan = make_plan(lengths, pack, ranks, accum, pairs=pairs)
         stats = plan.stats()
         optimizer_steps = plan.num_steps // accum
         stats["optimizer_steps"] = optimizer_steps
@@ -103,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows))
         return 0
-    print(f"{len(lengths)} examples, {int(np.sum(lengths))} tokens, budget {cfg.pack.budget}, {ranks} ranks x "
+    counted = f"{len(lengths) // 2} pairs ({len(lengths)} sequences)" if pairs else f"{len(lengths)} examples"
+    print(f"{counted}, {int(np.sum(lengths))} tokens, budget {cfg.pack.budget}, {ranks} ranks x "
           f"{accum} micro-steps per optimizer step, {cfg.train.epochs} epoch(s)"
           + (", a new plan per epoch" if cfg.pack.repack_each_epoch else ", a new step order per epoch"))
     if split > 1:

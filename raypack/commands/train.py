@@ -21,6 +21,7 @@ import sys
 from raypack import runs, storage
 from raypack.config import load
 from raypack.runs import absolute_paths, run_dir, saved_config
+from raypack.train.startup import describe
 from raypack.train.tracking import offline_runs
 from raypack.train.trainer import Outcome, start
 
@@ -47,6 +48,8 @@ def print_summary(outcome: Outcome) -> None:
     for key, value in outcome.metrics.items():
         if value is not None:
             print(f"  {key:<20} {value:.4f}" if isinstance(value, float) else f"  {key:<20} {value}")
+    if outcome.startup:
+        print(f"  {'start-up':<20} {describe(outcome.startup)}")
     print(f"  {'results':<20} {outcome.root}")
     if outcome.checkpoint:
         print(f"  {'checkpoint':<20} {outcome.checkpoint}  ({_holds(outcome.checkpoint)})")

@@ -37,10 +37,11 @@ from raypack.config.sections import (
     ASSETS, ASSETS_PREFIX, DataConfig, ModelConfig, PackConfig, PeftConfig, RunConfig, TokenizeConfig, TrainConfig,
     WandbConfig,
 )
+from raypack.config.dpo import DpoConfig, check_objective
 from raypack.config.sweep import AshaConfig, TuneConfig
 
 __all__ = [
-    "ASSETS", "ASSETS_PREFIX", "AshaConfig", "Config", "DataConfig", "ModelConfig", "PackConfig", "PeftConfig",
+    "ASSETS", "ASSETS_PREFIX", "AshaConfig", "Config", "DataConfig", "DpoConfig", "ModelConfig", "PackConfig", "PeftConfig",
     "RunConfig", "TokenizeConfig", "TrainConfig", "TuneConfig", "WandbConfig", "dumps", "load", "loads",
 ]  # fmt: skip
 
@@ -54,8 +55,10 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
 
     def __post_init__(self) -> None:
+        check_objective(self)  # train.objective: dpo and what it needs of the other sections
         # What one section can't check alone. QLoRA's 4-bit weights are bitsandbytes CUDA tensors,
         # and ZeRO-3 would partition them as if they were ordinary weights.
         if self.model.peft.method == "qlora":
@@ -67,6 +70,10 @@ class Config:
         # gathers in the recompute are not the forward's (seen: "_allgather_base_ ... not found in storage").
         _check(self.model.gradient_checkpointing != "selective" or self.train.zero_stage < 3,
                "model.gradient_checkpointing", "full, none or auto with train.zero_stage 3", "selective")
+
+        # train.precision bf16 keeps the weights in bf16: a float32 or float16 model can't.
+        _check(self.train.precision != "bf16" or self.model.dtype in ("auto", "bfloat16"), "model.dtype",
+               "auto or bfloat16 with train.precision: bf16", self.model.dtype)
 
     @property
     def max_length(self) -> int:

@@ -21,8 +21,9 @@ ASSETS_PREFIX = "raypack/assets/"
 class DataConfig:
     paths: tuple[str, ...] = (str(ASSETS / "sample" / "chat.jsonl"),)
     """JSONL, Parquet or `save_to_disk` folders; local paths or any URI Ray Data reads."""
-    format: Literal["auto", "chat", "instruction", "completion", "tokenized"] = "auto"
-    """Example format; `auto` detects it from the columns of each source."""
+    format: Literal["auto", "chat", "instruction", "completion", "tokenized", "preference"] = "auto"
+    """Example format; `auto` detects it from the columns of each source. `preference` rows
+    (prompt, chosen, rejected) train with `train.objective: dpo`."""
     on_bad_rows: Literal["error", "skip"] = "error"
     """`error` stops at the first bad row naming its file and line; `skip` counts and reports them."""
     max_dropped_fraction: float = 0.2
@@ -213,6 +214,13 @@ class TrainConfig:
     """ZeRO-3 parameter offload to CPU."""
     optimizer: Literal["torch", "deepspeed"] = "torch"
     """`torch` passes torch AdamW (fused on CUDA) and skips DeepSpeed's JIT op builds."""
+    precision: Literal["mixed", "bf16"] = "mixed"
+    """`mixed`: bf16 (or model.dtype's) weights and gradients, fp32 master weights and Adam moments
+    (16 bytes a trained parameter before ZeRO shards them). `bf16`: weights, master weights, gradients
+    and moments all in bf16, as a bf16-loaded model trains under TRL (DeepSpeed's
+    bf16_master_weights_and_grads and bf16_optimizer_states), updated by torch-optimi's AdamW with
+    Kahan compensation, so updates below half a bf16 ulp still add up (raypack/train/engine.py).
+    Needs model.dtype auto or bfloat16, ZeRO 1-3, the torch optimizer and no optimizer offload."""
     lr: float = 1e-3
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
@@ -231,12 +239,24 @@ class TrainConfig:
     """Stop after this many optimizer steps (None: run all epochs)."""
     seed: int = 0
     """Model init and dropout seed."""
-    report_every_steps: int = 10
-    """Optimizer steps between `ray.train.report` calls (it blocks, so never every step)."""
+    report_every_steps: int | None = None
+    """Optimizer steps between `ray.train.report` calls. null (the default): chosen at each report so
+    that reports cost under 1% of the training time, from the last report's and the steps' measured
+    times (ray.train.report blocks on a barrier through Ray Train's controller; raypack/train/metrics.py);
+    the first report comes at step 10. A number fixes it (a sweep ranking trials by eval_loss needs one)."""
     eval_every_steps: int = 0
     """Optimizer steps between evals; 0 evaluates only at the end."""
     checkpoint_every_steps: int = 0
     """Optimizer steps between checkpoints; 0 checkpoints only at the end."""
+    save_final: bool = True
+    """Checkpoint, with the Hugging Face model, at the last step. False ends the run without one, for
+    throughput measurements that keep nothing (benchmarks/peers.py); such a run, run again, trains
+    again from its last checkpoint, or from the start."""
+    overlap_start: bool = False
+    """Start the worker group as the data preparation starts (tokenize, plan, pack on the driver),
+    the workers waiting for the data (raypack/train/handoff.py), instead of one after the other. Both
+    are mostly CPU work: on 2 cores it measured no gain (benchmarks/startup.py); for machines with
+    cores to spare, where Ray Data doesn't need the CPUs the workers reserve."""
     max_failures: int = 1
     """Worker-group restarts from the last checkpoint before the run fails."""
     keep_checkpoints: int = 2
@@ -246,6 +266,9 @@ class TrainConfig:
     """On a cluster raypack joined: how long a start waits for room for its workers (an autoscaler
     adding nodes, other work finishing) before it stops with one line; null waits as long as it
     takes. Workers that the cluster's nodes and published node types can never hold stop it at once."""
+    objective: Literal["sft", "dpo"] = "sft"
+    """`sft`: cross-entropy on the label tokens; `dpo`: preference tuning on (prompt, chosen,
+    rejected) pairs, each pair packed whole in one row (the `dpo:` section, raypack/train/dpo.py)."""
     loss: Literal["chunked", "full", "liger"] = "chunked"
     """`chunked` computes the loss from the final hidden states a chunk of label tokens at a time and
     never holds the [tokens, vocab] logits (raypack/train/loss.py; a model it can't reproduce exactly
@@ -263,11 +286,21 @@ class TrainConfig:
     """Also log to MLflow (local file store under the storage path unless MLFLOW_TRACKING_URI is set)."""
 
     def __post_init__(self) -> None:
-        for name in ("num_workers", "grad_accum", "epochs", "report_every_steps", "keep_checkpoints"):
+        for name in ("num_workers", "grad_accum", "epochs", "keep_checkpoints"):
             _check(getattr(self, name) > 0, f"train.{name}", "a positive int", getattr(self, name))
         for name in ("warmup_steps", "eval_every_steps", "checkpoint_every_steps", "max_failures", "loss_chunk_tokens"):
             _check(getattr(self, name) >= 0, f"train.{name}", "an int >= 0", getattr(self, name))
         _check(self.max_steps is None or self.max_steps > 0, "train.max_steps", "a positive int or null", self.max_steps)
+        _check(self.report_every_steps is None or self.report_every_steps > 0, "train.report_every_steps",
+               "a positive int or null (chosen as the run goes)", self.report_every_steps)
+        if self.precision == "bf16":
+            # DeepSpeed keeps bf16 master weights only in a ZeRO optimizer (stage 1-3), and with
+            # optimizer offload only in its CPU Adam, which rounds every update to nearest.
+            _check(self.zero_stage > 0, "train.precision", "mixed with train.zero_stage 0 (bf16 master weights "
+                   "live in ZeRO's optimizer, stages 1-3)", self.precision)
+            _check(not self.offload_optimizer and self.optimizer == "torch", "train.precision",
+                   "mixed with train.offload_optimizer or train.optimizer: deepspeed (DeepSpeed's CPU Adam rounds "
+                   "bf16 updates to nearest and loses the small ones)", self.precision)
         _check(self.lr > 0, "train.lr", "a positive float", self.lr)
         _check(0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", "a float in [0, 1]", self.min_lr_ratio)
         _check(self.cpus_per_worker > 0, "train.cpus_per_worker", "a positive float", self.cpus_per_worker)

@@ -47,6 +47,11 @@ class TuneConfig:
     """Adapter ranks (`model.peft.r`) to sweep, with `model.peft.method` lora or qlora; empty keeps `model.peft.r`."""
     lora_rank_space: Literal["grid", "choice"] = "grid"
     """`grid` or `choice` over `lora_ranks`, as for strategies."""
+    dpo_betas: tuple[float, ...] = ()
+    """DPO's beta (`dpo.beta`) to sweep, with `train.objective: dpo`; empty keeps `dpo.beta`. Rank
+    such trials by eval_rewards/accuracies: their losses scale with beta and don't compare."""
+    dpo_beta_space: Literal["grid", "choice"] = "grid"
+    """`grid` or `choice` over `dpo_betas`, as for strategies."""
     num_samples: int = 1
     """Tune's num_samples: the grid runs this many times, and random dimensions are drawn this many
     times. Repeats of one grid point give the run-to-run spread (median and range in the table)."""
@@ -79,6 +84,7 @@ class TuneConfig:
         _check(all(b > 0 for b in self.budgets), "tune.budgets", "positive ints", self.budgets)
         _check(all(lr > 0 for lr in self.lrs), "tune.lrs", "positive numbers", self.lrs)
         _check(all(r > 0 for r in self.lora_ranks), "tune.lora_ranks", "positive ints", self.lora_ranks)
+        _check(all(b > 0 for b in self.dpo_betas), "tune.dpo_betas", "positive numbers", self.dpo_betas)
         if self.lr_space == "loguniform":
             _check(len(self.lrs) == 2 and self.lrs[0] < self.lrs[1], "tune.lrs",
                    "[low, high] with low < high for lr_space: loguniform", self.lrs)
@@ -88,6 +94,7 @@ class TuneConfig:
             # Optuna samples every dimension itself; Tune's grid_search is not one it can take.
             for name, values, space in (("strategy", self.strategies, self.strategy_space),
                                         ("budget", self.budgets, self.budget_space), ("lr", self.lrs, self.lr_space),
-                                        ("lora_rank", self.lora_ranks, self.lora_rank_space)):
+                                        ("lora_rank", self.lora_ranks, self.lora_rank_space),
+                                        ("dpo_beta", self.dpo_betas, self.dpo_beta_space)):
                 _check(len(values) <= 1 or space != "grid", f"tune.{name}_space",
                        "choice (or loguniform for lr) with search_alg: optuna, which cannot search a grid", space)

@@ -39,14 +39,16 @@ WINDOW_STEPS = 64
 """Most steps in one window (bounds how far a pack moves from its attention rank)."""
 
 
-def balanced_layout(packing: Packing, num_ranks: int, budget: int, seed: int) -> tuple[Packing, np.ndarray]:
+def balanced_layout(packing: Packing, num_ranks: int, budget: int, seed: int,
+                    cost: np.ndarray | None = None) -> tuple[Packing, np.ndarray]:
     """The packing with its remainder dissolved into one even step, and the cell
-    (step * num_ranks + rank) of every pack."""
+    (step * num_ranks + rank) of every pack. `cost`: each piece's attention cost, where it is
+    not its length squared (a preference pair's two sequences, raypack/data/pairs.py)."""
     packing, tail = dissolve_remainder(packing, num_ranks, budget)
     n = packing.num_packs
     size = (packing.end - packing.start).astype(np.float64)
     tokens = np.bincount(packing.pack, weights=size, minlength=n)
-    attention = np.bincount(packing.pack, weights=size * size, minlength=n)
+    attention = np.bincount(packing.pack, weights=size * size if cost is None else cost, minlength=n)
     rest = np.ones(n, dtype=bool)
     rest[tail] = False
     ids = np.flatnonzero(rest)

@@ -16,6 +16,9 @@ Per example (labels are NOT shifted: labels[i] is the target of token i, the mod
                  + output; loss on the output (`completion`/`assistant`) or everywhere (`all`)
     completion   prompt + completion, tokenized apart so masking is exact at the seam
     tokenized    passed through; labels default to input_ids (stored as null, see labels_list)
+    preference   two rows a pair, prompt + chosen and prompt + rejected, tokenized as TRL's
+                 DPOTrainer does; loss on the completions (raypack/data/pairs.py says how, and
+                 how the over-length policy treats a pair)
 
 EOS is appended once to text formats (not when the text already ends with it, as Phi-3's template
 does) and, appended or not, carries loss when the example ends with supervised text (always,
@@ -42,6 +45,7 @@ from transformers import AutoTokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from raypack.data.formats import IGNORE_INDEX
+from raypack.data.pairs import CHOSEN, REJECTED, Pair, fit_pair, tokenize_pairs
 from raypack.data.turns import TurnError, TurnLocator
 from raypack.errors import InputError
 
@@ -183,6 +187,12 @@ class Encoder:
                 encoded = self.encode_chat(sub["messages"].to_pylist())
             elif fmt == "completion":
                 encoded = self.encode_pairs(sub["prompt"].to_pylist(), sub["completion"].to_pylist())
+            elif fmt == "preference":
+                columns = sub.select(["prompt", "chosen", "rejected", "prompt_messages", "chosen_messages",
+                                      "rejected_messages"]).to_pydict()
+                if any(m is not None for m in columns["chosen_messages"]):
+                    check_chat_template(self.tok, self.name)
+                encoded = tokenize_pairs(self.tok, columns)
             elif fmt == "instruction":
                 prompts = [
                     f"### Instruction:\n{ins}\n\n" + (f"### Input:\n{inp}\n\n" if inp else "") + "### Response:\n"
@@ -214,7 +224,16 @@ class Encoder:
                 return table
         ids_out, labels_out, eids, flags, source = [], [], [], [], []
         L = self.max_length
-        for eid, (ids, labels) in zip(batch["example_id"].to_pylist(), self.encode(batch)):
+        for eid, encoded in zip(batch["example_id"].to_pylist(), self.encode(batch)):
+            if isinstance(encoded, Pair):
+                for i, lab, piece, flag, whole in self._pair_rows(encoded):
+                    ids_out.append(i)
+                    labels_out.append(lab)
+                    eids.append(eid + piece)
+                    flags.append(flag)
+                    source.append(whole)
+                continue
+            ids, labels = encoded
             n = len(ids)
             whole = int((labels[1:] != IGNORE_INDEX).sum())
             if n <= L:
@@ -235,6 +254,33 @@ class Encoder:
                 flags.append(flag)
                 source.append(whole if k == 0 else 0)
         return _table(eids, ids_out, labels_out, flags, source)
+
+    def _pair_rows(self, pair: Pair):
+        """(ids, labels, piece, flag, source label tokens) of a pair's rows: chosen and rejected,
+        cut to fit `max_length` together or dropped as one (a single flagged row, as `drop` leaves
+        for any example); a pair of which either side has no label token the loss sees is
+        dropped whole (both rows counted as no label tokens)."""
+        rows = []
+        for piece, seq in ((CHOSEN, pair.chosen), (REJECTED, pair.rejected)):
+            ids = np.asarray(seq, dtype=np.int32)
+            labels = ids.copy()
+            labels[: pair.prompt] = IGNORE_INDEX
+            rows.append([ids, labels, piece])
+        whole = sum(int((lab[1:] != IGNORE_INDEX).sum()) for _, lab, _ in rows)
+        cut = fit_pair(len(pair.chosen), len(pair.rejected), pair.prompt, self.max_length)
+        if cut == (0, len(pair.chosen), len(pair.rejected)):
+            flag = OK
+        elif self.overlength == "truncate" and cut is not None:
+            drop, c_len, r_len = cut
+            for row, n in zip(rows, (c_len, r_len)):
+                row[0], row[1] = row[0][drop: drop + n], row[1][drop: drop + n]
+            flag = TRUNCATED
+        else:  # drop (split is refused for pairs at load), or nothing of the pair fits
+            return [(rows[0][0][:0], rows[0][1][:0], CHOSEN, DROPPED, whole)]
+        if any((lab[1:] == IGNORE_INDEX).all() for _, lab, _ in rows):
+            for row in rows:  # no pair without both completions: both rows trainless, dropped together
+                row[1] = np.full(len(row[1]), IGNORE_INDEX, np.int32)
+        return [(ids, lab, piece, flag, whole if piece == CHOSEN else 0) for ids, lab, piece in rows]
 
     def _tokenized_table(self, batch: pa.Table) -> pa.Table | None:
         """encode_table for pre-tokenized rows, column-wise: what the per-row path does, without a
@@ -286,7 +332,7 @@ def counts(table: pa.Table) -> dict:
             for flag_name, f in (("over_length", DROPPED), ("truncated", TRUNCATED), ("split", SPLIT))}
     return {
         "dropped": int((flag == DROPPED).sum()),
-        "truncated": int((flag == TRUNCATED).sum()),
+        "truncated": int(((flag == TRUNCATED) & first_piece).sum()),  # a truncated pair: one example
         "split": int(((flag == SPLIT) & first_piece).sum()),
         "pieces": int((flag == SPLIT).sum()),
         "no_labels": int(unsupervised.sum()),

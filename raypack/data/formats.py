@@ -1,9 +1,14 @@
-"""The four example formats: which one a source holds, and whether a record is a valid example.
+"""The example formats: which one a source holds, and whether a record is a valid example.
 
     chat         {"messages": [{"role": "system" | "user" | "assistant", "content": str}, ...]}
     instruction  {"instruction": str, "input": str (optional), "output": str}
     completion   {"prompt": str, "completion": str}
     tokenized    {"input_ids": [int >= 0, ...], "labels": [int, ...] (optional, same length)}
+    preference   {"prompt": str, "chosen": str, "rejected": str}, or the three as chat messages
+                 (a conversation, then the chosen and the rejected assistant turns), as TRL's
+                 preference datasets hold them; without `prompt`, the shared start of chosen and
+                 rejected is the prompt (TRL's implicit prompt, `preference_record`). Only
+                 `train.objective: dpo` trains on it (raypack/data/pairs.py).
 
 A source holds one format: with `data.format: auto` the first record (a JSONL file) or the
 columns (Parquet, Arrow) pick it, and a later record of another format is an error that says so.
@@ -47,6 +52,8 @@ def detect(keys, declared: str, where: str) -> str:
     """The format of a source whose records have the fields `keys` (or `declared`, if not auto)."""
     if declared != "auto":
         return declared
+    if "chosen" in keys and "rejected" in keys:
+        return "preference"
     if "messages" in keys:
         return "chat"
     if "input_ids" in keys:
@@ -57,7 +64,8 @@ def detect(keys, declared: str, where: str) -> str:
         return "completion"
     raise FormatError(
         f"{where}: can't tell the format from the fields {sorted(keys)}; expected `messages` (chat), "
-        "`instruction`/`input`/`output`, `prompt`/`completion` or `input_ids` (+ `labels`), or set data.format"
+        "`instruction`/`input`/`output`, `prompt`/`completion`, `input_ids` (+ `labels`) or `chosen`/`rejected` "
+        "(+ `prompt`), or set data.format"
     )
 
 
@@ -97,6 +105,68 @@ def validate(rec: Any, fmt: str, vocab_size: int | None = None, detected: str = 
         raise
 
 
+def _messages(messages: Any, key: str) -> list[dict[str, str]]:
+    """A list of chat messages, each {role, content} with a known role and string content."""
+    if not isinstance(messages, (list, tuple)):
+        raise FormatError(f"`{key}` must be a list, got {type(messages).__name__}")
+    out = []
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise FormatError(f"{key}[{j}] must be an object with role and content, got {type(m).__name__}")
+        role = m.get("role")
+        if role not in ROLES:
+            raise FormatError(f"{key}[{j}]: unknown role {role!r}; expected one of {', '.join(ROLES)}")
+        content = m.get("content")
+        if not isinstance(content, str):
+            raise FormatError(f"{key}[{j}]: content must be a string, got {type(content).__name__}")
+        out.append({"role": role, "content": content})
+    return out
+
+
+PREFERENCE_KEYS = ("prompt", "chosen", "rejected")
+
+
+def preference_record(rec: dict[str, Any]) -> dict[str, Any]:
+    """A preference row normalized: standard (`prompt`, `chosen`, `rejected`: strings) or
+    conversational (`prompt_messages`, `chosen_messages`, `rejected_messages`). Without a prompt,
+    the shared start of chosen and rejected becomes it, as TRL's `extract_prompt` cuts it (whole
+    messages; for strings, before the space that starts the first difference)."""
+    values = {k: rec.get(k) for k in PREFERENCE_KEYS}
+    for key in ("chosen", "rejected"):
+        if values[key] is None:
+            raise FormatError(f"missing field `{key}` (preference format)")
+    conversational = isinstance(values["chosen"], (list, tuple))
+    for key, value in values.items():
+        if value is None:
+            continue
+        if conversational != isinstance(value, (list, tuple)) or not (conversational or isinstance(value, str)):
+            want = "a list of messages, as `chosen` is" if conversational else "a string, as `chosen` is"
+            raise FormatError(f"field `{key}` must be {want}, got {type(value).__name__}")
+    if conversational:
+        values = {k: None if v is None else _messages(v, k) for k, v in values.items()}
+    if values["prompt"] is None:
+        values = _extract_prompt(values["chosen"], values["rejected"])
+    if values["chosen"] == values["rejected"]:
+        raise FormatError("`chosen` and `rejected` are the same completion: the pair prefers nothing")
+    if conversational:
+        for key in ("chosen", "rejected"):
+            if not values[key]:
+                raise FormatError(f"`{key}` holds no message after the prompt")
+        return {f"{k}_messages": values[k] for k in PREFERENCE_KEYS}
+    return dict(values)
+
+
+def _extract_prompt(chosen, rejected) -> dict[str, Any]:
+    """TRL's `extract_prompt` (trl/data_utils.py), so that a pair splits where TRL splits it."""
+    idx = 0
+    for idx in range(min(len(chosen), len(rejected))):
+        if chosen[idx] != rejected[idx]:
+            if chosen[idx - 1] == " ":  # remove space before the prompt
+                idx -= 1
+            break
+    return {"prompt": chosen[:idx], "chosen": chosen[idx:], "rejected": rejected[idx:]}
+
+
 def _a(fmt: str) -> str:
     return f"{'an' if fmt[0] in 'aeiou' else 'a'} {fmt}"
 
@@ -108,22 +178,11 @@ def _validate(rec: Any, fmt: str, vocab_size: int | None) -> dict[str, Any]:
         messages = rec.get("messages")
         if messages is None:
             raise FormatError("missing field `messages` (chat format)")
-        if not isinstance(messages, (list, tuple)):
-            raise FormatError(f"`messages` must be a list, got {type(messages).__name__}")
-        if len(messages) == 0:
+        if len(out := _messages(messages, "messages")) == 0:
             raise FormatError("empty conversation (`messages` is [])")
-        out = []
-        for j, m in enumerate(messages):
-            if not isinstance(m, dict):
-                raise FormatError(f"messages[{j}] must be an object with role and content, got {type(m).__name__}")
-            role = m.get("role")
-            if role not in ROLES:
-                raise FormatError(f"messages[{j}]: unknown role {role!r}; expected one of {', '.join(ROLES)}")
-            content = m.get("content")
-            if not isinstance(content, str):
-                raise FormatError(f"messages[{j}]: content must be a string, got {type(content).__name__}")
-            out.append({"role": role, "content": content})
         return {"messages": out}
+    if fmt == "preference":
+        return preference_record(rec)
     if fmt == "instruction":
         return {
             "instruction": _string(rec, "instruction", fmt),

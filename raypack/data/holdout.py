@@ -73,4 +73,7 @@ def held_out_line(ids: np.ndarray, held_out: np.ndarray, cfg: Config) -> str:
         why = f"{setting}, capped by data.eval_max_examples={d.eval_max_examples}"
     else:
         why = setting
-    return f"[raypack] held out {n:,} of {total:,} examples for eval ({why})"
+    what = "examples"
+    if cfg.train.objective == "dpo":  # a preference pair is two rows, held out together
+        n, total, what = n // 2, total // 2, "pairs"
+    return f"[raypack] held out {n:,} of {total:,} {what} for eval ({why})"

@@ -36,6 +36,7 @@ from raypack.data.fingerprint import recorded
 from raypack.data.holdout import held_out_line, held_out_mask
 from raypack.data.listing import Sources
 from raypack.data.pack import materialize
+from raypack.data.pairs import check_pair_ids
 from raypack.data.plan import Plan
 from raypack.data.shards import Prepared, group_steps_for
 from raypack.data.strategies import make_plan
@@ -131,7 +132,10 @@ def _pack(rows, lengths, ids, cfg: Config, num_ranks: int, out_dir: str,
     """Plan `lengths` and write the rows under `out_dir`: (plan, its stats, label tokens per rank).
     `rows`: (the tokenized Parquet files, which of their examples: see `pack.route_file`)."""
     accum = cfg.train.grad_accum
-    plan = make_plan(lengths, cfg.pack, num_ranks, accum, epoch=epoch)
+    pairs = cfg.train.objective == "dpo"
+    if pairs:
+        check_pair_ids(ids)
+    plan = make_plan(lengths, cfg.pack, num_ranks, accum, epoch=epoch, pairs=pairs)
     stats = plan.stats()
     stats["packing_efficiency"] = stats.pop("efficiency")
     files, select = rows

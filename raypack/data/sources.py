@@ -41,16 +41,22 @@ from raypack.errors import SourceError
 from raypack.storage import resolve  # local paths and s3://, gs:// URIs through one pyarrow filesystem
 
 FILE_SHIFT, ROW_SHIFT = 42, 10
+_MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 SCHEMA = pa.schema(
     [
         ("example_id", pa.int64()),
         ("format", pa.string()),
-        ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("messages", _MESSAGES),
         ("instruction", pa.string()),
         ("input", pa.string()),
         ("output", pa.string()),
         ("prompt", pa.string()),
         ("completion", pa.string()),
+        ("chosen", pa.string()),
+        ("rejected", pa.string()),
+        ("prompt_messages", _MESSAGES),
+        ("chosen_messages", _MESSAGES),
+        ("rejected_messages", _MESSAGES),
         ("input_ids", pa.list_(pa.int32())),
         ("labels", pa.list_(pa.int32())),
         ("error", pa.string()),

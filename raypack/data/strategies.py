@@ -43,6 +43,7 @@ import numpy as np
 from raypack.config import Config, PackConfig
 from raypack.data import binpack
 from raypack.data.balance import balanced_layout
+from raypack.data.pairs import plan_pairs
 from raypack.data.plan import Packing, Plan, check_lengths, even_out, fold_accumulation, place
 from raypack.errors import ConfigError
 
@@ -79,9 +80,10 @@ class Strategy:
         """The generator of one random choice (`stream`), seeded by (seed, stream[, epoch])."""
         return np.random.default_rng([self.seed, stream] + ([self.epoch] if self.epoch else []))
 
-    def layout(self, packing: Packing, num_ranks: int) -> tuple[Packing, np.ndarray]:
+    def layout(self, packing: Packing, num_ranks: int, attention: np.ndarray | None = None) -> tuple[Packing, np.ndarray]:
         """Even the pack count out over the ranks (plan.even_out) and give every pack its cell
-        (step * num_ranks + rank); the default cell order is a seeded shuffle."""
+        (step * num_ranks + rank); the default cell order is a seeded shuffle. `attention`: each
+        piece's attention cost, where it is not its length squared (a pair: raypack/data/pairs.py)."""
         packing = even_out(packing, num_ranks)
         return packing, self.rng(1).permutation(packing.num_packs)
 
@@ -227,8 +229,8 @@ class Balanced(BFD):
 
     name: ClassVar[str] = "balanced"
 
-    def layout(self, packing: Packing, num_ranks: int) -> tuple[Packing, np.ndarray]:
-        return balanced_layout(packing, num_ranks, self.budget, self.seed)
+    def layout(self, packing: Packing, num_ranks: int, attention: np.ndarray | None = None) -> tuple[Packing, np.ndarray]:
+        return balanced_layout(packing, num_ranks, self.budget, self.seed, attention)
 
 
 STRATEGIES: dict[str, type[Strategy]] = {
@@ -253,6 +255,10 @@ def check_strategies(cfg: Config, source: str = "") -> None:
         for name in cfg.tune.strategies:
             check_strategy_name(name, "tune.strategies")
         check_split(cfg.pack.strategy, cfg.train.sequence_parallel, "pack.strategy")
+        if cfg.train.objective == "dpo":
+            check_pairs(cfg.pack.strategy, "pack.strategy")
+            for name in cfg.tune.strategies:
+                check_pairs(name, "tune.strategies")
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}" if source else str(e)) from None
 
@@ -264,6 +270,17 @@ def check_split(name: str, sequence_parallel: int, field: str = "pack.strategy")
         raise ConfigError(
             f"{field}: {name} pads one example a row and runs the model's own attention, which "
             f"train.sequence_parallel={sequence_parallel} can't split; use a packed strategy"
+        )
+
+
+def check_pairs(name: str, field: str = "pack.strategy") -> None:
+    """ConfigError for a strategy that cuts examples into pieces under train.objective: dpo,
+    whose pairs must stay whole in one row (raypack/data/pairs.py)."""
+    if STRATEGIES[name].splits_examples:
+        whole = ", ".join(n for n, s in STRATEGIES.items() if not s.splits_examples)
+        raise ConfigError(
+            f"{field}: {name} cuts examples into pieces at row ends, which would split a preference pair's "
+            f"sequences (train.objective: dpo needs both in one row); use one of {whole}"
         )
 
 
@@ -295,13 +312,21 @@ def from_config(cfg: PackConfig, name: str | None = None, epoch: int = 0) -> Str
                         epoch=epoch)
 
 
-def make_plan(lengths: np.ndarray, cfg: PackConfig, num_ranks: int, accum: int = 1, epoch: int = 0) -> Plan:
+def make_plan(lengths: np.ndarray, cfg: PackConfig, num_ranks: int, accum: int = 1, epoch: int = 0,
+              pairs: bool = False) -> Plan:
     """The plan training uses for `cfg` over `lengths` on `num_ranks` ranks with `accum` micro-steps
     per optimizer step: planned over num_ranks x accum virtual ranks, so every optimizer step's
-    packs are balanced together, then folded (plan.fold_accumulation). `epoch` as in from_config."""
+    packs are balanced together, then folded (plan.fold_accumulation). `epoch` as in from_config.
+    `pairs`: `lengths` are preference pairs' (chosen, rejected) lengths, each pair one item whose
+    two sequences share a pack (raypack/data/pairs.py)."""
     if accum <= 0:
         raise ValueError(f"accum must be positive, got {accum}")
     t0 = time.perf_counter()
-    plan = from_config(cfg, epoch=epoch).plan(np.asarray(lengths), num_ranks * accum)
+    strategy = from_config(cfg, epoch=epoch)
+    if pairs:
+        check_pairs(strategy.name)
+        plan = plan_pairs(strategy, np.asarray(lengths), num_ranks * accum)
+    else:
+        plan = strategy.plan(np.asarray(lengths), num_ranks * accum)
     plan = fold_accumulation(plan, num_ranks, accum)
     return dataclasses.replace(plan, seconds=time.perf_counter() - t0)

@@ -136,3 +136,25 @@ def make_examples(fmt: str, n: int, seed: int = 0, kind: str | None = None, max_
             else:
                 records.append({"prompt": _text(rng, prompt_words), "completion": " " + _text(rng, answer_words)})
     return records
+
+
+def make_preference_examples(n: int, seed: int = 0, max_words: int = 60) -> list[dict]:
+    """`n` conversational preference pairs ({"prompt", "chosen", "rejected"}, TRL's format) with a
+    signal a tiny model can learn in minutes: the chosen answer is drawn from one half of the word
+    list and the rejected one from the other, at similar lengths, so a model that learns the
+    preference generalizes it to held-out pairs (the DPO quickstart's eval accuracy)."""
+    rng = np.random.default_rng(seed)
+    half = len(_WORDS) // 2
+    preferred, other = _WORDS[:half], _WORDS[half:]
+
+    def answer(words: tuple[str, ...], k: int) -> str:
+        return " ".join(words[i] for i in rng.choice(len(words), size=k)) + "."
+
+    records = []
+    for _ in range(n):
+        prompt = [{"role": "user", "content": _text(rng, int(rng.integers(4, max_words)))}]
+        k = int(rng.integers(3, max_words))
+        chosen, rejected = answer(preferred, k), answer(other, max(1, k + int(rng.integers(-3, 4))))
+        records.append({"prompt": prompt, "chosen": [{"role": "assistant", "content": chosen}],
+                        "rejected": [{"role": "assistant", "content": rejected}]})
+    return records

@@ -135,6 +135,13 @@ def frozen_digest(model: nn.Module) -> int:
     return tensor_digest(_held(p) for _, p in _frozen(model))
 
 
+def weights_digest(model: nn.Module, frozen_only: bool = False) -> int:
+    """`frozen_digest` over every weight of this rank (or the frozen ones alone): what identifies
+    the starting weights of a DPO reference (raypack/train/dpo_reference.py)."""
+    params = _frozen(model) if frozen_only else sorted(model.named_parameters(), key=lambda item: item[0])
+    return tensor_digest(_held(p) for _, p in params)
+
+
 def _held(p: nn.Parameter) -> torch.Tensor:
     """The values of `p` this rank holds: all of them, or under ZeRO-3 its slice of the flattened
     tensor without the padding DeepSpeed adds to the last slices (left uninitialized, so it would

@@ -97,3 +97,90 @@ def _loss_only(hidden, weight, bias, targets, chunk: int, transform: Transform) 
         logits = transform(F.linear(hidden[start : start + chunk], weight, bias))
         total += F.cross_entropy(logits.float(), targets[start : start + chunk], reduction="sum")
     return total
+
+
+# --- per-sequence log-probabilities, for losses over whole sequences (DPO) -------------------------
+
+
+def chunked_sequence_objective(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                               targets: torch.Tensor, sequence: torch.Tensor, num_sequences: int, chunk: int,
+                               transform: Transform, objective: Callable[[torch.Tensor], torch.Tensor],
+                               sums_out: list | None = None) -> torch.Tensor:
+    """objective(S) (an fp32 scalar), where S[k] = Σ log p(target_i) over the rows i of `hidden`
+    whose `sequence[i]` is k, computed a chunk of rows at a time like `chunked_cross_entropy`.
+
+    The objective of a whole sequence's log-probability (a DPO pair's loss) is not a sum over
+    tokens, so its gradients take two passes over the chunks: the first finds S (no gradients),
+    then dL/dS is taken on the small objective, and the second takes each chunk's gradients with
+    its tokens weighted by dL/dS of their sequence. Both inside the forward, held until backward
+    scales them, as for the cross-entropy: one more pass of the head's forward matmul, the same
+    O(chunk x vocab) memory. `sums_out`, when given, receives S (detached)."""
+    needs = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    if needs:
+        loss, sums = _ChunkedSequenceObjective.apply(hidden, weight, bias, targets, sequence, num_sequences, chunk,
+                                                     transform, objective)
+    else:
+        sums = _sequence_sums(hidden, weight, bias, targets, sequence, num_sequences, chunk, transform)
+        loss = objective(sums).float()
+    if sums_out is not None:
+        sums_out.append(sums.detach())
+    return loss
+
+
+def _token_logps(h, weight, bias, targets, transform: Transform) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = F.linear(h, weight, bias)
+    return logits, -F.cross_entropy(transform(logits).float(), targets, reduction="none")
+
+
+def _sequence_sums(hidden, weight, bias, targets, sequence, num_sequences: int, chunk: int,
+                   transform: Transform) -> torch.Tensor:
+    sums = torch.zeros(num_sequences, dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk):
+        end = min(start + chunk, hidden.shape[0])
+        _, logps = _token_logps(hidden[start:end], weight, bias, targets[start:end], transform)
+        sums.index_add_(0, sequence[start:end], logps)
+    return sums
+
+
+class _ChunkedSequenceObjective(torch.autograd.Function):
+    """objective(per-sequence log-prob sums), with the gradients taken in forward (two passes)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, sequence, num_sequences: int, chunk: int, transform: Transform,
+                objective):
+        with torch.no_grad():
+            sums = _sequence_sums(hidden, weight, bias, targets, sequence, num_sequences, chunk, transform)
+        with torch.enable_grad():
+            s = sums.clone().requires_grad_()
+            loss = objective(s).float()
+            (weights,) = torch.autograd.grad(loss, s, allow_unused=True)
+        weights = torch.zeros_like(sums) if weights is None else weights
+        needs = ctx.needs_input_grad[:3]
+        grads = [
+            torch.empty_like(hidden) if needs[0] else None,
+            torch.zeros(weight.shape, dtype=_accum_dtype(weight), device=weight.device) if needs[1] else None,
+            torch.zeros(bias.shape, dtype=_accum_dtype(bias), device=bias.device) if needs[2] else None,
+        ]
+        for start in range(0, hidden.shape[0], chunk):
+            end = min(start + chunk, hidden.shape[0])
+            h = hidden[start:end]
+            with torch.enable_grad():
+                logits = F.linear(h, weight, bias).detach().requires_grad_()
+                logps = -F.cross_entropy(transform(logits).float(), targets[start:end], reduction="none")
+                (dlogits,) = torch.autograd.grad((logps * weights[sequence[start:end]]).sum(), logits)
+            if needs[0]:
+                torch.mm(dlogits, weight, out=grads[0][start:end])
+            if needs[1]:
+                _add_matmul(grads[1], dlogits.t(), h)
+            if needs[2]:
+                grads[2] += dlogits.sum(0, dtype=grads[2].dtype)
+        ctx.grads = grads
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        ctx.mark_non_differentiable(sums)
+        return loss.detach(), sums
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_sums):
+        out = [None if g is None else g.mul_(grad_out).to(dtype) for g, dtype in zip(ctx.grads, ctx.dtypes)]
+        ctx.grads = None
+        return (*out, None, None, None, None, None, None)

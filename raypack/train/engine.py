@@ -1,5 +1,28 @@
 """DeepSpeed config and engine: one place where the JSON presets meet the typed config.
 
+A lean step: every DeepSpeed setting that costs time and buys nothing is off (read in DeepSpeed
+0.19.8's engine.py, utils/timer.py and runtime/zero/stage_1_and_2.py):
+- `bf16.check_grad_overflow` (on by default): before every optimizer step it tests each gradient
+  for inf/NaN, all-reduces the answer and reads it on the host (`.item()`: the host waits for the
+  whole backward), to skip the step. bf16 has fp32's exponent range and no loss scale to lower, so
+  raypack turns it off and reads the gradient norm a step late instead: a non-finite one stops the
+  run before any checkpoint holds its weights (raypack/train/stepvalues.py). fp16 keeps it.
+- `timers.throughput` (on and synchronized by default, apart from `wall_clock_breakdown`):
+  synchronizes the device at every forward and every `engine.step()` from the third step on.
+- `zero_optimization.overlap_comm` on one rank: it buys nothing (there is no communication to
+  overlap) and synchronizes the device at the end of every backward (ZeRO 1-2's epilogue), on top
+  of a second reduce bucket. With many ranks the preset's choice stands.
+The reduce bucket still carries one rank's gradients (copied in, "reduced" over a group of one,
+copied into the partition): its size only sets how many such flushes a step takes, each a few
+launches, and costs 2 bytes an element, so the preset's size stands.
+
+Precision (`train.precision`): `mixed` keeps fp32 master weights and Adam moments; `bf16` asks
+DeepSpeed for bf16 master weights, gradients and moments (`bf16_master_weights_and_grads`,
+`bf16_optimizer_states`) and passes torch-optimi's AdamW with Kahan summation: each parameter's
+compensation buffer (bf16) keeps the part of an update that rounding to bf16 lost, so a run of
+updates below half an ulp still moves the weight, where plain bf16 AdamW (TRL on a bf16 model)
+drops them.
+
 A preset under raypack/configs/deepspeed/ holds what a cluster operator tunes (bucket sizes, overlap,
 offload devices). The typed `TrainConfig` then overwrites every key it owns, so no value is left
 as "auto" for DeepSpeed and Ray to resolve differently. The presets are package data: a name such
@@ -16,9 +39,14 @@ import deepspeed
 import torch
 
 from raypack.config import TrainConfig
+from raypack.model.build import resolve_dtype
 from raypack.train.presets import PRESETS, find_auto, load_preset
 
-__all__ = ["PRESETS", "deepspeed_config", "load_preset", "lr_lambda", "setup_engine"]
+__all__ = ["PRESETS", "deepspeed_config", "load_preset", "lr_lambda", "make_optimizer", "model_dtype", "setup_engine",
+           "skip_shm_build"]
+
+BETAS = (0.9, 0.95)
+EPS = 1e-8
 
 
 def deepspeed_config(cfg: TrainConfig, *, dtype: torch.dtype, world_size: int) -> dict[str, Any]:
@@ -43,14 +71,22 @@ def deepspeed_config(cfg: TrainConfig, *, dtype: torch.dtype, world_size: int) -
     ds["train_batch_size"] = cfg.grad_accum * world_size
     ds["gradient_clipping"] = cfg.grad_clip
     ds["bf16"] = {"enabled": dtype == torch.bfloat16}
+    if dtype == torch.bfloat16:
+        ds["bf16"]["check_grad_overflow"] = False  # see the module doc
+        if cfg.precision == "bf16":
+            ds["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+            ds["zero_allow_untested_optimizer"] = True  # torch-optimi's AdamW (ZeRO knows torch's by type)
     ds["fp16"] = {"enabled": dtype == torch.float16}
     ds["steps_per_print"] = 10**9  # raypack prints its own progress line
     ds["wall_clock_breakdown"] = False
+    ds["timers"] = {"throughput": {"enabled": False}}  # its device syncs: see the module doc
+    if world_size == 1 and cfg.zero_stage in (1, 2):
+        zero["overlap_comm"] = False  # nothing to overlap on one rank, and a sync per backward
     if cfg.optimizer == "deepspeed" or cfg.offload_optimizer:
         # DeepSpeed's own (CPU-)Adam: needed for optimizer offload; JIT-builds on first use.
         ds["optimizer"] = {
             "type": "AdamW",
-            "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "betas": [0.9, 0.95], "eps": 1e-8},
+            "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "betas": list(BETAS), "eps": EPS},
         }
     else:
         ds.pop("optimizer", None)
@@ -58,6 +94,23 @@ def deepspeed_config(cfg: TrainConfig, *, dtype: torch.dtype, world_size: int) -
     if auto := find_auto(ds):
         raise ValueError(f"DeepSpeed config key {auto} is still 'auto'; set it in the preset or the typed config")
     return ds
+
+
+def model_dtype(cfg: TrainConfig, dtype: str) -> torch.dtype:
+    """The weights' dtype: model.dtype's, or bf16 for train.precision bf16 (the config refuses another)."""
+    return torch.bfloat16 if cfg.precision == "bf16" else resolve_dtype(dtype)
+
+
+def make_optimizer(groups: list[dict[str, Any]], cfg: TrainConfig) -> torch.optim.Optimizer:
+    """raypack's AdamW for `groups`: torch's (fused on CUDA), or torch-optimi's with Kahan summation
+    for train.precision bf16 (DeepSpeed hands it its bf16 master partitions)."""
+    if cfg.precision == "bf16":
+        import optimi
+
+        # foreach on the CPU; its Triton kernel where CUDA and Triton are (optimi's own choice)
+        return optimi.AdamW(groups, lr=cfg.lr, betas=BETAS, eps=EPS, weight_decay=cfg.weight_decay, kahan_sum=True,
+                            triton=None if torch.cuda.is_available() else False)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=BETAS, eps=EPS, fused=torch.cuda.is_available())
 
 
 def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
@@ -68,8 +121,28 @@ def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+SHM_OP = "deepspeed_shm_comm"
+
+
+def skip_shm_build() -> None:
+    """Start-up: DeepSpeed's communication backend builds, on the CPU, a shared-memory all-reduce
+    (a JIT C++ build: 60-110 s on 2 cores the first time, and again for every new venv or extension
+    folder), after probing every op's compiler. Only `inference_all_reduce` uses it, and training
+    never calls that. DeepSpeed keeps the compatibility table it reads as a dict meant for edits
+    (deepspeed/ops/__init__.py): marking the op unavailable skips the probe and the build. Call it
+    before DeepSpeed starts its backend (deepspeed.initialize, init_distributed)."""
+    import deepspeed.ops
+
+    table = vars(deepspeed.ops).get("__compatible_ops__")
+    if table is None:
+        deepspeed.ops.__compatible_ops__ = {SHM_OP: False}
+    else:
+        table[SHM_OP] = False
+
+
 def setup_engine(model: torch.nn.Module, cfg: TrainConfig, *, dtype: torch.dtype, world_size: int, total_steps: int):
     """`deepspeed.initialize` with raypack's optimizer and schedule. Returns (engine, scheduler)."""
+    skip_shm_build()
     ds_config = deepspeed_config(cfg, dtype=dtype, world_size=world_size)
     optimizer = None
     if "optimizer" not in ds_config:
@@ -77,9 +150,7 @@ def setup_engine(model: torch.nn.Module, cfg: TrainConfig, *, dtype: torch.dtype
         decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
         no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim < 2]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW(
-            groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=torch.cuda.is_available()
-        )
+        optimizer = make_optimizer(groups, cfg)
 
     def schedule(opt):
         return torch.optim.lr_scheduler.LambdaLR(

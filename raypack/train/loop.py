@@ -19,15 +19,16 @@ A step with N = 0 (no rank has a label token: rare, since examples without one a
 packing) is logged and skipped, with no forward, backward or update, never averaged in as 0.
 
 Data: a background thread reads, collates and pins the next step's micro-batches while this one
-computes (raypack/train/prefetch.py). Each step reads N on the host once, while the device is idle
-between steps, and syncs once at its end, which times the compute and reads the step's loss.
+computes (raypack/train/prefetch.py). The step never waits for the device: N is a host number
+(summed over the ranks on the host), and the step's loss, gradient norm and device time are read
+after the next step is enqueued (raypack/train/stepvalues.py), or before a report or checkpoint.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import deepspeed
@@ -41,31 +42,39 @@ from raypack.data.collate import move_batch
 from raypack.data.encode import load_tokenizer
 from raypack.data.shards import Prepared, iter_epoch_packs, iter_rank_packs
 from raypack.model.adapters import apply_adapters, frozen_digest, quantization_config, trainable_summary
-from raypack.model.build import load_model, resolve_dtype
+from raypack.model.build import load_model
 from raypack.model.checkpointing import check_selective
 from raypack.model.kernels import (apply_kernels, check_compiled, checkpoint_offload, compile_layers, compiled_graphs,
                                    tile_mlps)
 from raypack.model.ulysses import SequenceGroup, sequence_parallel
-from raypack.train.engine import deepspeed_config, setup_engine
+from raypack.train.engine import deepspeed_config, model_dtype, setup_engine, skip_shm_build
+from raypack.train.handoff import receive
 from raypack.train.checkpoint import TrainState, report_and_checkpoint, restore
+from raypack.train.dpo import DPOLoss, reporter_fields
+from raypack.train.dpo_reference import make_dpo_loss
 from raypack.train.loss import CausalLMLoss, make_loss, probe_batch
 from raypack.train.memory import resolve_checkpointing
 from raypack.train.metrics import Eta, Reporter, model_flops_per_token
 from raypack.train.prefetch import StepBatch, prepare_step
 from raypack.train.sequence import data_rank, make_groups, probe_split, step_source
+from raypack.train.startup import Startup
+from raypack.train.stepvalues import HostCounts, Pending, StepTimer
 from raypack.train.tracking import Trackers, TrackingTargets
 
 # --- setup --------------------------------------------------------------------------------------
 
 
-def setup(cfg: Config, data: Prepared, world_size: int, rank: int = 0, local_ranks: int = 1):
+def setup(cfg: Config, data: Prepared, world_size: int, clock: Startup | None = None, rank: int = 0,
+          local_ranks: int = 1):
+    clock = clock or Startup()
     torch.manual_seed(cfg.train.seed)
     m = cfg.model
-    dtype = resolve_dtype(m.dtype)
+    dtype = model_dtype(cfg.train, m.dtype)
     zero3 = None
     if cfg.train.zero_stage == 3:
         # While this object lives, transformers builds the model under deepspeed.zero.Init, so
         # each rank materializes only its partition instead of the whole model (8 x 140 GB for 70B).
+        skip_shm_build()  # before DeepSpeed's backend starts (engine.py)
         deepspeed.init_distributed()  # joins Ray Train's process group; the config checks world size
         zero3 = HfDeepSpeedConfig(deepspeed_config(cfg.train, dtype=dtype, world_size=world_size))
     mode, why = resolve_checkpointing(cfg, "cuda" if cfg.train.use_gpu else "cpu", local_ranks)
@@ -91,8 +100,10 @@ def setup(cfg: Config, data: Prepared, world_size: int, rank: int = 0, local_ran
     if cfg.train.compile:
         compile_layers(model)  # compiled at the first use: seconds, once per layer class
     total = data.total_steps(cfg.train.grad_accum, cfg.train.epochs, cfg.train.max_steps)
+    clock.mark("model")
     engine, scheduler = setup_engine(model, cfg.train, dtype=model.dtype, world_size=world_size, total_steps=total)
     del zero3
+    clock.mark("deepspeed")
     return engine, scheduler, total
 
 
@@ -101,8 +112,7 @@ def setup(cfg: Config, data: Prepared, world_size: int, rank: int = 0, local_ran
 
 def global_count(values: list[float], device: torch.device) -> torch.Tensor:
     """Every rank's `values` in one all_gather: a [world, len(values)] float64 tensor on `device`
-    to sum or max. Host values travel through pinned memory, so on CUDA nothing here waits for
-    the device: the result is read (and synced) only when the caller converts it."""
+    to sum or max. For evaluation, once an eval: a step's counts go over the host (stepvalues.py)."""
     local = torch.tensor(values, dtype=torch.float64)
     if torch.device(device).type == "cuda":
         local = local.pin_memory().to(device, non_blocking=True)
@@ -135,43 +145,25 @@ def forward_backward(engine, batches: list[dict], scale: float | torch.Tensor, l
     return total
 
 
-def train_step(engine, step: StepBatch, loss: CausalLMLoss, wait_s: float = 0.0, offload: bool = False) -> dict[str, float]:
-    """One optimizer step on prefetched micro-batches; `wait_s` is how long the loop waited for them;
+def train_step(engine, step: StepBatch, loss: CausalLMLoss, counts: HostCounts, number: int = 0,
+               wait_s: float = 0.0, offload: bool = False) -> Pending:
+    """Enqueue optimizer step `number` on prefetched micro-batches; its values are read later
+    (`Pending.resolve`, raypack/train/stepvalues.py). `wait_s` is how long the loop waited for them;
     `offload`: model.offload_checkpoints."""
-    t0 = time.perf_counter()
-    world = dist.get_world_size()
-    # Every rank needs N, the step's global label count, before its first backward. Reading it
-    # costs one tiny collective and sync while the device is idle (the last step ended in a sync);
-    # every rank reads the same N, so a step with none is skipped by all of them alike.
-    n_global = float(global_count([step.label_tokens], engine.device)[:, 0].sum())
+    timer = StepTimer(engine.device)
+    # Every rank needs N, the step's global label count, before its first backward: host numbers,
+    # summed over the ranks on the host (nothing to sum on one rank). Every rank reads the same N,
+    # so a step with none is skipped by all of them alike.
+    n_global, tokens = counts.sums(step.label_tokens, step.tokens)
+    host = {"label_tokens": n_global, "tokens": tokens, "data_wait_s": wait_s, "world_size": counts.world,
+            "skipped_steps": float(n_global == 0)}
     if n_global == 0:
-        return {
-            "loss": float("nan"),
-            "label_tokens": 0.0,
-            "tokens": float(global_count([step.tokens], engine.device)[:, 0].sum()),
-            "step_time_s": wait_s + time.perf_counter() - t0,
-            "data_wait_s": wait_s,
-            "rank_imbalance": 1.0,
-            "world_size": world,
-            "skipped_steps": 1.0,
-        }
-    scale = world * len(step.batches) / n_global
+        timer.stop()
+        return Pending(number, host, timer=timer)
+    scale = counts.world * len(step.batches) / n_global
     loss_sum = forward_backward(engine, step.batches, scale, loss, offload)
     engine.step()
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)  # the step's closing sync: `busy` covers the real compute
-    busy = time.perf_counter() - t0
-    stats = global_count([float(loss_sum), step.tokens, busy], engine.device).cpu()
-    return {
-        "loss": float(stats[:, 0].sum()) / n_global,
-        "label_tokens": n_global,
-        "tokens": float(stats[:, 1].sum()),
-        "step_time_s": wait_s + time.perf_counter() - t0,
-        "data_wait_s": wait_s,
-        "rank_imbalance": float(stats[:, 2].max() / stats[:, 2].mean().clamp_min(1e-9)),
-        "world_size": world,
-        "skipped_steps": 0.0,
-    }
+    return Pending.enqueued(number, host, counts.reduce(loss_sum), engine.get_global_grad_norm(), timer)
 
 
 @torch.no_grad()
@@ -191,13 +183,14 @@ def evaluate(engine, data: Prepared, group: SequenceGroup, loss: CausalLMLoss) -
     return float(summed[0] / summed[1].clamp_min(1))
 
 
-def _steps(data: Prepared, device: torch.device, group: SequenceGroup, rows, accum: int):
-    """This rank's steps of `rows()` (a group's first rank reads and shares them, sequence.py)."""
+def _steps(data: Prepared, device: torch.device, group: SequenceGroup, rows, accum: int, collate=prepare_step):
+    """This rank's steps of `rows()` (a group's first rank reads and shares them, sequence.py);
+    `collate`: prefetch.prepare_step, or DPO's (whole pairs and their reference)."""
     pin = device.type == "cuda"
 
     def prepare(rows: list[dict]) -> StepBatch:
         # Shards are pinned where they land, after the scatter.
-        return prepare_step(rows, padded=data.padded, pad_token_id=data.pad_token_id, pin=pin and group.size == 1)
+        return collate(rows, padded=data.padded, pad_token_id=data.pad_token_id, pin=pin and group.size == 1)
 
     return step_source(group, rows, accum, prepare, data.pad_token_id, pin)
 
@@ -224,6 +217,12 @@ class Worker:
     """The ranks that share this rank's rows (train.sequence_parallel; a group of one without)."""
     tokenizer: Any = None
     """Rank 0's tokenizer, saved with the final model (loaded at setup, not in the step loop)."""
+    counts: HostCounts = HostCounts(world=1)
+    """The step's host numbers summed over the ranks (raypack/train/stepvalues.py)."""
+    pending: Pending | None = None
+    """The last step enqueued whose values are not read yet (read a step late)."""
+    clock: Startup = field(default_factory=Startup)
+    """This start-up's marks, the driver's and this worker's (raypack/train/startup.py)."""
 
     @property
     def data_rank(self) -> int:
@@ -245,10 +244,13 @@ def train_loop_per_worker(config: dict) -> None:
 def setup_worker(config: dict) -> Worker:
     """Build the engine, probe the loss, restore the last checkpoint and start the clocks."""
     cfg = Config.from_dict(config["cfg"])
-    data = Prepared.from_dict(config["data"])
+    data = Prepared.from_dict(receive(config))  # waits while the driver prepares it (train.overlap_start)
+    clock = Startup(dict(config.get("startup", {})))
+    clock.mark("received")
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    engine, scheduler, total_steps = setup(cfg, data, world, rank, ctx.get_local_world_size())
+    engine, scheduler, total_steps = setup(cfg, data, world, clock, rank, ctx.get_local_world_size())
+    host_counts = HostCounts.open(world, engine.device)
     # Probes the model once (a short forward on every rank): a model the chunked loss can't
     # reproduce exactly stops here, before any step.
     loss = make_loss(engine, cfg.train.loss, cfg.train.loss_chunk_tokens, padded=data.padded)
@@ -258,6 +260,8 @@ def setup_worker(config: dict) -> Worker:
         print(f"[raypack] gradient checkpointing: full ({changed})", flush=True)
     if cfg.train.compile:  # a layer that can't compile whole, recompute included, stops here
         check_compiled(engine.module, probe)
+    if cfg.train.objective == "dpo":  # its reference log-probabilities: before a checkpoint is restored
+        loss = make_dpo_loss(engine, loss, cfg, data, rank, global_count)
     base = base_digests(engine) if cfg.model.peft.enabled else None
     state = restore(engine, rank, data.fingerprint, base)
     counts = trainable_summary(engine.module)
@@ -274,6 +278,8 @@ def setup_worker(config: dict) -> Worker:
         totals=state.totals,
         epochs=t.epochs,
         eta=Eta(total_steps, t.eval_every_steps, t.checkpoint_every_steps),
+        gather=host_counts.gather if world > 1 else None,
+        **(reporter_fields() if isinstance(loss, DPOLoss) else {}),
     )
     reporter.start_clocks()
     if base and rank == 0:
@@ -286,7 +292,9 @@ def setup_worker(config: dict) -> Worker:
     if rank == 0 and group.size > 1:
         print(f"[raypack] sequence parallel: {world} workers in {world // group.size} groups of {group.size}; each "
               f"row's tokens split {group.size} ways, at most {-(-cfg.pack.budget // group.size)} a worker", flush=True)
-    return Worker(cfg, data, rank, engine, scheduler, loss, state, reporter, total_steps, config, group, tokenizer)
+    clock.mark("setup")
+    return Worker(cfg, data, rank, engine, scheduler, loss, state, reporter, total_steps, config, group, tokenizer,
+                  host_counts, clock=clock)
 
 
 def train_epoch(w: Worker, epoch: int) -> None:
@@ -297,39 +305,68 @@ def train_epoch(w: Worker, epoch: int) -> None:
     w.reporter.static = _epoch_static(w.data, epoch, w.total_steps)  # per-epoch plans have their own balance
     rows = functools.partial(iter_epoch_packs, w.data, w.data_rank, epoch, start_step=state.micro_step)
     # The plan gives every rank the same multiple of `accum` steps, so a short group is the epoch end.
-    with _steps(w.data, w.engine.device, w.group, rows, accum) as steps:
+    dpo = isinstance(w.loss, DPOLoss)
+    with _steps(w.data, w.engine.device, w.group, rows, accum, w.loss.prepare_step if dpo else prepare_step) as steps:
         while state.step < w.total_steps:
             t0 = time.perf_counter()
             if (step := next(steps, None)) is None:
                 break
-            values = train_step(w.engine, step, w.loss, wait_s=time.perf_counter() - t0,
-                                offload=w.cfg.model.offload_checkpoints)
-            values["lr"] = w.scheduler.get_last_lr()[0]
+            if dpo:  # DPO's step reads its values at once: a Pending that is resolved already
+                values = w.loss.train_step(w.engine, step, wait_s=time.perf_counter() - t0,
+                                           offload=w.cfg.model.offload_checkpoints)
+                values["busy_s"] = values["step_time_s"] - values["data_wait_s"]  # the rank imbalance's input
+                pending = Pending(state.step + 1, values, values=values)
+            else:
+                pending = train_step(w.engine, step, w.loss, w.counts, state.step + 1, wait_s=time.perf_counter() - t0,
+                                     offload=w.cfg.model.offload_checkpoints)
+            pending.host["lr"] = w.scheduler.get_last_lr()[0]
             if w.cfg.train.compile:  # graphs Dynamo compiled so far: a count that grows is recompiling
-                values["compiled_graphs"] = float(compiled_graphs())
-            if values["skipped_steps"] and w.rank == 0:
+                pending.host["compiled_graphs"] = float(compiled_graphs())
+            if pending.host["skipped_steps"] and w.rank == 0:
                 print(f"[raypack] step {state.step + 1}: no rank has a label token; skipped (no update)", flush=True)
             state.step += 1
             state.micro_step += accum
             state.steps_log.append((state.step, epoch, step.example_ids))
-            w.reporter.log_step(state.step, values)
+            # The previous step's values: read now, with this step enqueued behind it.
+            log_pending(w)
+            w.pending = pending
+            if "first_step" not in w.clock.marks:  # this start's first step: read at once, once
+                log_pending(w)
+                w.clock.mark("first_step")
+                if w.rank == 0:
+                    print(f"[raypack] start-up: {w.clock.line()}", flush=True)
             after_step(w, epoch)
+
+
+def log_pending(w: Worker) -> None:
+    """Read the last enqueued step's values (waiting for it on the device) and log them."""
+    if w.pending is not None:
+        pending, w.pending = w.pending, None
+        w.reporter.log_step(pending.step, pending.resolve())
 
 
 def after_step(w: Worker, epoch: int) -> None:
     """Evaluate, report and checkpoint, each when it is due (all of them at the last step)."""
     t, step = w.cfg.train, w.state.step
     final = step == w.total_steps
-    ckpt_due = final or _every(step, t.checkpoint_every_steps)
+    ckpt_due = (final and t.save_final) or _every(step, t.checkpoint_every_steps)
     eval_due = final or _every(step, t.eval_every_steps)
     if not (ckpt_due or eval_due or w.reporter.due(step)):
         return
+    # Every step of the window is read before a report, and before a checkpoint saves weights
+    # that a diverged step would have updated (stepvalues.DivergedError).
+    log_pending(w)
     extra = {}
     if eval_due:
         t_eval = time.perf_counter()
-        extra["eval_loss"] = evaluate(w.engine, w.data, w.group, w.loss)
+        if isinstance(w.loss, DPOLoss):  # eval_loss and TRL's eval_rewards/...
+            extra.update(w.loss.evaluate(w.engine, w.data, w.data_rank))
+        else:
+            extra["eval_loss"] = evaluate(w.engine, w.data, w.group, w.loss)
         w.reporter.exclude(time.perf_counter() - t_eval)
     metrics = w.reporter.summary(step, epoch, extra)
+    if final:  # after the trackers had theirs: a dict of phases, not a scalar
+        metrics["startup_s"] = w.clock.phases()
     if final and w.state.base_digest and base_digests(w.engine) != w.state.base_digest:
         raise RuntimeError("the frozen base weights changed during training: an optimizer or hook wrote to them")
     m = w.cfg.model
@@ -339,6 +376,8 @@ def after_step(w: Worker, epoch: int) -> None:
                           trust_remote_code=m.trust_remote_code)
     if ckpt_due:
         w.reporter.checkpointed(time.perf_counter() - t_ckpt)
+    else:
+        w.reporter.reported(time.perf_counter() - t_ckpt)
 
 
 def check_epoch_read(w: Worker, epoch: int) -> None:

@@ -212,6 +212,12 @@ class CausalLMLoss:
             )
         return capture.inputs[0]
 
+    def through_head(self, hidden: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """fn(hidden), run as the head module's forward, so that its hooks (DeepSpeed ZeRO-3's
+        gathers) fire around it as for any layer (another objective's loss: raypack/train/dpo.py)."""
+        with _forward_as(self.head, fn):
+            return self.head(hidden)
+
     def _call_head(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         def chunked(h: torch.Tensor) -> torch.Tensor:
             if self.kind == "liger":

@@ -16,8 +16,12 @@ Per rank (= per GPU); P parameters, P_t of them trained, N ranks, T = tokens in 
 - gradients bf16, 2 B per trained param, sharded 1/N for ZeRO >= 2, plus one reduce bucket (the
   preset's reduce_bucket_size, allocated whole however few the trained params); with optimizer
   offload they live on the host in fp32.
-- optimizer: fp32 master weights + Adam m and v = 12 B per trained param, sharded 1/N; on the host
-  with train.offload_optimizer (16 B per trained param with the fp32 gradients).
+- optimizer (`train.precision: mixed`): fp32 master weights + Adam m and v = 12 B per trained
+  param, sharded 1/N; on the host with train.offload_optimizer (16 B per trained param with the fp32
+  gradients). At the optimizer step ZeRO 1-2 also makes an fp32 copy of the rank's gradient
+  partition (4 B per trained param / N), while the activations are gone: not counted.
+  `train.precision: bf16`: bf16 master weights, m, v and Kahan compensation = 8 B per trained
+  param, sharded 1/N (DeepSpeed keeps its master copy apart from the model's weights even then).
 - frozen weights (LoRA, QLoRA) have neither gradients nor optimizer state. Adapters: r x (in + out)
   per adapted linear (`all-linear`: q, k, v, o, gate, up, down), + out with DoRA (its magnitude);
   `modules_to_save` (embed_tokens, lm_head) trains a copy of the module in full.
@@ -60,6 +64,8 @@ SAVED_MODULES = ("embed_tokens", "lm_head")
 """`modules_to_save` names this arithmetic sizes (a vocab x hidden matrix each)."""
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 """Bytes per QLoRA base weight: 4 bits, plus bitsandbytes' double-quantized constants (block 64)."""
+OPTIMIZER_BYTES = {"mixed": 12, "bf16": 8}
+"""Per trained parameter, by train.precision: fp32 master + m + v; bf16 master + m + v + Kahan compensation."""
 LOGIT_BYTES = 12
 """Per logit at the loss's peak: bf16 logits 2 + fp32 upcast 4 + fp32 gradient 4 + bf16 gradient 2."""
 
@@ -208,7 +214,7 @@ class Memory:
         mode = "full fine-tuning" if not m.peft.enabled else f"{m.peft.method} r{m.peft.r}"
         zero = f"ZeRO-{t.zero_stage}" + (" + optimizer offload" if t.offload_optimizer else "")
         return (f"{self.total / scale:.1f} {unit} = {terms}{host} ({mode}: {_count(self.trained)} of {_count(arch.params)} "
-                f"params trained; {zero} over {t.num_workers} rank(s); gradient checkpointing "
+                f"params trained; {zero} over {t.num_workers} rank(s); {t.precision} precision; gradient checkpointing "
                 f"{self.checkpointing}; {_row(cfg, tokens)}; {t.loss} loss; "
                 f"{unit} = 1e{9 if unit == 'GB' else 6} B; ~3-5 GB of CUDA context and buffers not counted)")  # fmt: skip
 
@@ -272,7 +278,7 @@ def estimate(cfg: Config, arch: Arch, *, tokens: int | None = None, loss: str | 
 
     bucket = 2 * zero.get("reduce_bucket_size", 0)
     grads = bucket if t.offload_optimizer else 2 * trained / (n if t.zero_stage >= 2 else 1) + bucket
-    optimizer = 0.0 if t.offload_optimizer else 12 * trained / n
+    optimizer = 0.0 if t.offload_optimizer else OPTIMIZER_BYTES[t.precision] * trained / n
     host = 16 * trained / n if t.offload_optimizer else 0.0
 
     h, q, kv, i = arch.hidden, arch.q, arch.kv, arch.inter
@@ -367,7 +373,7 @@ def resolve_checkpointing(cfg: Config, device_type: str, ranks_here: int = 1) ->
 
     m = cfg.model
     config = model_config(m.name, m.trust_remote_code)
-    kernels = resolve_kernels(m.kernels, config.model_type, device_type, cfg.train.compile)
+    kernels = resolve_kernels(m.kernels, config.model_type, device_type, compiled=cfg.train.compile)
     selective = check_selective_with(kernels, cfg.train.compile, m.gradient_checkpointing)
     if m.gradient_checkpointing != "auto":
         return m.gradient_checkpointing, "as configured"

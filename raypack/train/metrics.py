@@ -1,10 +1,14 @@
 """Training metrics: tokens/s over real tokens, MFU (and the FLOP count behind it), memory, and
 throttled reporting.
 
-`ray.train.report` blocks until the Train controller drains its one-slot queue on a health-check
-poll (2 s by default), so reporting every step costs seconds a step. `Reporter` therefore writes
+`ray.train.report` blocks: on a barrier across the workers through Ray Train's controller, then
+until the controller drains its one-slot queue on a health-check poll (2 s by default; raypack
+sets 0.1 s), so reporting every step costs up to seconds a step. `Reporter` therefore writes
 every step to the trackers (TensorBoard, W&B: raypack/train/tracking.py) and calls
-`ray.train.report` only every N steps.
+`ray.train.report` only every N steps: train.report_every_steps, or by default (null) the N that
+keeps reports under 1% of the training time (`cadence`), chosen again at each report from the
+last report's time and the window's time a step, the slowest rank's of each, so that every rank
+picks the same next step.
 
 Time. `train_time_s` is the run's training wall time: its steps, data reads, reports and
 checkpoints, but not start-up (model build, restore) and not evaluation, which the loop times
@@ -17,21 +21,29 @@ learning curves and time-to-quality need.
 
 from __future__ import annotations
 
+import math
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from raypack.data.progress import duration
+from raypack.train.stepvalues import rank_imbalance
 from raypack.train.tracking import Trackers
 
 REPORTED = (
-    "step", "epoch", "loss", "eval_loss", "lr", "tokens_per_s", "tokens_per_step", "tokens_seen",
+    "step", "epoch", "loss", "eval_loss", "grad_norm", "lr", "tokens_per_s", "tokens_per_step", "tokens_seen",
     "train_time_s", "eval_time_s", "step_time_s", "data_wait_s", "rank_imbalance", "peak_memory_gb",
-    "mfu", "total_steps", "steps_per_epoch", "packing_efficiency", "padding_fraction",
+    "window_peak_memory_gb", "memory_gb", "mfu", "total_steps", "steps_per_epoch", "packing_efficiency", "padding_fraction",
     "token_imbalance", "attention_imbalance",
+    # train.objective: dpo (raypack/train/dpo.py, TRL's names)
+    "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected",
+    "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies", "eval_rewards/margins",
+    "eval_logps/chosen", "eval_logps/rejected",
 )
 """Every metric a report can carry (`Reporter.summary` and the static values the loop adds);
 what a sweep may rank trials by."""
@@ -52,6 +64,21 @@ def peak_memory_gb() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def memory_gb() -> float | None:
+    """Device memory allocated now, between steps: the weights, optimizer state and whatever else
+    outlives a step (the peak adds a step's activations and gradients on top). CUDA only."""
+    return torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
+def window_peak_memory_gb() -> float:
+    """`peak_memory_gb` since the last call: on CUDA the allocator's peak is reset after reading it,
+    so each report's window has its own (the CPU's resident peak can't be reset)."""
+    peak = peak_memory_gb()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    return peak
 
 
 def model_flops_per_token(model_config: Any, seq_len_sq_mean: float, seq_len_mean: float | None = None,
@@ -85,6 +112,20 @@ def model_flops_per_token(model_config: Any, seq_len_sq_mean: float, seq_len_mea
     return weights + 12.0 * layers * heads * head_dim * ctx
 
 
+REPORT_SHARE = 0.01
+"""The most of the training time that reports may take, with train.report_every_steps null."""
+FIRST_REPORT = 10
+"""The first report's step with train.report_every_steps null, before any report has been timed."""
+
+
+def cadence(report_s: float, step_s: float, share: float = REPORT_SHARE) -> int:
+    """Steps between reports so that one report of `report_s` seconds costs at most `share` of the
+    steps' time (`step_s` each)."""
+    if step_s <= 0:
+        return FIRST_REPORT
+    return max(1, math.ceil(report_s / (share * step_s)))
+
+
 @dataclass
 class Totals:
     """Running totals of a run, carried across restarts in its checkpoints."""
@@ -102,7 +143,8 @@ class Reporter:
 
     rank: int
     total_steps: int
-    report_every: int
+    report_every: int | None
+    """Steps between reports; None: `cadence`'s, chosen at each report."""
     static: dict[str, Any]
     """Values fixed for the run (packing efficiency, padding fraction) added to every report."""
     trackers: Trackers = field(default_factory=Trackers)
@@ -113,7 +155,17 @@ class Reporter:
     epochs: int = 1
     eta: Eta | None = None
     """The time-left estimate the progress line shows; None: steps only."""
+    gather: Callable[[list[float]], np.ndarray] | None = None
+    """Every rank's values as a [world, n] array (HostCounts.gather): each step's device time for the
+    rank imbalance, and the report and step times the cadence is chosen from; None on one rank."""
+    weight_key: str = "label_tokens"
+    """The per-step count a window's loss is averaged over: label tokens (SFT), pairs (DPO)."""
+    means: tuple[str, ...] = ()
+    """More per-step values reported as their window's mean, weighted like the loss (DPO's rewards)."""
     _window: list[dict[str, float]] = field(default_factory=list)
+    _peak_memory: float = 0.0
+    _next_report: int = FIRST_REPORT
+    _report_s: float = 0.0
     _last: float = field(default_factory=time.perf_counter)
     _excluded: float = 0.0
 
@@ -137,7 +189,15 @@ class Reporter:
         self.trackers.scalars(step, values)
 
     def due(self, step: int) -> bool:
-        return step % self.report_every == 0 or step == self.total_steps
+        if step == self.total_steps:
+            return True
+        if self.report_every is not None:
+            return step % self.report_every == 0
+        return step >= self._next_report
+
+    def reported(self, seconds: float) -> None:
+        """The report just made (without a checkpoint) took `seconds`: what the next cadence pays for."""
+        self._report_s = seconds
 
     def summary(self, step: int, epoch: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """Metrics for `ray.train.report`: the window's means, token-weighted where it matters."""
@@ -157,12 +217,23 @@ class Reporter:
             self.eta.trained(len(window), seconds)
         # Steps without a label token (skipped, see loop.train_step) weigh nothing; a window of
         # only those has no loss, not a loss of 0.
-        trained = [w for w in window if w["label_tokens"] > 0]
-        label_tokens = sum(w["label_tokens"] for w in trained)
+        key = self.weight_key
+        trained = [w for w in window if w[key] > 0]
+        weight = sum(w[key] for w in trained)
+        mean = lambda name: sum(w[name] * w[key] for w in trained) / weight if weight else None  # noqa: E731
+        window_peak = window_peak_memory_gb()
+        self._peak_memory = max(self._peak_memory, window_peak)
+        # Each rank's device time a step, with the last report's time and this window's time a step
+        # (every rank's, so the cadence below is the same on all of them).
+        mine = [w.get("busy_s", 0.0) for w in window] + [self._report_s, seconds / max(len(window), 1)]
+        every = self.gather(mine) if self.gather is not None else np.asarray([mine])
+        if self.report_every is None:
+            self._next_report = step + cadence(float(every[:, -2].max()), float(every[:, -1].max()))
+        grad_norms = [w["grad_norm"] for w in trained if "grad_norm" in w]
         metrics: dict[str, Any] = {
             "step": step,
             "epoch": epoch,
-            "loss": sum(w["loss"] * w["label_tokens"] for w in trained) / label_tokens if label_tokens else None,
+            "loss": mean("loss"),
             "skipped_steps": sum(w.get("skipped_steps", 0.0) for w in window),
             "tokens_per_s": tokens / seconds if seconds else 0.0,
             "tokens_per_step": tokens / max(len(window), 1),
@@ -171,11 +242,15 @@ class Reporter:
             "eval_time_s": totals.eval_time_s,
             "step_time_s": sum(w["step_time_s"] for w in window) / max(len(window), 1),
             "data_wait_s": sum(w["data_wait_s"] for w in window) / max(len(window), 1),
-            "rank_imbalance": max((w["rank_imbalance"] for w in window), default=1.0),
+            "rank_imbalance": rank_imbalance(every[:, :-2]),
+            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else None,
             "lr": window[-1]["lr"] if window else 0.0,
-            "peak_memory_gb": peak_memory_gb(),
+            "peak_memory_gb": self._peak_memory,
+            "window_peak_memory_gb": window_peak,
+            "memory_gb": memory_gb(),
             "mfu": None,
             "eval_loss": None,
+            **{name: mean(name) for name in self.means},
         }
         peak = peak_flops()
         if peak and self.flops_per_token:
@@ -193,6 +268,9 @@ class Reporter:
 
     def _progress(self, m: dict[str, Any]) -> None:
         eval_part = f" eval_loss {m['eval_loss']:.4f}" if m.get("eval_loss") is not None else ""
+        for key, name in (("rewards/accuracies", "acc"), ("eval_rewards/accuracies", "eval_acc")):  # DPO
+            if m.get(key) is not None:
+                eval_part += f" {name} {m[key]:.2f}"
         loss = f"{m['loss']:.4f}" if m["loss"] is not None else "-"
         left = f" left {duration(self.eta.left(m['step']))}" if self.eta is not None else ""
         print(

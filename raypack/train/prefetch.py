@@ -3,7 +3,7 @@ a background thread while the current step computes.
 
     steps = Prefetcher(iter_rank_packs(train_dir, rank, start), accum, partial(prepare_step, padded=..., pin=True))
     for step in steps:             # StepBatch objects, in plan order
-        train_step(engine, step, loss)
+        pending = train_step(engine, step, loss, counts)   # read later: pending.resolve()
     steps.close()                  # stops the thread if the loop ends early
 
     main thread:   [ step i: move ─ forward/backward ─ optimizer ]  [ step i+1 ... ]

@@ -94,10 +94,23 @@ def check_data(cfg: Config, *, rows: bool = True) -> Checked:
     cfg = absolute_paths(cfg)
     sources = Sources.of(cfg.data.paths)
     checked = Checked(cfg=cfg, sources=sources, formats=source_formats(cfg, sources))
+    check_objective_formats(cfg, checked.formats)
     if rows:
         _tokenizer(cfg, checked.formats)
         _check_rows(checked, None)
     return checked
+
+
+def check_objective_formats(cfg: Config, formats: dict[str, str]) -> None:
+    """Preference files train with train.objective: dpo, and dpo trains on preference files only."""
+    dpo = cfg.train.objective == "dpo"
+    wrong = next((p for p, f in formats.items() if (f == "preference") != dpo), None)
+    if wrong is not None and dpo:
+        raise SourceError(f"{wrong}: holds {formats[wrong]} data, but train.objective: dpo trains on preference "
+                          "rows (prompt, chosen, rejected)")
+    if wrong is not None:
+        raise SourceError(f"{wrong}: holds preference rows (prompt, chosen, rejected), which train with "
+                          "train.objective: dpo")
 
 
 def _tokenizer(cfg: Config, formats: dict[str, str]):
@@ -157,12 +170,17 @@ def check_packed_model(cfg: Config, config=None) -> None:
 
 def check_kernels(cfg: Config, config) -> None:
     """model.kernels: liger and train.loss: liger where Liger-Kernel can't run (no CUDA, no
-    package, a family it has no kernels for), and selective checkpointing beside Liger's kernels
-    uncompiled, are refused here, before Ray starts."""
+    package, a family it has no kernels for, a structure it is not verified on), and selective
+    checkpointing beside Liger's kernels uncompiled, are refused here, before Ray starts."""
     from raypack.model.kernels import check_selective_with, liger_loss_available, resolve_kernels
 
     device = "cuda" if cfg.train.use_gpu else "cpu"
     kernels = resolve_kernels(cfg.model.kernels, config.model_type, device, compiled=cfg.train.compile)
+    if kernels == "liger":
+        from raypack.model.build import meta_model
+
+        resolve_kernels(cfg.model.kernels, config.model_type, device, meta_model(config, cfg.model.trust_remote_code),
+                        cfg.train.compile)
     check_selective_with(kernels, cfg.train.compile, cfg.model.gradient_checkpointing)
     if cfg.train.loss == "liger":
         liger_loss_available(device)

@@ -7,6 +7,10 @@
         ──> prepare (tokenize, plan, pack; once, reused on resume) ──> TorchTrainer.fit
                                                  workers: raypack.train.loop.train_loop_per_worker
 
+With train.overlap_start the fit starts right after the room check, and a thread prepares the data
+meanwhile, handing it to the workers when it is ready (raypack/train/handoff.py). Either way the
+start-up's phases reach the run's result (raypack/train/startup.py).
+
 Runs land in `<run.storage_path>/<run.name>/` (raypack/runs.py): the saved config, Ray's result
 files and checkpoints, `packed/` (the plan's per-rank packs, or under `data.cache_path` when set)
 and `tensorboard/`. Starting the same name and storage path again continues from that run's last
@@ -28,10 +32,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import ray
 import ray.train
 from ray.train.torch import TorchTrainer
 
@@ -39,14 +46,19 @@ from raypack import runs, storage
 from raypack.config import Config
 from raypack.data.cache import packed_key, packed_root, read_manifest
 from raypack.data.prepare import prepare
+from raypack.data.shards import Prepared
 from raypack.errors import ConfigError, InputError
 from raypack.runtime import init_ray, is_local_instance
+from raypack.train.handoff import Handoff
 from raypack.train.placement import check_request, process_group, worker_resources
 from raypack.train.preflight import Checked, preflight
+from raypack.train.startup import Startup
 from raypack.train.tracking import TrackingTargets, save_wandb_id, targets
 
-SUMMARY = ("step", "loss", "eval_loss", "tokens_per_s", "packing_efficiency", "peak_memory_gb")
-"""The metrics a finished run records in its result file and prints."""
+SUMMARY = ("step", "loss", "eval_loss", "rewards/accuracies", "eval_rewards/accuracies", "rewards/margins",
+           "tokens_per_s", "packing_efficiency", "peak_memory_gb")
+"""The metrics a finished run records in its result file and prints (a run that lacks one, as SFT
+lacks DPO's rewards, records it as null and prints none)."""
 
 
 def worker_loop(config: dict) -> None:
@@ -61,8 +73,10 @@ def worker_loop(config: dict) -> None:
         logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
     except ImportError:  # moved in another Ray version: a noisier screen, nothing worse
         pass
+    config.setdefault("startup", {})["worker"] = time.time()  # the worker group phase ends (startup.py)
     from raypack.train.loop import train_loop_per_worker
 
+    config["startup"]["imports"] = time.time()
     train_loop_per_worker(config)
 
 
@@ -94,6 +108,8 @@ class Outcome:
     tracking: TrackingTargets
     result: Any = None
     """Ray Train's `Result` of the fit, when one ran."""
+    startup: dict[str, float] | None = None
+    """Seconds per start-up phase before the first step (raypack/train/startup.py), when one ran."""
 
 
 def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbacks: Sequence = (),
@@ -104,6 +120,7 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
     checkpoint yet). `callbacks`: Ray Train callbacks (a sweep trial forwards reports with one).
     `trial`: a sweep trial, which waits for room for its workers behind the other trials for as
     long as it takes, not `train.start_timeout_s`."""
+    clock = Startup.begin()
     root = runs.run_dir(cfg)
     trained = runs.has_checkpoint(root)
     if not resume:
@@ -114,6 +131,7 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
             "on new packs would mix up; start a new run with run.name=NEW_NAME"
         )
     checked = preflight(cfg, reprepare=reprepare)
+    clock.mark("preflight")
     cfg = checked.cfg
     if done := _finished(root, checked):
         # What ended it is what to raise: a step cap, or the epochs
@@ -131,21 +149,42 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
     tracking = targets(cfg, root)  # a tracker that can't work here stops before Ray starts
     fresh = not storage.exists(root)
     init_ray()
+    clock.mark("ray")
+    overlap = cfg.train.overlap_start
     try:
         check_request(cfg, wait=not trial)
-        trainer = build_trainer(checked, tracking, reprepare=reprepare, callbacks=callbacks)
+        if overlap:  # the workers start now and wait for the data (raypack/train/handoff.py)
+            clock.mark("prepare")
+            data = Handoff.remote()
+        else:
+            data = prepare_data(checked, reprepare, clock).to_dict()
+        clock.mark("fit")
+        trainer = build_trainer(checked, tracking, data, callbacks=callbacks, startup=clock)
     except BaseException:
         if fresh:  # a start that failed leaves nothing that looks like a run
             storage.remove_dir(root)
         raise
-    runs.save_config(cfg)
-    save_wandb_id(root, tracking)
-    result = fit_trainer(trainer)
+    preparing = Preparing(checked, reprepare, data, tracking) if overlap else None
+    if preparing is None:
+        ready(cfg, tracking)
+    try:
+        result = fit_trainer(trainer)
+    except KeyboardInterrupt:
+        raise  # now, not after the preparation (the thread ends with Ray)
+    except BaseException:
+        if preparing is not None and preparing.wait() is not None:
+            if fresh:
+                storage.remove_dir(root)
+            raise preparing.error from None  # what the workers' PreparationFailed stands for
+        raise
+    if preparing is not None and preparing.wait() is not None:
+        raise preparing.error
     metrics = dict(result.metrics or {})
     checkpoint = result.checkpoint.path if result.checkpoint else None
     summary = {k: metrics.get(k) for k in SUMMARY}
-    runs.write_result(root, metrics.get("step", 0), summary, checkpoint)
-    return Outcome(root, False, summary, checkpoint, tracking, result)
+    startup = metrics.get("startup_s")
+    runs.write_result(root, metrics.get("step", 0), summary, checkpoint, startup=startup)
+    return Outcome(root, False, summary, checkpoint, tracking, result, startup)
 
 
 def _interrupt_on_sigint(controller) -> None:
@@ -193,21 +232,67 @@ def _check_same_data(cfg: Config, root: str, checked: Checked) -> None:
     )
 
 
-def build_trainer(checked: Checked, tracking: TrackingTargets, *, reprepare: bool = False,
-                  callbacks: Sequence = ()) -> TorchTrainer:
-    """The `TorchTrainer` for `checked.cfg` (preflight's record), with its packed data prepared
-    (or reused) under the run dir, tracking to `tracking`; `reprepare` packs the data again from
-    changed sources."""
+def prepare_data(checked: Checked, reprepare: bool, clock: Startup | None = None) -> Prepared:
+    """The run's packed data, prepared (or reused) under the run dir; `reprepare` packs it again
+    from changed sources."""
+    clock = clock or Startup()
+    clock.mark("prepare")
+    cfg = checked.cfg
+    n = cfg.train.data_parallel  # packed rows per data-parallel rank: a sequence-parallel group shares them
+    prepared = prepare(cfg, n, packed_root(cfg, n, runs.run_dir(cfg)), checked.sources, vocab_size=checked.vocab_size,
+                       reprepare=reprepare)
+    clock.mark("data")
+    return prepared
+
+
+def ready(cfg: Config, tracking: TrackingTargets) -> None:
+    """The data is prepared: the run's config is saved (never before: a start that fails leaves
+    no run behind), and its W&B id."""
+    runs.save_config(cfg)
+    save_wandb_id(runs.run_dir(cfg), tracking)
+
+
+class Preparing:
+    """train.overlap_start: the data prepared in a thread while the workers start; the result, or
+    the error, handed over to them (raypack/train/handoff.py)."""
+
+    def __init__(self, checked: Checked, reprepare: bool, handoff, tracking: TrackingTargets) -> None:
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(checked, reprepare, handoff, tracking),
+                                        name="raypack-prepare", daemon=True)
+        self._thread.start()
+
+    def _run(self, checked: Checked, reprepare: bool, handoff, tracking: TrackingTargets) -> None:
+        clock = Startup()
+        try:
+            prepared = prepare_data(checked, reprepare, clock)
+            ready(checked.cfg, tracking)
+            value = {"prepared": prepared.to_dict(), "marks": {"data": clock.marks["data"]}}
+        except BaseException as e:  # handed to the workers, which stop; the driver raises it
+            self.error = e
+            value = {"error": f"data preparation failed on the driver: {e}"}
+        try:
+            ray.get(handoff.put.remote(value))
+        except Exception as e:  # Ray shut down under it (Ctrl-C): the workers are gone with it
+            self.error = self.error or e
+
+    def wait(self) -> BaseException | None:
+        """Wait for the preparation to end; its error, if it failed."""
+        self._thread.join()
+        return self.error
+
+
+def build_trainer(checked: Checked, tracking: TrackingTargets, data: dict | Any, *, callbacks: Sequence = (),
+                  startup: Startup | None = None) -> TorchTrainer:
+    """The `TorchTrainer` for `checked.cfg` (preflight's record), training on `data` (the
+    Prepared record as a dict, or a Handoff the workers wait on), tracking to `tracking`."""
     cfg = checked.cfg
     t = cfg.train
-    root = runs.run_dir(cfg)
-    # One set of packed rows per data-parallel rank: a sequence-parallel group shares its rows.
-    prepared = prepare(cfg, t.data_parallel, packed_root(cfg, t.data_parallel, root), checked.sources,
-                       vocab_size=checked.vocab_size, reprepare=reprepare)
     loop_config = {
         "cfg": cfg.to_dict(),
-        "data": prepared.to_dict(),
+        "data": data,
         "tracking": asdict(tracking),
+        "startup": dict((startup or Startup()).marks),  # the workers add theirs (raypack/train/startup.py)
     }
     # W&B's settings reach rank 0 this way, but never WANDB_API_KEY: Ray shows a runtime_env's
     # variables in its dashboard. Workers find the key where the driver did: in the environment

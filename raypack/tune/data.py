@@ -87,7 +87,8 @@ def prepare_sweep_data(base: Config, sources: Sources, cache: str) -> SweepData:
             out.examples = max(out.examples, len(tok.ids))
         tok = tokenizations[key]
         train_lengths, _ = training_examples(tok, cfg)
-        out.mean_length[budget] = float(train_lengths.mean())
+        # a DPO pair is one item of the plan: its two rows, chosen and rejected
+        out.mean_length[budget] = float(train_lengths.mean()) * (2 if base.train.objective == "dpo" else 1)
         name = f"{strategy}/{budget}"
         if base.tune.equal_work == "tokens_per_step" and STRATEGIES[strategy].takes_batch_size:
             out.batch_sizes[name] = equal_work_batch_size(budget, out.mean_length[budget])

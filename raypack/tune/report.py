@@ -30,7 +30,7 @@ COLUMNS = (
     "epoch_time_s", "time_to_target_s", "loss", "eval_loss", "packing_efficiency", "peak_memory_gb",
 )
 HISTORY_KEYS = ("step", "tokens_seen", "train_time_s", "eval_time_s", "loss", "eval_loss", "tokens_per_s",
-                "total_steps", "steps_per_epoch", "packing_efficiency", "peak_memory_gb")
+                "total_steps", "steps_per_epoch", "packing_efficiency", "peak_memory_gb", "eval_rewards/accuracies")
 """What a row keeps of each report (every one a number or None)."""
 SPREAD_KEYS = ("tokens_per_s", "epoch_time_s", "time_to_target_s", "eval_loss")
 
@@ -66,7 +66,8 @@ def result_row(params: dict[str, Any], history: Sequence[dict[str, Any]], error:
     history = [{k: _number(h.get(k)) for k in HISTORY_KEYS} for h in history if _number(h.get("step")) is not None]
     last = history[-1] if history else {}
     row: dict[str, Any] = {"strategy": params["strategy"], "budget": params["budget"], "lr": params["lr"],
-                           "lora_r": params.get("lora_r"), "trial": trial, "history": history}
+                           "lora_r": params.get("lora_r"), "beta": params.get("beta"), "trial": trial,
+                           "history": history}
     if params.get("batch_size") is not None:
         row["batch_size"] = params["batch_size"]
     steps, total = last.get("step"), last.get("total_steps")
@@ -94,6 +95,8 @@ def result_row(params: dict[str, Any], history: Sequence[dict[str, Any]], error:
     row["loss"] = last.get("loss")
     evals = [h["eval_loss"] for h in history if h["eval_loss"] is not None]
     row["eval_loss"] = evals[-1] if evals else None
+    accuracies = [h["eval_rewards/accuracies"] for h in history if h["eval_rewards/accuracies"] is not None]
+    row["eval_rewards/accuracies"] = accuracies[-1] if accuracies else None  # DPO
     row["packing_efficiency"] = last.get("packing_efficiency")
     row["peak_memory_gb"] = last.get("peak_memory_gb")
     return row
@@ -101,7 +104,9 @@ def result_row(params: dict[str, Any], history: Sequence[dict[str, Any]], error:
 
 def label(row: dict[str, Any]) -> str:
     rank = f"-r{row['lora_r']}" if row.get("lora_r") is not None else ""
-    return f"{row['strategy']}-b{row['budget']}-lr{row['lr']:.3g}{rank}" + (f" ({row['trial']})" if row.get("trial") else "")
+    beta = f"-beta{row['beta']:.3g}" if row.get("beta") is not None else ""
+    return (f"{row['strategy']}-b{row['budget']}-lr{row['lr']:.3g}{rank}{beta}"
+            + (f" ({row['trial']})" if row.get("trial") else ""))
 
 
 def target_loss(rows: Sequence[dict[str, Any]], configured: float | None) -> float | None:
@@ -158,12 +163,13 @@ def spread(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
         if r["status"] == "OK":
-            groups.setdefault((r["strategy"], r["budget"], r["lr"], r.get("lora_r")), []).append(r)
+            groups.setdefault((r["strategy"], r["budget"], r["lr"], r.get("lora_r"), r.get("beta")), []).append(r)
     out = []
-    for (strategy, budget, lr, lora_r), members in groups.items():
+    for (strategy, budget, lr, lora_r, beta), members in groups.items():
         if len(members) < 2:
             continue
-        entry: dict[str, Any] = {"strategy": strategy, "budget": budget, "lr": lr, "lora_r": lora_r, "n": len(members)}
+        entry: dict[str, Any] = {"strategy": strategy, "budget": budget, "lr": lr, "lora_r": lora_r, "beta": beta,
+                                 "n": len(members)}
         for key in SPREAD_KEYS:
             values = [m[key] for m in members if m.get(key) is not None]
             if values:
@@ -196,7 +202,7 @@ def format_table(rows: Sequence[dict[str, Any]], context: Context | None = None)
                      "`raypack sweep --resume` runs them")
     groups = spread(rows)
     if groups:
-        keys = [k for k in ("strategy", "budget", "lr", "lora_r") if k in columns]
+        keys = [k for k in ("strategy", "budget", "lr", "lora_r", "beta") if k in columns]
         lines += ["", "## Repeats: median [min, max]", "",
                   "| " + " | ".join([*keys, "n", *SPREAD_KEYS]) + " |", "|" + "---|" * (len(keys) + 1 + len(SPREAD_KEYS))]
         for g in groups:
@@ -206,11 +212,14 @@ def format_table(rows: Sequence[dict[str, Any]], context: Context | None = None)
 
 
 def _columns(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """COLUMNS, with the adapter rank after lr in a sweep with adapters."""
-    if not any(r.get("lora_r") is not None for r in rows):
-        return list(COLUMNS)
+    """COLUMNS, with the adapter rank after lr in a sweep with adapters, and DPO's beta and eval
+    reward accuracy in a DPO sweep."""
     i = COLUMNS.index("lr") + 1
-    return [*COLUMNS[:i], "lora_r", *COLUMNS[i:]]
+    extra = [k for k in ("lora_r", "beta") if any(r.get(k) is not None for r in rows)]
+    columns = [*COLUMNS[:i], *extra, *COLUMNS[i:]]
+    if any(r.get("beta") is not None for r in rows):
+        columns.insert(columns.index("eval_loss") + 1, "eval_rewards/accuracies")
+    return columns
 
 
 def format_csv(rows: Sequence[dict[str, Any]], context: Context | None = None) -> str:

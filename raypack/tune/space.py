@@ -32,13 +32,13 @@ from raypack.errors import ConfigError
 from raypack.train.metrics import REPORTED
 
 
-PARAMS = ("strategy", "budget", "lr", "lora_r")
+PARAMS = ("strategy", "budget", "lr", "lora_r", "beta")
 """A trial's parameters: what `dimensions` sweeps, every trial's config and row carry (runs.trial_config)."""
 
 
 def dimensions(cfg: Config) -> dict[str, tuple[Any, ...]]:
     """The swept values per trial parameter; an empty tune list keeps the base config's value
-    (`lora_r` only for a sweep with adapters)."""
+    (`lora_r` only for a sweep with adapters, `beta` for one with train.objective: dpo)."""
     dims = {
         "strategy": cfg.tune.strategies,
         "budget": cfg.tune.budgets or (cfg.pack.budget,),
@@ -46,12 +46,15 @@ def dimensions(cfg: Config) -> dict[str, tuple[Any, ...]]:
     }
     if cfg.model.peft.enabled:
         dims["lora_r"] = cfg.tune.lora_ranks or (cfg.model.peft.r,)
+    if cfg.train.objective == "dpo":
+        dims["beta"] = cfg.tune.dpo_betas or (cfg.dpo.beta,)
     return dims
 
 
 def _space(cfg: Config) -> dict[str, str]:
     t = cfg.tune
-    return {"strategy": t.strategy_space, "budget": t.budget_space, "lr": t.lr_space, "lora_r": t.lora_rank_space}
+    return {"strategy": t.strategy_space, "budget": t.budget_space, "lr": t.lr_space, "lora_r": t.lora_rank_space,
+            "beta": t.dpo_beta_space}
 
 
 def check(cfg: Config) -> None:
@@ -62,13 +65,15 @@ def check(cfg: Config) -> None:
         check_split(name, cfg.train.sequence_parallel, "tune.strategies")
     if t.lora_ranks and not cfg.model.peft.enabled:
         raise ConfigError("tune.lora_ranks: sweeps adapter ranks, so it needs model.peft.method: lora (or qlora)")
+    if t.dpo_betas and cfg.train.objective != "dpo":
+        raise ConfigError("tune.dpo_betas: sweeps DPO's beta, so it needs train.objective: dpo")
     if t.metric not in REPORTED:
         raise ConfigError(f"tune.metric: expected one of {', '.join(REPORTED)}, got {t.metric!r}")
     ranks_by_metric = t.scheduler != "none" or t.search_alg != "basic"
-    if ranks_by_metric and t.metric == "eval_loss" and not _eval_in_every_report(cfg):
+    if ranks_by_metric and t.metric.startswith("eval_") and not _eval_in_every_report(cfg):
         raise ConfigError(
-            f"tune.metric: eval_loss with scheduler {t.scheduler!r} / search_alg {t.search_alg!r} needs an eval in "
-            "every report: set train.eval_every_steps so that it divides train.report_every_steps "
+            f"tune.metric: {t.metric} with scheduler {t.scheduler!r} / search_alg {t.search_alg!r} needs an eval in "
+            "every report: set train.report_every_steps and train.eval_every_steps so that it divides it "
             "(and train.checkpoint_every_steps), or rank by loss"
         )
     if t.scheduler == "asha" and t.asha.time_attr == "training_iteration" and t.asha.max_t is None:
@@ -83,7 +88,8 @@ def check(cfg: Config) -> None:
 def _eval_in_every_report(cfg: Config) -> bool:
     tr = cfg.train
     every = tr.eval_every_steps
-    return every > 0 and tr.report_every_steps % every == 0 and tr.checkpoint_every_steps % every == 0
+    reports = tr.report_every_steps  # None: chosen as the run goes, so not known to line up
+    return every > 0 and reports is not None and reports % every == 0 and tr.checkpoint_every_steps % every == 0
 
 
 def param_space(cfg: Config) -> dict[str, Any]:

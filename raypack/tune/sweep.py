@@ -129,7 +129,7 @@ def collect_rows(results, experiment: str, cfg: Config, data: SweepData) -> list
         rows.append(result_row(params, history, r.error, saved.get(r.path), trial))
     order = {name: {v: i for i, v in enumerate(values)} for name, values in dimensions(cfg).items()}
     rows.sort(key=lambda row: (order["strategy"].get(row["strategy"], 99), row["budget"], row["lr"],
-                               row.get("lora_r") or 0, row["trial"]))
+                               row.get("lora_r") or 0, row.get("beta") or 0, row["trial"]))
     return rows
 
 

@@ -188,3 +188,22 @@ def test_qlora_is_refused_at_load_where_it_cannot_run(overrides, why):
     with pytest.raises(ConfigError, match=f"model.peft.method: expected lora or none {why}"):
         load(None, ["model.peft.method=qlora", *overrides])
     assert load(None, ["model.peft.method=qlora", "train.use_gpu=true", "train.zero_stage=2"]).model.peft.method == "qlora"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.precision=bf16", "train.zero_stage=0"], r"train\.precision: expected mixed with train\.zero_stage 0"),
+    (["train.precision=bf16", "train.offload_optimizer=true"], r"train\.precision: expected mixed with train\.offload"),
+    (["train.precision=bf16", "train.optimizer=deepspeed"], r"train\.precision: expected mixed with train\.offload"),
+    (["train.precision=bf16", "model.dtype=float32"], r"model\.dtype: expected auto or bfloat16 with train\.precision"),
+    (["train.precision=fp8"], r"train\.precision: expected one of 'mixed', 'bf16'"),
+    (["train.report_every_steps=0"], r"train\.report_every_steps: expected a positive int or null"),
+])
+def test_precision_and_report_cadence_are_checked(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load(None, overrides)
+
+
+def test_bf16_precision_and_the_chosen_report_cadence_load():
+    cfg = load(None, ["train.precision=bf16", "model.dtype=bfloat16", "train.zero_stage=3"])
+    assert cfg.train.precision == "bf16" and cfg.train.report_every_steps is None  # null: chosen as the run goes
+    assert load(None, ["train.report_every_steps=7"]).train.report_every_steps == 7

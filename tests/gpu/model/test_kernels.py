@@ -8,6 +8,8 @@ same checks on the CPU in Triton's interpreter, for the families that need no CU
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from exactness import packed_vs_alone, rel_err
@@ -21,9 +23,21 @@ from raypack.train.loss import CausalLMLoss, label_targets
 pytestmark = pytest.mark.gpu
 pytest.importorskip("liger_kernel")
 
+
+def _meta(family: str):
+    from raypack.model.build import meta_model
+
+    return meta_model(FAMILIES[family].build_config(family))
+
+
 LENGTHS = ([300, 41, 1, 150], [500, 77])
 TOLERANCE = 1e-4  # fp32 on the GPU: other reduction orders, no TF32 in matmuls by default
-LIGER = sorted(f for f, spec in FAMILIES.items() if not spec.refused and f in kernels.liger_families())
+PACKABLE = sorted(f for f, spec in FAMILIES.items() if not spec.refused and f in kernels.liger_families())
+UNVERIFIED = [f for f in PACKABLE if kernels.liger_unverified(_meta(f)) is not None] if PACKABLE else []
+"""Families raypack keeps Liger off (kernels.liger_unverified): the diagnostic below runs them."""
+MUST = {"llama", "qwen3", "gemma2", "mixtral"}
+"""In `make gpu-check`'s first step (dense, sliding-window softcapped, MoE); the rest run as time allows."""
+LIGER = [f if f in MUST else pytest.param(f, marks=pytest.mark.slow) for f in PACKABLE if f not in UNVERIFIED]
 
 
 def _liger_and_reference(family: str):
@@ -80,3 +94,33 @@ def test_liger_loss_is_the_chunked_loss(family):
         results[kind] = (loss.detach(), model.get_output_embeddings().weight.grad.clone())
     assert rel_err(results["liger"][0], results["chunked"][0]) < TOLERANCE
     assert rel_err(results["liger"][1], results["chunked"][1]) < TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("patches", [("rms_norm",), ("swiglu",), ("rms_norm", "swiglu")])
+@pytest.mark.parametrize("family", UNVERIFIED)
+def test_liger_on_the_unverified_structure_diagnostic(family, patches):
+    """Why Liger failed DeepSeek-V2/V3 on an H100 (2026-11-27): its kernels applied in parts, the
+    refusal bypassed, each part's worst error printed. xfail until a GPU run passes, then XPASS says
+    which parts could be let through (kernels.liger_unverified)."""
+    from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+
+    config = FAMILIES[family].build_config(family)
+    torch.manual_seed(0)
+    model = load_model(config, attention="sdpa_varlen", dtype="float32").cuda().eval()
+    ref = load_model(config, attention="eager", dtype="float32").cuda().eval()
+    ref.load_state_dict(model.state_dict())
+    chosen = {k: (k in patches) for k in ("rope", "rms_norm", "swiglu", "geglu", "layer_norm")}
+    # Liger also swaps classes in the modeling module: put them back, so the next case's reference is the model's own.
+    modeling = sys.modules[type(ref).__module__]
+    saved = dict(vars(modeling))
+    try:
+        _apply_liger_kernel_to_instance(model, **chosen, cross_entropy=False, fused_linear_cross_entropy=False)
+        errors = packed_vs_alone(model, ref, lengths=LENGTHS, device="cuda")
+    finally:
+        vars(modeling).update(saved)
+    worst = max(errors, key=errors.get)
+    print(f"{family} + liger {'+'.join(patches)}: worst {worst} {errors[worst]:.2e}; " +
+          ", ".join(f"{k} {v:.1e}" for k, v in sorted(errors.items())))  # fmt: skip
+    if errors[worst] >= TOLERANCE:
+        pytest.xfail(f"{family} + liger {'+'.join(patches)}: {worst} off by {errors[worst]:.2e}")

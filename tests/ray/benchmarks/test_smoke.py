@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tarfile
 import zipfile
 
 import pytest
@@ -20,9 +21,18 @@ COMMANDS = {  # script -> what its results file must show
     "prepare_scale.py": ["| 2,000 | ", " | raypack | ", " | floor | ", "| every process <= 4 GiB |", " | True |"],
     "sweep_prepare.py": ["| 1 | per trial |", "| 2 | once |", "Time saved per sweep"],
     "sweep_spread.py": ["Per strategy, median [min, max]", "Median ratio bfd / balanced"],
-    # TRL's SFTTrainer twice and raypack twice (the second compiled) on the tiny model
-    "peers.py": ["| trl-sdpa | ", "| trl-varlen | ", "| raypack | ", "| raypack-fast | ", "raypack / trl-varlen tokens/s"],
+    # DeepSpeed init with its shm all-reduce built and skipped (warm: --smoke builds nothing); both
+    # settings of train.overlap_start
+    "startup.py": ["| warm |", "| worker group |", "| waiting for data |", "overlap / sequential"],
+    # TRL's SFTTrainer in both precision recipes and raypack's defaults on the tiny model (--configs below)
+    "peers.py": ["| raypack | raypack train's defaults | ", "| trl | ", "| trl-mixed | ", "raypack / trl: **",
+                 "2 forward(s) of a layer a micro-batch"],
+    # TRL's DPOTrainer and raypack's DPO (the steps alone in one process too), and LoRA's reference
+    "dpo.py": ["| trl | ", "| raypack | ", "raypack / TRL tokens/s, the steps alone", "| precomputed | ",
+               "| on the fly | ", "on the fly / precomputed, a step"],
 }
+ARGS = {"peers.py": ["--configs", "raypack", "trl", "trl-mixed", "--gradient-checkpointing"]}
+"""Beyond --smoke: peers' other rows (raypack-full, trl-sdpa) run the same two children with other settings."""
 
 
 def run(cmd: list[str], env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -35,9 +45,10 @@ def run(cmd: list[str], env: dict | None = None, timeout: int = 900) -> subproce
 @pytest.mark.parametrize("script", sorted(COMMANDS))
 def test_smoke_run_writes_its_results_file(script, tmp_path):
     out = tmp_path / f"{script}.md"
-    run([sys.executable, f"benchmarks/{script}", "--smoke", "--out", str(out)])
+    run([sys.executable, f"benchmarks/{script}", "--smoke", *ARGS.get(script, []), "--out", str(out)])
     text = out.read_text()
     assert text.startswith("# ") and "Command: `" in text and "--smoke run" in text
+    assert "**failed" not in text and "**timed out" not in text and "**skipped" not in text, text
     for expected in COMMANDS[script]:
         assert expected in text, f"{script}: {expected!r} missing from\n{text}"
 
@@ -75,6 +86,8 @@ def test_bench_smoke_driver(tmp_path):
     assert "| full stack (Ray Train + DeepSpeed) |" in train and "train.loss chunked" in train
     assert "| data wait / step time, full stack |" in train
     copied = sorted(p.name for p in out.iterdir())
-    logs = [n for n in copied if n.startswith("bench_gpu_cpu_smoke_") and n.endswith(".log")]
-    assert len(logs) == 1 and sorted(set(copied) - set(logs)) == names
-    assert "[train] " in (out / logs[0]).read_text() and "[bench-gpu] done" in (out / logs[0]).read_text()
+    logs = [n for n in copied if n.startswith("gpu_check_cpu_smoke_") and n.endswith(".log")]
+    assert len(logs) == 1 and sorted(set(copied) - set(logs) - {"results.tar.gz"}) == names
+    with tarfile.open(out / "results.tar.gz") as tar:
+        assert sorted(tar.getnames()) == names
+    assert "[train] " in (out / logs[0]).read_text() and "[gpu-check] done" in (out / logs[0]).read_text()

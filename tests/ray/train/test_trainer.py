@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ray.train
+import torch
 
 from raypack.config import load
 from raypack.train import loop, trainer
@@ -142,6 +143,44 @@ def test_stopped_run_resumes_and_finishes(ray_local, tmp_path):
 
     tokenizer = AutoTokenizer.from_pretrained(Path(resumed.checkpoint.path) / "model")
     assert len(tokenizer) == model.config.vocab_size and tokenizer.chat_template
+
+
+def test_bf16_precision_restarts_from_its_checkpoint_exactly(ray_local, tmp_path, monkeypatch):
+    """train.precision bf16 (bf16 master weights, moments and Kahan compensation) in the mode users
+    run: a worker killed after step 3 restarts from step 2's checkpoint, and the final weights equal
+    those of the same run never killed, bit for bit (the optimizer state came back whole)."""
+    from safetensors.torch import load_file
+
+    common = ("train.precision=bf16", "train.max_steps=4", "data.eval_fraction=0", "train.max_failures=1")
+    whole = trainer.start(tiny_cfg(tmp_path, *common)).result
+    marker = tmp_path / "fault-fired"
+    with_worker_loop(monkeypatch, loop_killed_once, fault={"rank": 1, "step": 3, "marker": str(marker)})
+    restarted = trainer.start(tiny_cfg(tmp_path, *common)).result
+
+    assert marker.exists(), "the injected worker failure never fired"
+    assert whole.metrics["step"] == restarted.metrics["step"] == 4
+    a = load_file(Path(whole.checkpoint.path) / "model" / "model.safetensors")
+    b = load_file(Path(restarted.checkpoint.path) / "model" / "model.safetensors")
+    assert a.keys() == b.keys() and all(t.dtype == torch.bfloat16 for t in a.values())
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert whole.metrics["loss"] == restarted.metrics["loss"]
+
+
+def test_a_failed_preparation_stops_the_workers_that_started_beside_it(ray_local, tmp_path, monkeypatch):
+    """train.overlap_start: the worker group starts while the driver prepares the data; a
+    preparation that fails hands its error over, the workers stop at once (never retried), the
+    driver raises the preparation's own error, and no run folder is left."""
+    from raypack.errors import SourceError
+
+    def failing_prepare(*args, **kwargs):
+        raise SourceError("chat.jsonl line 3: not valid JSON")
+
+    monkeypatch.setattr(trainer, "prepare", failing_prepare)
+    cfg = tiny_cfg(tmp_path, "train.max_failures=2", "train.overlap_start=true")
+    with pytest.raises(SourceError, match="chat.jsonl line 3"):
+        trainer.start(cfg)
+    assert not (tmp_path / cfg.run.name).exists()
 
 
 def loop_killed_in_epoch_two(config: dict, fault: dict) -> None:

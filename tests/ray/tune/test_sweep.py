@@ -206,3 +206,22 @@ def test_cpu_sweep_compares_at_equal_work(tmp_path):
     assert (exp / CONFIG).exists() and "sweep_results" in out.stdout + out.stderr
     assert len(list((exp / "runs").iterdir())) == len(strategies)  # one Train run per trial
     assert len(data_entries(exp, "tokenized")) == 1 and len(data_entries(exp, "packed")) == len(strategies)
+
+
+@pytest.mark.slow
+def test_dpo_beta_sweep_runs_on_the_cpu(tmp_path):
+    """The bundled DPO sweep as a user runs it: three betas, one reference pass shared (its entry
+    sits beside the one packed folder), ranked by the held-out pairs' reward accuracy."""
+    config = REPO / "jobs" / "configs" / "sweeps" / "dpo_beta_cpu.yaml"
+    name = f"sweep-{uuid.uuid4().hex[:6]}"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-m", "raypack.cli", "sweep", "--config", str(config),
+                          f"run.storage_path={tmp_path}", f"run.name={name}"],
+                         cwd=REPO, env=env, timeout=1800, capture_output=True, text=True)
+    logs = out.stdout[-5000:] + out.stderr[-5000:]
+    assert out.returncode == 0, logs
+    rows = list(csv.DictReader((tmp_path / name / CSV).open()))
+    assert sorted(float(r["beta"]) for r in rows) == [0.05, 0.1, 0.5], logs
+    for r in rows:
+        assert r["status"] == "OK" and float(r["eval_rewards/accuracies"]) > 0.5, r
+    assert len(list((tmp_path / name / "cache" / "packed").glob("*/reference/*/manifest.json"))) == 1

@@ -124,6 +124,32 @@ def test_liger_is_used_where_it_can_run_and_refused_where_asked_for_and_it_canno
     assert kernels.resolve_kernels("liger", "llama", "cuda", compiled=True) == "liger"
 
 
+@pytest.mark.parametrize("family,unverified", [("deepseek_v2", True), ("deepseek_v3", True), ("mixtral", False),
+                                               ("qwen3_moe", False), ("llama", False)])  # fmt: skip
+def test_liger_is_kept_off_the_structure_it_failed_on_a_gpu(monkeypatch, family, unverified):
+    """DeepSeek-V2/V3 failed the packed-against-alone check with Liger on an H100, Mixtral and Qwen3-MoE
+    passed: `auto` keeps the model's own code, and `liger` is refused, for routed experts beside shared
+    experts (the trait, found on the meta device before Ray starts), whatever the model is called."""
+    from raypack.config import load
+    from raypack.model.build import meta_model
+    from raypack.train.preflight import check_kernels
+
+    config = FAMILIES[family].build_config(family)
+    monkeypatch.setattr(kernels, "liger_installed", lambda: True)
+    monkeypatch.setattr(kernels, "liger_families", lambda: frozenset({config.model_type}))
+    model = meta_model(config)
+    assert (kernels.liger_unverified(model) is not None) == unverified
+    assert kernels.resolve_kernels("auto", config.model_type, "cuda", model) == ("none" if unverified else "liger")
+    cfg = load(None, ["model.kernels=liger", "train.use_gpu=true"])
+    if unverified:
+        with pytest.raises(InputError, match="failed the packed-against-alone check on a GPU.*beside shared_experts"):
+            kernels.resolve_kernels("liger", config.model_type, "cuda", model)
+        with pytest.raises(InputError, match="beside shared_experts"):
+            check_kernels(cfg, config)
+    else:
+        check_kernels(cfg, config)
+
+
 def test_liger_without_a_rope_kernel_for_a_family_keeps_the_models_rope(monkeypatch):
     """Liger 0.8.5 raises NotImplementedError for rope=True on GLM-4 and Qwen3.5, before patching
     anything: the other kernels still apply. (A stand-in for Liger's apply function: the real one

@@ -19,7 +19,7 @@ def test_typed_config_overlays_preset_and_leaves_no_auto():
     assert zero["stage"] == 3 and "offload_optimizer" not in zero and "offload_param" not in zero
     assert zero["overlap_comm"] is True  # the preset's tuning survives
     assert ds["train_batch_size"] == 32 and ds["gradient_accumulation_steps"] == 4
-    assert ds["gradient_clipping"] == 0.5 and ds["bf16"] == {"enabled": True}
+    assert ds["gradient_clipping"] == 0.5 and ds["bf16"] == {"enabled": True, "check_grad_overflow": False}
     assert "optimizer" not in ds and "scheduler" not in ds  # raypack passes its own
     assert "auto" not in json.dumps(ds)
 
@@ -36,8 +36,56 @@ def test_offload_uses_deepspeeds_optimizer_and_auto_is_refused(tmp_path):
         deepspeed_config(TrainConfig(deepspeed_preset="zero9"), dtype=torch.float32, world_size=1)
 
 
+def test_the_step_is_lean_on_one_rank_and_on_many():
+    """What costs time and buys nothing is off (engine.py's module doc says what each costs)."""
+    one = deepspeed_config(TrainConfig(zero_stage=2, deepspeed_preset="zero2"), dtype=torch.bfloat16, world_size=1)
+    many = deepspeed_config(TrainConfig(zero_stage=2, deepspeed_preset="zero2"), dtype=torch.bfloat16, world_size=8)
+    for ds in (one, many):
+        assert ds["bf16"]["check_grad_overflow"] is False  # bf16: no overflow check, no .item() a step
+        assert ds["timers"] == {"throughput": {"enabled": False}} and ds["wall_clock_breakdown"] is False
+    assert one["zero_optimization"]["overlap_comm"] is False  # nothing to overlap; a sync per backward
+    assert many["zero_optimization"]["overlap_comm"] is True  # the preset's choice where there is communication
+    # fp16 has a loss scale to lower: DeepSpeed's overflow check stays (its default)
+    fp16 = deepspeed_config(TrainConfig(zero_stage=2), dtype=torch.float16, world_size=1)
+    assert "check_grad_overflow" not in fp16["fp16"] and fp16["bf16"] == {"enabled": False}
+
+
+def test_bf16_precision_asks_deepspeed_for_bf16_master_weights_and_moments():
+    ds = deepspeed_config(TrainConfig(zero_stage=2, precision="bf16"), dtype=torch.bfloat16, world_size=2)
+    assert ds["bf16"] == {"enabled": True, "check_grad_overflow": False, "bf16_master_weights_and_grads": True,
+                          "bf16_optimizer_states": True}
+    assert ds["zero_allow_untested_optimizer"] is True
+    mixed = deepspeed_config(TrainConfig(zero_stage=2), dtype=torch.bfloat16, world_size=2)
+    assert "bf16_master_weights_and_grads" not in mixed["bf16"] and "zero_allow_untested_optimizer" not in mixed
+
+
 def test_warmup_then_cosine():
     lrs = [lr_lambda(s, warmup=4, total=20, min_ratio=0.1) for s in range(21)]
     assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
     assert lrs[4] == pytest.approx(1.0) and lrs[20] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(lrs[4:], lrs[5:]))
+
+
+def test_bf16_precisions_adamw_keeps_the_updates_rounding_drops():
+    """1000 AdamW steps of 1e-4 on a bf16 weight of 1.0, where an ulp is 2^-7: each update is below
+    half an ulp. torch's AdamW on bf16 weights (TRL on a bf16-loaded model) rounds every one away;
+    raypack's (torch-optimi's, Kahan-summed) lands where fp32 weights do, within an ulp."""
+    from raypack.train.engine import make_optimizer
+
+    def train(dtype, optimizer):
+        w = torch.nn.Parameter(torch.ones(64, dtype=dtype))
+        opt = optimizer([{"params": [w], "weight_decay": 0.0}])
+        for _ in range(1000):
+            w.grad = torch.ones_like(w)  # Adam's step is lr (times 1 - a vanishing bias term)
+            opt.step()
+        return w.detach().float()
+
+    def torch_adamw(groups):
+        return torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.95), eps=1e-8)
+
+    cfg = TrainConfig(zero_stage=2, precision="bf16", lr=1e-4)
+    reference = train(torch.float32, torch_adamw)
+    assert reference.mean().item() == pytest.approx(0.9, abs=1e-3)
+    assert torch.equal(train(torch.bfloat16, torch_adamw), torch.ones(64))  # every update lost
+    kahan = train(torch.bfloat16, lambda groups: make_optimizer(groups, cfg))
+    assert (kahan - reference).abs().max().item() <= 2**-7

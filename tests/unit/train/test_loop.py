@@ -12,6 +12,7 @@ import torch.distributed as dist
 from raypack.train.loop import train_step
 from raypack.train.loss import token_loss_sum
 from raypack.train.prefetch import prepare_step
+from raypack.train.stepvalues import HostCounts
 
 
 class RecordingEngine:
@@ -32,6 +33,9 @@ class RecordingEngine:
 
     def step(self):
         self.calls.append("step")
+
+    def get_global_grad_norm(self):
+        return torch.tensor(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +62,7 @@ def full_loss(engine, batch):
 
 def test_a_step_without_label_tokens_is_skipped(process_group):
     engine = RecordingEngine()
-    values = train_step(engine, prepare_step([row([-100, -100, -100]), row([5, -100])]), full_loss)
+    values = train_step(engine, prepare_step([row([-100, -100, -100]), row([5, -100])]), full_loss, HostCounts(1)).resolve()
     assert engine.calls == []  # no forward, no backward, no update
     assert values["skipped_steps"] == 1.0 and values["label_tokens"] == 0.0 and math.isnan(values["loss"])
     assert values["tokens"] == 5.0
@@ -66,7 +70,7 @@ def test_a_step_without_label_tokens_is_skipped(process_group):
 
 def test_a_step_with_label_tokens_trains(process_group):
     engine = RecordingEngine()
-    values = train_step(engine, prepare_step([row([-100, 2, 3]), row([-100, -100])]), full_loss)
+    values = train_step(engine, prepare_step([row([-100, 2, 3]), row([-100, -100])]), full_loss, HostCounts(1)).resolve()
     assert engine.calls == ["forward", "backward", "step", "forward", "backward", "step"]
     assert values["skipped_steps"] == 0.0 and values["label_tokens"] == 2.0
     assert values["loss"] == pytest.approx(math.log(8))  # uniform logits over 8 classes

@@ -109,7 +109,8 @@ def test_line_names_the_setting():
     c = load("jobs/configs/llama8b_lora_1gpu.yaml")
     line = estimate(c, LLAMA_8B).line(c, LLAMA_8B)  # the zero2 preset, read through engine.load_preset
     assert line.startswith("31.2 GB = weights 16.1 + gradients 1.1 + optimizer 0.5 + activations 10.3 + loss 3.2")
-    for part in ("lora r16", "41.9M of 8.03B", "ZeRO-2 over 1 rank(s)", "gradient checkpointing full", "16384 tokens"):
+    for part in ("lora r16", "41.9M of 8.03B", "ZeRO-2 over 1 rank(s)", "mixed precision", "gradient checkpointing full",
+                 "16384 tokens"):
         assert part in line
     assert estimate(c, LLAMA_8B).total < 80 * GB
 
@@ -163,7 +164,7 @@ def test_liger_uncompiled_rules_selective_out(monkeypatch):
     from raypack.model import kernels
     from raypack.train.memory import resolve_checkpointing
 
-    monkeypatch.setattr(kernels, "resolve_kernels", lambda kernels, model_type, device, compiled=False: "liger")
+    monkeypatch.setattr(kernels, "resolve_kernels", lambda *args, **kwargs: "liger")
     run = ["model.name=tiny-llama", "pack.budget=64", "train.num_workers=1"]
     with pytest.raises(InputError, match="selective with Liger-Kernel's kernels uncompiled"):
         resolve_checkpointing(load(None, [*run, "model.gradient_checkpointing=selective"]), "cpu")
@@ -172,3 +173,59 @@ def test_liger_uncompiled_rules_selective_out(monkeypatch):
     # compiled, Liger's calls run on copies: selective stands
     compiled = load(None, [*run, "model.gradient_checkpointing=selective", "train.compile=true"])
     assert resolve_checkpointing(compiled, "cpu") == ("selective", "as configured")
+
+
+@pytest.fixture
+def one_rank_group(monkeypatch, tmp_path):
+    """A gloo process group of one, with the variables DeepSpeed's launcher would set."""
+    import torch.distributed as dist
+
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "DS_ACCELERATOR": "cpu"}.items():
+        monkeypatch.setenv(key, value)
+    ours = not dist.is_initialized()
+    if ours:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    if ours:
+        from benchmarks.step_syncs import destroy_process_group
+
+        destroy_process_group()  # through DeepSpeed, which forgets the groups it cached
+
+
+def tensor_bytes(value) -> int:
+    """Bytes of every tensor in a nest of dicts and lists."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(tensor_bytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(v) for v in value)
+    return 0
+
+
+@pytest.mark.parametrize("precision", ["mixed", "bf16"])
+def test_weights_and_optimizer_state_are_what_deepspeed_holds(precision, one_rank_group):
+    """The estimate's weights and optimizer terms against the bytes a real ZeRO-2 engine holds on
+    the CPU after a step (its saved optimizer state: the master partition and the moments, with
+    Kahan's compensation in bf16)."""
+    import torch
+
+    from raypack.train.engine import setup_engine
+
+    c = load(None, ["train.num_workers=1", "train.zero_stage=2", f"train.precision={precision}", "model.dtype=bfloat16"])
+    arch = Arch.from_config(model_config("tiny-llama"))
+    model = load_model("tiny-llama", dtype="bfloat16")
+    engine, _ = setup_engine(model, c.train, dtype=torch.bfloat16, world_size=1, total_steps=1)
+    ids = torch.randint(0, arch.vocab, (1, 16))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    weights = sum(p.numel() * p.element_size() for p in engine.module.parameters())
+    saved = engine.optimizer.state_dict()
+    held = tensor_bytes(saved["base_optimizer_state"]["state"]) + tensor_bytes(saved["single_partition_of_fp32_groups"])
+    mem = estimate(c, arch, zero={})
+    assert weights == mem.weights == 2 * arch.params
+    # torch AdamW's per-group step counters (8 B each) are the only bytes the arithmetic leaves out
+    assert held == pytest.approx(mem.optimizer, abs=64) and mem.optimizer == {"mixed": 12, "bf16": 8}[precision] * arch.params
+    engine.destroy()

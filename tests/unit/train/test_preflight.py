@@ -53,7 +53,8 @@ def test_chat_data_needs_a_chat_template(tmp_path):
 def test_formats_of_every_source_kind():
     sample = ASSETS / "sample"
     cfg = load(None, [f"data.paths=[{sample}]"])
-    assert sorted(source_formats(cfg, Sources.of(cfg.data.paths)).values()) == ["chat", "completion", "instruction", "tokenized"]
+    assert sorted(source_formats(cfg, Sources.of(cfg.data.paths)).values()) == [
+        "chat", "completion", "instruction", "preference", "tokenized"]
 
 
 # The packed-model check (check_packed_model): model traits against the run's strategy, backend and budget.

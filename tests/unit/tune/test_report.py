@@ -112,3 +112,14 @@ def test_a_lora_rank_sweep_shows_the_rank_column():
     assert format_csv(rows).splitlines()[0].startswith("strategy,budget,lr,lora_r,trial")
     assert label(rows[0]).startswith("bfd-b256-lr0.003-r4")
     assert "lora_r" not in format_table(ROWS, Context(title="T")) and "lora_r" not in format_csv(ROWS)
+
+
+def test_a_dpo_beta_sweep_shows_beta_and_the_eval_reward_accuracy():
+    """A DPO sweep's rows carry beta (after lr) and the held-out pairs' reward accuracy (after eval_loss)."""
+    rows = [{**r, "beta": beta, "eval_rewards/accuracies": 0.75} for r, beta in zip(ROWS, (0.05, 0.1, 0.5, 0.05, 0.1))]
+    header = next(line for line in format_table(rows, Context(title="T")).splitlines() if line.startswith("| strategy"))
+    cells = [c.strip() for c in header.strip("|").split("|")]
+    assert cells[cells.index("lr") + 1] == "beta"
+    assert cells[cells.index("eval_loss") + 1] == "eval_rewards/accuracies"
+    assert label(rows[0]).startswith("bfd-b256-lr0.003-beta0.05")
+    assert "beta" not in format_table(ROWS, Context(title="T"))

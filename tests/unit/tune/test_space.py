@@ -21,6 +21,8 @@ def cfg(*overrides):
     (["tune.scheduler=asha", "tune.metric=eval_loss"], "tune.metric: eval_loss with scheduler 'asha'"),
     (["tune.scheduler=asha", "tune.metric=eval_loss", "train.eval_every_steps=4", "train.report_every_steps=10"],
      "needs an eval in every report"),
+    (["tune.scheduler=asha", "tune.metric=eval_loss", "train.eval_every_steps=5"],  # reports chosen as it goes
+     "needs an eval in every report"),
     (["tune.scheduler=asha", "tune.asha.time_attr=training_iteration"], "tune.asha.max_t: set it"),
 ])
 def test_check_refuses_with_the_key(overrides, message):
@@ -59,6 +61,24 @@ def test_param_space_per_kind():
     # one value is a constant, and empty lists keep the base config's value
     space = param_space(cfg("tune.strategies=[bfd]", "pack.budget=333", "train.lr=0.5"))
     assert space == {"strategy": "bfd", "budget": 333, "lr": 0.5}
+
+
+def test_dpo_beta_is_a_dimension_of_a_dpo_sweep():
+    from raypack.runs import trial_config
+
+    dpo = ("train.objective=dpo", "data.paths=[raypack/assets/sample/preference.jsonl]", "tune.strategies=[bfd]")
+    space = param_space(cfg(*dpo, "tune.dpo_betas=[0.05, 0.5]"))
+    assert space == {"strategy": "bfd", "budget": 1024, "lr": 1e-3, "beta": {"grid_search": [0.05, 0.5]}}
+    assert param_space(cfg(*dpo, "dpo.beta=0.3"))["beta"] == 0.3  # no list: the base config's beta
+    assert planned_trials(cfg(*dpo, "tune.dpo_betas=[0.05, 0.1, 0.5]")) == 3
+    trial = trial_config(cfg(*dpo), {"strategy": "bfd", "budget": 512, "lr": 1e-3, "beta": 0.05}, "/tmp/runs", "t1")
+    assert trial.dpo.beta == 0.05 and trial.run.name == "bfd-b512-lr0.001-beta0.05-t1"
+    with pytest.raises(ConfigError, match="tune.dpo_betas: sweeps DPO's beta, so it needs train.objective: dpo"):
+        check(cfg("tune.dpo_betas=[0.1]"))
+    with pytest.raises(ConfigError, match="tune.strategies: wrapped cuts examples"):
+        check(cfg(*dpo, "tune.strategies=[bfd, wrapped]"))
+    with pytest.raises(ConfigError, match="eval_rewards/accuracies with scheduler 'asha'"):
+        check(cfg(*dpo, "tune.scheduler=asha", "tune.metric=eval_rewards/accuracies", "tune.mode=max"))
 
 
 def test_pack_configs_cover_every_draw():

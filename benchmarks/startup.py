@@ -1,0 +1,158 @@
+"""Where `raypack train`'s time before the first step goes, and the two start-up changes of issue
+35, each side by side in one run:
+
+    PYTHONPATH=. python benchmarks/startup.py              # 3 rounds of each comparison, CPU or GPU
+    PYTHONPATH=. python benchmarks/startup.py --smoke      # one round, warm extensions only: proves it runs
+
+1. DeepSpeed's initialization as a raypack worker runs it (`setup_engine` on tiny-llama, ZeRO-2,
+   one gloo rank, DeepSpeed's CPU accelerator), with DeepSpeed's shared-memory all-reduce built (its
+   default: a JIT C++ build after probing every op's compiler) or skipped (raypack's
+   `engine.skip_shm_build`), each in a fresh process, with a fresh extensions folder (a first run,
+   or a new venv) and with a warm one (a later run).
+2. `raypack train --config jobs/configs/quickstart.yaml train.max_steps=1` with
+   train.overlap_start false and true (the worker group started after the data preparation, or
+   beside it), each a fresh process with its own local Ray instance and data prepared from
+   scratch; the phases come from its raypack_result.json (raypack/train/startup.py).
+
+Each round runs every side once, alternating which goes first. Reported: medians, and each
+round's ratio. On a shared machine the times are upper bounds; the ratios, measured in the same
+rounds, are what to read. Results: benchmarks/results/startup_<device>_<date>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import cpu_header, device_name, host_now, write_results  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SETTINGS = ("false", "true")
+TOTAL = "to the first step"
+
+
+DS_INIT = """
+import os, sys, tempfile, time
+os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+from raypack.config import TrainConfig
+from raypack.model.build import load_model
+from raypack.train import engine
+if sys.argv[1] == "built":
+    engine.skip_shm_build = lambda: None  # DeepSpeed's own behaviour
+model = load_model("tiny-llama")
+t0 = time.perf_counter()
+engine.setup_engine(model, TrainConfig(num_workers=1, zero_stage=2, deepspeed_preset="zero2"), dtype=torch.float32,
+                    world_size=1, total_steps=1)
+print("RESULT", time.perf_counter() - t0)
+"""
+
+
+def deepspeed_init(side: str, extensions: str, cache: str, args) -> float:
+    """Seconds of `setup_engine` in a fresh process, DeepSpeed's shm all-reduce `built` or `skipped`."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_EXTENSIONS_DIR": extensions}
+    proc = subprocess.run([sys.executable, "-c", DS_INIT, side], cwd=REPO, capture_output=True, text=True,
+                          timeout=args.timeout, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise SystemExit(f"DeepSpeed init ({side}) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    seconds = float(lines[-1].split()[1])
+    print(f"DeepSpeed init, shm all-reduce {side}, {cache} extensions folder: {seconds:.1f} s", flush=True)
+    return seconds
+
+
+def raypack_train(overlap: str, work: Path, args) -> dict[str, float]:
+    """One `raypack train` in a fresh process; its start-up phases."""
+    name = f"startup-{overlap}-{uuid.uuid4().hex[:6]}"
+    cmd = [sys.executable, "-m", "raypack.cli", "train", "--config", str(REPO / "jobs/configs/quickstart.yaml"),
+           f"run.storage_path={work}", f"run.name={name}", "train.max_steps=1", f"train.overlap_start={overlap}",
+           "data.eval_fraction=0"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout, env=env)
+    if proc.returncode:
+        raise SystemExit(f"overlap_start={overlap} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    phases = json.loads((work / name / "raypack_result.json").read_text())["startup_s"]
+    print(f"overlap_start={overlap}: {phases}", flush=True)
+    return phases
+
+
+def alternate(sides: tuple[str, ...], rounds: int, fn) -> dict[str, list]:
+    out: dict[str, list] = {side: [] for side in sides}
+    for r in range(rounds):
+        for side in (sides if r % 2 == 0 else sides[::-1]):
+            out[side].append(fn(side))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="one round of each: proves the script runs")
+    p.add_argument("--rounds", type=int, default=None, help="rounds of each comparison (default 3; smoke 1)")
+    p.add_argument("--timeout", type=int, default=900, help="seconds one run may take")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    rounds = args.rounds or (1 if args.smoke else 3)
+    started = host_now()
+    with tempfile.TemporaryDirectory(prefix="startup_") as tmp:
+        work = Path(tmp)
+        ds = {}
+        # --smoke: the warm case alone, in the extensions folder the tests share (no 60 s build)
+        shared = os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+        for cache in ("warm",) if args.smoke else ("fresh", "warm"):
+            folders = {side: work / f"ext-{side}-{cache}" for side in ("built", "skipped")}
+            if args.smoke:
+                folders = {side: Path(shared) for side in folders}
+            elif cache == "warm":  # one run of each side fills its own folder first
+                for side, folder in folders.items():
+                    deepspeed_init(side, str(folder), "filling the warm", args)
+            ds[cache] = alternate(("built", "skipped"), rounds, lambda side, c=cache, f=folders: deepspeed_init(
+                side, str(f[side] if c == "warm" else work / f"ext-{side}-{uuid.uuid4().hex[:6]}"), c, args))
+        runs = alternate(SETTINGS, rounds, lambda overlap: raypack_train(overlap, work, args))
+    phases = [k for k in runs["false"][0] if k != TOTAL] + [TOTAL]
+    median = {s: {k: statistics.median(run.get(k, 0.0) for run in runs[s]) for k in phases} for s in SETTINGS}
+    lines = [
+        *cpu_header(f"raypack train's start-up: DeepSpeed's shm all-reduce, and the worker group beside the data "
+                    f"preparation, {device_name()}, {time.strftime('%Y-%m-%d')}", __file__, argv, args.smoke, started,
+                    ("ray", "deepspeed", "torch")),
+        "",
+        f"## DeepSpeed init in a raypack worker (`setup_engine`, tiny-llama, ZeRO-2, one rank), {rounds} round(s)",
+        "",
+        "| extensions folder | shm all-reduce built (DeepSpeed's default) | skipped (raypack) | skipped / built |",
+        "|---|---|---|---|",
+        *[f"| {cache} | {statistics.median(ds[cache]['built']):.1f} s | {statistics.median(ds[cache]['skipped']):.1f} s | "
+          f"**{statistics.median(ds[cache]['skipped']) / statistics.median(ds[cache]['built']):.2f}x** (rounds: "
+          + ", ".join(f"{s / b:.2f}" for b, s in zip(ds[cache]["built"], ds[cache]["skipped"])) + ") |"
+          for cache in ds],
+        "",
+        f"## train.overlap_start, {rounds} round(s)",
+        "",
+        "`raypack train --config jobs/configs/quickstart.yaml train.max_steps=1 data.eval_fraction=0`, each setting in "
+        "a fresh process. Median seconds per phase (raypack/train/startup.py; with overlap the data preparation runs "
+        "beside the worker group, worker imports and waiting for data, so the phases add up to more than the total).",
+        "",
+        "| phase | overlap_start: false | overlap_start: true |",
+        "|---|---|---|",
+        *[f"| {k} | {median['false'][k]:.1f} | {median['true'][k]:.1f} |" for k in phases],
+        "",
+        f"- total to the first step, overlap / sequential: **{median['true'][TOTAL] / median['false'][TOTAL]:.2f}x** "
+        f"(rounds: {', '.join(f'{t[TOTAL] / f[TOTAL]:.2f}' for f, t in zip(runs['false'], runs['true']))})",
+        "",
+    ]
+    write_results("startup", args.smoke, args.out, lines)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,210 @@
+"""DPO on packed rows is exact (raypack/train/dpo.py): the loss, every gradient and the metrics of
+a packed step equal TRL's DPOTrainer on the same pairs (unpacked, padded, one batch, reference
+precomputed), in fp32 on a tiny Llama, to 1e-5 relative; and for every model family that packs
+exactly, equal each pair run alone through the model's own eager attention.
+
+TRL's step runs after its reference pass, with the policy then moved off the reference (the same
+random step on both models), so that rewards, margins and accuracies are not all zero. The
+rows are made by raypack's own stages (tokenize, plan pairs, route, assemble) from the bundled
+preference sample, several pairs a row, in micro-batches of one row, the loss in chunks of 7
+tokens: every pair's loss is summed per micro-batch and divided by the step's pair count.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from dpo_check import (SAMPLE, encoded_pairs, grad_errors, packed_pair_rows, pairs_alone_loss, perturb,
+                       sample_records, trl_step)
+from families import FAMILIES
+
+from raypack.config import DpoConfig
+from raypack.model.build import load_model
+from raypack.train.dpo import METRICS, DPOLoss
+from raypack.train.dpo_reference import rows_logps
+from raypack.train.loss import UnsupportedLossError, make_loss
+
+PAIRS = 8
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models on a shared 2-core host: threads only fight
+    yield
+    torch.set_num_threads(threads)
+
+
+def raypack_step(model, rows: list[dict], dpo: DpoConfig, kind: str = "chunked", after_reference=None,
+                 padded: bool = False):
+    """raypack's packed step: the reference pass over `rows`, then each row a micro-batch, the
+    loss Σ pair losses / P; returns (loss, metrics) with the gradients in `model`."""
+    loss = DPOLoss(make_loss(model, kind, chunk_tokens=7, padded=padded), dpo, gather=None)
+    reference = rows_logps(loss, model, rows, padded, 2, "cpu")
+    if after_reference is not None:
+        after_reference(model)
+    loss = DPOLoss(loss.base, dpo, gather=None, reference=reference)
+    step = loss.prepare_step(rows, padded=padded, pad_token_id=2)
+    chosen = sum(int(b["completion_tokens"][0::2].sum()) for b in step.batches)
+    total, stats = 0.0, []
+    for batch in step.batches:
+        loss_sum = loss(model, {**batch, "sft_scale": dpo.sft_weight * step.pairs / chosen}, stats)
+        (loss_sum / step.pairs).backward()
+        total += loss_sum.item()
+    summed = torch.stack(stats).sum(0) / step.pairs
+    return total / step.pairs, dict(zip(METRICS, summed.tolist()))
+
+
+def _models(vocab: int = 768):
+    torch.manual_seed(0)
+    model = load_model("tiny-llama", attention="sdpa_varlen", dtype="float32", vocab_size=vocab)
+    ref = load_model("tiny-llama", attention="eager", dtype="float32", vocab_size=vocab)
+    ref.load_state_dict(model.state_dict())
+    return model, ref
+
+
+CASES = {  # dpo section, TRL's loss_type and loss_weights for the same objective
+    "sigmoid": (DpoConfig(beta=0.1), None, None),
+    "ipo": (DpoConfig(beta=0.5, loss="ipo"), None, None),
+    "sigmoid+sft": (DpoConfig(beta=0.1, sft_weight=0.7), ["sigmoid", "sft"], [1.0, 0.7]),
+    # TRL 1.x has no smoothed sigmoid. -log σ(-z) = -log σ(z) + z, so conservative DPO is
+    # sigmoid + eps·z, and TRL's hinge, relu(1 - z), is 1 - z wherever z < 1 (here |z| < 0.1; a
+    # pair past 1 would make the losses differ, failing the test, never passing it wrongly):
+    # sigmoid - eps·hinge is the same loss, less the constant eps, with the same gradients.
+    "label_smoothing": (DpoConfig(beta=0.1, label_smoothing=0.2), ["sigmoid", "hinge"], [1.0, -0.2]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_packed_step_equals_trl(case, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))  # TRL caches its reference pass there
+    dpo, loss_type, weights = CASES[case]
+    model, ref = _models()
+    move = lambda m: perturb([m])  # noqa: E731  the same random step away from the reference, both sides
+    trl = trl_step(ref, sample_records(PAIRS), dpo, tmp_path, after_reference=move, loss_type=loss_type,
+                   loss_weights=weights)
+    rows = packed_pair_rows(SAMPLE, PAIRS, budget=400)[0]
+    assert len(rows) > 1 and all(len(r["example_ids"]) >= 2 for r in rows)  # several rows, pairs packed together
+    loss, metrics = raypack_step(model, rows, dpo, after_reference=move)
+
+    expected = trl["loss"] + (dpo.label_smoothing if case == "label_smoothing" else 0.0)
+    assert loss == pytest.approx(expected, rel=TOLERANCE)
+    errors = grad_errors(model, trl["grads"])
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < TOLERANCE, f"{worst} off by {errors[worst]:.2e}"
+    for name in METRICS:
+        assert metrics[name] == pytest.approx(trl["metrics"][name], rel=1e-4, abs=1e-6), name
+    assert 0 < metrics["rewards/accuracies"] < 1  # the policy really moved off the reference
+
+
+def test_standard_format_and_full_loss_equal_trl(tmp_path, monkeypatch):
+    """String pairs (TRL's standard format: EOS appended, tokenized whole) and `train.loss: full`."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    records = [{"prompt": r["prompt"][0]["content"], "chosen": " " + r["chosen"][0]["content"],
+                "rejected": " " + r["rejected"][0]["content"]} for r in sample_records(PAIRS, start=20)]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    dpo = DpoConfig(beta=0.2)
+    model, ref = _models()
+    move = lambda m: perturb([m], seed=3)  # noqa: E731
+    trl = trl_step(ref, records, dpo, tmp_path, after_reference=move)
+    loss, _ = raypack_step(model, packed_pair_rows(path, budget=600)[0], dpo, kind="full", after_reference=move)
+    assert loss == pytest.approx(trl["loss"], rel=TOLERANCE)
+    errors = grad_errors(model, trl["grads"])
+    assert max(errors.values()) < TOLERANCE
+
+
+def test_padded_pairs_equal_packed(tmp_path):
+    """The pad strategy's batches (one sequence a row, a pair's two adjacent) give the packed loss."""
+    dpo = DpoConfig(beta=0.3, sft_weight=0.5)
+    losses, grads = [], []
+    for strategy in ("bfd", "pad"):
+        torch.manual_seed(0)
+        padded = strategy == "pad"
+        model = load_model("tiny-llama", attention="sdpa" if padded else "sdpa_varlen", dtype="float32", vocab_size=768)
+        rows = packed_pair_rows(SAMPLE, 6, budget=400, strategy=strategy)[0]
+        loss, _ = raypack_step(model, rows, dpo, after_reference=lambda m: perturb([m]), padded=padded)
+        losses.append(loss)
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert losses[0] == pytest.approx(losses[1], rel=TOLERANCE)
+    for name, g in grads[1].items():
+        torch.testing.assert_close(grads[0][name], g, rtol=1e-4, atol=1e-6)
+
+
+EXACT = [f for f, spec in FAMILIES.items() if not spec.refused]
+
+
+def _folded(rows, vocab: int):
+    """Token ids (and labels) modulo `vocab`: a table of tokenized rows, or one packed row."""
+    def fold(values):
+        return [v if v == -100 else v % vocab for v in values]
+
+    if isinstance(rows, dict):
+        return {**rows, "input_ids": fold(rows["input_ids"]), "labels": fold(rows["labels"])}
+    import pyarrow as pa
+
+    columns = {name: rows[name] for name in rows.column_names}
+    for name in ("input_ids", "labels"):
+        columns[name] = pa.array([fold(v) for v in rows[name].to_pylist()], pa.list_(pa.int32()))
+    return pa.table(columns)
+
+
+@pytest.mark.parametrize("family", EXACT)
+def test_family_packed_dpo_equals_each_pair_alone(family):
+    """Every family that packs exactly: a packed DPO step (IPO, with the NLL term: every path of
+    the objective) against each sequence of each pair run alone under transformers' eager
+    attention, the loss written from its formula."""
+    spec = FAMILIES[family]
+    config = spec.build_config(family)
+    torch.manual_seed(0)
+    model = load_model(config, attention="sdpa_varlen", dtype="float32").eval()
+    alone = load_model(config, attention="eager", dtype="float32").eval()
+    alone.load_state_dict(model.state_dict())
+    start = load_model(config, attention="eager", dtype="float32").eval()
+    start.load_state_dict(model.state_dict())  # the reference: the weights before the step
+    dpo = DpoConfig(beta=0.5, loss="ipo", sft_weight=0.3)
+    vocab = model.get_input_embeddings().num_embeddings  # the bundled tokenizer's ids folded into it
+    # pairs cut to 64 tokens (the prompt first): sums short enough that fp32 rounding stays far
+    # below the tolerance (at ~300 tokens a pair one DiffLlama gradient came within 4% of it)
+    table = _folded(encoded_pairs(SAMPLE, 6, max_length=64), vocab)
+    rows = [_folded(row, vocab) for row in packed_pair_rows(SAMPLE, 6, budget=160, max_length=64)[0]]
+    move = lambda m: perturb([m], scale=0.01)  # noqa: E731
+    try:
+        make_loss(model, "chunked")
+        kind = "chunked"
+    except UnsupportedLossError:  # refused at setup for SFT too (MiniCPM3): train.loss: full trains it
+        kind = "full"
+    loss, _ = raypack_step(model, rows, dpo, kind=kind, after_reference=move)
+    move(alone)
+    expected = pairs_alone_loss(alone, start, table, dpo)
+    expected.backward()
+    assert loss == pytest.approx(expected.item(), rel=TOLERANCE), family
+    errors = grad_errors(model, {n: p.grad for n, p in alone.named_parameters() if p.grad is not None})
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < TOLERANCE, f"{family}: {worst} off by {errors[worst]:.2e}"
+
+
+def test_an_empty_pack_adds_nothing_and_still_runs_its_forward():
+    """The plan's filler rows (no pair) pass through the reference pass, the loss and its backward,
+    adding nothing: under ZeRO-3 every rank must run as many forwards as the others."""
+    from raypack.data.pack import empty_rows
+
+    dpo = DpoConfig(beta=0.2, sft_weight=0.3)
+    rows = packed_pair_rows(SAMPLE, 4, budget=400)[0]
+    empty = empty_rows(0, torch.tensor([99]).numpy(), 1).to_pylist()
+    losses, grads, counts = [], [], []
+    for with_empty in (False, True):
+        model, _ = _models()
+        forwards = []
+        model.register_forward_pre_hook(lambda *a: forwards.append(1))
+        loss, _ = raypack_step(model, rows + empty if with_empty else rows, dpo, after_reference=lambda m: perturb([m]))
+        losses.append(loss)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        counts.append(len(forwards))
+    assert counts[1] - counts[0] == 2  # the empty pack's, in the reference pass and in the step
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g)
