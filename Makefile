@@ -13,6 +13,9 @@
 #   make bench-smoke  the gpu-check steps on the CPU with every benchmark's --smoke
 #   make gpu-rehearsal  gpu-check as the GPU machine runs it, on the CPU: a Python 3.12 venv holding only the
 #                     image's packages, the wheels as gathered, offline (tools/gpu_rehearsal.sh; root, ~5 GB, ~25 min on 2 cores)
+#   make bench-recompute  on a CUDA machine: each gradient checkpointing mode, eager, compiled and with
+#                     Liger, against the memory estimate (benchmarks/recompute.py; torch and
+#                     transformers only; not part of gpu-check)
 #   make test-liger   Liger-Kernel's exactness tests on the CPU, in Triton's interpreter: installs
 #                     liger-kernel and triton (1 GB, not in the lock) into .cache/liger, not .venv
 PYTHON ?= python3
@@ -23,7 +26,7 @@ LOCK   := constraints.txt
 BIN    := $(VENV)/bin
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup run test test-latest test-liger lock gpu-wheels gpu-check gpu-rehearsal bench-peers bench-smoke clean
+.PHONY: setup run test test-latest test-liger lock gpu-wheels gpu-check gpu-rehearsal bench-peers bench-smoke bench-recompute clean
 setup: $(VENV)/.installed
 
 # torch first, from $(TORCH) (another version on a CUDA box: the lock's torch pin is left out of
@@ -74,6 +77,9 @@ gpu-check:
 
 bench-peers:
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(BENCH_PYTHON) tools/bench_gpu.py --peers
+
+bench-recompute:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(BENCH_PYTHON) benchmarks/recompute.py
 
 bench-smoke: setup
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(BIN)/python tools/bench_gpu.py --smoke

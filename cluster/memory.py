@@ -241,7 +241,7 @@ def fits_markdown() -> str:
         m = estimate(r.cfg, r.arch, tokens=max(budget, 1024), zero=r.zero)
         peft = r.cfg.model.peft
         method = {"none": "full", "lora": f"LoRA r{peft.r}", "qlora": f"QLoRA r{peft.r}"}[peft.method]
-        ckpt = "on" if r.cfg.model.gradient_checkpointing else "off"
+        ckpt = "on" if r.cfg.model.gradient_checkpointing == "full" else "off"
         per_1k = _gb(m.activations / max(budget, 1024) * 1024)
         total = _gb(m.total) if budget else "-"
         lines.append(f"| {r.cfg.model.name.split('/')[-1]} ({r.arch.params / 1e9:.2f}B) | {method} | {ckpt} | {_gb(m.weights)} "

@@ -4,8 +4,9 @@ that the checks of tests/gpu/model/test_kernels.py run without a GPU, in fp32:
 - `model.kernels: liger` (raypack.model.kernels.apply_kernels, Liger's RMSNorm, RoPE, SwiGLU/GeGLU
   and LayerNorm on the model instance): one packed forward and backward gives each example's
   logits, loss and gradients run alone through the model's own code with the same weights;
-- the same with `train.compile` on (raypack.model.kernels.compile_layers), and no new graph for
-  rows of other lengths;
+- the same with `train.compile` on, as training runs it (layers checkpointed, Liger's calls opaque
+  ops in their graphs: raypack/model/liger_graph.py), no graph break, and no new graph for rows of
+  other lengths;
 - `train.loss: liger` (Liger's fused linear cross-entropy): the chunked loss's sum and gradients.
 
 Run in a fresh process, as tests/unit/model/test_liger_interpreted.py does: TRITON_INTERPRET is
@@ -72,7 +73,9 @@ def check_kernels(family: str, compiled: bool = False) -> dict[str, float]:
     torch._dynamo.reset()
     config = FAMILIES[family].build_config(family)
     torch.manual_seed(0)
-    model = load_model(config, attention="sdpa_varlen", dtype="float32").eval()
+    # compiled: as training runs it, each layer checkpointed (full recompute)
+    model = load_model(config, attention="sdpa_varlen", dtype="float32",
+                       gradient_checkpointing="full" if compiled else "none").eval()
     ref = load_model(config, attention="eager", dtype="float32").eval()  # built before Liger patches classes
     ref.load_state_dict(model.state_dict())
     shapes = {k: v.shape for k, v in model.state_dict().items()}
@@ -85,14 +88,24 @@ def check_kernels(family: str, compiled: bool = False) -> dict[str, float]:
         raise AssertionError(f"{family}: Liger changed the weights' shapes")
     if not compiled:
         return {**packed_vs_alone(model, ref, lengths=LENGTHS), "liger_modules": swapped}
-    # train.compile: Liger's kernels stay out of the graphs (Dynamo tracing them would trace the
-    # interpreter here); the rest compiles, and rows of other lengths add no graph
+    # train.compile: Liger's calls are opaque ops in the layers' graphs (raypack/model/liger_graph.py;
+    # Dynamo tracing into them would trace the interpreter here). Trained as the loop trains: the
+    # setup probe refuses a graph break, the layers run in training mode, checkpointed.
+    from torch._dynamo.utils import counters
+
+    from raypack.train.loss import probe_batch
+
+    counters.clear()
     kernels.compile_layers(model)
+    kernels.check_compiled(model, {k: v for k, v in probe_batch(config.vocab_size, False).items() if k != "labels"})
+    for layer in kernels.decoder_layers(model, "test"):
+        layer.training = True
     errors = packed_vs_alone(model, ref, lengths=LENGTHS)
     graphs = kernels.compiled_graphs()
     more = packed_vs_alone(model, ref, lengths=([10, 7, 3, 2], [5, 19]), seed=1)
     return {**errors, **{f"{k} (other rows)": v for k, v in more.items()}, "liger_modules": swapped,
-            "graphs": graphs, "new_graphs": kernels.compiled_graphs() - graphs}
+            "graphs": graphs, "new_graphs": kernels.compiled_graphs() - graphs,
+            "graph_breaks": sum(counters["graph_break"].values())}
 
 
 def check_compiled(family: str) -> dict[str, float]:

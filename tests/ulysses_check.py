@@ -27,6 +27,7 @@ from raypack.config import PeftConfig
 from raypack.data.collate import collate_packed, shard_batch
 from raypack.model.adapters import apply_adapters
 from raypack.model.build import load_model
+from raypack.model.kernels import decoder_layers
 from raypack.model.ulysses import SequenceGroup, sequence_parallel
 from raypack.train.loss import label_targets
 
@@ -41,12 +42,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _model(family: str, lora: bool):
+def _model(family: str, lora: bool, checkpointing: str = "none"):
     torch.manual_seed(0)
-    model = load_model(FAMILIES[family].build_config(family), attention="sdpa_varlen", dtype="float32")
+    model = load_model(FAMILIES[family].build_config(family), attention="sdpa_varlen", dtype="float32",
+                       gradient_checkpointing=checkpointing)  # fmt: skip
     if lora:
         model = random_lora_b(apply_adapters(model, LORA))
-    return model.eval()
+    model.eval()
+    for layer in decoder_layers(model, "test"):  # transformers checkpoints a layer in training mode only
+        layer.training = checkpointing != "none"
+    return model
 
 
 def _loss(model, batch) -> torch.Tensor:
@@ -59,9 +64,9 @@ def _loss(model, batch) -> torch.Tensor:
 def _compare(model, batches, group: SequenceGroup) -> dict[str, float]:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     model.zero_grad(set_to_none=True)
-    with sequence_parallel(group):
+    with sequence_parallel(group):  # the backward too: checkpointed layers recompute their attention in it
         loss = sum(_loss(model, shard_batch(b, group.size, pad_token_id=2)[group.rank]) for b in batches)
-    loss.backward()
+        loss.backward()
     loss = loss.detach().clone()
     dist.all_reduce(loss, group=group.process_group)
     sharded = {}
@@ -80,7 +85,7 @@ def _compare(model, batches, group: SequenceGroup) -> dict[str, float]:
     return errors
 
 
-def _worker(rank: int, world: int, port: int, sizes, families, lora: bool, out: str) -> None:
+def _worker(rank: int, world: int, port: int, sizes, families, lora: bool, out: str, checkpointing: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -98,7 +103,7 @@ def _worker(rank: int, world: int, port: int, sizes, families, lora: bool, out: 
         batches.append(batch)
     results = {}
     for family in families:
-        model = _model(family, lora)
+        model = _model(family, lora, checkpointing)
         for n in sizes:
             try:
                 results[f"{family}/{n}"] = _compare(model, copy.deepcopy(batches), groups[n])
@@ -110,8 +115,11 @@ def _worker(rank: int, world: int, port: int, sizes, families, lora: bool, out: 
     dist.destroy_process_group()
 
 
-def run(world: int, sizes, families, lora: bool = False) -> dict[str, dict]:
+def run(world: int, sizes, families, lora: bool = False, checkpointing: str = "none") -> dict[str, dict]:
+    """Each family's rows split over each size's groups against one rank's whole rows: relative
+    errors per key `family/size`. `checkpointing`: the layers' model.gradient_checkpointing."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "errors.json")
-        mp.spawn(_worker, args=(world, _free_port(), tuple(sizes), list(families), lora, out), nprocs=world)
+        mp.spawn(_worker, args=(world, _free_port(), tuple(sizes), list(families), lora, out, checkpointing),
+                 nprocs=world)
         return json.loads(Path(out).read_text())

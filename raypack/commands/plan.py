@@ -145,11 +145,11 @@ def memory_line(cfg: Config, offline: bool) -> str | None:
     if name is None and offline:
         return None
     from raypack.model.build import model_config  # torch and transformers: seconds, so only now
-    from raypack.train.memory import Arch, estimate
+    from raypack.train.memory import Arch, summary
 
     try:
         arch = Arch.from_config(model_config(name or m.name, m.trust_remote_code))
-        return prefix + estimate(cfg, arch).line(cfg, arch)
+        return prefix + summary(cfg, arch)
     except (InputError, ValueError, AttributeError) as e:  # no config, or a shape the arithmetic doesn't know
         return None if offline else f"{prefix}n/a ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
 

@@ -66,6 +66,10 @@ class Config:
                    "weights need CUDA)", "qlora")
             _check(self.train.zero_stage < 3, "model.peft.method", "lora or none with train.zero_stage 3 (qlora "
                    "runs under ZeRO 0-2: its frozen 4-bit weights are not partitioned)", "qlora")
+        # Selective checkpointing replays its cache in the recompute by the order of the ops, and ZeRO-3's
+        # gathers in the recompute are not the forward's (seen: "_allgather_base_ ... not found in storage").
+        _check(self.model.gradient_checkpointing != "selective" or self.train.zero_stage < 3,
+               "model.gradient_checkpointing", "full, none or auto with train.zero_stage 3", "selective")
 
         # train.precision bf16 keeps the weights in bf16: a float32 or float16 model can't.
         _check(self.train.precision != "bf16" or self.model.dtype in ("auto", "bfloat16"), "model.dtype",

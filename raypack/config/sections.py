@@ -153,8 +153,13 @@ class ModelConfig:
     """Parameter dtype; `auto` is bfloat16 on CUDA and float32 on the CPU."""
     trust_remote_code: bool = False
     """Allow model code from the hub; off unless you trust the source."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in backward to save memory."""
+    gradient_checkpointing: Literal["auto", "full", "selective", "none"] | bool = "auto"
+    """What the backward recomputes instead of keeping from the forward (raypack/model/checkpointing.py):
+    `none` keeps every activation (fastest, most memory); `selective` keeps the matmul and attention
+    outputs and recomputes the cheap elementwise work (norms, RoPE, activations); `full` keeps only each
+    decoder layer's input and recomputes the whole layer (least memory); `auto` takes the fastest that
+    raypack's memory estimate (raypack/train/memory.py) fits on the worker's GPU with a margin, and says
+    which and why when training starts. true and false (the former setting) mean full and none."""
     tiled_mlp_tokens: int = 0
     """Long rows: run each layer's MLP this many tokens at a time, each tile recomputed in backward,
     so its [tokens, intermediate] activations exist one tile at a time (raypack/model/kernels.py); 0: off."""
@@ -164,16 +169,23 @@ class ModelConfig:
     kernels: Literal["auto", "liger", "none"] = "auto"
     """Fused kernels for the same math (raypack/model/kernels.py): `liger` swaps in Liger-Kernel's
     RMSNorm, RoPE and SwiGLU/GeGLU (CUDA, `pip install 'raypack[liger]'`, the families it has
-    kernels for; refused elsewhere), `auto` does where it can, `none` never."""
+    kernels for; refused elsewhere), `auto` does where it can (with train.compile: leaves it to
+    Inductor to fuse the same work), `none` never."""
     peft: PeftConfig = field(default_factory=PeftConfig)
     """Parameter-efficient fine-tuning: LoRA or QLoRA adapters instead of every weight."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.gradient_checkpointing, bool):  # the former boolean: one canonical value
+            object.__setattr__(self, "gradient_checkpointing", "full" if self.gradient_checkpointing else "none")
         _check(self.tiled_mlp_tokens >= 0, "model.tiled_mlp_tokens", "an int >= 0", self.tiled_mlp_tokens)
-        # Without checkpointing, autograd saves every activation: offloading them all would move
-        # far more than the checkpoints this option is for.
-        _check(not self.offload_checkpoints or self.gradient_checkpointing, "model.offload_checkpoints",
-               "false without model.gradient_checkpointing", self.offload_checkpoints)
+        # Offloading is for the checkpoints of full recompute (a layer's input): under selective or none,
+        # autograd saves far more, and every byte of it would cross to the host and back.
+        _check(not self.offload_checkpoints or self.gradient_checkpointing == "full", "model.offload_checkpoints",
+               "false unless model.gradient_checkpointing is full", self.offload_checkpoints)
+        # Selective checkpointing keeps the MLP's matmul outputs, the [tokens, intermediate] tensors that
+        # tiling exists not to keep (each tile is recomputed whole in backward anyway).
+        _check(not self.tiled_mlp_tokens or self.gradient_checkpointing != "selective", "model.gradient_checkpointing",
+               "full, none or auto with model.tiled_mlp_tokens", self.gradient_checkpointing)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -263,8 +275,9 @@ class TrainConfig:
     is refused at setup); `full` takes the model's own logits, for any model; `liger` is Liger-Kernel's
     fused linear cross-entropy on the same hidden states (CUDA, `raypack[liger]`)."""
     compile: bool = False
-    """torch.compile each decoder layer (regional, dynamic shapes: a new packed length doesn't
-    recompile; raypack/model/kernels.py). Not with ZeRO-3 or sequence_parallel."""
+    """torch.compile each decoder layer whole, attention and gradient checkpointing's recompute
+    included (regional, dynamic shapes: a new packed length doesn't recompile; a layer that can't
+    compile whole is refused at setup; raypack/model/kernels.py). Not with ZeRO-3 or sequence_parallel."""
     loss_chunk_tokens: int = 0
     """Label tokens per chunk of the chunked loss; 0: 2048, fewer where one chunk's fp32 logits would pass 1 GiB."""
     tensorboard: bool = True

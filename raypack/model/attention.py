@@ -71,8 +71,12 @@ def attn_implementation_name(attention: str = "auto") -> str:
     return NAMES[attention]
 
 
+_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+"""Looked up once: a lookup inside a compiled layer's attention would break its graph."""
+
+
 def flash_attn_available() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    return _FLASH_ATTN
 
 
 def candidate_backends(attention: str, device_type: str) -> tuple[str, ...]:
@@ -211,6 +215,16 @@ def _flash(module, query, key, value, cu, max_len, dropout, scaling, window, sof
 _VARLEN_PARAMS: set[str] | None = None
 
 
+def prepare_compile() -> None:
+    """Before layers are compiled (train.compile): what the CUDA backends look up once, looked up
+    outside any graph, where an import or a signature read can't break it."""
+    global _VARLEN_PARAMS
+    if torch.cuda.is_available() and _VARLEN_PARAMS is None:
+        from torch.nn.attention.varlen import varlen_attn
+
+        _VARLEN_PARAMS = set(inspect.signature(varlen_attn).parameters)
+
+
 def _torch_varlen(module, query, key, value, cu, max_len, dropout, scaling, window, softcap, sinks) -> torch.Tensor:
     # Imported on first use: it pulls in torch._dynamo, 1.7 s on 2 cores, which the CPU path and
     # flash-attn never need (Python caches it after the first call).
@@ -297,9 +311,9 @@ def _make_forward(backend: str | None):
         return (out if group is None else ulysses.tokens_for_rank(out, group)), None
 
     forward.__name__ = f"{NAMES[backend or 'auto']}_forward"
-    # Never traced by torch.compile (train.compile): it reads cu_seqlens on the host, and the exact
-    # path's loop over examples would be unrolled, and recompiled, once per example count.
-    return torch.compiler.disable(forward)
+    # Traced whole by torch.compile (train.compile): every backend is one op in the graph (the
+    # exact path's raypack::exact_varlen, torch's varlen_attn, flash-attn's own custom ops).
+    return forward
 
 
 def _no_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> None:

@@ -32,6 +32,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from raypack.errors import InputError
 from raypack.model import attention as attn
+from raypack.model import checkpointing
 from raypack.model.traits import UnsupportedModelError, check_packable
 
 __all__ = [
@@ -202,14 +203,15 @@ def load_model(
     attention: str = "auto",
     dtype: str | torch.dtype = "auto",
     trust_remote_code: bool = False,
-    gradient_checkpointing: bool = False,
+    gradient_checkpointing: str | bool = "none",
     vocab_size: int = 1024,
     quantization: Any = None,
     **config_overrides: Any,
 ):
     """A causal LM for packed training. Accepts a hub name or local path, `tiny-<family>` or a
     transformers config (random init). `attention` is `auto`, one of `attention.BACKENDS`, or
-    `sdpa`/`eager` for padded batches. `vocab_size` only sizes tiny models; `quantization` is a
+    `sdpa`/`eager` for padded batches; `gradient_checkpointing` one of checkpointing.MODES (True:
+    full, False: none). `vocab_size` only sizes tiny models; `quantization` is a
     transformers quantization config for a checkpoint's weights (QLoRA: `adapters.quantization_config`);
     `config_overrides` are set on the config before the model is built."""
     source = name_or_config
@@ -257,10 +259,7 @@ def load_model(
     # from_pretrained returns a model in eval mode: dropout off, and transformers skips gradient
     # checkpointing unless `training`; nothing else would switch it back before the first eval.
     model.train()
-    if gradient_checkpointing:
-        kwargs = {"use_reentrant": False}
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x renamed it
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if isinstance(gradient_checkpointing, bool):
+        gradient_checkpointing = "full" if gradient_checkpointing else "none"
+    checkpointing.enable(model, gradient_checkpointing)
     return model

@@ -5,17 +5,18 @@ Liger-Kernel, and for long rows a tiled MLP and checkpoints offloaded to the hos
 compilation, `nn.Module.compile`): one layer's graph is compiled once and reused by every layer
 of its class through Inductor's cache, so compile time stays in seconds, and `dynamic=True` makes
 the row length (different every step for packed rows) and `max_length` symbolic from the first
-call, so a new length does not recompile. A few variants do compile once each, early: the first
-training step after the setup probe (which ran without gradients), and a one-token row (an empty
-pack: Dynamo specializes sizes 0 and 1); seen on tiny_cpu.yaml, 8 graphs after step 1 and 12 from
-step 3 on. raypack's attention function stays out of the graphs
-(`torch.compiler.disable` in attention.py): it reads cu_seqlens on the host and the exact CPU path
-loops over examples, which Dynamo would unroll once per example count. What gets compiled is the
-rest of each layer, the memory-bound elementwise work (norms, RoPE, the MLP's activation, the
-residual adds) that Inductor fuses; with Liger on, its fused kernels stay out of the graphs too
-(`_keep_liger_out_of_graphs`) and Inductor fuses the rest. Refused under ZeRO-3, whose weight
-gathers run in hooks on every submodule that a compiled layer would have to trace, and with
-sequence parallelism, which no test has run compiled.
+call, so a new length does not recompile. A few variants do compile once each, early: the
+no-grad setup probe, training mode, and a one-token row (an empty pack: Dynamo specializes sizes
+0 and 1). A layer compiles whole, attention included (each backend is one op in the graph:
+raypack's exact path is `raypack::exact_varlen`, exact.py), and under gradient checkpointing
+Dynamo traces the checkpoint as a higher-order op, so the recompute is compiled with the rest.
+`check_compiled` runs one training forward and backward at setup and refuses a model whose
+layers break the graph (a broken checkpointed layer would run eagerly, forward and recompute).
+Inductor fuses the memory-bound elementwise work (norms, RoPE, the MLP's activation, the
+residual adds), so with compile `model.kernels: auto` leaves Liger off (KERNELS_COMPILED), and
+`liger` puts Liger's kernels in the graphs as opaque ops (liger_graph.py).
+Refused under ZeRO-3, whose weight gathers run in hooks on every submodule that a compiled layer
+would have to trace, and with sequence parallelism, which no test has run compiled.
 
 `model.kernels`: Liger-Kernel's fused RMSNorm, RoPE and SwiGLU/GeGLU (Triton, CUDA only; `pip
 install 'raypack[liger]'`), applied to the model instance by Liger's own per-family function.
@@ -43,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import inspect
 import sys
 
 import torch
@@ -51,6 +51,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from raypack.errors import InputError
+from raypack.model import attention
 from raypack.model.traits import UnsupportedModelError, decoder
 
 KERNELS = ("auto", "liger", "none")
@@ -81,29 +82,52 @@ def decoder_layers(model: nn.Module, option: str) -> nn.ModuleList:
 def compile_layers(model: nn.Module) -> int:
     """torch.compile each decoder layer in place (see the module doc); returns how many."""
     layers = decoder_layers(model, "train.compile")
-    _keep_liger_out_of_graphs(layers)
+    attention.prepare_compile()
+    _liger_into_graphs(layers)
     for layer in layers:
         layer.compile(dynamic=True)
     return len(layers)
 
 
-def _keep_liger_out_of_graphs(layers: nn.Module) -> None:
-    """With model.kernels: liger, Liger's kernels run outside the compiled graphs, as they run
-    uncompiled, which its exactness tests check. Dynamo tracing into Liger's autograd Functions is
-    where Liger's users report failures and deviations (Liger-Kernel issue 174; Hugging Face's
-    kernels-community port keeps Liger's RMSNorm out of graphs), and no test here has run that
-    traced. So each module Liger patched (its name says Liger) and each function Liger put in a
-    modeling module (RoPE) is torch.compiler.disable'd; Inductor compiles what lies between them."""
-    modules = set()
-    for module in layers.modules():
-        if module._get_name().startswith("Liger"):
-            module.forward = torch.compiler.disable(module.forward)
-        modules.add(sys.modules[type(module).__module__])
-    for source in modules:
-        for name, fn in list(vars(source).items()):
-            if (inspect.isfunction(fn) and (fn.__module__ or "").startswith("liger_kernel")
-                    and not getattr(fn, "_torchdynamo_disable", False)):
-                setattr(source, name, torch.compiler.disable(fn))
+def check_compiled(model: nn.Module, batch: dict) -> int:
+    """One training forward and backward of `batch` (a tiny packed batch on the model's device)
+    through the compiled layers, in train mode, under the model's own checkpointing: what the
+    first step runs. Refuses (UnsupportedModelError), before any step, a model whose layers Dynamo
+    can't trace whole: a graph break inside a checkpointed layer makes Dynamo run the whole
+    checkpoint eagerly, so the layer would not be compiled at all, forward or recompute. The
+    gradient is taken for the input embeddings only: no parameter's gradient is written, so
+    DeepSpeed's gradient hooks never fire. Returns the graphs compiled so far."""
+    from torch._dynamo.utils import counters
+
+    before = dict(counters["graph_break"])
+    was_training = model.training
+    model.train()
+    try:
+        embeds = model.get_input_embeddings()(batch["input_ids"]).detach().requires_grad_()
+        out = model(**{k: v for k, v in batch.items() if k not in ("input_ids", "labels")}, inputs_embeds=embeds)
+        torch.autograd.grad(out.logits.float().sum(), embeds)
+    finally:
+        model.train(was_training)
+    breaks = {why: n - before.get(why, 0) for why, n in counters["graph_break"].items() if n > before.get(why, 0)}
+    if breaks:
+        reasons = "; ".join(why.strip().splitlines()[0][:200] for why in breaks)
+        raise UnsupportedModelError(
+            f"train.compile: {type(model).__name__}'s decoder layers don't compile whole, so a compiled layer would "
+            f"run eagerly where it breaks, and a checkpointed one entirely (Dynamo's graph breaks: {reasons}); set "
+            "train.compile: false"
+        )
+    return compiled_graphs()
+
+
+def _liger_into_graphs(layers: nn.Module) -> None:
+    """With model.kernels: liger, Liger's calls in the layers become opaque ops in their graphs
+    (raypack/model/liger_graph.py): Dynamo never traces into Liger's Functions and Triton launches."""
+    modules = {sys.modules[type(module).__module__] for module in layers.modules()}
+    if any(m._get_name().startswith("Liger") for m in layers.modules()) or any(
+            (getattr(fn, "__module__", "") or "").startswith("liger_kernel") for src in modules for fn in vars(src).values()):
+        from raypack.model.liger_graph import make_opaque
+
+        make_opaque(modules)
 
 
 def tile_mlps(model: nn.Module, tokens: int) -> int:
@@ -157,6 +181,15 @@ def liger_families() -> frozenset[str]:
     return frozenset(MODEL_TYPE_TO_APPLY_LIGER_FN)
 
 
+KERNELS_COMPILED = "none"
+"""What `model.kernels: auto` applies under `train.compile`: `none`, so Inductor fuses the
+elementwise work (norms, RoPE, SwiGLU) that Liger's kernels would do, inside each layer's graph,
+recompute included. The other way is `liger`: Liger's kernels as opaque ops in the same graphs
+(liger_graph.py), whose backward reruns Liger's forward kernel. The one place auto's choice with
+compile lives; not measured yet: benchmarks/recompute.py's `compiled` and `compiled-liger` rows at
+one recompute mode, on a GPU, decide it."""
+
+
 SHARED_EXPERTS = ("shared_experts", "shared_expert")
 
 
@@ -174,14 +207,16 @@ def liger_unverified(model: nn.Module) -> str | None:
     return None
 
 
-def resolve_kernels(kernels: str, model_type: str, device_type: str, model: nn.Module | None = None) -> str:
-    """`liger` or `none` for `model.kernels` on this model and device; `liger` asked for where it
-    can't run is an InputError naming why. `model` (on any device, the meta one included): checked
-    for the structure Liger is not verified on (`liger_unverified`)."""
+def resolve_kernels(kernels: str, model_type: str, device_type: str, model: nn.Module | None = None,
+                    compiled: bool = False) -> str:
+    """`liger` or `none` for `model.kernels` on this model and device, with `train.compile` or
+    without; `liger` asked for where it can't run is an InputError naming why. `model` (on any
+    device, the meta one included): checked for the structure Liger is not verified on
+    (`liger_unverified`)."""
     if kernels not in KERNELS:
         raise ValueError(f"model.kernels: expected one of {', '.join(KERNELS)}, got {kernels!r}")
-    if kernels == "none":
-        return "none"
+    if kernels == "none" or (kernels == "auto" and compiled):
+        return "none" if kernels == "none" else KERNELS_COMPILED
     why = ("Liger-Kernel is Triton on CUDA: set train.use_gpu" if device_type != "cuda"
            else "the liger-kernel package is not installed (pip install 'raypack[liger]')" if not liger_installed()
            else f"Liger-Kernel has no kernels for model_type {model_type!r}" if model_type not in liger_families()
@@ -197,10 +232,23 @@ def resolve_kernels(kernels: str, model_type: str, device_type: str, model: nn.M
     return "none"
 
 
-def apply_kernels(model: nn.Module, kernels: str, device_type: str) -> str:
-    """Apply `model.kernels` to a loaded model that will train on `device_type` (before adapters
-    wrap it): returns what was applied."""
-    chosen = resolve_kernels(kernels, model.config.model_type, device_type, model)
+def check_selective_with(kernels: str, compiled: bool, checkpointing: str) -> bool:
+    """Whether `selective` gradient checkpointing may run with the resolved `kernels`: not with
+    Liger's uncompiled, whose RoPE rotates q and k in place inside the projections' outputs that
+    selective keeps (compiled, Liger's calls run on copies: liger_graph.py). Configured
+    `selective` there is an InputError; False tells `auto` to leave it out."""
+    allowed = not (kernels == "liger" and not compiled)
+    if not allowed and checkpointing == "selective":
+        raise InputError("model.gradient_checkpointing=selective with Liger-Kernel's kernels uncompiled: Liger's RoPE "
+                         "rotates q and k in place, inside the projections' outputs that selective keeps; set "
+                         "train.compile: true, model.kernels: none, or model.gradient_checkpointing: full")
+    return allowed
+
+
+def apply_kernels(model: nn.Module, kernels: str, device_type: str, compiled: bool = False) -> str:
+    """Apply `model.kernels` to a loaded model that will train on `device_type`, its layers then
+    compiled or not (before adapters wrap it): returns what was applied."""
+    chosen = resolve_kernels(kernels, model.config.model_type, device_type, model, compiled)
     if chosen == "liger":
         from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
 

@@ -43,14 +43,17 @@ from raypack.data.encode import load_tokenizer
 from raypack.data.shards import Prepared, iter_epoch_packs, iter_rank_packs
 from raypack.model.adapters import apply_adapters, frozen_digest, quantization_config, trainable_summary
 from raypack.model.build import load_model
-from raypack.model.kernels import apply_kernels, checkpoint_offload, compile_layers, compiled_graphs, tile_mlps
+from raypack.model.checkpointing import check_selective
+from raypack.model.kernels import (apply_kernels, check_compiled, checkpoint_offload, compile_layers, compiled_graphs,
+                                   tile_mlps)
 from raypack.model.ulysses import SequenceGroup, sequence_parallel
 from raypack.train.engine import deepspeed_config, model_dtype, setup_engine, skip_shm_build
 from raypack.train.handoff import receive
 from raypack.train.checkpoint import TrainState, report_and_checkpoint, restore
 from raypack.train.dpo import DPOLoss, reporter_fields
 from raypack.train.dpo_reference import make_dpo_loss
-from raypack.train.loss import CausalLMLoss, make_loss
+from raypack.train.loss import CausalLMLoss, make_loss, probe_batch
+from raypack.train.memory import resolve_checkpointing
 from raypack.train.metrics import Eta, Reporter, model_flops_per_token
 from raypack.train.prefetch import StepBatch, prepare_step
 from raypack.train.sequence import data_rank, make_groups, probe_split, step_source
@@ -61,7 +64,8 @@ from raypack.train.tracking import Trackers, TrackingTargets
 # --- setup --------------------------------------------------------------------------------------
 
 
-def setup(cfg: Config, data: Prepared, world_size: int, clock: Startup | None = None):
+def setup(cfg: Config, data: Prepared, world_size: int, clock: Startup | None = None, rank: int = 0,
+          local_ranks: int = 1):
     clock = clock or Startup()
     torch.manual_seed(cfg.train.seed)
     m = cfg.model
@@ -73,6 +77,9 @@ def setup(cfg: Config, data: Prepared, world_size: int, clock: Startup | None = 
         skip_shm_build()  # before DeepSpeed's backend starts (engine.py)
         deepspeed.init_distributed()  # joins Ray Train's process group; the config checks world size
         zero3 = HfDeepSpeedConfig(deepspeed_config(cfg.train, dtype=dtype, world_size=world_size))
+    mode, why = resolve_checkpointing(cfg, "cuda" if cfg.train.use_gpu else "cpu", local_ranks)
+    if rank == 0:
+        print(f"[raypack] gradient checkpointing: {mode} ({why})", flush=True)
     model = load_model(
         m.name,
         # Padded batches carry an attention_mask, which the model's own SDPA handles; packed rows
@@ -80,17 +87,18 @@ def setup(cfg: Config, data: Prepared, world_size: int, clock: Startup | None = 
         attention="sdpa" if data.padded else m.attention,
         dtype=dtype,
         trust_remote_code=m.trust_remote_code,
-        gradient_checkpointing=m.gradient_checkpointing,
+        gradient_checkpointing=mode,
         vocab_size=data.vocab_size,
         quantization=quantization_config(dtype) if m.peft.method == "qlora" else None,
     )
-    apply_kernels(model, m.kernels, "cuda" if cfg.train.use_gpu else "cpu")  # before adapters wrap its modules
+    # before adapters wrap its modules
+    apply_kernels(model, m.kernels, "cuda" if cfg.train.use_gpu else "cpu", compiled=cfg.train.compile)
     if m.peft.enabled:
         model = apply_adapters(model, m.peft, m.name)
     if m.tiled_mlp_tokens:
         tile_mlps(model, m.tiled_mlp_tokens)
     if cfg.train.compile:
-        compile_layers(model)  # compiled at the first step: seconds, once per layer class
+        compile_layers(model)  # compiled at the first use: seconds, once per layer class
     total = data.total_steps(cfg.train.grad_accum, cfg.train.epochs, cfg.train.max_steps)
     clock.mark("model")
     engine, scheduler = setup_engine(model, cfg.train, dtype=model.dtype, world_size=world_size, total_steps=total)
@@ -241,11 +249,17 @@ def setup_worker(config: dict) -> Worker:
     clock.mark("received")
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    engine, scheduler, total_steps = setup(cfg, data, world, clock)
+    engine, scheduler, total_steps = setup(cfg, data, world, clock, rank, ctx.get_local_world_size())
     host_counts = HostCounts.open(world, engine.device)
     # Probes the model once (a short forward on every rank): a model the chunked loss can't
     # reproduce exactly stops here, before any step.
     loss = make_loss(engine, cfg.train.loss, cfg.train.loss_chunk_tokens, padded=data.padded)
+    probe = move_batch(probe_batch(loss.vocab, data.padded), engine.device)
+    _, changed = check_selective(engine.module, probe, cfg.model.gradient_checkpointing)
+    if changed and rank == 0:
+        print(f"[raypack] gradient checkpointing: full ({changed})", flush=True)
+    if cfg.train.compile:  # a layer that can't compile whole, recompute included, stops here
+        check_compiled(engine.module, probe)
     if cfg.train.objective == "dpo":  # its reference log-probabilities: before a checkpoint is restored
         loss = make_dpo_loss(engine, loss, cfg, data, rank, global_count)
     base = base_digests(engine) if cfg.model.peft.enabled else None

@@ -27,8 +27,11 @@ Per rank (= per GPU); P parameters, P_t of them trained, N ranks, T = tokens in 
   `modules_to_save` (embed_tokens, lm_head) trains a copy of the module in full.
 - activations (bf16; Llama/Qwen layers; varlen attention, so no T^2 term): a layer keeps
   ~(16h + 4kv + 8i) bytes per token (fp32 RMSNorm inputs 2x4h, norm outputs 2x2h, q 2h, k/v
-  2x2kv, attention output 2h, gate/up/act/product 4x2i). With gradient checkpointing only each
-  layer's input (2h) is kept, plus one layer recomputed. The backward through frozen layers needs
+  2x2kv, attention output 2h, gate/up/act/product 4x2i). `model.gradient_checkpointing` (raypack/
+  model/checkpointing.py): `full` keeps only each layer's input (2h), plus one layer recomputed;
+  `selective` keeps the input, the matmul outputs and the attention's output and log-sum-exp
+  (2h + 2(q + 2kv + h + 2i + h) + 2q + 4 x heads), plus one layer's recomputed elementwise work
+  (counted as a whole layer); `none` keeps every layer whole. The backward through frozen layers needs
   the same tensors (each adapter's A reads the linear's saved input), and LoRA adds its own: the
   r-wide A x of every adapted linear (2r B per token), and with dropout the dropped-out input and
   its mask (3 B per input feature). `model.tiled_mlp_tokens` keeps the MLP's 8i bytes a token for
@@ -39,10 +42,16 @@ Per rank (= per GPU); P parameters, P_t of them trained, N ranks, T = tokens in 
   sum of the head's gradient (4 B x vocab x hidden) is counted too where the head trains (not with
   adapters: the chunked loss refuses an adapted head).
 - not counted: CUDA context, NCCL buffers and allocator fragmentation, ~3-5 GB per GPU.
+
+`model.gradient_checkpointing: auto` takes the fastest mode whose estimate fits the worker's
+device (`choose_checkpointing`): its memory less CONTEXT_BYTES, less AUTO_MARGIN of it for what the
+arithmetic misses. The margin is a guess until a GPU run checks the estimate against measured peaks
+(tests/gpu/train/test_memory.py, benchmarks/recompute.py).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -76,6 +85,14 @@ logits, fp32 copy, softmax and gradients, is ~5x that): 2048 tokens up to a 131k
 def default_chunk(vocab: int) -> int:
     """Label tokens per chunk when train.loss_chunk_tokens is 0: CHUNK_TOKENS, capped by CHUNK_BYTES."""
     return min(CHUNK_TOKENS, max(64, CHUNK_BYTES // (4 * vocab) // 64 * 64))
+
+
+CHECKPOINTING = ("none", "selective", "full")
+"""model.gradient_checkpointing's modes, fastest first (raypack/model/checkpointing.py's MODES)."""
+AUTO_MARGIN = 0.10
+"""Share of the device's memory (after CONTEXT_BYTES) that `auto` leaves unplanned."""
+CONTEXT_BYTES = 4 * GB
+"""What the estimate doesn't count on a GPU: CUDA context, NCCL buffers, fragmentation (~3-5 GB)."""
 
 
 @dataclass(frozen=True)
@@ -175,6 +192,8 @@ class Memory:
     """The chunked loss's fp32 sum of the head's gradient (0 if the head is frozen or the loss full)."""
     host: float
     trained: int
+    checkpointing: str = "full"
+    """The model.gradient_checkpointing mode the activations were sized for."""
 
     @property
     def loss(self) -> float:
@@ -196,7 +215,7 @@ class Memory:
         zero = f"ZeRO-{t.zero_stage}" + (" + optimizer offload" if t.offload_optimizer else "")
         return (f"{self.total / scale:.1f} {unit} = {terms}{host} ({mode}: {_count(self.trained)} of {_count(arch.params)} "
                 f"params trained; {zero} over {t.num_workers} rank(s); {t.precision} precision; gradient checkpointing "
-                f"{'on' if m.gradient_checkpointing else 'off'}; {_row(cfg, tokens)}; {t.loss} loss; "
+                f"{self.checkpointing}; {_row(cfg, tokens)}; {t.loss} loss; "
                 f"{unit} = 1e{9 if unit == 'GB' else 6} B; ~3-5 GB of CUDA context and buffers not counted)")  # fmt: skip
 
 
@@ -229,11 +248,17 @@ def preset_zero(cfg: Config) -> dict[str, Any]:
 
 
 def estimate(cfg: Config, arch: Arch, *, tokens: int | None = None, loss: str | None = None,
-             chunk: int | None = None, zero: Mapping[str, Any] | None = None) -> Memory:
+             chunk: int | None = None, zero: Mapping[str, Any] | None = None,
+             checkpointing: str | None = None) -> Memory:
     """Bytes per GPU of a run of `cfg` on a model of shape `arch`: `tokens` per micro-batch (default
     a rank's share of pack.budget), `loss` full or chunked (default train.loss) in chunks of `chunk` tokens (default
-    the loss's own), `zero` the preset's ZeRO section (default read from train.deepspeed_preset)."""
+    the loss's own), `zero` the preset's ZeRO section (default read from train.deepspeed_preset),
+    `checkpointing` one of CHECKPOINTING (default model.gradient_checkpointing; `auto` must be resolved
+    first, by choose_checkpointing)."""
     t, peft = cfg.train, cfg.model.peft
+    mode = checkpointing or cfg.model.gradient_checkpointing
+    if mode not in CHECKPOINTING:
+        raise ValueError(f"estimate: gradient checkpointing {mode!r}; expected one of {', '.join(CHECKPOINTING)}")
     zero = preset_zero(cfg) if zero is None else zero
     tokens = tokens or rank_tokens(cfg)
     n, p = t.num_workers, arch.params
@@ -256,18 +281,24 @@ def estimate(cfg: Config, arch: Arch, *, tokens: int | None = None, loss: str | 
     optimizer = 0.0 if t.offload_optimizer else OPTIMIZER_BYTES[t.precision] * trained / n
     host = 16 * trained / n if t.offload_optimizer else 0.0
 
-    per_layer = 16 * arch.hidden + 4 * arch.kv + 8 * arch.inter
+    h, q, kv, i = arch.hidden, arch.q, arch.kv, arch.inter
+    per_layer = 16 * h + 4 * kv + 8 * i
+    # selective: the layer's input, the seven matmul outputs, the attention's output and its fp32 log-sum-exp
+    kept = 2 * h + 2 * (q + 2 * kv + h + 2 * i + h) + 2 * q + 4 * arch.heads
     if peft.enabled:
         shapes = arch.linears()
         per_layer += sum(2 * peft.r + (3 * shapes[name][0] if peft.dropout > 0 else 0) for name in adapted(peft))
+        kept += 2 * peft.r * len(adapted(peft))  # each adapter's A x is a matmul output too
     m = cfg.model
     # model.tiled_mlp_tokens: the MLP's gate/up/act/product exist for one tile at a time
     tile = min(m.tiled_mlp_tokens or tokens, tokens)
     layer = tokens * per_layer - (tokens - tile) * 8 * arch.inter
-    if m.gradient_checkpointing:
+    if mode == "full":
         saved = tokens * 2 * arch.hidden * arch.layers  # each layer's input, kept for backward
         activations = 2 * layer + (0 if m.offload_checkpoints else saved)
         host += saved if m.offload_checkpoints else 0.0
+    elif mode == "selective":
+        activations = 2 * layer + tokens * kept * arch.layers
     else:
         activations = layer * arch.layers
 
@@ -279,4 +310,75 @@ def estimate(cfg: Config, arch: Arch, *, tokens: int | None = None, loss: str | 
         # With adapters the head is frozen: the chunked loss refuses one an adapter reaches.
         head_sum = 0.0 if peft.enabled else 4 * arch.vocab * arch.hidden
     return Memory(weights=weights, grads=grads, optimizer=optimizer, activations=activations, logits=logits,
-                  head_sum=head_sum, host=host, trained=trained)  # fmt: skip
+                  head_sum=head_sum, host=host, trained=trained, checkpointing=mode)  # fmt: skip
+
+
+def usable_bytes(capacity: float, device_type: str) -> float:
+    """What `auto` plans with on a device of `capacity` bytes (module doc)."""
+    return (capacity - (CONTEXT_BYTES if device_type == "cuda" else 0)) * (1 - AUTO_MARGIN)
+
+
+def choose_checkpointing(cfg: Config, arch: Arch, capacity: float, device_type: str = "cuda",
+                         selective: bool = True) -> tuple[str, str]:
+    """model.gradient_checkpointing as a worker with `capacity` bytes of device memory runs it:
+    the configured mode, or for `auto` the fastest of CHECKPOINTING whose estimate fits
+    `usable_bytes` (full where none does: the smallest, and the run may still fit). Returns the
+    mode and one line saying why. `selective`: whether this run may use it at all."""
+    m = cfg.model
+    if m.gradient_checkpointing != "auto":
+        return m.gradient_checkpointing, "as configured"
+    # selective is refused with tiled MLPs (they drop what it keeps) and under ZeRO-3 (config/__init__.py)
+    selective = selective and not (m.tiled_mlp_tokens or cfg.train.zero_stage == 3)
+    modes = [c for c in CHECKPOINTING if selective or c != "selective"]
+    usable, unit = usable_bytes(capacity, device_type), GB
+    sizes = {c: estimate(cfg, arch, checkpointing=c).total for c in modes}
+    fits = [c for c in modes if sizes[c] <= usable]
+    chosen = fits[0] if fits else "full"
+    told = ", ".join(f"{c} {sizes[c] / unit:.1f} GB" for c in modes)
+    room = (f"{usable / unit:.1f} GB usable of the {device_type} device's {capacity / unit:.1f} GB (less "
+            f"{'CUDA context ' + format(CONTEXT_BYTES / unit, '.0f') + ' GB, ' if device_type == 'cuda' else ''}"
+            f"{AUTO_MARGIN:.0%} margin)")
+    why = (f"the fastest that fits: {told} estimated, {room}" if fits
+           else f"no mode fits: {told} estimated, {room}; full needs least")
+    return chosen, why
+
+
+def summary(cfg: Config, arch: Arch) -> str:
+    """`Memory.line` of cfg's run; under `auto`, which the worker's device decides, every mode's total
+    first, then full's line."""
+    if cfg.model.gradient_checkpointing != "auto":
+        return estimate(cfg, arch).line(cfg, arch)
+    sizes = {c: estimate(cfg, arch, checkpointing=c) for c in CHECKPOINTING}
+    unit, scale = ("GB", GB) if sizes["full"].total >= 0.1 * GB else ("MB", 1e6)
+    told = ", ".join(f"{c} {m.total / scale:.1f} {unit}" for c, m in sizes.items())
+    return (f"{told} by gradient checkpointing mode (auto: each worker takes the fastest that fits its device); "
+            f"with full: {sizes['full'].line(cfg, arch)}")
+
+
+def device_bytes(device_type: str, ranks_here: int = 1) -> float:
+    """Memory one rank can plan with: its GPU's, or on the CPU the host's shared by its `ranks_here` ranks."""
+    if device_type == "cuda":
+        import torch
+
+        return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(ranks_here, 1)
+
+
+def resolve_checkpointing(cfg: Config, device_type: str, ranks_here: int = 1) -> tuple[str, str]:
+    """`choose_checkpointing` on this worker: its device's memory, its model's shape from the model's
+    config (no weights). A shape the arithmetic can't size leaves auto at full, saying why. Where
+    the kernels rule selective out (kernels.check_selective_with), it is refused or left out."""
+    from raypack.model.build import model_config  # transformers: only on a worker
+    from raypack.model.kernels import check_selective_with, resolve_kernels
+
+    m = cfg.model
+    config = model_config(m.name, m.trust_remote_code)
+    kernels = resolve_kernels(m.kernels, config.model_type, device_type, compiled=cfg.train.compile)
+    selective = check_selective_with(kernels, cfg.train.compile, m.gradient_checkpointing)
+    if m.gradient_checkpointing != "auto":
+        return m.gradient_checkpointing, "as configured"
+    try:
+        arch = Arch.from_config(config)
+        return choose_checkpointing(cfg, arch, device_bytes(device_type, ranks_here), device_type, selective)
+    except (AttributeError, TypeError, ValueError) as e:  # a config without a Llama-like shape
+        return "full", f"the memory estimate can't size this model ({e}); full needs least"

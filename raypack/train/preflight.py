@@ -170,15 +170,18 @@ def check_packed_model(cfg: Config, config=None) -> None:
 
 def check_kernels(cfg: Config, config) -> None:
     """model.kernels: liger and train.loss: liger where Liger-Kernel can't run (no CUDA, no
-    package, a family it has no kernels for, a structure it is not verified on) are refused here,
-    before Ray starts."""
-    from raypack.model.kernels import liger_loss_available, resolve_kernels
+    package, a family it has no kernels for, a structure it is not verified on), and selective
+    checkpointing beside Liger's kernels uncompiled, are refused here, before Ray starts."""
+    from raypack.model.kernels import check_selective_with, liger_loss_available, resolve_kernels
 
     device = "cuda" if cfg.train.use_gpu else "cpu"
-    if resolve_kernels(cfg.model.kernels, config.model_type, device) == "liger":
+    kernels = resolve_kernels(cfg.model.kernels, config.model_type, device, compiled=cfg.train.compile)
+    if kernels == "liger":
         from raypack.model.build import meta_model
 
-        resolve_kernels(cfg.model.kernels, config.model_type, device, meta_model(config, cfg.model.trust_remote_code))
+        resolve_kernels(cfg.model.kernels, config.model_type, device, meta_model(config, cfg.model.trust_remote_code),
+                        cfg.train.compile)
+    check_selective_with(kernels, cfg.train.compile, cfg.model.gradient_checkpointing)
     if cfg.train.loss == "liger":
         liger_loss_available(device)
 

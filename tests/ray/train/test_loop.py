@@ -38,18 +38,22 @@ def packed_row(examples):
     }
 
 
-CASES = {  # zero stage, tiny family, config overrides
-    "zero2-llama": (2, "llama", {}),
-    "zero3-gemma2-tied-softcap": (3, "gemma2", {"final_logit_softcapping": 0.5}),
+CASES = {  # zero stage, tiny family, config overrides, gradient checkpointing and train.compile
+    "zero2-llama": (2, "llama", {}, {}),
+    "zero3-gemma2-tied-softcap": (3, "gemma2", {"final_logit_softcapping": 0.5}, {}),
+    # what a user's fast run trains: compiled layers, selective recompute, the setup probe
+    "zero2-llama-compiled-selective": (2, "llama", {}, {"gradient_checkpointing": "selective", "compile": True}),
 }
 
 
-def build_model(case, attention="auto"):
+def build_model(case, attention="auto", reference=False):
     from raypack.model.build import load_model
 
-    _, family, overrides = CASES[case]
+    _, family, overrides, extra = CASES[case]
     torch.manual_seed(0)
-    return load_model(f"tiny-{family}", attention=attention, dtype="float32", vocab_size=VOCAB, **overrides)
+    checkpointing = "none" if reference else extra.get("gradient_checkpointing", "none")
+    return load_model(f"tiny-{family}", attention=attention, dtype="float32", vocab_size=VOCAB,
+                      gradient_checkpointing=checkpointing, **overrides)
 
 
 def loop(config):
@@ -62,22 +66,38 @@ def loop(config):
     from raypack.train.loss import make_loss
     from raypack.train.prefetch import prepare_step
 
+    from raypack.data.collate import move_batch
+    from raypack.model.checkpointing import check_selective
+    from raypack.model.kernels import check_compiled, compile_layers, compiled_graphs
+    from raypack.train.loss import probe_batch
+
     rank = ray.train.get_context().get_world_rank()
-    stage = CASES[config["case"]][0]
+    stage, _, _, extra = CASES[config["case"]]
     cfg = TrainConfig(
         num_workers=2, zero_stage=stage, grad_accum=2, grad_clip=0.0, warmup_steps=0, deepspeed_preset=config["preset"]
     )
-    engine, _ = setup_engine(build_model(config["case"]), cfg, dtype=torch.float32, world_size=2, total_steps=1)
+    model = build_model(config["case"])
+    if extra.get("compile"):  # as raypack.train.loop.setup and setup_worker do
+        compile_layers(model)
+    engine, _ = setup_engine(model, cfg, dtype=torch.float32, world_size=2, total_steps=1)
     if stage == 3:  # the weights really are partitioned outside forward
         assert engine.module.get_output_embeddings().weight.numel() == 0
     loss_fn = make_loss(engine, "chunked", chunk_tokens=7)
+    probe = move_batch(probe_batch(loss_fn.vocab, False), engine.device)
+    assert check_selective(engine.module, probe, "auto")[1] is None
+    if extra.get("compile"):
+        check_compiled(engine.module, probe)
+        probed = compiled_graphs()
+        assert probed > 0
     step = prepare_step([packed_row(mb) for mb in EXAMPLES[rank]])  # what the loop's prefetcher builds
     n = float(global_count([step.label_tokens], engine.device)[:, 0].sum())
     loss_sum = forward_backward(engine, step.batches, 2 * 2 / n, loss_fn)
     loss = float(global_count([float(loss_sum)], engine.device)[:, 0].sum()) / n
     grads = {name: deepspeed.utils.safe_get_full_grad(p).clone() for name, p in engine.module.named_parameters()}
     if rank == 0:
-        torch.save({"loss": loss, "grads": grads}, config["out"])
+        # the step's rows (other lengths than the probe's) compiled nothing new
+        new_graphs = compiled_graphs() - probed if extra.get("compile") else 0
+        torch.save({"loss": loss, "grads": grads, "new_graphs": new_graphs}, config["out"])
 
 
 def fit_on_gloo(fn, tmp_path, name: str, workers: int, **config) -> None:
@@ -106,7 +126,7 @@ def test_two_ranks_two_microbatches_match_single_process(ray_local, tmp_path, ca
     got = torch.load(out)
 
     # Reference: one process, each example alone, Σ token losses / total label tokens.
-    model = build_model(case, attention="eager")  # the model's own attention and logits, independent of raypack's
+    model = build_model(case, attention="eager", reference=True)  # the model's own attention and logits
     examples = [e for mbs in EXAMPLES.values() for mb in mbs for e in mb]
     total, count = 0.0, 0
     for e in examples:
@@ -120,6 +140,7 @@ def test_two_ranks_two_microbatches_match_single_process(ray_local, tmp_path, ca
     assert got["loss"] == pytest.approx(loss.item(), rel=1e-5)
     for name, p in model.named_parameters():
         torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert got["new_graphs"] == 0, "a packed row of a new length recompiled"
 
 
 # LoRA (model.peft) under every ZeRO stage: zero stage, tiny family, config overrides, what else.
@@ -129,6 +150,8 @@ LORA_CASES = {
     "zero2-lora-checkpointing": (2, "llama", {}, {"gradient_checkpointing": True}),
     "zero3-lora-checkpointing-gemma2-tied-softcap": (3, "gemma2", {"final_logit_softcapping": 0.5},
                                                      {"gradient_checkpointing": True}),
+    # selective recompute beside ZeRO-2's gradient hooks on the adapters (ZeRO-3 + selective is refused)
+    "zero2-lora-selective": (2, "llama", {}, {"gradient_checkpointing": "selective"}),
 }
 """One fit runs them all (an engine each, one after the other): a Ray Train run costs ~30 s here.
 ZeRO-3 with frozen weights and non-reentrant checkpointing is the combination that crashed in

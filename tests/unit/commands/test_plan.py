@@ -103,7 +103,7 @@ def test_plan_prints_the_memory_estimate_of_the_configured_run(tmp_path, capsys)
     cfg = load(str(config), overrides)
     arch = Arch.from_config(model_config("tiny-llama"))
     assert line == "memory per GPU (estimate): " + estimate(cfg, arch).line(cfg, arch)
-    for part in ("lora r8", "ZeRO-2", "gradient checkpointing on", "256 tokens a row"):
+    for part in ("lora r8", "ZeRO-2", "gradient checkpointing full", "256 tokens a row"):
         assert part in line
     # no --config: the defaults' tiny model is nobody's run, so no estimate
     assert main(["plan", "--lengths", str(tmp_path / "l.npy"), "pack.budget=8"]) == 0

@@ -89,3 +89,42 @@ def test_exact_path_against_dense_reference(window, softcap, sinks, chunk):
     want = torch.autograd.grad((expected * expected.detach().cos()).sum(), [x for x in (q, k, v, s) if x is not None])
     for a, b in zip(grads, want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "window,softcap,sinks,chunk,dropout",
+    [(None, None, False, None, 0.0), (5, 20.0, True, 4, 0.0), (None, None, False, None, 0.3),
+     (5, 30.0, True, None, 0.5)],
+)  # fmt: skip
+def test_exact_op_gradients_by_finite_differences(window, softcap, sinks, chunk, dropout):
+    """raypack::exact_varlen's hand-written backward (a second op that recomputes the scores)
+    against finite differences in float64, dropout included: one seed, so forward and backward
+    draw the same masks."""
+    lengths, g = [6, 1, 4], torch.Generator().manual_seed(0)
+    total = sum(lengths)
+    q, k, v = (torch.randn(1, h, total, 4, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    s = torch.randn(4, generator=g, dtype=torch.float64, requires_grad=True) if sinks else None
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    seed = torch.tensor([7]) if dropout else None
+
+    def attention(q, k, v, s):
+        return torch.ops.raypack.exact_varlen(q, k, v, cu, 0.4, window or 0, softcap or 0.0, s, chunk or 0, dropout, seed)
+
+    assert torch.autograd.gradcheck(attention, (q, k, v, s), eps=1e-6, atol=1e-7, fast_mode=True)
+
+
+def test_exact_backward_works_a_block_of_heads_at_a_time(monkeypatch):
+    """A long example's backward in blocks of heads gives the gradients it gives in one block."""
+    from raypack.model import exact
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 9, 4, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    s = torch.randn(4, generator=g, dtype=torch.float64, requires_grad=True)
+    cu = torch.tensor([0, 9], dtype=torch.int32)
+    grads = []
+    for budget in (exact.BACKWARD_BYTES, 4 * 9 * 9):  # all heads at once, then one head at a time
+        monkeypatch.setattr(exact, "BACKWARD_BYTES", budget)
+        out = exact_attention(q, k, v, cu, 0.0, 0.4, None, 20.0, s, None)
+        grads.append(torch.autograd.grad(out.sum(), (q, k, v, s)))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)

@@ -65,6 +65,7 @@ def test_liger_kernels_compiled_keep_packed_examples_apart_and_do_not_recompile(
     assert err < TOLERANCE, f"{family} + liger, compiled: {what} off by {err:.2e}"
     assert errors["graphs"] > 0, "nothing was compiled"
     assert errors["new_graphs"] == 0, "a new packed length recompiled"
+    assert errors["graph_breaks"] == 0, "a layer's graph broke: it would run eagerly"
 
 
 @pytest.mark.parametrize("family", LOSS_FAMILIES)

@@ -46,6 +46,13 @@ def test_lora_split_over_ranks_is_exact():
     _check(ulysses_check.run(world=2, sizes=(2,), families=families, lora=True))
 
 
+@pytest.mark.parametrize("checkpointing", ["full", "selective"])
+def test_checkpointed_layers_split_over_ranks_are_exact(checkpointing):
+    """The all-to-alls inside checkpointed layers: recomputed in backward (every rank recomputes
+    the same layers in the same order), the kept matmul outputs under selective."""
+    _check(ulysses_check.run(world=2, sizes=(2,), families=["llama", "gemma2"], checkpointing=checkpointing))
+
+
 def test_shards_cover_the_row_and_its_targets_once():
     rows = [{"input_ids": list(range(10, 17)), "labels": [-100, 11, 12, 13, -100, 15, 16],
              "position_ids": [0, 1, 2, 3, 4, 0, 1]}]

@@ -10,15 +10,17 @@ from transformers import LlamaConfig, Qwen2Config
 from raypack.config import PeftConfig, load
 from raypack.model.adapters import apply_adapters, trainable_summary
 from raypack.model.build import load_model, model_config
-from raypack.train.memory import GB, NF4_BYTES, Arch, adapted, estimate, trained_params
+from raypack.train.memory import (AUTO_MARGIN, CHECKPOINTING, CONTEXT_BYTES, GB, NF4_BYTES, Arch, adapted,
+                                  choose_checkpointing, estimate, trained_params, usable_bytes)
 
 LLAMA_8B = Arch(32, 4096, 14336, 32, 8, 128256)
 ZERO2 = {"reduce_bucket_size": 500_000_000}
 
 
 def cfg(*overrides: str):
-    """An 8-GPU ZeRO-2 run of 8192-token rows, with `overrides`."""
-    base = ["train.num_workers=8", "train.use_gpu=true", "train.zero_stage=2", "pack.budget=8192"]
+    """An 8-GPU ZeRO-2 run of 8192-token rows without gradient checkpointing, with `overrides`."""
+    base = ["train.num_workers=8", "train.use_gpu=true", "train.zero_stage=2", "pack.budget=8192",
+            "model.gradient_checkpointing=none"]
     return load(None, [*base, *overrides])
 
 
@@ -107,10 +109,70 @@ def test_line_names_the_setting():
     c = load("jobs/configs/llama8b_lora_1gpu.yaml")
     line = estimate(c, LLAMA_8B).line(c, LLAMA_8B)  # the zero2 preset, read through engine.load_preset
     assert line.startswith("31.2 GB = weights 16.1 + gradients 1.1 + optimizer 0.5 + activations 10.3 + loss 3.2")
-    for part in ("lora r16", "41.9M of 8.03B", "ZeRO-2 over 1 rank(s)", "mixed precision", "gradient checkpointing on",
+    for part in ("lora r16", "41.9M of 8.03B", "ZeRO-2 over 1 rank(s)", "mixed precision", "gradient checkpointing full",
                  "16384 tokens"):
         assert part in line
     assert estimate(c, LLAMA_8B).total < 80 * GB
+
+
+LLAMA_1B = Arch(16, 2048, 8192, 32, 8, 128256, tied=True)
+
+
+def test_checkpointing_modes_trade_memory_in_order():
+    """none keeps every activation, selective the matmul and attention outputs, full a layer's input."""
+    c = cfg("pack.budget=16384")
+    acts = {mode: estimate(c, LLAMA_1B, zero=ZERO2, checkpointing=mode).activations for mode in CHECKPOINTING}
+    assert acts["none"] > acts["selective"] > acts["full"]
+    with pytest.raises(ValueError, match="'auto'"):
+        estimate(cfg("model.gradient_checkpointing=auto"), LLAMA_1B, zero=ZERO2)
+
+
+def test_auto_takes_the_fastest_mode_that_fits():
+    c = cfg("pack.budget=16384", "model.gradient_checkpointing=auto", "train.deepspeed_preset=zero2")
+    sizes = {mode: estimate(c, LLAMA_1B, checkpointing=mode).total for mode in CHECKPOINTING}
+
+    def room(total):  # a device whose usable bytes are exactly `total`
+        return total / (1 - AUTO_MARGIN) + CONTEXT_BYTES
+
+    assert usable_bytes(room(sizes["none"]), "cuda") == pytest.approx(sizes["none"])
+    assert choose_checkpointing(c, LLAMA_1B, room(sizes["none"]))[0] == "none"
+    assert choose_checkpointing(c, LLAMA_1B, room(sizes["none"]) - 1e6)[0] == "selective"
+    assert choose_checkpointing(c, LLAMA_1B, room(sizes["selective"]) - 1e6)[0] == "full"
+    mode, why = choose_checkpointing(c, LLAMA_1B, room(sizes["full"]) - 1e6)
+    assert mode == "full" and why.startswith("no mode fits") and "full needs least" in why
+    mode, why = choose_checkpointing(c, LLAMA_1B, 80e9)
+    assert mode == "none" and f"none {sizes['none'] / GB:.1f} GB" in why and "80.0 GB" in why
+    # tiled MLPs drop what selective would keep: auto never takes it with them
+    tiled = cfg("pack.budget=16384", "model.gradient_checkpointing=auto", "model.tiled_mlp_tokens=2048",
+                "train.deepspeed_preset=zero2")
+    none = estimate(tiled, LLAMA_1B, checkpointing="none").total
+    mode, why = choose_checkpointing(tiled, LLAMA_1B, room(none) - 1e6)
+    assert mode == "full" and "selective" not in why
+    assert choose_checkpointing(cfg("model.gradient_checkpointing=selective"), LLAMA_1B, 1.0) == ("selective",
+                                                                                                   "as configured")
+
+
+def test_auto_never_takes_selective_under_zero3():
+    c = cfg("pack.budget=16384", "model.gradient_checkpointing=auto", "train.zero_stage=3")
+    mode, why = choose_checkpointing(c, LLAMA_1B, 1e9)
+    assert mode == "full" and "selective" not in why
+
+
+def test_liger_uncompiled_rules_selective_out(monkeypatch):
+    """Liger's RoPE writes into the q and k projections' outputs, which selective keeps."""
+    from raypack.errors import InputError
+    from raypack.model import kernels
+    from raypack.train.memory import resolve_checkpointing
+
+    monkeypatch.setattr(kernels, "resolve_kernels", lambda *args, **kwargs: "liger")
+    run = ["model.name=tiny-llama", "pack.budget=64", "train.num_workers=1"]
+    with pytest.raises(InputError, match="selective with Liger-Kernel's kernels uncompiled"):
+        resolve_checkpointing(load(None, [*run, "model.gradient_checkpointing=selective"]), "cpu")
+    mode, why = resolve_checkpointing(load(None, [*run, "model.gradient_checkpointing=auto"]), "cpu")
+    assert mode in ("none", "full") and "selective" not in why
+    # compiled, Liger's calls run on copies: selective stands
+    compiled = load(None, [*run, "model.gradient_checkpointing=selective", "train.compile=true"])
+    assert resolve_checkpointing(compiled, "cpu") == ("selective", "as configured")
 
 
 @pytest.fixture
