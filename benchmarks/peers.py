@@ -18,6 +18,8 @@ process so that its wall time includes its own start-up (CONFIGS below, in the o
 - `raypack-full` / `trl-mixed`: like for like, the same precision recipe (fp32 master weights and
   moments, bf16 compute: TRL with the model loaded in fp32 under bf16 autocast), the same full
   gradient checkpointing, the same kernels (Liger where installed) on both sides.
+- `raypack-bf16` / `trl`: like for like in bf16: `train.precision: bf16` (bf16 weights and moments,
+  with Kahan-summed AdamW, so small updates are not lost), full checkpointing and Liger.
 - `trl-sdpa`: `trl` on transformers' `sdpa` attention, what TRL gets without a varlen kernel.
 
 Each configuration has its own time limit (--config-timeout, and what --deadline-s leaves) and
@@ -75,16 +77,20 @@ CONFIGS = {
     "raypack": Peer("raypack", "raypack train's defaults"),
     "trl": Peer("trl", "TRL at its best: varlen kernel, Liger, pure bf16, checkpointing"),
     "raypack-full": Peer("raypack", "mixed precision, full checkpointing, Liger (as trl-mixed)",
-                         ("model.gradient_checkpointing=true", "model.kernels=auto")),
+                         ("model.gradient_checkpointing=full", "model.kernels=auto")),
     "trl-mixed": Peer("trl", "fp32 weights under bf16 autocast, full checkpointing, Liger (as raypack-full)",
                       precision="mixed"),
+    "raypack-bf16": Peer("raypack", "train.precision bf16 (Kahan-summed AdamW), full checkpointing, Liger (as trl)",
+                         ("train.precision=bf16", "model.gradient_checkpointing=full", "model.kernels=auto")),
     "trl-sdpa": Peer("trl", "TRL on transformers' sdpa: no varlen kernel", attention="sdpa"),
 }
 RATIOS = [  # (numerator, denominator, what, goal on an H100)
     ("raypack", "trl", "raypack's defaults over TRL's best, tokens/s", ">= 1.3x"),
     ("raypack-full", "trl-mixed", "like for like (same precision, checkpointing, kernels), tokens/s", ">= 1.1x"),
+    ("raypack-bf16", "trl", "like for like in bf16 (same checkpointing, kernels), tokens/s", ">= 1.1x"),
 ]
-MEMORY = [("raypack-full", "trl-mixed", "peak memory at the same precision recipe", "<= 1.0x")]
+MEMORY = [("raypack-full", "trl-mixed", "peak memory at the same precision recipe", "<= 1.0x"),
+          ("raypack-bf16", "trl", "train.precision: bf16 peak memory over TRL's pure bf16", "<= 1.0x")]
 
 
 # --- the shared inputs ---------------------------------------------------------------------------
