@@ -117,7 +117,7 @@ STEPS = [
     Step("gpu_tests_more", "gpu_tests_more", [*PYTEST, "-m", "gpu and slow", *GPU_TESTS], cap_s=150, min_s=40,
          required=False),
 ]  # fmt: skip
-PEERS = ("peers", "profile", "profile_compiled", "syncs")
+PEERS = ("peers", "profile", "profile_compiled")
 """--peers: raypack against TRL and where its step's time goes, alone."""
 
 
