@@ -214,7 +214,8 @@ def test_weights_and_optimizer_state_are_what_deepspeed_holds(precision, one_ran
 
     from raypack.train.engine import setup_engine
 
-    c = load(None, ["train.num_workers=1", "train.zero_stage=2", f"train.precision={precision}", "model.dtype=bfloat16"])
+    c = load(None, ["train.num_workers=1", "train.zero_stage=2", f"train.precision={precision}", "model.dtype=bfloat16",
+                    "model.gradient_checkpointing=none"])  # activations aside: weights and optimizer state here
     arch = Arch.from_config(model_config("tiny-llama"))
     model = load_model("tiny-llama", dtype="bfloat16")
     engine, _ = setup_engine(model, c.train, dtype=torch.bfloat16, world_size=1, total_steps=1)

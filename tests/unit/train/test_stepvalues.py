@@ -46,12 +46,12 @@ def test_deepspeeds_overflow_check_and_throughput_timer_are_off(one_rank):
 
 
 def test_a_steps_values_are_read_after_the_next_step_is_enqueued(one_rank):
-    """raypack reads the device only in Pending.resolve (and the CPU's exact attention reads its
-    host cu_seqlens, which on CUDA is a varlen kernel's argument), one read a step, and the read
-    of step k's values comes after step k+1 was enqueued."""
+    """raypack's step reads the device only in Pending.resolve, one read a step, and the read of
+    step k's values comes after step k+1 was enqueued (the CPU's exact attention may read its host
+    cu_seqlens, which on CUDA are a varlen kernel's argument)."""
     after = one_rank["after"]["events"]
     reads = [(i, e) for i, e in enumerate(after) if e[0] == "read" and e[1] == "raypack"]
-    assert {e[2] for _, e in reads} == {"stepvalues.resolve", "exact._segments"}
+    assert {e[2] for _, e in reads} - {"exact._segments"} == {"stepvalues.resolve"}
     resolved = [i for i, e in reads if e[2] == "stepvalues.resolve"]
     marks = [i for i, e in enumerate(after) if e[0] == "mark"]
     assert len(resolved) == len(marks) == 5
