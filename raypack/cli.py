@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 import traceback
 
@@ -85,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from raypack.train.stop import signal_of, stop_on_sigterm, stopped_by
+
+    # SIGTERM (a pod evicted, `ray job stop`, Slurm, kill) ends a command as Ctrl-C does
+    sigterm = stop_on_sigterm()
     try:
         if hasattr(args, "overrides") and not getattr(args, "resume", None):
             from raypack.data.strategies import check_strategies
@@ -95,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         # modules bring in Ray, torch and transformers (3 to 10 s on 2 cores).
         command = importlib.import_module(f"raypack.commands.{args.command}")
         return command.run(args) or 0
+    except KeyboardInterrupt as e:  # what a command doesn't handle itself: one line, no traceback
+        print(f"\n[raypack] {stopped_by(signal_of(e))}", file=sys.stderr, flush=True)
+        return 128 + signal_of(e)
     except Exception as e:
         error = input_error(e)
         if error is None:
@@ -104,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         kind = "config error" if isinstance(error, ConfigError) else "error"
         print(f"raypack: {kind}: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
+    finally:
+        if sigterm is not None:
+            signal.signal(signal.SIGTERM, sigterm)
 
 
 def input_error(e: BaseException) -> InputError | None:

@@ -166,8 +166,6 @@ def orphan_checkpoints(root: str) -> list[str]:
     """Checkpoint folders of the run that Ray Train never registered: written when the run was
     stopped (Ctrl-C, a killed driver) after the folder was saved, before the report reached the
     controller. A resume continues from the last registered one; these would only take space."""
-    if not has_checkpoint(root):
-        return []
     registered = {c["checkpoint_dir_name"] for c in reported_checkpoints(root)}
     return [f"{root}/{name}" for name in storage.list_dirs(root, "checkpoint_") if name not in registered]
 

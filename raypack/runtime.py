@@ -16,10 +16,14 @@ One policy for every command, so `raypack data`, `plan`, `train` and `sweep` sta
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import socket
+import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,10 +124,17 @@ def init_ray(settings: RaySettings = RaySettings()) -> None:
     quiet_ray_data()
     if ray.is_initialized():
         return
+    # ray.init replaces this process's SIGTERM handler with one that exits from inside whatever
+    # runs (Ray's own handler then dumps native stacks); the command's handler (a clean stop,
+    # raypack/train/stop.py) goes back in its place. A process without one keeps Ray's.
+    main = threading.current_thread() is threading.main_thread()
+    sigterm = signal.getsignal(signal.SIGTERM) if main else None
     if os.environ.get("RAY_ADDRESS"):
         ray.init(logging_level=logging.WARNING)
     else:
         _init_local(settings)
+    if callable(sigterm):
+        signal.signal(signal.SIGTERM, sigterm)
     route_worker_output()
 
 
@@ -148,16 +159,17 @@ def _init_local(settings: RaySettings) -> None:
     auth_level = auth_log.level
     auth_log.setLevel(logging.ERROR)
     try:
-        context = ray.init(
-            address="local",
-            num_cpus=settings.num_cpus or max(8, 2 * (os.cpu_count() or 2)),
-            include_dashboard=settings.dashboard,
-            dashboard_host="127.0.0.1",
-            dashboard_port=port,
-            log_to_driver=settings.log_to_driver,
-            runtime_env=settings.runtime_env or None,
-            logging_level=logging.WARNING,
-        )
+        with _own_process_group():
+            context = ray.init(
+                address="local",
+                num_cpus=settings.num_cpus or max(8, 2 * (os.cpu_count() or 2)),
+                include_dashboard=settings.dashboard,
+                dashboard_host="127.0.0.1",
+                dashboard_port=port,
+                log_to_driver=settings.log_to_driver,
+                runtime_env=settings.runtime_env or None,
+                logging_level=logging.WARNING,
+            )
     finally:
         auth_log.setLevel(auth_level)
         ray_constants.ENABLE_RAY_CLUSTER = saved_flag
@@ -172,6 +184,34 @@ def _init_local(settings: RaySettings) -> None:
     auth = " with token authentication" if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" else ""
     print(f"[raypack] started a local Ray instance (listening on {context.address_info['node_ip_address']}{auth}"
           f"{dashboard})", flush=True)
+
+
+@contextlib.contextmanager
+def _own_process_group():
+    """The local instance's processes (GCS, raylet, dashboard; the workers the raylet starts)
+    in a session of their own, not this command's process group: a signal sent to the group
+    (`timeout`, `kill -TERM -PGID`) then reaches the command, which stops the run gracefully
+    (raypack/train/stop.py), and not the instance under it, which would die mid-step. Ray does
+    the same on Windows wherever the kernel ties a child's life to its parent's, as Linux does
+    here (PR_SET_PDEATHSIG), so the instance still ends with this process. Ray's own process class
+    for the duration of ray.init; elsewhere, or with other Ray internals, nothing changes."""
+    from ray._private import services, utils
+
+    base = getattr(services, "ConsolePopen", None)
+    if sys.platform != "linux" or base is None or not utils.detect_fate_sharing_support():
+        yield
+        return
+
+    class OwnSession(base):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("start_new_session", True)
+            super().__init__(*args, **kwargs)
+
+    services.ConsolePopen = OwnSession
+    try:
+        yield
+    finally:
+        services.ConsolePopen = base
 
 
 def _free_port() -> int:

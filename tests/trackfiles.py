@@ -51,11 +51,10 @@ def history(path: str | Path) -> list[dict]:
     return rows
 
 
-def tensorboard_scalars(folder: str | Path) -> dict[str, dict[int, float]]:
-    """{tag: {step: value}} over every event file in `folder`."""
+def tensorboard_events(folder: str | Path):
+    """(tag, step, value) of every scalar in `folder`'s event files, file by file in the order written."""
     from tensorboardX.proto import event_pb2
 
-    scalars: dict[str, dict[int, float]] = {}
     for file in sorted(Path(folder).glob("events.out.tfevents.*")):
         data, pos = file.read_bytes(), 0
         while pos + 12 <= len(data):
@@ -64,7 +63,14 @@ def tensorboard_scalars(folder: str | Path) -> dict[str, dict[int, float]]:
             event.ParseFromString(data[pos + 12:pos + 12 + length])
             pos += 12 + length + 4
             for value in event.summary.value:
-                scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+                yield value.tag, event.step, value.simple_value
+
+
+def tensorboard_scalars(folder: str | Path) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} over every event file in `folder` (a step logged twice: its last value)."""
+    scalars: dict[str, dict[int, float]] = {}
+    for tag, step, value in tensorboard_events(folder):
+        scalars.setdefault(tag, {})[step] = value
     return scalars
 
 

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 
 from raypack import runs, storage
 from raypack.model.chat import Chat, model_folder
+from raypack.train.stop import signal_of
 
 USER, ASSISTANT = "user> ", "assistant> "
 
@@ -39,9 +40,9 @@ def run(args: argparse.Namespace) -> int:
                 answer(chat, args.prompt, prefix="")
                 return 0
             return converse(chat, folder)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (raypack/train/stop.py)
         print(file=sys.stderr)
-        return 130
+        return 128 + signal_of(e)
 
 
 def converse(chat: Chat, folder: str) -> int:

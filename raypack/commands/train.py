@@ -8,20 +8,24 @@ Every input is checked before Ray starts (raypack/train/preflight.py). The confi
 `<run>/raypack_config.yaml` once the data is prepared, just before training, with its paths made
 absolute, and never overwritten: a rerun with another config is refused (use --resume, whose
 overrides apply to that invocation only). `--resume RUN_DIR` works from any working folder. A
-failed start leaves no run folder behind; a finished run, run again, says so. Ctrl-C stops the
-workers, keeps every checkpoint the run registered (a resume removes one saved but never
-registered), prints one line saying how to go on, and exits 130.
+failed start leaves no run folder behind; a finished run, run again, says so. SIGTERM (a pod
+evicted, `ray job stop`, Slurm, `kill`) and Ctrl-C stop the workers after their step, with a
+checkpoint, within train.stop_grace_s (raypack/train/stop.py); a second one, or one before
+training, stops at once. Either way the run keeps every checkpoint it registered and none it
+didn't, and the command prints one line saying how to go on and exits 128 + the signal (143, 130).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from raypack import runs, storage
 from raypack.config import load
 from raypack.runs import absolute_paths, run_dir, saved_config
 from raypack.train.startup import describe
+from raypack.train.stop import signal_of, stopped_by
 from raypack.train.tracking import offline_runs
 from raypack.train.trainer import Outcome, start
 
@@ -32,12 +36,13 @@ def run(args: argparse.Namespace) -> int:
     fresh = not storage.exists(root)
     try:
         outcome = start(cfg, resume=bool(args.resume), reprepare=args.reprepare)
-    except KeyboardInterrupt:
-        interrupted(root, fresh)
-        return 130
+    except KeyboardInterrupt as e:
+        return interrupted(root, fresh, signal_of(e))
     except Exception:
         free_name(root, fresh)
         raise
+    if outcome.stopped:
+        return stopped(outcome)
     if not outcome.complete_before:
         print("\n[raypack] training finished")
     print_summary(outcome)
@@ -77,20 +82,33 @@ def _holds(checkpoint: str) -> str:
     return "; ".join(parts) or "DeepSpeed state only"
 
 
-def interrupted(root: str, fresh: bool) -> None:
-    """Ctrl-C: stop the workers now, keep what the run registered, and say how to go on. A run
-    this command started that registered no checkpoint leaves nothing, so its name stays free."""
+def stopped(outcome: Outcome) -> int:
+    """The workers stopped after a step, as a signal asked: say where, and how to go on."""
+    s = outcome.stopped
+    saved = "a checkpoint saved there" if s["checkpoint"] else "its last checkpoint is recent enough"
+    signum = signal.Signals[s["signal"]]
+    print(f"[raypack] {stopped_by(signum)} after step {s['step']} ({saved}); continue it with: "
+          f"raypack train --resume {outcome.root}", file=sys.stderr, flush=True)
+    return 128 + signum
+
+
+def interrupted(root: str, fresh: bool, signum: int = signal.SIGINT) -> int:
+    """Stop the workers now, keep what the run registered, say how to go on; the exit status. A
+    run this command started that registered no checkpoint leaves nothing, so its name stays free."""
     import ray
 
     # Disconnecting ends the Train controller this driver owns, and with it the workers (a local
     # instance ends whole), so nothing writes into the run folder after this.
     ray.shutdown()
+    for orphan in runs.orphan_checkpoints(root):  # being written as it stopped: never registered
+        storage.remove_dir(orphan)
     if runs.has_checkpoint(root):
         then = f"continue it with: raypack train --resume {root}"
     else:
         then = "no checkpoint was registered; run the same command again"
     free_name(root, fresh)
-    print(f"\n[raypack] interrupted; {then}", file=sys.stderr, flush=True)
+    print(f"\n[raypack] {stopped_by(signum)}; {then}", file=sys.stderr, flush=True)
+    return 128 + signum
 
 
 def free_name(root: str, fresh: bool) -> None:

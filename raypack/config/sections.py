@@ -266,6 +266,14 @@ class TrainConfig:
     """On a cluster raypack joined: how long a start waits for room for its workers (an autoscaler
     adding nodes, other work finishing) before it stops with one line; null waits as long as it
     takes. Workers that the cluster's nodes and published node types can never hold stop it at once."""
+    stop_grace_s: float = 25.0
+    """How long a run asked to stop (SIGTERM: a pod evicted, `ray job stop`, Slurm, `kill`; or
+    Ctrl-C) has to finish its step and save a checkpoint before it stops at once; below
+    Kubernetes' default 30 s terminationGracePeriodSeconds (raypack/train/stop.py)."""
+    stop_checkpoint_after_s: float = 60.0
+    """A run that stops (a signal, its node preempted) saves a checkpoint at the step it stops
+    after when the last one is older than this, in seconds: redoing a minute of steps costs about
+    what writing one more checkpoint would. 0: always."""
     objective: Literal["sft", "dpo"] = "sft"
     """`sft`: cross-entropy on the label tokens; `dpo`: preference tuning on (prompt, chosen,
     rejected) pairs, each pair packed whole in one row (the `dpo:` section, raypack/train/dpo.py)."""
@@ -306,6 +314,9 @@ class TrainConfig:
         _check(self.cpus_per_worker > 0, "train.cpus_per_worker", "a positive float", self.cpus_per_worker)
         _check(self.start_timeout_s is None or self.start_timeout_s > 0, "train.start_timeout_s",
                "a positive number or null", self.start_timeout_s)
+        _check(self.stop_grace_s > 0, "train.stop_grace_s", "a positive number", self.stop_grace_s)
+        _check(self.stop_checkpoint_after_s >= 0, "train.stop_checkpoint_after_s", "a number >= 0",
+               self.stop_checkpoint_after_s)
         _check(not self.offload_params or self.zero_stage == 3, "train.offload_params", "zero_stage 3", self.zero_stage)
         _check(self.sequence_parallel > 0, "train.sequence_parallel", "a positive int", self.sequence_parallel)
         _check(self.num_workers % self.sequence_parallel == 0, "train.sequence_parallel",

@@ -18,6 +18,10 @@ The token losses come from raypack/train/loss.py (chunked: no [tokens, vocab] lo
 A step with N = 0 (no rank has a label token: rare, since examples without one are dropped before
 packing) is logged and skipped, with no forward, backward or update, never averaged in as 0.
 
+Stopping: SIGTERM or Ctrl-C to the driver, or a node of the run being preempted, is agreed on by
+every rank before a step starts (one small host all_gather), so all of them stop after the same
+step, with a checkpoint when the last one is old (raypack/train/stop.py).
+
 Data: a background thread reads, collates and pins the next step's micro-batches while this one
 computes (raypack/train/prefetch.py). The step never waits for the device: N is a host number
 (summed over the ranks on the host), and the step's loss, gradient norm and device time are read
@@ -59,6 +63,7 @@ from raypack.train.prefetch import StepBatch, prepare_step
 from raypack.train.sequence import data_rank, make_groups, probe_split, step_source
 from raypack.train.startup import Startup
 from raypack.train.stepvalues import HostCounts, Pending, StepTimer
+from raypack.train.stop import StopWatch
 from raypack.train.tracking import Trackers, TrackingTargets
 
 # --- setup --------------------------------------------------------------------------------------
@@ -223,6 +228,8 @@ class Worker:
     """The last step enqueued whose values are not read yet (read a step late)."""
     clock: Startup = field(default_factory=Startup)
     """This start-up's marks, the driver's and this worker's (raypack/train/startup.py)."""
+    stop: StopWatch = field(default_factory=StopWatch)
+    """Whether the run stops early (a signal to the driver, a node's preemption): raypack/train/stop.py."""
 
     @property
     def data_rank(self) -> int:
@@ -235,10 +242,11 @@ def train_loop_per_worker(config: dict) -> None:
     with sequence_parallel(w.group):  # attention splits rows over the group from here on
         for epoch in range(w.state.epoch, w.cfg.train.epochs):
             train_epoch(w, epoch)
-            if w.state.step >= w.total_steps:
+            if w.state.step >= w.total_steps or w.stop.agreed:
                 break
             check_epoch_read(w, epoch)
     w.reporter.close()
+    w.stop.finish(w.state.step)
 
 
 def setup_worker(config: dict) -> Worker:
@@ -294,7 +302,8 @@ def setup_worker(config: dict) -> Worker:
               f"row's tokens split {group.size} ways, at most {-(-cfg.pack.budget // group.size)} a worker", flush=True)
     clock.mark("setup")
     return Worker(cfg, data, rank, engine, scheduler, loss, state, reporter, total_steps, config, group, tokenizer,
-                  host_counts, clock=clock)
+                  host_counts, clock=clock, stop=StopWatch(config.get("stop_key"), rank, t.stop_checkpoint_after_s,
+                                                           checkpoint_step=state.step))
 
 
 def train_epoch(w: Worker, epoch: int) -> None:
@@ -311,6 +320,9 @@ def train_epoch(w: Worker, epoch: int) -> None:
             t0 = time.perf_counter()
             if (step := next(steps, None)) is None:
                 break
+            if w.stop.agree(w.counts, state.step):  # asked to stop: after the step just taken
+                stop_here(w, epoch)
+                return
             if dpo:  # DPO's step reads its values at once: a Pending that is resolved already
                 values = w.loss.train_step(w.engine, step, wait_s=time.perf_counter() - t0,
                                            offload=w.cfg.model.offload_checkpoints)
@@ -345,6 +357,16 @@ def log_pending(w: Worker) -> None:
         w.reporter.log_step(pending.step, pending.resolve())
 
 
+def stop_here(w: Worker, epoch: int) -> None:
+    """Every rank agreed to stop after this step: report, with a checkpoint if one is wanted."""
+    log_pending(w)
+    if w.stop.checkpoint:
+        t_ckpt, m = time.perf_counter(), w.cfg.model
+        report_and_checkpoint(w.engine, w.state, w.reporter.summary(w.state.step, epoch), w.rank, checkpoint=True,
+                              final=False, merge=m.peft.merge, trust_remote_code=m.trust_remote_code)
+        w.stop.checkpointed(time.perf_counter() - t_ckpt, w.state.step)
+
+
 def after_step(w: Worker, epoch: int) -> None:
     """Evaluate, report and checkpoint, each when it is due (all of them at the last step)."""
     t, step = w.cfg.train, w.state.step
@@ -376,6 +398,7 @@ def after_step(w: Worker, epoch: int) -> None:
                           trust_remote_code=m.trust_remote_code)
     if ckpt_due:
         w.reporter.checkpointed(time.perf_counter() - t_ckpt)
+        w.stop.checkpointed(time.perf_counter() - t_ckpt, step)
     else:
         w.reporter.reported(time.perf_counter() - t_ckpt)
 

@@ -53,6 +53,7 @@ from raypack.train.handoff import Handoff
 from raypack.train.placement import check_request, process_group, worker_resources
 from raypack.train.preflight import Checked, preflight
 from raypack.train.startup import Startup
+from raypack.train.stop import DriverStop
 from raypack.train.tracking import TrackingTargets, save_wandb_id, targets
 
 SUMMARY = ("step", "loss", "eval_loss", "rewards/accuracies", "eval_rewards/accuracies", "rewards/margins",
@@ -110,6 +111,8 @@ class Outcome:
     """Ray Train's `Result` of the fit, when one ran."""
     startup: dict[str, float] | None = None
     """Seconds per start-up phase before the first step (raypack/train/startup.py), when one ran."""
+    stopped: dict[str, Any] | None = None
+    """A run a signal stopped before its last step: {"signal", "step", "checkpoint"} (stop.py)."""
 
 
 def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbacks: Sequence = (),
@@ -151,6 +154,7 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
     init_ray()
     clock.mark("ray")
     overlap = cfg.train.overlap_start
+    stop = DriverStop(cfg.train.stop_grace_s)
     try:
         check_request(cfg, wait=not trial)
         if overlap:  # the workers start now and wait for the data (raypack/train/handoff.py)
@@ -159,7 +163,7 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
         else:
             data = prepare_data(checked, reprepare, clock).to_dict()
         clock.mark("fit")
-        trainer = build_trainer(checked, tracking, data, callbacks=callbacks, startup=clock)
+        trainer = build_trainer(checked, tracking, data, callbacks=callbacks, startup=clock, stop_key=stop.key)
     except BaseException:
         if fresh:  # a start that failed leaves nothing that looks like a run
             storage.remove_dir(root)
@@ -168,7 +172,7 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
     if preparing is None:
         ready(cfg, tracking)
     try:
-        result = fit_trainer(trainer)
+        result = fit_trainer(trainer, stop)
     except KeyboardInterrupt:
         raise  # now, not after the preparation (the thread ends with Ray)
     except BaseException:
@@ -183,16 +187,12 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
     checkpoint = result.checkpoint.path if result.checkpoint else None
     summary = {k: metrics.get(k) for k in SUMMARY}
     startup = metrics.get("startup_s")
+    if stopped := stop.stopped_at():
+        # Not finished: no result file, which says a run is complete (chat, export, a rerun read it).
+        stopped["signal"] = signal.Signals(stop.signum).name
+        return Outcome(root, False, summary, checkpoint, tracking, result, startup, stopped)
     runs.write_result(root, metrics.get("step", 0), summary, checkpoint, startup=startup)
     return Outcome(root, False, summary, checkpoint, tracking, result, startup)
-
-
-def _interrupt_on_sigint(controller) -> None:
-    def on_sigint(signum, frame):
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, on_sigint)
 
 
 def _finished(root: str, checked: Checked) -> dict | None:
@@ -283,9 +283,10 @@ class Preparing:
 
 
 def build_trainer(checked: Checked, tracking: TrackingTargets, data: dict | Any, *, callbacks: Sequence = (),
-                  startup: Startup | None = None) -> TorchTrainer:
+                  startup: Startup | None = None, stop_key: str | None = None) -> TorchTrainer:
     """The `TorchTrainer` for `checked.cfg` (preflight's record), training on `data` (the
-    Prepared record as a dict, or a Handoff the workers wait on), tracking to `tracking`."""
+    Prepared record as a dict, or a Handoff the workers wait on), tracking to `tracking`;
+    `stop_key`: where the driver asks the workers to stop (stop.DriverStop)."""
     cfg = checked.cfg
     t = cfg.train
     loop_config = {
@@ -293,6 +294,7 @@ def build_trainer(checked: Checked, tracking: TrackingTargets, data: dict | Any,
         "data": data,
         "tracking": asdict(tracking),
         "startup": dict((startup or Startup()).marks),  # the workers add theirs (raypack/train/startup.py)
+        "stop_key": stop_key,
     }
     # W&B's settings reach rank 0 this way, but never WANDB_API_KEY: Ray shows a runtime_env's
     # variables in its dashboard. Workers find the key where the driver did: in the environment
@@ -338,17 +340,23 @@ def build_trainer(checked: Checked, tracking: TrackingTargets, data: dict | Any,
     )
 
 
-def fit_trainer(trainer: TorchTrainer):
-    """`trainer.fit()`, with an InputError that stopped a worker raised as it is, and Ctrl-C
-    raised as KeyboardInterrupt (the command says how to continue and exits 130)."""
+def fit_trainer(trainer: TorchTrainer, stop: DriverStop):
+    """`trainer.fit()`, with an InputError that stopped a worker raised as it is; SIGTERM and
+    Ctrl-C stop the workers after their step, with a checkpoint (`stop`, raypack/train/stop.py),
+    or at once (`Terminated`) on a second signal or at the grace period's end."""
     # Ray Train puts its own SIGINT handler in the driver while fit runs: it asks the controller
     # to abort, then calls sys.exit from inside the handler, which ends the process with status
     # 1 and no word of what happened. Ray calls this method to install it (main thread only, so
-    # never in a sweep trial); the instance attribute puts a plain KeyboardInterrupt in its place.
-    trainer._register_sigint_handler = _interrupt_on_sigint
+    # never in a sweep trial); the instance attribute puts the graceful stop in its place.
+    before: dict = {}
+    trainer._register_sigint_handler = lambda controller: before.update(stop.install())
     try:
         return trainer.fit()
     except ray.train.ControllerError as e:
         if isinstance(e.controller_failure, InputError):
             raise e.controller_failure from None
         raise
+    finally:
+        stop.close()
+        for signum, handler in before.items():
+            signal.signal(signum, handler)

@@ -158,7 +158,8 @@ def test_orphan_checkpoints_are_the_folders_ray_never_registered(tmp_path):
     root = tmp_path / "run"
     for name in ("checkpoint_a", "checkpoint_b", "checkpoint_c", "packed"):
         (root / name).mkdir(parents=True)
-    assert orphan_checkpoints(str(root)) == []  # no snapshot: nothing was registered, nothing to judge
+    # no snapshot: none was registered (a run stopped while it saved its first checkpoint)
+    assert orphan_checkpoints(str(root)) == [f"{root}/checkpoint_{x}" for x in "abc"]
     (root / CHECKPOINTS).write_text(_json.dumps({"checkpoint_results": [
         {"checkpoint_dir_name": "checkpoint_a"}, {"checkpoint_dir_name": "checkpoint_b"}]}))
     assert orphan_checkpoints(str(root)) == [f"{root}/checkpoint_c"]

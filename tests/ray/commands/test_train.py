@@ -118,26 +118,105 @@ def test_a_run_prints_its_own_lines_once_resumes_from_another_folder_and_then_sa
         assert "started a local Ray instance" not in again.stdout  # it knew without starting Ray
 
 
-def test_ctrl_c_in_training_exits_130_with_one_line_and_the_resume_continues(tmp_path):
-    """Ctrl-C (SIGINT) once training reported a checkpoint: exit 130 within seconds, one line
-    saying how to continue and no traceback; `--resume` then goes on from the last registered
-    checkpoint, and a checkpoint folder the run saved but never registered is removed."""
+def _join_session_ray(ray_local) -> dict:
+    """The environment of a `raypack` subprocess that joins the session's Ray instance (its ray.init
+    costs seconds), as `ray job submit` joins a cluster; raypack still takes it for a local one."""
+    from raypack.runtime import LOOPBACK_ONLY
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env["RAY_ADDRESS"] = ray_local.get_runtime_context().gcs_address  # 127.0.0.1:<port>
+    env[LOOPBACK_ONLY] = "0"  # else Ray swaps 127.0.0.1 for the host's address, where the instance doesn't listen
+    return env
+
+
+def _train_until(cmd: list[str], env: dict, cwd: Path, step: int):
+    """Start `cmd` and read its screen until the progress line of `step`; (process, lines so far)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    screen = []
+    for line in proc.stdout:  # ends when the process does: no timeout decides the test
+        screen.append(line)
+        if f"[raypack] step {step}/" in line:
+            break
+    assert proc.poll() is None, "".join(screen)[-3000:]
+    return proc, screen
+
+
+def test_sigterm_mid_epoch_checkpoints_exits_143_and_the_resume_trains_every_example_once(ray_local, tmp_path):
+    """SIGTERM (a pod evicted, `ray job stop`, Slurm, kill) to the driver in the middle of an epoch:
+    the workers stop after one step, save a checkpoint there and register it, the command prints
+    one line with the resume command and exits 143, leaving no unregistered checkpoint and no
+    result file (the run isn't finished). `--resume` then trains the rest of the epoch: every step
+    once in the final model's step logs and in TensorBoard, every example once, and the curve
+    goes on from where it stopped (the learning rate on its schedule, the loss not back at its start)."""
     import signal
     import time
 
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("RAY_ADDRESS", None)
+    from raypack.config import load
+
+    from trackfiles import tensorboard_events
+    from trained import planned_train_ids, trained_ids
+
+    name = f"sigterm-{uuid.uuid4().hex[:6]}"
+    root = tmp_path / "results" / name
+    overrides = [f"run.storage_path={tmp_path / 'results'}", f"run.name={name}", "pack.budget=256",
+                 "train.report_every_steps=1", "train.checkpoint_every_steps=4", "train.stop_checkpoint_after_s=0"]
+    config = str(REPO / "jobs" / "configs" / "tiny_cpu.yaml")
+    cmd = [sys.executable, "-m", "raypack.cli", "train", "--config", config, *overrides]
+    proc, screen = _train_until(cmd, _join_session_ray(ray_local), tmp_path, step=6)
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.perf_counter()
+    rest = proc.stdout.read()
+    code = proc.wait()
+    waited = time.perf_counter() - t0
+    last = rest.strip().splitlines()[-1]
+    assert code == 143, rest[-3000:]
+    assert last.startswith("[raypack] stopped by SIGTERM after step ") and last.endswith(
+        f" (a checkpoint saved there); continue it with: raypack train --resume {root}"), rest[-3000:]
+    assert "Traceback" not in rest and "SIGTERM received" not in rest, rest[-3000:]
+    assert waited < 25, f"took {waited:.0f} s to stop (train.stop_grace_s is 25)"
+    stopped = int(last.split("after step ")[1].split()[0])
+    snapshot = json.loads((root / "checkpoint_manager_snapshot.json").read_text())["checkpoint_results"]
+    assert snapshot[-1]["metrics"]["step"] == stopped, snapshot
+    # Folders are named by the time they were saved; one newer than the last registered would be
+    # half-written. (Older ones may still be there: Ray deletes those past keep_checkpoints a moment later.)
+    names = sorted(p.name for p in root.glob("checkpoint_*") if p.is_dir())
+    assert names[-1] == snapshot[-1]["checkpoint_dir_name"], names
+    assert not (root / "raypack_result.json").exists()
+    epoch = int(next(line for line in screen if "[raypack] step 6/" in line).split("/")[1].split()[0])
+    assert stopped < epoch // 2, "the stop came too late to test a resume mid-epoch"
+
+    assert main(["train", "--resume", str(root)]) == 0
+    cfg = load(config, overrides)
+    result = json.loads((root / "raypack_result.json").read_text())
+    assert result["step"] == epoch
+    ids, steps = trained_ids(Path(result["checkpoint"]))
+    assert steps == [list(range(1, epoch + 1))] * cfg.train.num_workers
+    assert len(ids) == len(set(ids)) and sorted(ids) == planned_train_ids(cfg), "an example trained twice or never"
+    logged = {}
+    for tag, step, value in tensorboard_events(root / "tensorboard"):
+        logged.setdefault(tag, []).append((step, value))
+    assert [s for s, _ in logged["train/loss"]] == list(range(1, epoch + 1)), "a step logged twice or not at all"
+    loss = dict(logged["train/loss"])
+    lr = dict(logged["train/lr"])
+    # cosine decay after 2 warmup steps: the resumed schedule goes on, it does not start over
+    assert lr[stopped + 1] < lr[stopped] < lr[3], lr
+    assert abs(loss[stopped + 1] - loss[stopped]) < 0.5 * (loss[1] - loss[stopped]), loss
+
+
+def test_ctrl_c_in_training_exits_130_with_one_line_and_the_resume_continues(ray_local, tmp_path):
+    """Ctrl-C (SIGINT) once training reported a checkpoint: the workers stop after their step,
+    the command exits 130 within seconds with one line saying how to continue and no traceback;
+    `--resume` then goes on from the last registered checkpoint, and a checkpoint folder the run
+    saved but never registered is removed."""
+    import signal
+    import time
+
     root = tmp_path / "results" / "interrupted"
     cmd = [sys.executable, "-m", "raypack.cli", "train", "--config", str(REPO / "jobs" / "configs" / "tiny_cpu.yaml"),
            f"run.storage_path={tmp_path / 'results'}", "run.name=interrupted", "pack.budget=256",
            "train.report_every_steps=1", "train.checkpoint_every_steps=2", "train.epochs=3"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    screen = []
-    for line in proc.stdout:  # ends when the process does: no timeout decides the test
-        screen.append(line)
-        if "[raypack] step 4/" in line:
-            break
-    assert proc.poll() is None, "".join(screen)[-3000:]
+    env = _join_session_ray(ray_local)
+    proc, _ = _train_until(cmd, env, tmp_path, step=4)
     proc.send_signal(signal.SIGINT)
     t0 = time.perf_counter()
     rest = proc.stdout.read()
@@ -145,13 +224,14 @@ def test_ctrl_c_in_training_exits_130_with_one_line_and_the_resume_continues(tmp
     waited = time.perf_counter() - t0
     tail = rest.strip().splitlines()
     assert code == 130, rest[-3000:]
-    assert tail[-1] == f"[raypack] interrupted; continue it with: raypack train --resume {root}", rest[-3000:]
+    assert tail[-1].startswith("[raypack] interrupted after step "), rest[-3000:]
+    assert tail[-1].endswith(f"; continue it with: raypack train --resume {root}"), rest[-3000:]
     assert "Traceback" not in rest and "KeyboardInterrupt" not in rest, rest[-3000:]
     assert waited < 30, f"took {waited:.0f} s to stop"
 
     orphan = root / "checkpoint_2000-01-01_00-00-00.000000"  # as if saved when the signal came, never registered
     orphan.mkdir()
-    out = subprocess.run([sys.executable, "-m", "raypack.cli", "train", "--resume", str(root), "train.max_steps=6"],
+    out = subprocess.run([sys.executable, "-m", "raypack.cli", "train", "--resume", str(root), "train.max_steps=8"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert f"[raypack] removed {orphan}: saved as the run stopped, never registered" in out.stdout

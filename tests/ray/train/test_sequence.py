@@ -17,9 +17,10 @@ import pytest
 import torch
 from exactness import random_lora_b
 from trackfiles import tensorboard_scalars
+from trained import trained_ids
 
 from tests.ray.train.test_loop import EXAMPLES, VOCAB, fit_on_gloo, packed_row
-from tests.ray.train.test_trainer import CONFIG, loop_killed_once, trained_ids, with_worker_loop
+from tests.ray.train.test_trainer import CONFIG, loop_killed_once, with_worker_loop
 
 pytestmark = pytest.mark.ray
 
