@@ -25,7 +25,7 @@ import signal
 import sys
 import traceback
 
-from raypack.config import load
+from raypack.config import blame, load
 from raypack.errors import ConfigError, InputError
 
 
@@ -95,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
             from raypack.data.strategies import check_strategies
 
             # a config error in 0.3 s, before the imports below
-            check_strategies(load(args.config, args.overrides), args.config or "")
+            cfg = load(args.config, args.overrides)
+            try:
+                check_strategies(cfg)
+            except ConfigError as e:  # named after the override that holds the value, else the file
+                raise ConfigError(f"{blame(str(e), args.overrides, args.config or '<defaults>')}: {e}") from None
         # Only the command that runs is imported: `raypack --help` takes 0.1 s, while the command
         # modules bring in Ray, torch and transformers (3 to 10 s on 2 cores).
         command = importlib.import_module(f"raypack.commands.{args.command}")

@@ -92,11 +92,13 @@ def saved_config(folder: str, overrides: Sequence[str] = (), file: str = SAVED_C
     placed at `folder` wherever it now is: what `--resume FOLDER` continues."""
     path = f"{storage.absolute(folder)}/{file}"
     if not storage.exists(path):
+        if not storage.exists(storage.absolute(folder)):
+            raise ConfigError(f"--resume {folder}: no such folder")
         if what == "sweep":
             raise ConfigError(f"--resume {folder}: not a raypack sweep (no {file} there); start one with --config")
         raise ConfigError(f"--resume {folder}: no {file} there; is it a raypack run folder?")
     text = storage.read_text(path)
-    cfg = loads(text, overrides, path)
+    cfg = loads(text, overrides, path, saved=True)
     # Configs saved before data.eval_max_examples existed held out eval_fraction of the examples,
     # uncapped: keep that split, and with it the packed data their checkpoints index.
     saved_data = (yaml.safe_load(text) or {}).get("data") or {}
@@ -129,9 +131,26 @@ def differences(saved: Config, new: Config, sections: Sequence[str] | None = Non
     return out
 
 
-WATCHING_ONLY = ("run.wandb.", "train.tensorboard", "train.mlflow", "train.keep_checkpoints", "train.start_timeout_s",
-                 "train.report_every_steps")
-"""Fields that change how a run is watched or kept, never what it trains: a rerun may change them."""
+RERUN_FIELDS = ("train.epochs", "train.max_steps", "train.eval_every_steps", "train.checkpoint_every_steps",
+                "train.report_every_steps", "train.keep_checkpoints", "train.max_failures", "train.start_timeout_s",
+                "train.stop_grace_s", "train.stop_checkpoint_after_s", "train.cpus_per_worker",
+                "train.placement_strategy", "train.tensorboard", "train.mlflow", "run.wandb.")
+"""The fields a rerun of a run (`--resume`, or the same `--config` again) may change: how long it
+trains, how it is evaluated, checkpointed, watched and placed, never what a step trains on or how
+(the data, the model, the optimizer): its checkpoints were taken under those. A prefix ending in a
+dot stands for every field under it."""
+
+
+def check_rerun(overrides: Sequence[str], folder: str) -> None:
+    """A ConfigError naming the first of `--resume folder`'s overrides that a rerun may not change."""
+    for item in overrides:
+        key = item.partition("=")[0]
+        if not key.startswith(RERUN_FIELDS):
+            may = ", ".join(f + "*" if f.endswith(".") else f for f in RERUN_FIELDS)
+            raise ConfigError(
+                f"--resume {folder}: override {item}: a resumed run trains the config it was started with; a rerun "
+                f"may change only {may}. Start a new run for the rest: raypack train --config FILE run.name=NEW_NAME"
+            )
 
 
 def check_same_config(cfg: Config, root: str) -> None:
@@ -140,7 +159,7 @@ def check_same_config(cfg: Config, root: str) -> None:
     path = f"{root}/{SAVED_CONFIG}"
     if not storage.exists(path):
         return
-    diff = [d for d in differences(saved_config(root), absolute_paths(cfg)) if not d.startswith(WATCHING_ONLY)]
+    diff = [d for d in differences(saved_config(root), absolute_paths(cfg)) if not d.startswith(RERUN_FIELDS)]
     if diff:
         raise ConfigError(
             f"run {cfg.run.name!r} in {root} was started with another config ({diff[0]}"

@@ -48,6 +48,48 @@ def build(cls: type, raw: Any, prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
+def unused(obj: Any, prefix: str = "") -> dict[str, str]:
+    """{dotted name: why} for every field set away from its default in a section that is switched
+    off: a dataclass whose `enabled` property is False (an adapter setting while `model.peft.method`
+    is none, a W&B name while `run.wandb.mode` is disabled). Such a setting does nothing, which is
+    what the user did not mean. Found from the dataclasses alone: their `enabled` property, their
+    defaults, and the Literal field whose other values switch the section on."""
+    out: dict[str, str] = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(unused(value, f"{prefix}{f.name}."))
+    if getattr(obj, "enabled", True) is not False:
+        return out
+    default = type(obj)()
+    switches = _switches(obj)
+    on = " or ".join(f"{prefix}{name} to {' or '.join(map(str, values))}" for name, values in switches.items())
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.name not in switches and value != getattr(default, f.name):
+            off = ", ".join(f"{prefix}{name} is {getattr(obj, name)}" for name in switches) or "it is off"
+            out[f"{prefix}{f.name}"] = (f"set to {plain(value)!r}, which does nothing while {off}; "
+                                        f"{'set ' + on + ', or ' if on else ''}remove it")
+    return out
+
+
+def _switches(obj: Any) -> dict[str, list[Any]]:
+    """{field: the values that switch `obj`'s section on} for its Literal fields that do."""
+    found = {}
+    for name, hint in typing.get_type_hints(type(obj)).items():
+        if typing.get_origin(hint) is Literal:
+            values = []
+            for option in typing.get_args(hint):
+                try:
+                    if dataclasses.replace(obj, **{name: option}).enabled:
+                        values.append(option)
+                except (ConfigError, TypeError, ValueError):
+                    continue
+            if values:
+                found[name] = values
+    return found
+
+
 def plain(obj: Any) -> Any:
     """A dataclass as nested dicts of plain values, each in its field's declared type (module doc)."""
     if not dataclasses.is_dataclass(obj):

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from raypack import runs, storage
-from raypack.model.chat import Chat, model_folder
+from raypack.model.chat import Chat, ChatError, model_folder
 from raypack.train.stop import signal_of
 
 USER, ASSISTANT = "user> ", "assistant> "
@@ -31,6 +31,8 @@ def run(args: argparse.Namespace) -> int:
     from transformers.utils import logging
 
     logging.disable_progress_bar()  # one bar per file loaded or saved
+    if args.prompt is not None and not args.prompt.strip():
+        raise ChatError("--prompt: the message is empty; give the text to answer, or leave --prompt out to chat")
     try:
         with model_of(args.target) as target:
             folder = model_folder(target)

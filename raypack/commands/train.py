@@ -23,7 +23,8 @@ import sys
 
 from raypack import runs, storage
 from raypack.config import load
-from raypack.runs import absolute_paths, run_dir, saved_config
+from raypack.errors import ConfigError
+from raypack.runs import SAVED_CONFIG, absolute_paths, check_rerun, run_dir, saved_config
 from raypack.train.startup import describe
 from raypack.train.stop import signal_of, stopped_by
 from raypack.train.tracking import offline_runs
@@ -31,6 +32,12 @@ from raypack.train.trainer import Outcome, start
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.resume:
+        if args.config:
+            raise ConfigError(f"--resume {args.resume} continues the run with the config it saved ({SAVED_CONFIG} "
+                              f"there), not --config {args.config}; drop --config, or start a new run with "
+                              "--config and run.name=NEW_NAME")
+        check_rerun(args.overrides, args.resume)
     cfg = saved_config(args.resume, args.overrides) if args.resume else load(args.config, args.overrides)
     root = run_dir(absolute_paths(cfg))
     fresh = not storage.exists(root)

@@ -24,6 +24,7 @@ absolute (raypack/runs.py), so resuming it does not depend on where you stand.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ from typing import Any
 import yaml
 
 from raypack.errors import ConfigError
-from raypack.typed import build, check as _check, plain
+from raypack.typed import build, check as _check, plain, unused
 from raypack.config.sections import (
     ASSETS, ASSETS_PREFIX, DataConfig, ModelConfig, PackConfig, PeftConfig, RunConfig, TokenizeConfig, TrainConfig,
     WandbConfig,
@@ -95,7 +96,7 @@ class Config:
 def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """Read a YAML config file (or the defaults when `path` is None) and apply `a.b=value` overrides."""
     if not path:
-        return loads("", overrides, "<defaults>")
+        return _build({}, overrides, "<defaults>")
     try:
         text = Path(path).read_text()
     except FileNotFoundError:
@@ -119,14 +120,27 @@ def _yaml_files_in(folder: Path, shown: int = 5) -> str:
     return f"; its YAML files: {', '.join(names[:shown])}{', ...' if len(names) > shown else ''}"
 
 
-def loads(text: str, overrides: Sequence[str] = (), source: str = "<string>") -> Config:
-    """A config from YAML text (e.g. a run's saved raypack_config.yaml); `source` names it in errors."""
+def loads(text: str, overrides: Sequence[str] = (), source: str = "<string>", *, saved: bool = False) -> Config:
+    """A config from YAML text (e.g. a run's saved raypack_config.yaml); `source` names it in errors.
+    `saved`: a config raypack wrote, every field spelled out, so a section that is off is refused
+    for the settings the overrides give it only (see `unused`)."""
     try:
-        raw = yaml.safe_load(text) or {}
+        raw = yaml.load(text, Loader=_UniqueKeys)
+    except _DuplicateKey as e:
+        raise ConfigError(f"{source}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{source}: not valid YAML: {e}") from None
+    if raw is None:  # an empty file, or only comments: not a config that means the defaults
+        raise ConfigError(f"{source}: the config is empty; expected a mapping of sections (data:, model:, train:, "
+                          "...), or no --config for the defaults")
     if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: expected a mapping of sections at the top level")
+        raise ConfigError(f"{source}: expected a mapping of sections at the top level, got {type(raw).__name__}")
+    return _build(raw, overrides, source, saved)
+
+
+def _build(raw: dict[str, Any], overrides: Sequence[str], source: str, saved: bool = False) -> Config:
+    """The Config of `raw` with `overrides` applied; an error names the override that holds the
+    bad value when one does, else `source` (the file)."""
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or "." not in key:
@@ -136,10 +150,56 @@ def loads(text: str, overrides: Sequence[str] = (), source: str = "<string>") ->
         for i, part in enumerate(parents):
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"{source}: {'.'.join(parents[: i + 1])}: expected a mapping")
+                raise ConfigError(f"{blame(item, overrides, source)}: {'.'.join(parents[: i + 1])}: expected a mapping")
         node[name] = yaml.safe_load(value)
-        source = f"{source} (with overrides)" if "overrides" not in source else source
-    return Config.from_dict(raw, source)
+    try:
+        cfg = build(Config, raw, "")
+        # Settings of a section that is switched off would do nothing: say so instead.
+        off = [name for name in unused(cfg)
+               if not saved or any(name == k or name.startswith(k + ".") for k in _keys(overrides))]
+        if off:
+            raise ConfigError(f"{off[0]}: {unused(cfg)[off[0]]}")
+    except ConfigError as e:
+        raise ConfigError(f"{blame(str(e), overrides, source)}: {e}") from None
+    return cfg
+
+
+def blame(message: str, overrides: Sequence[str], source: str) -> str:
+    """Where an error about `message`'s key comes from: `override KEY=VALUE` when the last
+    override of that key (or of a field inside it) set it, else `source` (the config file)."""
+    lead = message.split(":", 1)[0].split("=", 1)[0]
+    for item, key in reversed(list(zip(overrides, _keys(overrides)))):
+        if lead == key or lead.startswith((f"{key}[", f"{key}.")):
+            return f"override {item}"
+    return f"{source} (with overrides)" if overrides and source != "<defaults>" else source
+
+
+def _keys(overrides: Sequence[str]) -> list[str]:
+    return [item.partition("=")[0] for item in overrides]
+
+
+class _DuplicateKey(yaml.YAMLError):
+    pass
+
+
+class _UniqueKeys(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last
+    silently: a section written twice would lose the first's settings)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merges may be overridden, as YAML says
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, typing.Hashable):
+                continue  # PyYAML's own error says what is wrong with such a key
+            if key in seen:
+                raise _DuplicateKey(f"line {line}: key {key!r} given twice (first on line {seen[key]}); YAML keeps "
+                                    "only the last, so merge the two")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def dumps(cfg: Config) -> str:

@@ -122,10 +122,18 @@ def test_override_round_trip(tmp_path):
     assert load(path2) == cfg
 
 
-def test_override_error_names_override_source():
-    with pytest.raises(ConfigError) as e:
-        load(None, ["pack.budget=-3"])
-    assert "overrides" in str(e.value) and "pack.budget" in str(e.value)
+def test_an_error_names_the_override_that_holds_the_bad_value_else_the_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"^override pack.budget=-3: pack.budget: expected a positive int, got -3$"):
+        load(None, ["train.lr=1e-4", "pack.budget=-3"])
+    with pytest.raises(ConfigError, match=r"^override data.paths=\[a, 3\]: data.paths\[1\]: expected a string"):
+        load(None, ["data.paths=[a, 3]"])
+    path = tmp_path / "run.yaml"
+    path.write_text("pack:\n  budget: -3\n")
+    with pytest.raises(ConfigError, match=rf"^{path} \(with overrides\): pack.budget: expected a positive int"):
+        load(path, ["train.lr=1e-4"])  # the file holds it; the override is fine
+    path.write_text("pack:\n  budget: 8\n")
+    with pytest.raises(ConfigError, match=r"^override pack.budget=0: pack.budget: expected a positive int, got 0$"):
+        load(path, ["pack.budget=0"])  # the override replaced the file's good value
 
 
 def _lists(d):
@@ -137,7 +145,7 @@ def _lists(d):
 def test_loads_and_dumps_round_trip():
     cfg = load(None, ["tune.strategies=[pad, bfd]", "train.lr=2e-5", "data.paths=[a.jsonl]"])
     assert loads(dumps(cfg)) == cfg
-    assert loads("") == load()
+    assert loads("{}") == load()  # an empty file is refused (test_empty_or_non_mapping_config_is_refused)
 
 
 def test_loads_names_its_source():

@@ -19,6 +19,8 @@ import ray
 from raypack.cli import main
 from raypack.config import ASSETS
 
+from paths import REPO
+
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}
 
 
@@ -192,3 +194,74 @@ def test_sample_data_passes(tmp_path, capsys, no_ray):
     """Guard the guards: good input gets past every check, to the first Ray call."""
     with pytest.raises(AssertionError, match="Ray was started"):
         main(["train", f"run.storage_path={tmp_path}", f"data.paths=[{ASSETS / 'sample' / 'chat.jsonl'}]"])
+
+
+# --- what would be accepted and silently do something else (issue 36, part 3) ------------------
+
+
+def test_a_config_file_that_holds_no_mapping_of_sections(tmp_path, capsys, no_ray):
+    """Empty (or only comments), or a list or scalar at the top: not the defaults in silence."""
+    path = tmp_path / "run.yaml"
+    for text, said in (("", "the config is empty"), ("# train:\n#   lr: 1e-4\n", "the config is empty"),
+                       ("- train\n", "expected a mapping of sections at the top level, got list"),
+                       ("0\n", "expected a mapping of sections at the top level, got int")):
+        path.write_text(text)
+        err = train(tmp_path, capsys, "--config", str(path))
+        assert err.startswith(f"raypack: config error: {path}: {said}"), err
+
+
+def test_a_key_given_twice_in_the_yaml(tmp_path, capsys, no_ray):
+    """PyYAML keeps the last of two equal keys; a section written twice would lose the first's settings."""
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  lr: 1.0e-4\nmodel:\n  name: tiny-llama\ntrain:\n  epochs: 2\n")
+    err = train(tmp_path, capsys, "--config", str(path))
+    assert err == (f"raypack: config error: {path}: line 5: key 'train' given twice (first on line 1); YAML keeps "
+                   "only the last, so merge the two\n")
+    path.write_text("train:\n  lr: 1.0e-4\n  epochs: 2\n  lr: 3.0e-4\n")  # inside a section too
+    assert "line 4: key 'lr' given twice (first on line 2)" in train(tmp_path, capsys, "--config", str(path))
+
+
+def test_settings_of_a_section_that_is_switched_off(tmp_path, capsys, no_ray):
+    """Found from the config dataclasses (a section with an `enabled` property that is False), so
+    every such section is covered: adapter settings without an adapter method, W&B names with W&B off."""
+    err = train(tmp_path, capsys, "model.peft.r=8")
+    assert err == ("raypack: config error: override model.peft.r=8: model.peft.r: set to 8, which does nothing while "
+                   "model.peft.method is none; set model.peft.method to lora or qlora, or remove it\n")
+    path = tmp_path / "run.yaml"
+    path.write_text("run:\n  wandb:\n    project: my-sft\n")
+    err = train(tmp_path, capsys, "--config", str(path))
+    assert err.startswith(f"raypack: config error: {path} (with overrides): run.wandb.project: set to 'my-sft', which does nothing "
+                          "while run.wandb.mode is disabled; set run.wandb.mode to online or offline"), err
+
+
+def test_the_override_not_the_file_is_named_when_it_holds_the_bad_value(tmp_path, capsys, no_ray):
+    config = REPO / "jobs" / "configs" / "tiny_cpu.yaml"
+    err = train(tmp_path, capsys, "pack.strategy=bogus", "--config", str(config))
+    assert err.startswith("raypack: config error: override pack.strategy=bogus: pack.strategy: unknown packing "
+                          "strategy 'bogus'"), err
+    err = train(tmp_path, capsys, "train.lr=-1", "--config", str(config))
+    assert err.startswith("raypack: config error: override train.lr=-1: train.lr: expected a positive float"), err
+
+
+def test_resume_takes_only_the_overrides_a_rerun_may_change_and_no_config(tmp_path, capsys, no_ray):
+    """--config and run.name= with --resume were ignored, train.lr= applied to one invocation only:
+    each is refused, naming what a rerun may change; a missing folder is called missing."""
+    from raypack.config import load
+    from raypack.runs import save_config
+
+    save_config(load(None, [f"run.storage_path={tmp_path / 'runs'}", "run.name=r"]))
+    run = tmp_path / "runs" / "r"
+    for args, said in (
+        (["--config", str(REPO / "jobs" / "configs" / "tiny_cpu.yaml")],
+         f"--resume {run} continues the run with the config it saved (raypack_config.yaml there), not --config"),
+        (["run.name=other"], f"--resume {run}: override run.name=other: a resumed run trains the config it was "
+                             "started with; a rerun may change only train.epochs, train.max_steps, "),
+        (["train.lr=1e-5"], f"--resume {run}: override train.lr=1e-5: "),
+    ):
+        assert main(["train", "--resume", str(run), *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"raypack: config error: {said}") and err.count("\n") == 1, err
+    assert "run.wandb.*" in err and "run.name=NEW_NAME" in err
+    assert main(["train", "--resume", str(tmp_path / "typo")]) == 2
+    assert capsys.readouterr().err == f"raypack: config error: --resume {tmp_path / 'typo'}: no such folder\n"
+    assert sorted(p.name for p in run.iterdir()) == ["raypack_config.yaml"], "the run was touched"

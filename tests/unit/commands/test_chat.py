@@ -177,3 +177,14 @@ def test_a_folder_without_a_model_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{tmp_path}: no Hugging Face model there" in err
 
+
+
+def test_an_empty_prompt_is_one_line_not_an_answer(model_dir, capsys, monkeypatch):
+    from raypack.cli import main
+    from raypack.model.chat import Chat
+
+    monkeypatch.setattr(Chat, "load", lambda *a, **k: pytest.fail("the model was loaded for an empty prompt"))
+    for prompt in ("", "  \n"):
+        assert main(["chat", str(model_dir), "--prompt", prompt]) == 2
+        assert capsys.readouterr().err == ("raypack: error: --prompt: the message is empty; give the text to answer, "
+                                           "or leave --prompt out to chat\n")
