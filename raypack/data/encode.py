@@ -75,11 +75,15 @@ class TokenizeError(InputError):
 
 
 def load_tokenizer(name: str, chat_template: str | None = None):
+    local = os.path.exists(os.path.expanduser(name))
+    if not local and not _is_repo_id(name):  # a path, not there: not the hub's business
+        raise TokenizeError(f"tokenize.tokenizer {name!r}: no such folder, and not a hub name (org/name)")
     try:
-        tok = AutoTokenizer.from_pretrained(name)
+        tok = AutoTokenizer.from_pretrained(os.path.expanduser(name))
     except (OSError, ValueError) as e:  # not a folder, not on the hub, no network, not a tokenizer
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TokenizeError(f"tokenize.tokenizer {name!r}: can't load it ({reason})") from e
+        where = "" if local else "not a local folder, and from the hub: "
+        raise TokenizeError(f"tokenize.tokenizer {name!r}: can't load it ({where}{reason})") from e
     if chat_template is not None:
         tok.chat_template = chat_template
     if tok.eos_token_id is None:
@@ -87,6 +91,17 @@ def load_tokenizer(name: str, chat_template: str | None = None):
     if not getattr(tok, "is_fast", False):
         raise TokenizeError(f"tokenize.tokenizer {name!r} is not a fast tokenizer; label masking needs character offsets")
     return tok
+
+
+def _is_repo_id(name: str) -> bool:
+    """Whether `name` could name a hub repo (`org/name`); a path such as ./tok or /a/b/c can't."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
 
 
 def check_chat_template(tok, name: str) -> None:

@@ -15,12 +15,14 @@ on multi-turn chats learned to close each turn with that token, and EOS only aft
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import (
     AutoModelForCausalLM, AutoTokenizer, GenerationConfig, StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer,
 )
@@ -35,6 +37,8 @@ class ChatError(InputError):
 def model_folder(path: str | Path) -> Path:
     """The Hugging Face model folder at `path`, or its model/ (an export or a final checkpoint)."""
     path = Path(path).expanduser().resolve()
+    if not path.exists():
+        raise ChatError(f"{path}: no such folder")
     for folder in (path, path / "model"):
         if (folder / "config.json").exists():
             return folder
@@ -42,6 +46,26 @@ def model_folder(path: str | Path) -> Path:
         raise ChatError(f"{path} holds a peft adapter, not a model: chat with the merged model/ beside it "
                         "(model.peft.merge), or with the run folder")
     raise ChatError(f"{path}: no Hugging Face model there (no config.json), nor a run folder")
+
+
+AGAIN = "export it again (raypack export RUN --out FOLDER), or chat with the run folder"
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+"""The files transformers reads a model's weights from (one file, or an index of shards)."""
+
+
+def check_model_files(folder: Path) -> None:
+    """A ChatError naming the file, for a model folder whose config.json isn't JSON or that holds
+    no weights: what transformers would report with a traceback, or a repo-id error."""
+    try:
+        json.loads((folder / "config.json").read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ChatError(f"{folder / 'config.json'}: not valid JSON ({_first_line(e)}); {AGAIN}") from None
+    if not any((folder / name).exists() for name in WEIGHTS):
+        raise ChatError(f"{folder}: no model weights there ({' or '.join(WEIGHTS[::2])}); {AGAIN}")
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def end_of_turn_ids(tokenizer) -> list[int]:
@@ -89,11 +113,18 @@ class Chat:
     @classmethod
     def load(cls, path: str | Path, device: str | None = None, **kwargs) -> Chat:
         folder = model_folder(path)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        check_model_files(folder)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+        except (OSError, ValueError) as e:
+            raise ChatError(f"{folder}: can't load its tokenizer ({_first_line(e)}); {AGAIN}") from e
         if not tokenizer.chat_template:
             raise ChatError(f"{folder}: its tokenizer has no chat template (raypack saves the one training used)")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto").to(device).eval()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto").to(device).eval()
+        except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # a truncated or foreign weights file
+            raise ChatError(f"{folder}: can't load its model ({_first_line(e)}); {AGAIN}") from e
         return cls(model, tokenizer, **kwargs)
 
     @property

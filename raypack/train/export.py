@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -146,6 +148,8 @@ def export(
     writes adapter/ alone, needing no base weights."""
     root = storage.absolute(root)
     if not storage.exists(f"{root}/{runs.SAVED_CONFIG}"):
+        if not storage.exists(root):
+            raise ExportError(f"{root}: no such folder")
         raise ExportError(f"{root}: not a raypack run folder (no {runs.SAVED_CONFIG} there)")
     cfg = runs.saved_config(root)
     peft = cfg.model.peft
@@ -157,57 +161,105 @@ def export(
                           "model that trained, so export writes none; export the adapter with --adapter-only and load "
                           f"it onto {cfg.model.name} in 4 bits")
     chosen = choose(root, step, best)
-    out = str(Path(out).expanduser().resolve()) if out else default_out(root, chosen.step)
-    if storage.is_uri(out):
+    if out and storage.is_uri(out):
         raise ConfigError(f"--out {out}: name a local folder (copy it to object storage after)")
-    if Path(out).exists() and any(Path(out).iterdir()):
-        raise ExportError(f"{out} exists already; remove it, or name another folder with --out")
+    out = str(Path(out).expanduser().resolve()) if out else default_out(root, chosen.step)
+    check_out(out)
     log(f"[raypack] run {root}: checkpoint of step {chosen.step} ({chosen.name}); "
         f"kept: steps {', '.join(str(r.step) for r in reported(root))}")
-
-    tokenizer = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template)
-    with local_checkpoint(root, chosen.name) as folder:
-        saved = read_saved(folder, adapters=peft.enabled)
-    if saved.state.step != chosen.step:
-        raise ExportError(f"run {root}: {chosen.name} was reported at step {chosen.step} but holds step "
-                          f"{saved.state.step}; the folder was changed after the run")
-    out_dtype = resolve_dtype(dtype) if dtype else saved.dtype
-    name = str(out_dtype).removeprefix("torch.")
-    log(f"[raypack] read the ZeRO-{saved.zero_stage} state of {saved.world_size} rank(s): {len(saved.weights)} "
-        f"tensors{' (the adapters)' if peft.enabled else ''}; writing {name} weights to {out}")
-
-    made = not Path(out).exists()
-    try:
-        folders, base = _write(cfg, saved, tokenizer, root, out, out_dtype, merge, adapter_only, log)
-    except BaseException:
-        if made:  # a failed export leaves no folder that a second try would refuse
-            shutil.rmtree(out, ignore_errors=True)
-        raise
-    info = {"run": root, "checkpoint": chosen.name, "step": chosen.step, "dtype": name, "folders": folders,
-            "metrics": chosen.metrics}
-    (Path(out) / EXPORT_INFO).write_text(json.dumps(info, indent=1))
+    # Staged from the start, so a folder that can't be made stops it before the checkpoint is read;
+    # a failed or interrupted export leaves nothing a second try would refuse.
+    with staged(out) as staging:
+        tokenizer = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template)
+        with local_checkpoint(root, chosen.name) as folder:
+            saved = read_saved(folder, adapters=peft.enabled)
+        if saved.state.step != chosen.step:
+            raise ExportError(f"run {root}: {chosen.name} was reported at step {chosen.step} but holds step "
+                              f"{saved.state.step}; the folder was changed after the run")
+        out_dtype = resolve_dtype(dtype) if dtype else saved.dtype
+        name = str(out_dtype).removeprefix("torch.")
+        log(f"[raypack] read the ZeRO-{saved.zero_stage} state of {saved.world_size} rank(s): {len(saved.weights)} "
+            f"tensors{' (the adapters)' if peft.enabled else ''}; writing {name} weights to {out}")
+        folders, base = _write(cfg, saved, tokenizer, root, staging, out, out_dtype, merge, adapter_only, log)
+        info = {"run": root, "checkpoint": chosen.name, "step": chosen.step, "dtype": name, "folders": folders,
+                "metrics": chosen.metrics}
+        (staging / EXPORT_INFO).write_text(json.dumps(info, indent=1))
     return Exported(out, chosen.step, chosen.name, name, folders, base, chosen.metrics)
 
 
-def _write(cfg: Config, saved: Saved, tokenizer, root: str, out: str, dtype: torch.dtype, merge: bool | None,
-           adapter_only: bool, log: Callable[[str], None]) -> tuple[list[str], str | None]:
-    """Write the Hugging Face folders; returns their names and what adapter/ loads onto."""
+# --- where it goes --------------------------------------------------------------------------------
+
+
+def check_out(out: str) -> None:
+    """An ExportError, before any work, for an output folder that can't be written: a file, a
+    folder with files in it, or one that can't be made (a file on its path, no permission)."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ExportError(f"--out {out} is a file; name a folder (made if missing)")
+    if path.is_dir() and any(path.iterdir()):
+        raise ExportError(f"{out} exists already; remove it, or name another folder with --out")
+    above = path.parent
+    while not above.exists():
+        above = above.parent
+    if not above.is_dir():
+        raise ExportError(f"--out {out}: can't make it, {above} is a file; name another folder")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ExportError(f"--out {out}: can't make it, {above} is not writable here; name a folder you can write")
+
+
+@contextmanager
+def staged(out: str) -> Iterator[Path]:
+    """A new folder beside `out` to write into, renamed to `out` once everything is in it, so
+    `out` is never half-written: an export that stops leaves only its hidden staging folder
+    (removed unless killed), and of two exports to one folder the second is refused at the rename,
+    not mixed into the first. Files get this process's ordinary permissions (safetensors writes
+    its file 0600 through a temporary file)."""
+    target = Path(out)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        folder = target.parent / f".{target.name}.partial-{uuid.uuid4().hex[:8]}"
+        folder.mkdir()
+    except OSError as e:
+        raise ExportError(f"--out {out}: can't make it ({e.strerror or e}); name a folder you can write") from None
+    try:
+        yield folder
+        _ordinary_permissions(folder)
+        try:
+            os.rename(folder, target)  # atomic; replaces an empty folder, not a filled one
+        except OSError as e:
+            raise ExportError(f"{out} was written meanwhile (by another export?); this one is discarded: remove it "
+                              f"or name another folder with --out ({e.strerror})") from None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _ordinary_permissions(folder: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def _write(cfg: Config, saved: Saved, tokenizer, root: str, folder: Path, out: str, dtype: torch.dtype,
+           merge: bool | None, adapter_only: bool, log: Callable[[str], None]) -> tuple[list[str], str | None]:
+    """Write the Hugging Face folders into `folder` (to become `out`); returns their names and
+    what adapter/ loads onto."""
     peft, vocab_size = cfg.model.peft, len(tokenizer)
     if not peft.enabled:
         model = _for_inference(full_model(cfg, saved, vocab_size, dtype))
-        model.save_pretrained(Path(out) / "model", safe_serialization=True)
-        tokenizer.save_pretrained(Path(out) / "model")
+        model.save_pretrained(folder / "model", safe_serialization=True)
+        tokenizer.save_pretrained(folder / "model")
         return ["model"], None
     if adapter_only:
         model = adapted_skeleton(cfg, saved, vocab_size)
-        model.save_pretrained(Path(out) / "adapter", safe_serialization=True)
-        tokenizer.save_pretrained(Path(out) / "adapter")
+        model.save_pretrained(folder / "adapter", safe_serialization=True)
+        tokenizer.save_pretrained(folder / "adapter")
         return ["adapter"], None if cfg.model.name.startswith("tiny-") else cfg.model.name
     model = adapted_model(cfg, saved, vocab_size, root, log)
     _for_inference(model.get_base_model())  # save_adapted builds what it writes from this config
     state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.state_dict().items()}
-    folders = save_adapted(model, state, out, merge=peft.merge if merge is None else merge, tokenizer=tokenizer,
-                           trust_remote_code=cfg.model.trust_remote_code)
+    folders = save_adapted(model, state, str(folder), merge=peft.merge if merge is None else merge,
+                           tokenizer=tokenizer, trust_remote_code=cfg.model.trust_remote_code)
     return folders, f"{out}/base" if "base" in folders else cfg.model.name
 
 

@@ -9,6 +9,7 @@ the `zero_to_fp32.py` script DeepSpeed saved into that checkpoint, the last agai
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -116,6 +117,10 @@ def test_the_last_checkpoint_is_the_final_model_bit_for_bit(full_run, capsys):
     final = load_file(checkpoints(full_run)[4] / "model" / "model.safetensors")
     assert ours.keys() == final.keys() and all(torch.equal(ours[k], final[k]) for k in ours)
     assert json.loads((full_run / "last" / "model" / "config.json").read_text())["use_cache"] is True
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in (full_run / "last").rglob("*"):  # safetensors writes its file 0600 through a temporary one
+        assert path.stat().st_mode & 0o777 == (0o777 if path.is_dir() else 0o666) & ~umask, path
 
     code, _, err = export(capsys, full_run, "--out", full_run / "last-bf16", "--dtype", "bfloat16")
     assert code == 0, err

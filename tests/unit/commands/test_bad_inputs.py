@@ -265,3 +265,26 @@ def test_resume_takes_only_the_overrides_a_rerun_may_change_and_no_config(tmp_pa
     assert main(["train", "--resume", str(tmp_path / "typo")]) == 2
     assert capsys.readouterr().err == f"raypack: config error: --resume {tmp_path / 'typo'}: no such folder\n"
     assert sorted(p.name for p in run.iterdir()) == ["raypack_config.yaml"], "the run was touched"
+
+
+def test_a_data_file_that_is_not_json_lines(tmp_path, capsys, no_ray):
+    """A binary file, a JSON array or a pretty-printed object named .json or .jsonl: told what it
+    is, not that its rows lack the expected fields."""
+    cases = {
+        "model.jsonl": (b"\x7fELF\x02\x01\x01\x00" + bytes(range(256)), "a binary file: byte 0x"),
+        "data.json": (json.dumps([GOOD, GOOD], indent=2).encode(), "a JSON array: write one object per line"),
+        "one.json": (json.dumps(GOOD, indent=2).encode(), "a JSON object over several lines"),
+    }
+    for name, (content, said) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(content)
+        err = train(tmp_path, capsys, f"data.paths=[{path}]")
+        assert err.startswith(f"raypack: error: {path}: not JSON Lines ({said}"), err
+        assert err.endswith("raypack reads one JSON object per line\n"), err
+
+
+def test_a_tokenizer_folder_that_does_not_exist(tmp_path, capsys, no_ray):
+    """A path, not a hub name: said to be missing, not a repo id the hub refuses."""
+    for path in (tmp_path / "tok", "./my/tokenizer"):
+        err = train(tmp_path, capsys, f"tokenize.tokenizer={path}")
+        assert err == f"raypack: error: tokenize.tokenizer '{path}': no such folder, and not a hub name (org/name)\n"

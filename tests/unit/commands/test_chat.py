@@ -188,3 +188,30 @@ def test_an_empty_prompt_is_one_line_not_an_answer(model_dir, capsys, monkeypatc
         assert main(["chat", str(model_dir), "--prompt", prompt]) == 2
         assert capsys.readouterr().err == ("raypack: error: --prompt: the message is empty; give the text to answer, "
                                            "or leave --prompt out to chat\n")
+
+
+def test_a_model_folder_chat_cannot_load_is_one_line_naming_it(model_dir, tmp_path, capsys):
+    """Missing, without weights, with a config.json that isn't JSON, with a cut weights file:
+    one line naming the path and what to do, no traceback."""
+    import shutil
+
+    from raypack.cli import main
+
+    def broken(name, change):
+        folder = tmp_path / name
+        shutil.copytree(model_dir, folder)
+        change(folder)
+        return folder
+
+    cases = {
+        tmp_path / "typo": "no such folder",
+        broken("no-weights", lambda f: (f / "model.safetensors").unlink()): "no model weights there (model.safetensors "
+                                                                            "or pytorch_model.bin); export it again",
+        broken("bad-config", lambda f: (f / "config.json").write_text("{oops")): "config.json: not valid JSON (",
+        broken("cut", lambda f: (f / "model.safetensors").write_bytes((model_dir / "model.safetensors").read_bytes()[:99])):
+            "can't load its model (",
+    }
+    for folder, said in cases.items():
+        assert main(["chat", str(folder), "--prompt", "hi"]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) <= 2 and err[-1].startswith(f"raypack: error: {folder}") and said in err[-1], err
