@@ -21,10 +21,14 @@ a sweep log from their rank 0 like any run (grouped by the sweep's name, `runs.t
 
 from __future__ import annotations
 
+import base64
 import importlib.util
+import json
 import netrc
 import os
 import secrets
+import urllib.error
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +38,7 @@ from tensorboardX import SummaryWriter
 
 from raypack import storage
 from raypack.config import Config
-from raypack.errors import ConfigError
+from raypack.errors import ConfigError, InputError
 
 
 @dataclass(frozen=True)
@@ -48,25 +52,45 @@ class TrackingTargets:
     """`run.wandb` as a dict (mode, project, entity, group, tags), with `dir` and `id` added; None: off."""
 
 
+REACH_TIMEOUT_S = 10.0
+"""How long the check before Ray starts waits for the W&B server or an MLflow tracking server."""
+
+
+class TrackingError(InputError):
+    """A tracker that can't work here (a package missing, a server that doesn't answer, a key it
+    refuses): the same on every try, so never retried; the message says what to change."""
+
+
 def targets(cfg: Config, root: str, check: bool = True) -> TrackingTargets:
     """Where the run in `root` tracks, from its config and the environment; with `check`, a
-    ConfigError, before anything starts, for a tracker that could not work there."""
+    ConfigError or TrackingError, before anything starts, for a tracker that could not work there:
+    its package missing, its settings refused by the tracker's own validation, its server not
+    answering within REACH_TIMEOUT_S."""
     t, w = cfg.train, cfg.run.wandb
     local = not storage.is_uri(root)
     if not check:
         return TrackingTargets(f"{root}/tensorboard" if t.tensorboard and local else None)
     # Event files, MLflow's file store and an offline W&B run need a local folder.
-    if t.mlflow and not local and not os.environ.get("MLFLOW_TRACKING_URI"):
-        raise ConfigError("train.mlflow: with a URI run.storage_path, set MLFLOW_TRACKING_URI to a tracking server")
+    if t.mlflow:
+        if importlib.util.find_spec("mlflow") is None:
+            raise ConfigError("train.mlflow: true needs mlflow: pip install 'raypack[tracking]' (or set train.mlflow=false)")
+        if not local and not os.environ.get("MLFLOW_TRACKING_URI"):
+            raise ConfigError("train.mlflow: with a URI run.storage_path, set MLFLOW_TRACKING_URI to a tracking server")
+        if os.environ.get("MLFLOW_TRACKING_URI"):
+            check_mlflow_server(os.environ["MLFLOW_TRACKING_URI"])
     if w.enabled:
         if importlib.util.find_spec("wandb") is None:
             raise ConfigError(f"run.wandb.mode={w.mode} needs wandb: pip install 'raypack[tracking]'")
+        check_wandb_settings(w)
         if w.mode == "offline" and not local:
             raise ConfigError("run.wandb.mode=offline writes the W&B run into the run folder, which a URI "
                               "run.storage_path isn't; use run.wandb.mode=online")
-        if w.mode == "online" and not _wandb_key():
-            raise ConfigError("run.wandb.mode=online: set WANDB_API_KEY in the environment (on a cluster, from a "
-                              "Secret: cluster/README.md), or run `wandb login`; raypack never reads it from a config")
+        if w.mode == "online":
+            if not (key := _wandb_key()):
+                raise ConfigError("run.wandb.mode=online: set WANDB_API_KEY in the environment (on a cluster, from a "
+                                  "Secret: cluster/README.md), or run `wandb login`; raypack never reads it from a "
+                                  "config")
+            check_wandb_server(key)
     return TrackingTargets(
         tensorboard_dir=f"{root}/tensorboard" if t.tensorboard and local else None,
         mlflow_uri=(os.environ.get("MLFLOW_TRACKING_URI") or f"file://{root}/mlruns") if t.mlflow else None,
@@ -80,15 +104,87 @@ def save_wandb_id(root: str, tracking: TrackingTargets) -> None:
         storage.write_text(f"{root}/{WANDB_ID}", tracking.wandb["id"])
 
 
-def _wandb_key() -> bool:
-    """Whether W&B has an API key here: WANDB_API_KEY, or the netrc entry `wandb login` writes."""
+def _wandb_base() -> str:
+    return os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").rstrip("/")
+
+
+def _wandb_key() -> str | None:
+    """W&B's API key here: WANDB_API_KEY, or the netrc entry `wandb login` writes; None if neither."""
     if os.environ.get("WANDB_API_KEY"):
-        return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+        return os.environ["WANDB_API_KEY"]
     try:
-        return netrc.netrc().authenticators(host) is not None
+        entry = netrc.netrc().authenticators(urlparse(_wandb_base()).hostname)
     except (OSError, netrc.NetrcParseError):
-        return False
+        return None
+    return entry[2] if entry else None
+
+
+def check_wandb_settings(w) -> None:
+    """`run.wandb`'s names as W&B itself validates them (a project name with `/` or `:`, ...)."""
+    import wandb
+
+    try:
+        wandb.Settings(project=w.project, entity=w.entity, run_group=w.group, run_tags=tuple(w.tags))
+    except Exception as e:  # UsageError, or pydantic's ValidationError wrapping it
+        raise ConfigError(f"run.wandb: {_first_line(e)}") from None
+
+
+def check_wandb_server(key: str) -> None:
+    """The W&B server answers within REACH_TIMEOUT_S and takes the API key (one GraphQL query for
+    the key's user), so that no worker blocks in wandb.init and no run is retried for it."""
+    base = _wandb_base()
+    request = urllib.request.Request(f"{base}/graphql", data=json.dumps({"query": "{ viewer { entity } }"}).encode(),
+                                     headers={"Content-Type": "application/json", "Authorization": "Basic "
+                                              + base64.b64encode(f"api:{key}".encode()).decode()})
+    offline = ("log offline with run.wandb.mode=offline (then `wandb sync`), or fix the network or WANDB_BASE_URL")
+    try:
+        urllib.request.urlopen(request, timeout=REACH_TIMEOUT_S).close()
+    except urllib.error.HTTPError as e:
+        if e.code in (401, 403):
+            raise TrackingError(f"run.wandb.mode=online: the W&B server at {base} refused the API key (HTTP {e.code}); "
+                                "check WANDB_API_KEY or run `wandb login` again") from None
+        if e.code >= 500:
+            raise TrackingError(f"run.wandb.mode=online: the W&B server at {base} answered HTTP {e.code}; {offline}") from None
+    except (OSError, ValueError) as e:  # no route, refused, DNS, a timeout, a malformed URL
+        raise TrackingError(f"run.wandb.mode=online: can't reach the W&B server at {base} within "
+                            f"{REACH_TIMEOUT_S:g} s ({_reason(e)}); {offline}") from None
+
+
+def check_mlflow_server(uri: str) -> None:
+    """MLFLOW_TRACKING_URI answers within REACH_TIMEOUT_S: an HTTP server its /health endpoint, a
+    file store its folder; other stores (databricks, a database) are left to MLflow."""
+    scheme = urlparse(uri).scheme
+    if scheme in ("", "file"):
+        folder = Path(urlparse(uri).path if scheme else uri).expanduser()
+        above = folder
+        while not above.exists() and above != above.parent:
+            above = above.parent
+        if not above.is_dir() or not os.access(above, os.W_OK):
+            raise TrackingError(f"train.mlflow: MLFLOW_TRACKING_URI {uri}: can't write {folder} ({above} is "
+                                "not a writable folder)")
+        return
+    if scheme not in ("http", "https"):
+        return
+    try:
+        urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=REACH_TIMEOUT_S).close()
+    except urllib.error.HTTPError as e:
+        if e.code in (401, 403):
+            raise TrackingError(f"train.mlflow: the MLflow server at {uri} refused the credentials (HTTP {e.code}); "
+                                "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN") from None
+        if e.code >= 500:
+            raise TrackingError(f"train.mlflow: the MLflow server at {uri} answered HTTP {e.code}") from None
+    except (OSError, ValueError) as e:
+        raise TrackingError(f"train.mlflow: can't reach MLFLOW_TRACKING_URI {uri} within {REACH_TIMEOUT_S:g} s "
+                            f"({_reason(e)}); start the server, fix the URI, or unset it to log to <run>/mlruns") from None
+
+
+def _reason(e: BaseException) -> str:
+    reason = getattr(e, "reason", None) or e  # URLError wraps the socket's error
+    return "timed out" if isinstance(reason, TimeoutError) else _first_line(reason)
+
+
+def _first_line(e: BaseException | str) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 WANDB_ID = "raypack_wandb_id"
@@ -166,7 +262,8 @@ def _start_wandb(settings: dict[str, Any] | None, run_name: str, params: dict[st
         import wandb
         from ray.air.integrations.wandb import setup_wandb
     except ImportError:
-        raise RuntimeError("run.wandb.mode is on but wandb is not installed: pip install 'raypack[tracking]'") from None
+        raise TrackingError("run.wandb.mode is on but wandb is not installed on this worker's node: pip install "
+                            "'raypack[tracking]' there, or set run.wandb.mode=disabled") from None
     if settings["dir"]:
         Path(settings["dir"]).mkdir(parents=True, exist_ok=True)
     init = dict(
@@ -181,11 +278,15 @@ def _start_wandb(settings: dict[str, Any] | None, run_name: str, params: dict[st
         # W&B's banner and sync lines on every run's screen; raypack prints where the run is.
         settings=wandb.Settings(quiet=True, silent=True, console="off"),
     )
-    if settings["mode"] == "offline":
-        # Ray's setup_wandb demands an API key even for an offline run, which never uses one.
-        return wandb.init(id=settings["id"], name=run_name, **init)
-    # rank_zero_only: only rank 0 gets here; Ray's own rank check reads a Train V1 session.
-    return setup_wandb(trial_id=settings["id"], trial_name=run_name, rank_zero_only=False, **init)
+    try:
+        if settings["mode"] == "offline":
+            # Ray's setup_wandb demands an API key even for an offline run, which never uses one.
+            return wandb.init(id=settings["id"], name=run_name, **init)
+        # rank_zero_only: only rank 0 gets here; Ray's own rank check reads a Train V1 session.
+        return setup_wandb(trial_id=settings["id"], trial_name=run_name, rank_zero_only=False, **init)
+    except Exception as e:  # the server, the key, the folder: what a restart would meet again
+        raise TrackingError(f"run.wandb.mode={settings['mode']}: W&B failed to start on rank 0 ({_first_line(e)}); "
+                            "log offline with run.wandb.mode=offline, or turn it off with run.wandb.mode=disabled") from e
 
 
 def _start_mlflow(uri: str | None, run_name: str, params: dict[str, Any]):
@@ -194,13 +295,18 @@ def _start_mlflow(uri: str | None, run_name: str, params: dict[str, Any]):
     try:  # optional (raypack[tracking])
         import mlflow
     except ImportError:
-        raise RuntimeError("train.mlflow is on but mlflow is not installed: pip install 'raypack[tracking]'") from None
-    mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI", uri))
-    mlflow.set_experiment("raypack")
-    mlflow.start_run(run_name=run_name)
-    # MLflow refuses a param value over its length limit (500 characters in older servers): an
-    # inline chat template or a long list of paths is cut, not a failed start.
-    mlflow.log_params({k: v if len(str(v)) <= 500 else f"{str(v)[:497]}..." for k, v in _flat(params).items()})
+        raise TrackingError("train.mlflow is on but mlflow is not installed on this worker's node: pip install "
+                            "'raypack[tracking]' there, or set train.mlflow=false") from None
+    try:
+        mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI", uri))
+        mlflow.set_experiment("raypack")
+        mlflow.start_run(run_name=run_name)
+        # MLflow refuses a param value over its length limit (500 characters in older servers): an
+        # inline chat template or a long list of paths is cut, not a failed start.
+        mlflow.log_params({k: v if len(str(v)) <= 500 else f"{str(v)[:497]}..." for k, v in _flat(params).items()})
+    except Exception as e:  # the server, its credentials, the store: what a restart would meet again
+        raise TrackingError(f"train.mlflow: MLflow failed to start on rank 0 ({_first_line(e)}); fix "
+                            "MLFLOW_TRACKING_URI or set train.mlflow=false") from e
     return mlflow
 
 

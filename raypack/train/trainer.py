@@ -78,20 +78,58 @@ def worker_loop(config: dict) -> None:
     from raypack.train.loop import train_loop_per_worker
 
     config["startup"]["imports"] = time.time()
-    train_loop_per_worker(config)
+    try:
+        train_loop_per_worker(config)
+    except Exception as e:
+        if as_input_error(e) is not None:
+            # The command prints it as one line; Ray Train would print its traceback first.
+            _drop_logs(_TRAIN_FN_LOGGER, lambda record: record.getMessage().startswith("Error in training function"))
+        raise
+
+
+def as_input_error(error: BaseException) -> InputError | None:
+    """What a worker's exception says about the run's input or environment, if anything: an
+    InputError, or an ImportError (a package missing on a worker's node), which every try would
+    meet again. None for a crash, which a restart may get past."""
+    cause = getattr(error, "_base_exc", error)  # Train wraps it with its traceback text
+    if isinstance(cause, InputError):
+        return cause
+    if isinstance(cause, ImportError):
+        return InputError(f"a worker can't import {cause.name or 'a module'} ({cause}): install it on every node "
+                          "that runs workers (the cluster image, or the job's runtime_env pip)")
+    return None
+
+
+_TRAIN_FN_LOGGER = "ray.train.v2._internal.util"
+"""Ray Train's logger of "Error in training function" (with the traceback), in each worker."""
+_CONTROLLER_LOGGER = "ray.train.v2._internal.execution.controller.controller"
+"""Ray Train's logger of "Error in control loop iteration" (with the traceback), in the controller."""
+
+
+def _drop_logs(name: str, drop) -> None:
+    """Leave out the records of Ray's logger `name` that `drop` picks, in this process."""
+    logger = logging.getLogger(name)
+    if not any(getattr(f, "raypack", False) for f in logger.filters):
+        filt = logging.Filter()
+        filt.filter = lambda record: not drop(record)
+        filt.raypack = True
+        logger.addFilter(filt)
 
 
 class StopOnInputError(ray.train.UserCallback):
-    """Ends the run when a worker raised an InputError, instead of restarting the worker group.
-    Ray Train's default failure policy retries every worker error (there is no public way to
-    give it another policy), but an error raised in a controller callback becomes a
-    ControllerError, which it does not retry: raising the InputError here stops the run at once,
-    and `fit_trainer` unwraps it (see the module doc)."""
+    """Ends the run when a worker raised an error about the input or the environment
+    (`as_input_error`), instead of restarting the worker group. Ray Train's default failure policy
+    retries every worker error (there is no public way to give it another policy), but an error
+    raised in a controller callback becomes a ControllerError, which it does not retry: raising
+    the InputError here stops the run at once, and `fit_trainer` unwraps it (see the module doc).
+    Runs in the controller, whose log of the error's traceback it leaves out: the command prints
+    the cause as its one line."""
 
     def after_exception(self, run_context, worker_exceptions: dict) -> None:
         for error in worker_exceptions.values():
-            cause = getattr(error, "_base_exc", error)  # Train wraps it with its traceback text
-            if isinstance(cause, InputError):
+            if (cause := as_input_error(error)) is not None:
+                _drop_logs(_CONTROLLER_LOGGER, lambda record: record.exc_info is not None
+                           and isinstance(record.exc_info[1], InputError))
                 raise cause
 
 

@@ -288,3 +288,87 @@ def test_a_tokenizer_folder_that_does_not_exist(tmp_path, capsys, no_ray):
     for path in (tmp_path / "tok", "./my/tokenizer"):
         err = train(tmp_path, capsys, f"tokenize.tokenizer={path}")
         assert err == f"raypack: error: tokenize.tokenizer '{path}': no such folder, and not a hub name (org/name)\n"
+
+
+@pytest.fixture
+def server():
+    """A local HTTP server answering every request with the status the test sets (and a socket
+    that accepts connections and never answers), both on 127.0.0.1."""
+    import http.server
+    import socket
+    import threading
+
+    state = {"status": 200, "paths": []}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self):
+            state["paths"].append(self.path)
+            self.send_response(state["status"])
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    state["url"] = f"http://127.0.0.1:{httpd.server_address[1]}"
+    state["silent"] = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    yield state
+    httpd.shutdown()
+    silent.close()
+
+
+def test_a_tracker_that_cannot_work_here(tmp_path, capsys, no_ray, monkeypatch, server):
+    """Checked before Ray starts, in bounded time, never retried: its package missing, its settings
+    refused by its own validation, its server not answering or refusing the key."""
+    import importlib.util
+    import time
+
+    from raypack.train import tracking
+
+    monkeypatch.setattr(tracking, "REACH_TIMEOUT_S", 1.0)
+    for key in ("WANDB_BASE_URL", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else find_spec(name, *a))
+    err = train(tmp_path, capsys, "train.mlflow=true")
+    assert err == ("raypack: config error: train.mlflow: true needs mlflow: pip install 'raypack[tracking]' (or set "
+                   "train.mlflow=false)\n")
+    err = train(tmp_path, capsys, "run.wandb.mode=offline", "run.wandb.project=team/sft")
+    assert err.startswith("raypack: config error: run.wandb: Invalid project name 'team/sft': cannot contain"), err
+
+    online = ("run.wandb.mode=online",)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens: refused at once
+    err = train(tmp_path, capsys, *online)
+    assert err == ("raypack: error: run.wandb.mode=online: can't reach the W&B server at http://127.0.0.1:9 within 1 s "
+                   "([Errno 111] Connection refused); log offline with run.wandb.mode=offline (then `wandb sync`), or "
+                   "fix the network or WANDB_BASE_URL\n")
+    monkeypatch.setenv("WANDB_BASE_URL", server["silent"])  # connects, never answers: the time is bounded
+    t0 = time.perf_counter()
+    err = train(tmp_path, capsys, *online)
+    assert "within 1 s (timed out); log offline with run.wandb.mode=offline" in err
+    assert time.perf_counter() - t0 < 30
+    monkeypatch.setenv("WANDB_BASE_URL", server["url"])
+    server["status"] = 401
+    err = train(tmp_path, capsys, *online)
+    assert err == (f"raypack: error: run.wandb.mode=online: the W&B server at {server['url']} refused the API key (HTTP "
+                   "401); check WANDB_API_KEY or run `wandb login` again\n")
+    assert server["paths"] == ["/graphql"]
+
+    # as if mlflow were installed: its server
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "mlflow" else find_spec(name, *a))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
+    err = train(tmp_path, capsys, "train.mlflow=true")
+    assert err.startswith("raypack: error: train.mlflow: can't reach MLFLOW_TRACKING_URI http://127.0.0.1:9 within 1 s"), err
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server["url"])
+    server["status"], server["paths"] = 200, []
+    with pytest.raises(AssertionError, match="Ray was started"):  # a server that answers: on to Ray
+        main(["train", f"run.storage_path={tmp_path / 'runs'}", "run.name=r", "train.mlflow=true"])
+    assert server["paths"] == ["/health"]

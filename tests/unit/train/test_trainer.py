@@ -1,4 +1,5 @@
-"""Starting a run, the parts that need no Ray: when a run is already complete."""
+"""Starting a run, the parts that need no Ray: when a run is already complete, and which worker
+errors end it."""
 
 from __future__ import annotations
 
@@ -60,3 +61,42 @@ def test_settings_that_shape_no_row_leave_the_data_keys_alone():
         other = load(None, [override])
         assert (tokenized_key(other), packed_key(other, 2)) == (tokenized_key(base), packed_key(base, 2)), override
     assert packed_key(load(None, ["data.eval_fraction=0.2"]), 2) != packed_key(base, 2)
+
+
+def test_an_error_about_the_input_or_the_environment_stops_the_run_and_its_traceback_is_not_logged():
+    """What a worker raised, as the controller's callback sees it: an InputError (a tracker that
+    can't start, a model that can't pack) or an ImportError (a package missing on a node) ends the
+    run at once, not retried, and Ray Train's log of its traceback is left out (the command prints
+    the cause as its one line); a crash is left to Ray Train's restarts."""
+    import logging
+
+    import pytest
+
+    from raypack.errors import InputError
+    from raypack.train.tracking import TrackingError
+    from raypack.train.trainer import _CONTROLLER_LOGGER, StopOnInputError, as_input_error
+
+    callback = StopOnInputError()
+    callback.after_exception(None, {0: RuntimeError("a crash"), 1: MemoryError()})  # retried: nothing raised
+    assert as_input_error(RuntimeError("x")) is None
+    with pytest.raises(TrackingError, match="W&B failed to start"):
+        callback.after_exception(None, {0: RuntimeError("collateral"), 1: TrackingError("W&B failed to start")})
+    missing = ModuleNotFoundError("No module named 'mlflow'", name="mlflow")
+    with pytest.raises(InputError, match=r"a worker can't import mlflow \(No module named 'mlflow'\): install it on "
+                                         "every node"):
+        callback.after_exception(None, {0: missing})
+
+    logger = logging.getLogger(_CONTROLLER_LOGGER)
+    seen = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logger.addHandler(handler)
+    try:
+        for error in (TrackingError("quiet"), RuntimeError("loud")):
+            try:
+                raise error
+            except Exception:
+                logger.exception("Error in control loop iteration: %s", error)
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in seen] == ["Error in control loop iteration: loud"]
