@@ -17,6 +17,9 @@
 #                       Ray Data read tasks starving behind trainer workers on small hosts.
 #   RAY                 the `ray` executable (default: the one next to this venv's python, else
 #                       PATH). Workers run the Python that started the node, so use the venv's.
+#   RAY_JOB_STOP_WAIT_TIME_S  how long `ray job stop` waits after its SIGTERM before SIGKILL (default
+#                       40; Ray's own is 3 s): a raypack job stops after its step with a
+#                       checkpoint within train.stop_grace_s (25 s), then exits.
 # Token auth: RAY_AUTH_MODE=token is set unless you set it; the token comes from RAY_AUTH_TOKEN,
 # RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, and is generated there (`ray get-auth-token
 # --generate`) if none exists. Clients (`ray job submit`) need the same RAY_AUTH_MODE and token.
@@ -31,6 +34,7 @@ if [[ -z "${RAY:-}" ]]; then
   if [[ -x "$HERE/.venv/bin/ray" ]]; then RAY="$HERE/.venv/bin/ray"; else RAY=ray; fi
 fi
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
+export RAY_JOB_STOP_WAIT_TIME_S=${RAY_JOB_STOP_WAIT_TIME_S:-40}  # read by the head's job supervisor
 # A job's entrypoint `python ...` runs with the head's PATH: put this Ray's venv first, so that
 # jobs (and every worker) get the interpreter that has raypack's dependencies.
 PATH="$(dirname "$(command -v "$RAY")"):$PATH"

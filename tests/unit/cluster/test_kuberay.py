@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import subprocess
 from functools import cache
 from pathlib import Path
 
@@ -248,3 +249,42 @@ def test_tcpx_groups_have_multi_networking_and_the_receive_daemon():
     assert e["NCCL_GPUDIRECTTCPX_SOCKET_IFNAME"]["value"] == "eth1,eth2,eth3,eth4"
     assert e["LD_LIBRARY_PATH"]["value"].startswith("/usr/local/nvidia/lib64")
     assert pod["nodeSelector"]["cloud.google.com/gke-accelerator"] == "nvidia-h100-80gb"
+
+
+def test_pods_end_the_way_raypack_stops():
+    """A pod deleted or evicted (scale-down, a spot reclaim, a RayJob deleted): a GPU worker's
+    preStop drains its node (Ray Train's preemption notice: raypack checkpoints and the workers
+    move to the nodes left) and the head's stops the running jobs as `ray job stop` does (SIGTERM:
+    raypack checkpoints and exits), each within terminationGracePeriodSeconds; `ray job stop`
+    waits longer than raypack's stop takes (train.stop_grace_s). The hook runs in the pod and was
+    not run here: cluster/README.md says what only a real cluster can show."""
+    import ast
+
+    from raypack.config import TrainConfig
+
+    checked = 0
+    for path, manifest in all_manifests():
+        for spec in cluster_specs(manifest):
+            if not any(gpus(g) for g in groups(spec)):
+                continue  # no training here (the plan job's CPU cluster)
+            for group in groups(spec):
+                if group is not spec["headGroupSpec"] and not gpus(group):
+                    continue
+                pod = group["template"]["spec"]
+                ray = pod["containers"][0]
+                hook = ray["lifecycle"]["preStop"]["exec"]["command"]
+                grace = pod["terminationGracePeriodSeconds"]
+                if group is spec["headGroupSpec"]:
+                    code = hook[2]
+                    ast.parse(code)  # the script the hook runs is Python
+                    assert "stop_job" in code and "time.time() + 50" in code, path.name
+                    waits = int(env(ray)["RAY_JOB_STOP_WAIT_TIME_S"]["value"])
+                    assert TrainConfig().stop_grace_s + 10 <= waits < 50 < grace, path.name
+                else:
+                    script = hook[2]
+                    assert hook[:2] == ["/bin/sh", "-c"] and "--reason DRAIN_NODE_REASON_PREEMPTION" in script
+                    deadline = int(script.split("--deadline-remaining-seconds ")[1].split(";")[0])
+                    assert TrainConfig().stop_grace_s < deadline < grace and "seq 50" in script, path.name
+                    assert subprocess.run(["sh", "-n", "-c", script]).returncode == 0, f"{path.name}: not sh"
+                checked += 1
+    assert checked == 8  # the three RayClusters' and ray-job.sft.yaml's heads and GPU groups
