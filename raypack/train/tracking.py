@@ -143,8 +143,8 @@ def check_wandb_server(key: str) -> None:
         if e.code in (401, 403):
             raise TrackingError(f"run.wandb.mode=online: the W&B server at {base} refused the API key (HTTP {e.code}); "
                                 "check WANDB_API_KEY or run `wandb login` again") from None
-        if e.code >= 500:
-            raise TrackingError(f"run.wandb.mode=online: the W&B server at {base} answered HTTP {e.code}; {offline}") from None
+        raise TrackingError(f"run.wandb.mode=online: {base} answered HTTP {e.code} where a W&B server answers its "
+                            f"API (is WANDB_BASE_URL right?); {offline}") from None
     except (OSError, ValueError) as e:  # no route, refused, DNS, a timeout, a malformed URL
         raise TrackingError(f"run.wandb.mode=online: can't reach the W&B server at {base} within "
                             f"{REACH_TIMEOUT_S:g} s ({_reason(e)}); {offline}") from None
@@ -171,8 +171,8 @@ def check_mlflow_server(uri: str) -> None:
         if e.code in (401, 403):
             raise TrackingError(f"train.mlflow: the MLflow server at {uri} refused the credentials (HTTP {e.code}); "
                                 "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN") from None
-        if e.code >= 500:
-            raise TrackingError(f"train.mlflow: the MLflow server at {uri} answered HTTP {e.code}") from None
+        raise TrackingError(f"train.mlflow: {uri} answered HTTP {e.code} at /health, which an MLflow tracking "
+                            "server answers; fix MLFLOW_TRACKING_URI, or unset it to log to <run>/mlruns") from None
     except (OSError, ValueError) as e:
         raise TrackingError(f"train.mlflow: can't reach MLFLOW_TRACKING_URI {uri} within {REACH_TIMEOUT_S:g} s "
                             f"({_reason(e)}); start the server, fix the URI, or unset it to log to <run>/mlruns") from None

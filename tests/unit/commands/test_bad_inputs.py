@@ -360,7 +360,10 @@ def test_a_tracker_that_cannot_work_here(tmp_path, capsys, no_ray, monkeypatch, 
     err = train(tmp_path, capsys, *online)
     assert err == (f"raypack: error: run.wandb.mode=online: the W&B server at {server['url']} refused the API key (HTTP "
                    "401); check WANDB_API_KEY or run `wandb login` again\n")
-    assert server["paths"] == ["/graphql"]
+    server["status"] = 404  # something answers there, not W&B (a proxy, a typo in WANDB_BASE_URL)
+    err = train(tmp_path, capsys, *online)
+    assert f"run.wandb.mode=online: {server['url']} answered HTTP 404 where a W&B server answers its API" in err
+    assert server["paths"] == ["/graphql"] * 2
 
     # as if mlflow were installed: its server
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "mlflow" else find_spec(name, *a))
