@@ -361,9 +361,11 @@ def stop_here(w: Worker, epoch: int) -> None:
     """Every rank agreed to stop after this step: report, with a checkpoint if one is wanted."""
     log_pending(w)
     if w.stop.checkpoint:
-        t_ckpt, m = time.perf_counter(), w.cfg.model
-        report_and_checkpoint(w.engine, w.state, w.reporter.summary(w.state.step, epoch), w.rank, checkpoint=True,
-                              final=False, merge=m.peft.merge, trust_remote_code=m.trust_remote_code)
+        t_ckpt, m, step = time.perf_counter(), w.cfg.model, w.state.step
+        # the steps since the last report, or, when it was this step's, the step alone
+        metrics = w.reporter.summary(step, epoch) if w.reporter.unreported else {"step": step, "epoch": epoch}
+        report_and_checkpoint(w.engine, w.state, metrics, w.rank, checkpoint=True, final=False, merge=m.peft.merge,
+                              trust_remote_code=m.trust_remote_code)
         w.stop.checkpointed(time.perf_counter() - t_ckpt, w.state.step)
 
 

@@ -188,6 +188,11 @@ class Reporter:
         self._window.append(values)
         self.trackers.scalars(step, values)
 
+    @property
+    def unreported(self) -> int:
+        """Steps logged since the last report (`summary`)."""
+        return len(self._window)
+
     def due(self, step: int) -> bool:
         if step == self.total_steps:
             return True

@@ -196,6 +196,7 @@ def test_sigterm_mid_epoch_checkpoints_exits_143_and_the_resume_trains_every_exa
     for tag, step, value in tensorboard_events(root / "tensorboard"):
         logged.setdefault(tag, []).append((step, value))
     assert [s for s, _ in logged["train/loss"]] == list(range(1, epoch + 1)), "a step logged twice or not at all"
+    assert all(len({s for s, _ in v}) == len(v) for v in logged.values()), "a value logged twice at one step"
     loss = dict(logged["train/loss"])
     lr = dict(logged["train/lr"])
     # cosine decay after 2 warmup steps: the resumed schedule goes on, it does not start over
