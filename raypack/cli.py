@@ -14,7 +14,8 @@
 Each command's handler is `raypack.commands.<command>.run(args)`; this module and those are the
 only ones that see an argparse namespace. Bad input (a config value, a data file or row, a
 tokenizer, a model: any `raypack.errors.InputError`) prints one line and exits with 2; `--debug`
-prints the traceback too.
+prints the traceback too. SIGTERM ends a command as Ctrl-C does, with one line and exit status
+143 (a training run first stops after its step with a checkpoint: raypack/train/stop.py).
 """
 
 from __future__ import annotations

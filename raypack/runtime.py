@@ -10,6 +10,9 @@ One policy for every command, so `raypack data`, `plan`, `train` and `sweep` sta
   endpoints; a run's torch.distributed store and gloo / NCCL: raypack/train/placement.py), with the
   dashboard on, which Ray Train's State API queries need; `is_local_instance()` tells it from a
   cluster that was joined, whose nodes and autoscaler node types `cluster_view()` reads;
+- a local instance's processes run in a session of their own, so a signal to the command's
+  process group (`timeout`) reaches the command, which stops a run gracefully, and not them;
+  SIGTERM's handler stays the command's (raypack/train/stop.py), not the one ray.init installs;
 - the screen shows raypack's lines and Ray's warnings: Ray's own INFO lines (start-up, Ray Data's
   execution plans and per-dataset progress lines off a terminal) go to Ray's log files only.
 """

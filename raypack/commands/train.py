@@ -6,8 +6,9 @@
 
 Every input is checked before Ray starts (raypack/train/preflight.py). The config is saved as
 `<run>/raypack_config.yaml` once the data is prepared, just before training, with its paths made
-absolute, and never overwritten: a rerun with another config is refused (use --resume, whose
-overrides apply to that invocation only). `--resume RUN_DIR` works from any working folder. A
+absolute, and never overwritten: a rerun with another config is refused (use --resume, which
+takes no --config and only the overrides a rerun may change, runs.RERUN_FIELDS, for that
+invocation). `--resume RUN_DIR` works from any working folder. A
 failed start leaves no run folder behind; a finished run, run again, says so. SIGTERM (a pod
 evicted, `ray job stop`, Slurm, `kill`) and Ctrl-C stop the workers after their step, with a
 checkpoint, within train.stop_grace_s (raypack/train/stop.py); a second one, or one before
