@@ -48,33 +48,46 @@ def build(cls: type, raw: Any, prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
-def unused(obj: Any, prefix: str = "") -> dict[str, str]:
+def unused(obj: Any, prefix: str = "", root: Any = None) -> dict[str, str]:
     """{dotted name: why} for every field set away from its default in a section that is switched
-    off: a dataclass whose `enabled` property is False (an adapter setting while `model.peft.method`
-    is none, a W&B name while `run.wandb.mode` is disabled). Such a setting does nothing, which is
-    what the user did not mean. Found from the dataclasses alone: their `enabled` property, their
-    defaults, and the Literal field whose other values switch the section on."""
+    off (an adapter setting while `model.peft.method` is none, a W&B name while `run.wandb.mode` is
+    disabled, a `dpo:` setting while `train.objective` is sft). Such a setting does nothing, which is
+    what the user did not mean. Found from the dataclasses alone: a section is off when its
+    `enabled` property is False (switched by its own Literal fields, whose values that turn it on
+    are tried), or when the field its `SWITCHED_ON_BY` class attribute names, (dotted path from the
+    root, the values that turn it on), holds another value; then every field keeps its default."""
+    root = obj if root is None else root
     out: dict[str, str] = {}
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
-            out.update(unused(value, f"{prefix}{f.name}."))
-    if getattr(obj, "enabled", True) is not False:
+            out.update(unused(value, f"{prefix}{f.name}.", root))
+    switches = _switches(obj, prefix, root)
+    if switches is None:
         return out
     default = type(obj)()
-    switches = _switches(obj)
-    on = " or ".join(f"{prefix}{name} to {' or '.join(map(str, values))}" for name, values in switches.items())
+    off = ", ".join(f"{name} is {current}" for name, (current, _) in switches.items()) or "it is off"
+    on = " or ".join(f"{name} to {' or '.join(map(str, values))}" for name, (_, values) in switches.items())
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        if f.name not in switches and value != getattr(default, f.name):
-            off = ", ".join(f"{prefix}{name} is {getattr(obj, name)}" for name in switches) or "it is off"
-            out[f"{prefix}{f.name}"] = (f"set to {plain(value)!r}, which does nothing while {off}; "
+        if f"{prefix}{f.name}" not in switches and value != getattr(default, f.name):
+            shown = list(value) if isinstance(value, tuple) else plain(value)
+            out[f"{prefix}{f.name}"] = (f"set to {shown!r}, which does nothing while {off}; "
                                         f"{'set ' + on + ', or ' if on else ''}remove it")
     return out
 
 
-def _switches(obj: Any) -> dict[str, list[Any]]:
-    """{field: the values that switch `obj`'s section on} for its Literal fields that do."""
+def _switches(obj: Any, prefix: str, root: Any) -> dict[str, tuple[Any, list[Any]]] | None:
+    """None while `obj`'s section is on; else {dotted switch: (its value, the values that turn the
+    section on)}."""
+    if (by := getattr(type(obj), "SWITCHED_ON_BY", None)) is not None:
+        path, values = by
+        current = root
+        for part in path.split("."):
+            current = getattr(current, part)
+        return None if current in values else {path: (current, list(values))}
+    if getattr(obj, "enabled", True) is not False:
+        return None
     found = {}
     for name, hint in typing.get_type_hints(type(obj)).items():
         if typing.get_origin(hint) is Literal:
@@ -86,7 +99,7 @@ def _switches(obj: Any) -> dict[str, list[Any]]:
                 except (ConfigError, TypeError, ValueError):
                     continue
             if values:
-                found[name] = values
+                found[f"{prefix}{name}"] = (getattr(obj, name), values)
     return found
 
 

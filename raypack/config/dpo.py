@@ -10,13 +10,16 @@ packed whole) in raypack/data/pairs.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from raypack.typed import check as _check
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DpoConfig:
+    SWITCHED_ON_BY: ClassVar = ("train.objective", ("dpo",))
+    """These settings do something only with train.objective: dpo (raypack.typed.unused)."""
+
     beta: float = 0.1
     """How far the policy may move from the reference: the reward is beta x (policy - reference
     log-probability of a completion). For `ipo`, the regularization strength (tau in the IPO paper)."""

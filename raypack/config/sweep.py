@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from raypack.typed import check as _check
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AshaConfig:
+    SWITCHED_ON_BY: ClassVar = ("tune.scheduler", ("asha",))
+    """These settings do something only with tune.scheduler: asha (raypack.typed.unused)."""
+
     time_attr: Literal["step", "tokens_seen", "training_iteration"] = "step"
     """What ASHA measures progress in: optimizer steps, real tokens trained, or Tune reports."""
     grace_period: int = 10

@@ -222,11 +222,18 @@ def test_a_key_given_twice_in_the_yaml(tmp_path, capsys, no_ray):
 
 
 def test_settings_of_a_section_that_is_switched_off(tmp_path, capsys, no_ray):
-    """Found from the config dataclasses (a section with an `enabled` property that is False), so
-    every such section is covered: adapter settings without an adapter method, W&B names with W&B off."""
+    """Found from the config dataclasses (a section whose `enabled` property is False, or whose
+    SWITCHED_ON_BY field holds another value), so every such section is covered: adapter settings
+    without an adapter method, W&B names with W&B off, DPO's with the SFT objective, ASHA's without
+    the ASHA scheduler."""
     err = train(tmp_path, capsys, "model.peft.r=8")
     assert err == ("raypack: config error: override model.peft.r=8: model.peft.r: set to 8, which does nothing while "
                    "model.peft.method is none; set model.peft.method to lora or qlora, or remove it\n")
+    for override, said in (("dpo.beta=0.2", "dpo.beta: set to 0.2, which does nothing while train.objective is sft; "
+                                            "set train.objective to dpo, or remove it"),
+                           ("tune.asha.grace_period=5", "tune.asha.grace_period: set to 5, which does nothing while "
+                                                        "tune.scheduler is none; set tune.scheduler to asha")):
+        assert train(tmp_path, capsys, override).startswith(f"raypack: config error: override {override}: {said}")
     path = tmp_path / "run.yaml"
     path.write_text("run:\n  wandb:\n    project: my-sft\n")
     err = train(tmp_path, capsys, "--config", str(path))
