@@ -21,7 +21,10 @@ resume leaves the run's `packed/` as it was. A run that already took every step 
 Failures: Ray Train restarts the worker group from the last checkpoint up to
 `train.max_failures` times, which is right for a crash (a killed worker, a lost node). An
 `InputError` raised in a worker (a model that can't run packed rows, a checkpoint taken on other
-data) would fail the same way every time, so it ends the run at once and `fit` raises it as it is.
+data, a tracker that can't start) would fail the same way every time, and so would an ImportError
+(a package missing on a node): either ends the run at once, `fit` raises it as it is, and Ray
+Train's tracebacks of it are left out, so the command's one line is the first word of it.
+SIGTERM and Ctrl-C during `fit` stop the workers after their step (raypack/train/stop.py).
 Workers the cluster can never hold stop a start in seconds, and room for the others is waited for
 at most `train.start_timeout_s` (raypack/train/placement.py); after that, Ray Train's own waits are
 unbounded. On a local instance the run listens on 127.0.0.1 only (placement.py too).
