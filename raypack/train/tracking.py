@@ -73,7 +73,8 @@ def targets(cfg: Config, root: str, check: bool = True) -> TrackingTargets:
     # Event files, MLflow's file store and an offline W&B run need a local folder.
     if t.mlflow:
         if importlib.util.find_spec("mlflow") is None:
-            raise ConfigError("train.mlflow: true needs mlflow: pip install 'raypack[tracking]' (or set train.mlflow=false)")
+            raise ConfigError("train.mlflow: true needs mlflow: pip install 'raypack[tracking]' (or set "
+                              "train.mlflow=false)")
         if not local and not os.environ.get("MLFLOW_TRACKING_URI"):
             raise ConfigError("train.mlflow: with a URI run.storage_path, set MLFLOW_TRACKING_URI to a tracking server")
         if os.environ.get("MLFLOW_TRACKING_URI"):
@@ -169,13 +170,14 @@ def check_mlflow_server(uri: str) -> None:
         urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=REACH_TIMEOUT_S).close()
     except urllib.error.HTTPError as e:
         if e.code in (401, 403):
-            raise TrackingError(f"train.mlflow: the MLflow server at {uri} refused the credentials (HTTP {e.code}); "
-                                "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN") from None
+            raise TrackingError(f"train.mlflow: the MLflow server at {uri} refused the credentials (HTTP {e.code}); set "
+                                "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN") from None
         raise TrackingError(f"train.mlflow: {uri} answered HTTP {e.code} at /health, which an MLflow tracking "
                             "server answers; fix MLFLOW_TRACKING_URI, or unset it to log to <run>/mlruns") from None
     except (OSError, ValueError) as e:
         raise TrackingError(f"train.mlflow: can't reach MLFLOW_TRACKING_URI {uri} within {REACH_TIMEOUT_S:g} s "
-                            f"({_reason(e)}); start the server, fix the URI, or unset it to log to <run>/mlruns") from None
+                            f"({_reason(e)}); start the server, fix the URI, or unset it to log to <run>/mlruns"
+                            ) from None
 
 
 def _reason(e: BaseException) -> str:
@@ -286,7 +288,8 @@ def _start_wandb(settings: dict[str, Any] | None, run_name: str, params: dict[st
         return setup_wandb(trial_id=settings["id"], trial_name=run_name, rank_zero_only=False, **init)
     except Exception as e:  # the server, the key, the folder: what a restart would meet again
         raise TrackingError(f"run.wandb.mode={settings['mode']}: W&B failed to start on rank 0 ({_first_line(e)}); "
-                            "log offline with run.wandb.mode=offline, or turn it off with run.wandb.mode=disabled") from e
+                            "log offline with run.wandb.mode=offline, or turn it off with run.wandb.mode=disabled"
+                            ) from e
 
 
 def _start_mlflow(uri: str | None, run_name: str, params: dict[str, Any]):
