@@ -27,7 +27,7 @@ from raypack.config import load
 from raypack.errors import ConfigError
 from raypack.runs import SAVED_CONFIG, absolute_paths, check_rerun, run_dir, saved_config
 from raypack.train.startup import describe
-from raypack.train.stop import signal_of, stopped_by
+from raypack.train.stop import resumes, signal_of, stopped_by
 from raypack.train.tracking import offline_runs
 from raypack.train.trainer import Outcome, start
 
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         free_name(root, fresh)
         raise
     if outcome.stopped:
-        return stopped(outcome)
+        return stopped(outcome, fresh)
     if not outcome.complete_before:
         print("\n[raypack] training finished")
     print_summary(outcome)
@@ -90,13 +90,18 @@ def _holds(checkpoint: str) -> str:
     return "; ".join(parts) or "DeepSpeed state only"
 
 
-def stopped(outcome: Outcome) -> int:
-    """The workers stopped after a step, as a signal asked: say where, and how to go on."""
-    s = outcome.stopped
-    saved = "a checkpoint saved there" if s["checkpoint"] else "its last checkpoint is recent enough"
+def stopped(outcome: Outcome, fresh: bool) -> int:
+    """The workers stopped after a step, as a signal asked: say where, and how to go on. A run
+    this command started that registered no checkpoint leaves nothing, as `interrupted` says."""
+    s, root = outcome.stopped, outcome.root
     signum = signal.Signals[s["signal"]]
-    print(f"[raypack] {stopped_by(signum)} after step {s['step']} ({saved}); continue it with: "
-          f"raypack train --resume {outcome.root}", file=sys.stderr, flush=True)
+    if not runs.has_checkpoint(root):
+        free_name(root, fresh)
+        then = "no checkpoint was registered; run the same command again"
+    else:
+        then = f"continue it with: raypack train --resume {root}"
+    print(f"[raypack] {stopped_by(signum)} after step {s['step']} ({resumes(s['step'], s['resume_from'])}); {then}",
+          file=sys.stderr, flush=True)
     return 128 + signum
 
 

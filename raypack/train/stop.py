@@ -209,13 +209,14 @@ class StopWatch:
         if self.reason == ASKED and self.rank == 0 and self.key:
             from ray.experimental.internal_kv import _internal_kv_put
 
-            _internal_kv_put(f"{self.key}:done", json.dumps({"step": step, "checkpoint": self.checkpoint}),
+            _internal_kv_put(f"{self.key}:done", json.dumps({"step": step, "checkpoint": self.checkpoint,
+                                                              "resume_from": self.checkpoint_step}),
                              namespace=NAMESPACE)
         elif self.reason == PREEMPTED:
             if self.rank == 0:
-                saved = "a checkpoint saved there" if self.checkpoint else "its last checkpoint is recent enough"
-                print(f"[raypack] a node of this run is being preempted: stopped after step {step} ({saved}); "
-                      "Ray Train restarts the workers from the last checkpoint on the nodes left", flush=True)
+                print(f"[raypack] a node of this run is being preempted: stopped after step {step} "
+                      f"({resumes(step, self.checkpoint_step)}); Ray Train restarts the workers from the last checkpoint "
+                      "on the nodes left", flush=True)
             # Returning would end the run as finished; Ray Train tears this group down when the
             # node goes or its deadline passes, and starts a new one from the checkpoint.
             while True:
@@ -240,6 +241,16 @@ class StopWatch:
         value = _internal_kv_get(self.key, namespace=NAMESPACE)
         self._asked = json.loads(value) if value else None
         return self._asked
+
+
+def resumes(step: int, resume_from: int) -> str:
+    """Where a run stopped after `step` goes on from: that step, or an earlier checkpoint."""
+    if resume_from == step:
+        return "a checkpoint saved there"
+    if resume_from == 0:
+        return "no checkpoint yet: it would start over"
+    return (f"it goes on from its checkpoint at step {resume_from}, younger than train.stop_checkpoint_after_s, "
+            "or saving one didn't fit the time left")
 
 
 def _preemption_info():

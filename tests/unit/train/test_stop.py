@@ -76,12 +76,16 @@ def test_every_rank_follows_the_largest_vote():
 
 
 def test_finish_tells_the_driver_where_the_workers_stopped(kv):
+    from raypack.train.stop import resumes
+
+    assert resumes(17, 17) == "a checkpoint saved there"
+    assert resumes(17, 12).startswith("it goes on from its checkpoint at step 12")
     import json
 
     watch = StopWatch("stop:k", rank=0)
     assert watch.agree(Votes(2.0 * ASKED + 1), step=17)
     watch.finish(step=17)
-    assert json.loads(kv[b"stop:k:done"]) == {"step": 17, "checkpoint": True}
+    assert json.loads(kv[b"stop:k:done"]) == {"step": 17, "checkpoint": True, "resume_from": 0}  # checkpointed by the loop
 
 
 def test_the_driver_asks_once_then_a_second_signal_or_the_deadline_stops_at_once(kv, capsys):
