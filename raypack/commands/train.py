@@ -58,24 +58,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_summary(outcome: Outcome) -> None:
-    for key, value in outcome.metrics.items():
-        if value is not None:
-            print(f"  {key:<20} {value:.4f}" if isinstance(value, float) else f"  {key:<20} {value}")
+    rows = [(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+            for key, value in outcome.metrics.items() if value is not None]
     if outcome.startup:
-        print(f"  {'start-up':<20} {describe(outcome.startup)}")
-    print(f"  {'results':<20} {outcome.root}")
+        rows.append(("start-up", describe(outcome.startup)))
+    rows.append(("results", outcome.root))
     if outcome.checkpoint:
-        print(f"  {'checkpoint':<20} {outcome.checkpoint}  ({_holds(outcome.checkpoint)})")
+        rows.append(("checkpoint", f"{outcome.checkpoint}  ({_holds(outcome.checkpoint)})"))
     tracking = outcome.tracking
     if tracking.tensorboard_dir:
-        print(f"  {'tensorboard':<20} tensorboard --logdir {tracking.tensorboard_dir}")
+        rows.append(("tensorboard", f"tensorboard --logdir {tracking.tensorboard_dir}"))
     if tracking.wandb and tracking.wandb["mode"] == "offline" and (offline := offline_runs(outcome.root)):
         # each start (a resume) writes its own segment of the one W&B run: sync them all
         shown = offline[0] if len(offline) == 1 else offline[0].parent / "offline-run-*"
-        print(f"  {'wandb':<20} wandb sync {shown}")
+        rows.append(("wandb", f"wandb sync {shown}"))
     elif tracking.wandb:
         w = tracking.wandb
-        print(f"  {'wandb':<20} project {w['entity'] + '/' if w['entity'] else ''}{w['project']}, run {w['id']}")
+        rows.append(("wandb", f"project {w['entity'] + '/' if w['entity'] else ''}{w['project']}, run {w['id']}"))
+    width = max(20, *(len(key) for key, _ in rows))  # DPO's eval_rewards/accuracies is 23 long
+    for key, text in rows:
+        print(f"  {key:<{width}} {text}")
 
 
 def _holds(checkpoint: str) -> str:

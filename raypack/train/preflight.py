@@ -77,7 +77,7 @@ def preflight(cfg: Config, *, reprepare: bool = False) -> Checked:
     bound = any(f in ("tokenized", "auto") for f in formats.values())
     if not bound:
         _check_rows(checked, None)
-    vocab = check_model_and_tokenizer(cfg, _tokenizer(cfg, formats))
+    vocab = check_model_and_tokenizer(cfg, _tokenizer(cfg, checked.sources, formats))
     if bound:
         _check_rows(checked, vocab)
     from raypack.data.cache import packed_root, reusable  # Ray Data: imported once the cheap checks passed
@@ -96,7 +96,7 @@ def check_data(cfg: Config, *, rows: bool = True) -> Checked:
     checked = Checked(cfg=cfg, sources=sources, formats=source_formats(cfg, sources))
     check_objective_formats(cfg, checked.formats)
     if rows:
-        _tokenizer(cfg, checked.formats)
+        _tokenizer(cfg, checked.sources, checked.formats)
         _check_rows(checked, None)
     return checked
 
@@ -113,11 +113,15 @@ def check_objective_formats(cfg: Config, formats: dict[str, str]) -> None:
                           "train.objective: dpo")
 
 
-def _tokenizer(cfg: Config, formats: dict[str, str]):
+def _tokenizer(cfg: Config, sources: Sources, formats: dict[str, str]):
     from raypack.data.encode import check_chat_template, load_tokenizer  # transformers: seconds
 
     tok = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template)
-    if "chat" in formats.values():
+    kinds = dict(sources.files)
+    # Conversational preference pairs (chosen and rejected as messages) are chat too: without
+    # this, the missing template would fail a Ray Data task instead.
+    if any(f == "chat" or (f == "preference" and (_first_record(p, kinds[p]) or {}).get("chosen")) for p, f in
+           formats.items()):
         check_chat_template(tok, cfg.tokenize.tokenizer)
     return tok
 
@@ -209,8 +213,8 @@ def source_formats(cfg: Config, sources: Sources) -> dict[str, str]:
     out = {}
     for path, kind in sources.files:
         try:
-            keys = _first_record_keys(path, kind)
-            out[path] = detect(keys, cfg.data.format, path) if keys is not None else cfg.data.format
+            fields = _first_record(path, kind)
+            out[path] = detect(list(fields), cfg.data.format, path) if fields is not None else cfg.data.format
         except FormatError as e:
             raise SourceError(str(e)) from None
         except OSError as e:
@@ -222,51 +226,27 @@ HEAD_BYTES = 64 << 10
 """How much of a JSONL file preflight reads to tell its format (more when its first line is longer)."""
 
 
-def _first_record_keys(path: str, kind: str):
-    """Field names of a file's first record. A JSONL file whose first lines (64 KiB, or its whole
-    first line) hold no JSON object is a SourceError saying what the file is instead (binary, a
-    JSON array, one object over many lines); one whose first line alone is bad is left to the
-    row check, which names the line. None for an empty file (the read says so)."""
+def _first_record(path: str, kind: str) -> dict[str, bool] | None:
+    """{field: whether it holds a list} of a file's first record; None when a JSONL file's first
+    64 KiB hold no JSON object (the row check names the bad line, or the Ray read does)."""
     fs, p = storage.resolve(path)
-    if kind == "parquet":
-        return pq.read_schema(p, filesystem=fs).names
-    if kind == "arrow":
-        with fs.open_input_stream(p) as f:
-            return pa.ipc.open_stream(f).schema.names
+    if kind in ("parquet", "arrow"):
+        if kind == "parquet":
+            schema = pq.read_schema(p, filesystem=fs)
+        else:
+            with fs.open_input_stream(p) as f:
+                schema = pa.ipc.open_stream(f).schema
+        return {f.name: pa.types.is_list(f.type) or pa.types.is_large_list(f.type) for f in schema}
     with fs.open_input_stream(p) as f:
-        head = f.read(HEAD_BYTES)
-        while b"\n" not in head and len(head) % HEAD_BYTES == 0 and len(head) < (64 << 20):
-            more = f.read(HEAD_BYTES)  # a first line longer than the head: read on to its end
-            if not more:
-                break
-            head += more
+        head = f.read(64 << 10)
     for line in head.split(b"\n"):
         try:
             rec = json.loads(line)
         except ValueError:
             continue
         if isinstance(rec, dict):
-            return list(rec)
-    if head.strip():
-        raise SourceError(f"{path}: not JSON Lines ({_what_it_is(head)}); raypack reads one JSON object per line")
+            return {k: isinstance(v, list) for k, v in rec.items()}
     return None
-
-
-def _what_it_is(head: bytes) -> str:
-    """What a file that holds no JSON object per line looks like, from its first bytes."""
-    try:
-        text = head[:-4].decode() if len(head) >= HEAD_BYTES else head.decode()  # a cut multi-byte character
-    except UnicodeDecodeError as e:
-        return f"a binary file: byte {head[e.start]:#04x} at offset {e.start} is not UTF-8 text"
-    if "\x00" in text:
-        return f"a binary file: a NUL byte at offset {text.index(chr(0))}"
-    start = text.lstrip()
-    if start.startswith("["):
-        return "a JSON array: write one object per line, e.g. `jq -c '.[]' FILE > FILE.jsonl`"
-    if start.startswith("{"):
-        return "a JSON object over several lines: write each object on one line, e.g. `jq -c . FILE`"
-    first = start.splitlines()[0] if start else ""
-    return f"line 1 is no JSON object: {first[:60]!r}"
 
 
 def _size(path: str) -> int:

@@ -25,3 +25,16 @@ def test_resume_of_a_folder_that_is_no_run_is_one_line(tmp_path, capsys):
     assert main(["train", "--resume", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no raypack_config.yaml there; is it a raypack run folder?" in err
+
+
+def test_the_summary_aligns_its_values_under_the_longest_name(tmp_path, capsys):
+    from raypack.commands.train import print_summary
+    from raypack.train.tracking import TrackingTargets
+    from raypack.train.trainer import Outcome
+
+    metrics = {"step": 40, "loss": 0.25, "eval_rewards/accuracies": 1.0, "eval_loss": None}
+    print_summary(Outcome(str(tmp_path), False, metrics, None, TrackingTargets(f"{tmp_path}/tensorboard")))
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == ["step", "loss", "eval_rewards/accuracies", "results", "tensorboard"]
+    starts = {len(line) - len(line.split(maxsplit=1)[1]) for line in lines}
+    assert starts == {2 + len("eval_rewards/accuracies") + 1}, lines  # one column of values

@@ -4,6 +4,7 @@ covers the data classes through the command line)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import transformers
@@ -48,6 +49,29 @@ def test_chat_data_needs_a_chat_template(tmp_path):
     # completion data does not
     completion = str(ASSETS / "sample" / "completion.jsonl")
     preflight(load(None, [f"tokenize.tokenizer={tmp_path / 'bare'}", f"data.paths=[{completion}]", f"run.storage_path={tmp_path}"]))
+
+
+def test_conversational_pairs_need_a_chat_template_before_ray(tmp_path):
+    """Pairs whose chosen and rejected are messages are chat data: refused in preflight (JSONL and
+    Parquet), not in a Ray Data task; pairs of strings need no template."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    bare = AutoTokenizer.from_pretrained(str(ASSETS / "tokenizer"))
+    bare.chat_template = None
+    bare.save_pretrained(tmp_path / "bare")
+    (tmp_path / "bare" / "chat_template.jinja").unlink(missing_ok=True)
+    turn = [{"role": "user", "content": "2+2?"}]
+    chats = {"prompt": [turn], "chosen": [[{"role": "assistant", "content": "4"}]],
+             "rejected": [[{"role": "assistant", "content": "5"}]]}
+    (tmp_path / "chat.jsonl").write_text(json.dumps({k: v[0] for k, v in chats.items()}) + "\n")
+    pq.write_table(pa.table(chats), tmp_path / "chat.parquet")
+    (tmp_path / "text.jsonl").write_text(json.dumps({"prompt": "2+2?", "chosen": " 4", "rejected": " 5"}) + "\n")
+    base = [f"tokenize.tokenizer={tmp_path / 'bare'}", f"run.storage_path={tmp_path / 'runs'}", "train.objective=dpo"]
+    for name in ("chat.jsonl", "chat.parquet"):
+        with pytest.raises(TokenizeError, match="no chat template"):
+            preflight(load(None, [*base, f"data.paths=[{tmp_path / name}]"]))
+    preflight(load(None, [*base, f"data.paths=[{tmp_path / 'text.jsonl'}]"]))
 
 
 def test_formats_of_every_source_kind():
