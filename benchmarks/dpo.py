@@ -214,6 +214,7 @@ def child_steps(args, work: Path) -> dict:
     from raypack.train.dpo import DPOLoss
     from raypack.train.dpo_reference import rows_logps
     from raypack.train.loss import make_loss
+    from raypack.train.stepvalues import HostCounts
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -283,6 +284,7 @@ def child_lora_reference(args, work: Path) -> dict:
     from raypack.train.dpo import DPOLoss
     from raypack.train.dpo_reference import rows_logps
     from raypack.train.loss import make_loss
+    from raypack.train.stepvalues import HostCounts
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -315,7 +317,7 @@ def child_lora_reference(args, work: Path) -> dict:
             t0 = time.perf_counter()
             for row in steps:
                 step = loss.prepare_step([row])
-                pairs, chosen = loss.step_counts(_Engine(device), step)
+                pairs = loss.step_counts(HostCounts(1), step)[0]
                 loss_sum = loss(model, {**_moved(step.batches[0], device), "sft_scale": 0.0})
                 (loss_sum / pairs).backward()
                 optimizer.step()
@@ -327,13 +329,6 @@ def child_lora_reference(args, work: Path) -> dict:
     return {"pass_s": pass_s, "rows": len(rows), "pass_per_row_s": pass_s / len(rows),
             "precomputed_step_s": median["precomputed"], "on_the_fly_step_s": median["on_the_fly"],
             "rounds": {k: [round(x, 4) for x in v] for k, v in times.items()}}
-
-
-class _Engine:
-    """What DPOLoss.step_counts asks of an engine: its device."""
-
-    def __init__(self, device) -> None:
-        self.device = device
 
 
 def _gather(values, device):

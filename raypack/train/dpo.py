@@ -3,7 +3,8 @@ step's loss the mean over the pairs of the whole optimizer step (`train.objectiv
 
     loss = DPOLoss(make_loss(engine, ...), cfg.dpo, reference)  # once at setup (raypack/train/dpo_reference.py)
     step = loss.prepare_step(rows)                              # the prefetcher's: pairs, their reference
-    values = loss.train_step(engine, step)                      # forward, backward, update; TRL's metrics
+    pending = loss.train_step(engine, step, counts)             # forward, backward, update: loop.train_step's
+    values = pending.resolve()                                  #   Pending, read a step late; TRL's metrics
     extra = loss.evaluate(engine, data, group)                  # eval_loss, eval_rewards/accuracies, ...
 
 The loss is TRL's DPOTrainer's (trl/trainer/dpo_trainer.py), per pair, from S = Σ log p over a
@@ -33,13 +34,11 @@ rewards/margins, logps/chosen and logps/rejected (S); eval_ the same over the he
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from raypack.config import DpoConfig
@@ -51,6 +50,7 @@ from raypack.model.kernels import checkpoint_offload
 from raypack.train.chunked_ce import chunked_sequence_objective
 from raypack.train.loss import TARGET_KEYS, CausalLMLoss, label_targets
 from raypack.train.prefetch import StepBatch
+from raypack.train.stepvalues import HostCounts, Pending, StepTimer
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -201,48 +201,37 @@ class DPOLoss:
 
     # --- one optimizer step -------------------------------------------------------------------------
 
-    def train_step(self, engine, step: PairStep, wait_s: float = 0.0, offload: bool = False) -> dict[str, float]:
-        """One optimizer step on prefetched micro-batches of pairs (loop.train_step's DPO twin)."""
-        t0 = time.perf_counter()
-        world = dist.get_world_size()
-        pairs, chosen_tokens = self.step_counts(engine, step)
+    def train_step(self, engine, step: PairStep, counts: HostCounts, number: int = 0, wait_s: float = 0.0,
+                   offload: bool = False) -> Pending:
+        """Enqueue optimizer step `number` on prefetched micro-batches of pairs (loop.train_step's
+        DPO twin): the same host counts before the first backward, and the loss and METRICS sums
+        read a step late (raypack/train/stepvalues.py), as means over the step's pairs."""
+        timer = StepTimer(engine.device)
+        pairs, chosen_tokens, labels, tokens = self.step_counts(counts, step)
+        host = {"pairs": pairs, "label_tokens": labels, "tokens": tokens, "data_wait_s": wait_s,
+                "world_size": counts.world, "skipped_steps": float(pairs == 0)}
         if pairs == 0:
-            tokens = float(self.gather([step.tokens], engine.device)[:, 0].sum())
-            return {"loss": float("nan"), "pairs": 0.0, "label_tokens": 0.0, "tokens": tokens,
-                    "step_time_s": wait_s + time.perf_counter() - t0, "data_wait_s": wait_s, "rank_imbalance": 1.0,
-                    "world_size": world, "skipped_steps": 1.0}
-        total, stats = self.forward_backward(engine, step, pairs, chosen_tokens, offload)
+            timer.stop()
+            return Pending(number, host, timer=timer)
+        total, stats = self.forward_backward(engine, step, pairs, chosen_tokens, counts.world, offload)
         engine.step()
-        if engine.device.type == "cuda":
-            torch.cuda.synchronize(engine.device)
-        busy = time.perf_counter() - t0
-        gathered = self.gather([float(total), step.label_tokens, step.tokens, busy, *stats.tolist()], engine.device).cpu()
-        summed = gathered.sum(0)
-        values = {
-            "loss": float(summed[0]) / pairs,
-            "pairs": pairs,
-            "label_tokens": float(summed[1]),
-            "tokens": float(summed[2]),
-            "step_time_s": wait_s + time.perf_counter() - t0,
-            "data_wait_s": wait_s,
-            "rank_imbalance": float(gathered[:, 3].max() / gathered[:, 3].mean().clamp_min(1e-9)),
-            "world_size": world,
-            "skipped_steps": 0.0,
-        }
-        values.update({name: float(summed[4 + k]) / pairs for k, name in enumerate(METRICS)})
-        return values
+        sums = counts.reduce(torch.cat([total.reshape(1).double(), stats]))  # one device all_reduce, not waited for
+        return Pending.enqueued(number, host, sums[0], engine.get_global_grad_norm(), timer, extra=sums[1:],
+                                names=METRICS, per="pairs")
 
-    def step_counts(self, engine, step: PairStep) -> tuple[float, float]:
-        """The step's pairs and chosen tokens over every rank (one tiny collective, as SFT's label count)."""
-        counts = self.gather([step.pairs, step.chosen_tokens], engine.device).sum(0)
-        return float(counts[0]), float(counts[1])
+    @staticmethod
+    def step_counts(counts: HostCounts, step: PairStep) -> list[float]:
+        """The step's pairs, chosen tokens, label tokens and tokens over every rank: host numbers,
+        as SFT's label count (one gloo all_gather on many ranks, nothing on one)."""
+        return counts.sums(step.pairs, step.chosen_tokens, step.label_tokens, step.tokens)
 
-    def forward_backward(self, engine, step: PairStep, pairs: float, chosen_tokens: float,
+    def forward_backward(self, engine, step: PairStep, pairs: float, chosen_tokens: float, world: int,
                          offload: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Backward every micro-batch of one optimizer step, each scaled so that the step's
         gradient is that of the mean over all `pairs` of the step (see the module docstring); the
-        caller runs the final engine.step(). Returns this rank's Σ loss and its METRICS sums."""
-        scale = dist.get_world_size() * len(step.batches) / pairs
+        caller runs the final engine.step(). Returns this rank's Σ loss and its METRICS sums, on the
+        device (nothing read)."""
+        scale = world * len(step.batches) / pairs  # DeepSpeed divides by both
         sft_scale = self.cfg.sft_weight * pairs / max(chosen_tokens, 1.0)
         total = torch.zeros((), device=engine.device)
         stats: list = []
@@ -253,7 +242,8 @@ class DPOLoss:
             total += loss_sum.detach()
             if i < len(step.batches) - 1:
                 engine.step()  # a no-op for the weights until the accumulation boundary
-        local = torch.stack(stats).sum(0).cpu() if stats else torch.zeros(len(METRICS), dtype=torch.float64)
+        local = torch.stack(stats).sum(0) if stats else torch.zeros(len(METRICS), dtype=torch.float64,
+                                                                    device=engine.device)
         return total, local
 
     @torch.no_grad()

@@ -323,14 +323,11 @@ def train_epoch(w: Worker, epoch: int) -> None:
             if w.stop.agree(w.counts, state.step):  # asked to stop: after the step just taken
                 stop_here(w, epoch)
                 return
-            if dpo:  # DPO's step reads its values at once: a Pending that is resolved already
-                values = w.loss.train_step(w.engine, step, wait_s=time.perf_counter() - t0,
-                                           offload=w.cfg.model.offload_checkpoints)
-                values["busy_s"] = values["step_time_s"] - values["data_wait_s"]  # the rank imbalance's input
-                pending = Pending(state.step + 1, values, values=values)
+            wait_s, offload = time.perf_counter() - t0, w.cfg.model.offload_checkpoints
+            if dpo:  # the same step over pairs: raypack/train/dpo.py
+                pending = w.loss.train_step(w.engine, step, w.counts, state.step + 1, wait_s=wait_s, offload=offload)
             else:
-                pending = train_step(w.engine, step, w.loss, w.counts, state.step + 1, wait_s=time.perf_counter() - t0,
-                                     offload=w.cfg.model.offload_checkpoints)
+                pending = train_step(w.engine, step, w.loss, w.counts, state.step + 1, wait_s=wait_s, offload=offload)
             pending.host["lr"] = w.scheduler.get_last_lr()[0]
             if w.cfg.train.compile:  # graphs Dynamo compiled so far: a count that grows is recompiling
                 pending.host["compiled_graphs"] = float(compiled_graphs())

@@ -126,29 +126,36 @@ class Pending:
     host: dict[str, float]
     """Known when the step was enqueued: label_tokens (N), tokens, data_wait_s, lr, ..."""
     readings: torch.Tensor | None = None
-    """[Σ token losses over every rank] and, where DeepSpeed keeps it on the device, the gradient
-    norm: in host memory once the step's end event has passed (None: a skipped step)."""
+    """[Σ losses over every rank, the `names` sums, and, where DeepSpeed keeps it on the device, the
+    gradient norm], fp64: in host memory once the step's end event has passed (None: a skipped step)."""
     timer: StepTimer | None = None
     values: dict[str, float] | None = field(default=None, repr=False)
+    names: tuple[str, ...] = ()
+    """Sums read after the loss, each reported divided by `per` as the loss is (DPO's metrics)."""
+    per: str = "label_tokens"
+    """The host value the loss is a mean over: label tokens (SFT), pairs (DPO)."""
 
     @classmethod
     def enqueued(cls, step: int, host: dict[str, float], loss_sum: torch.Tensor, grad_norm: Any,
-                 timer: StepTimer) -> Pending:
-        """After the step's last kernel: copy its loss and gradient norm to host memory, without
-        waiting, and mark the step's end on the stream."""
-        parts = [loss_sum.detach().float().reshape(())]
+                 timer: StepTimer, extra: torch.Tensor | None = None, names: tuple[str, ...] = (),
+                 per: str = "label_tokens") -> Pending:
+        """After the step's last kernel: copy its loss, the `extra` sums named `names` and the
+        gradient norm to host memory, without waiting, and mark the step's end on the stream."""
+        parts = [loss_sum.detach().double().reshape(1)]
+        if extra is not None:
+            parts.append(extra.detach().double().reshape(len(names)))
         if isinstance(grad_norm, torch.Tensor):
-            parts.append(grad_norm.detach().float().reshape(()))
+            parts.append(grad_norm.detach().double().reshape(1))
         elif grad_norm is not None:  # a host number already (DeepSpeed's inf after an overflow)
             host = {**host, "grad_norm": float(grad_norm)}
-        both = torch.stack(parts)
+        both = torch.cat(parts)
         if both.device.type == "cuda":
-            readings = torch.empty(len(parts), dtype=torch.float32, pin_memory=True)
+            readings = torch.empty(len(both), dtype=torch.float64, pin_memory=True)
             readings.copy_(both, non_blocking=True)
         else:
             readings = both
         timer.stop()
-        return cls(step, host, readings, timer)
+        return cls(step, host, readings, timer, names=names, per=per)
 
     def resolve(self) -> dict[str, float]:
         """The step's values for the trackers and reports (read once; a DivergedError if not finite)."""
@@ -162,9 +169,10 @@ class Pending:
             values["loss"] = float("nan")
         else:
             read = self.readings.tolist()  # host memory: the event above has passed
-            values["loss"] = read[0] / values["label_tokens"]
-            if len(read) > 1:
-                values["grad_norm"] = read[1]
+            values["loss"] = read[0] / values[self.per]
+            values.update({name: read[1 + k] / values[self.per] for k, name in enumerate(self.names)})
+            if len(read) > 1 + len(self.names):
+                values["grad_norm"] = read[-1]
             norm = values.get("grad_norm", 0.0)
             bad = [f"the loss is {values['loss']}"] if not math.isfinite(values["loss"]) else []
             if not (math.isfinite(norm) and norm >= 0):

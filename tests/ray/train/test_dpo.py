@@ -74,6 +74,7 @@ def dpo_loop(config):
     from raypack.train.engine import setup_engine
     from raypack.train.loop import global_count
     from raypack.train.loss import make_loss
+    from raypack.train.stepvalues import HostCounts
 
     rank = ray.train.get_context().get_world_rank()
     rows = config["rows"][rank]
@@ -89,8 +90,8 @@ def dpo_loop(config):
         else:
             loss = DPOLoss(base, DPO, global_count, reference=config["reference"])
         step = loss.prepare_step(rows)
-        pairs, chosen = loss.step_counts(engine, step)
-        total, _ = loss.forward_backward(engine, step, pairs, chosen)
+        pairs, chosen, _, _ = loss.step_counts(HostCounts(2), step)  # the default group: gloo on the CPU
+        total, _ = loss.forward_backward(engine, step, pairs, chosen, 2)
         value = float(global_count([float(total)], engine.device)[:, 0].sum()) / pairs
         grads = {name: deepspeed.utils.safe_get_full_grad(p).clone()
                  for name, p in engine.module.named_parameters() if p.requires_grad}

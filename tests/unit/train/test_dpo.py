@@ -25,6 +25,7 @@ from raypack.model.build import load_model
 from raypack.train.dpo import METRICS, DPOLoss
 from raypack.train.dpo_reference import rows_logps
 from raypack.train.loss import UnsupportedLossError, make_loss
+from raypack.train.stepvalues import HostCounts
 
 PAIRS = 8
 TOLERANCE = 1e-5
@@ -38,24 +39,41 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+class OneRankEngine:
+    """What DPOLoss.train_step asks of DeepSpeed's engine on one rank, without an optimizer: the
+    forward, a backward scaled down by the accumulation steps as DeepSpeed's is, and no update
+    (the gradients are compared after the step)."""
+
+    def __init__(self, model, micro_batches: int):
+        self.module, self.device, self.micro_batches = model, torch.device("cpu"), micro_batches
+
+    def __call__(self, **batch):
+        return self.module(**batch)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss / self.micro_batches).backward()
+
+    def step(self) -> None:
+        pass
+
+    def get_global_grad_norm(self):
+        return None
+
+
 def raypack_step(model, rows: list[dict], dpo: DpoConfig, kind: str = "chunked", after_reference=None,
                  padded: bool = False):
-    """raypack's packed step: the reference pass over `rows`, then each row a micro-batch, the
-    loss Σ pair losses / P; returns (loss, metrics) with the gradients in `model`."""
+    """raypack's packed step, as the training loop runs it (DPOLoss.train_step, its values read
+    through stepvalues.Pending): the reference pass over `rows`, then each row a micro-batch;
+    returns (loss, metrics) with the gradients in `model`."""
     loss = DPOLoss(make_loss(model, kind, chunk_tokens=7, padded=padded), dpo, gather=None)
     reference = rows_logps(loss, model, rows, padded, 2, "cpu")
     if after_reference is not None:
         after_reference(model)
     loss = DPOLoss(loss.base, dpo, gather=None, reference=reference)
     step = loss.prepare_step(rows, padded=padded, pad_token_id=2)
-    chosen = sum(int(b["completion_tokens"][0::2].sum()) for b in step.batches)
-    total, stats = 0.0, []
-    for batch in step.batches:
-        loss_sum = loss(model, {**batch, "sft_scale": dpo.sft_weight * step.pairs / chosen}, stats)
-        (loss_sum / step.pairs).backward()
-        total += loss_sum.item()
-    summed = torch.stack(stats).sum(0) / step.pairs
-    return total / step.pairs, dict(zip(METRICS, summed.tolist()))
+    values = loss.train_step(OneRankEngine(model, len(step.batches)), step, HostCounts(1), 1).resolve()
+    assert values["pairs"] == step.pairs and values["skipped_steps"] == 0.0
+    return values["loss"], {name: values[name] for name in METRICS}
 
 
 def _models(vocab: int = 768):

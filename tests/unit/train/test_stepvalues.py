@@ -78,6 +78,17 @@ def test_values_are_the_steps_and_a_diverged_step_stops_the_run():
         pending(2.0, math.inf).resolve()
 
 
+def test_named_sums_are_means_over_the_steps_own_count():
+    """DPO's step: the loss and its metrics' sums, each divided by the step's pairs, and the
+    gradient norm after them."""
+    host = {"pairs": 4.0, "label_tokens": 40.0, "tokens": 80.0, "data_wait_s": 0.0, "world_size": 1,
+            "skipped_steps": 0.0}
+    p = Pending.enqueued(2, host, torch.tensor(2.0), torch.tensor(0.5), StepTimer(torch.device("cpu")),
+                         extra=torch.tensor([4.0, 1.0], dtype=torch.float64), names=("a", "b"), per="pairs")
+    values = p.resolve()
+    assert (values["loss"], values["a"], values["b"], values["grad_norm"]) == (0.5, 1.0, 0.25, 0.5)
+
+
 def test_host_counts_on_one_rank_are_the_values():
     counts = HostCounts(world=1)
     assert counts.sums(3, 5.0) == [3.0, 5.0]
