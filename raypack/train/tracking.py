@@ -248,7 +248,14 @@ class Trackers:
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:
+            import wandb
+
             self._wandb.finish()
+            # finish() only tells W&B's service process that the run is over; the service writes
+            # the run's last records (all of an offline run's file, where it had not flushed yet)
+            # as it closes the run, after finish returns. teardown waits for that. Its atexit hook
+            # would too, but a Ray worker can end without running atexit hooks.
+            wandb.teardown()
         if self._mlflow is not None:
             self._mlflow.end_run()
 
