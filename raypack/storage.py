@@ -18,6 +18,19 @@ def is_uri(path: str) -> bool:
     return "://" in path
 
 
+def is_repo_id(name: str) -> bool:
+    """Whether `name` could name a Hugging Face hub repo (`org/name`); a path such as ./tok or
+    /a/b/c can't, so a missing one is the filesystem's business, not the hub's."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
 def absolute(path: str) -> str:
     """A URI as it is (less a trailing slash), a local path made absolute: the form Ray Train
     requires for a storage path and every process can use, whatever its working directory."""

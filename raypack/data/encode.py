@@ -44,6 +44,7 @@ import pyarrow.compute as pc
 from transformers import AutoTokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
 
+from raypack import storage
 from raypack.data.formats import IGNORE_INDEX
 from raypack.data.pairs import CHOSEN, REJECTED, Pair, fit_pair, tokenize_pairs
 from raypack.data.turns import TurnError, TurnLocator
@@ -76,7 +77,7 @@ class TokenizeError(InputError):
 
 def load_tokenizer(name: str, chat_template: str | None = None):
     local = os.path.exists(os.path.expanduser(name))
-    if not local and not _is_repo_id(name):  # a path, not there: not the hub's business
+    if not local and not storage.is_repo_id(name):  # a path, not there: not the hub's business
         raise TokenizeError(f"tokenize.tokenizer {name!r}: no such folder, and not a hub name (org/name)")
     try:
         tok = AutoTokenizer.from_pretrained(os.path.expanduser(name))
@@ -91,17 +92,6 @@ def load_tokenizer(name: str, chat_template: str | None = None):
     if not getattr(tok, "is_fast", False):
         raise TokenizeError(f"tokenize.tokenizer {name!r} is not a fast tokenizer; label masking needs character offsets")
     return tok
-
-
-def _is_repo_id(name: str) -> bool:
-    """Whether `name` could name a hub repo (`org/name`); a path such as ./tok or /a/b/c can't."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return True
 
 
 def check_chat_template(tok, name: str) -> None:

@@ -24,12 +24,11 @@ from typing import Any
 import torch
 import transformers
 from huggingface_hub import constants, get_session
-from huggingface_hub.errors import HFValidationError
-from huggingface_hub.utils import validate_repo_id
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from raypack import storage
 from raypack.errors import InputError
 from raypack.model import attention as attn
 from raypack.model import checkpointing
@@ -100,7 +99,7 @@ def model_config(name: str, trust_remote_code: bool = False, vocab_size: int = 1
     # cache alone: asked for a file it can't fetch and hasn't cached, huggingface_hub retries five
     # times with backoff (~50 s, 11 log lines) and has no setting that turns the retries off.
     local = os.path.exists(name)
-    if not local and not _is_repo_id(name):
+    if not local and not storage.is_repo_id(name):
         raise ModelNotFoundError(f"model.name {name!r}: no such folder, and not a hub name (org/model)")
     unreachable = None if local else _hub_unreachable()
     try:
@@ -112,15 +111,6 @@ def model_config(name: str, trust_remote_code: bool = False, vocab_size: int = 1
                                      f"({constants.HF_HUB_CACHE}), and {unreachable}") from e
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelNotFoundError(f"model.name {name!r}: can't load its config ({reason})") from e
-
-
-def _is_repo_id(name: str) -> bool:
-    """Whether `name` could name a hub repo (`org/model`); a path such as ./models/x can't."""
-    try:
-        validate_repo_id(name)
-    except HFValidationError:
-        return False
-    return True
 
 
 def _hub_unreachable() -> str | None:
