@@ -29,6 +29,10 @@ NOISE = (
     # MapWorker gets one too, written by the driver's own core worker straight to its stderr,
     # where no handler sees it (Ray 2.60 deprecates the `max_restarts=0` that would avoid it).
     "has constructor arguments in the object store and max_restarts",
+    # Ray Train's PlacementGroupCleaner, each time it can't ask the State API whether the run's
+    # controller still lives (no dashboard, or a head too busy to answer in time); it only
+    # retries, and it came after raypack's last line of a stopped run.
+    "Failed to query Ray Train Controller actor state",
 )
 
 _HANDLER = "ray_print_logs"

@@ -227,8 +227,10 @@ HEAD_BYTES = 64 << 10
 
 
 def _first_record(path: str, kind: str) -> dict[str, bool] | None:
-    """{field: whether it holds a list} of a file's first record; None when a JSONL file's first
-    64 KiB hold no JSON object (the row check names the bad line, or the Ray read does)."""
+    """{field: whether it holds a list} of a file's first record. A JSONL file whose first lines
+    (64 KiB, or its whole first line) hold no JSON object is a SourceError saying what the file is
+    instead (binary, a JSON array, one object over many lines); one whose first line alone is bad
+    is left to the row check, which names the line. None for an empty file (the read says so)."""
     fs, p = storage.resolve(path)
     if kind in ("parquet", "arrow"):
         if kind == "parquet":
@@ -238,7 +240,12 @@ def _first_record(path: str, kind: str) -> dict[str, bool] | None:
                 schema = pa.ipc.open_stream(f).schema
         return {f.name: pa.types.is_list(f.type) or pa.types.is_large_list(f.type) for f in schema}
     with fs.open_input_stream(p) as f:
-        head = f.read(64 << 10)
+        head = f.read(HEAD_BYTES)
+        while b"\n" not in head and len(head) % HEAD_BYTES == 0 and len(head) < (64 << 20):
+            more = f.read(HEAD_BYTES)  # a first line longer than the head: read on to its end
+            if not more:
+                break
+            head += more
     for line in head.split(b"\n"):
         try:
             rec = json.loads(line)
@@ -246,7 +253,26 @@ def _first_record(path: str, kind: str) -> dict[str, bool] | None:
             continue
         if isinstance(rec, dict):
             return {k: isinstance(v, list) for k, v in rec.items()}
+    if head.strip():
+        raise SourceError(f"{path}: not JSON Lines ({_what_it_is(head)}); raypack reads one JSON object per line")
     return None
+
+
+def _what_it_is(head: bytes) -> str:
+    """What a file that holds no JSON object per line looks like, from its first bytes."""
+    try:
+        text = head[:-4].decode() if len(head) >= HEAD_BYTES else head.decode()  # a cut multi-byte character
+    except UnicodeDecodeError as e:
+        return f"a binary file: byte {head[e.start]:#04x} at offset {e.start} is not UTF-8 text"
+    if "\x00" in text:
+        return f"a binary file: a NUL byte at offset {text.index(chr(0))}"
+    start = text.lstrip()
+    if start.startswith("["):
+        return "a JSON array: write one object per line, e.g. `jq -c '.[]' FILE > FILE.jsonl`"
+    if start.startswith("{"):
+        return "a JSON object over several lines: write each object on one line, e.g. `jq -c . FILE`"
+    first = start.splitlines()[0] if start else ""
+    return f"line 1 is no JSON object: {first[:60]!r}"
 
 
 def _size(path: str) -> int:
