@@ -55,6 +55,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Torch on one thread for a module of tiny models: they are all overhead, and two threads on
+    a shared 2-core host only fight (3x slower). A module asks with
+    `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     """A local Ray instance for the whole session, started the way every raypack command starts

@@ -20,13 +20,7 @@ from raypack.model.traits import UnsupportedModelError
 from raypack.train.loss import probe_batch
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models are all overhead: two threads on a shared 2-core host only fight."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _checkpointed(model):

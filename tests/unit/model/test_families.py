@@ -33,13 +33,7 @@ from raypack.model.attention import NAMES
 from raypack.model.build import UnsupportedModelError, check_model, load_model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models are all overhead: two threads on a shared 2-core host only fight (3x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _packed_model(config):
