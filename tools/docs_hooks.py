@@ -136,7 +136,8 @@ def collect_errors() -> list[tuple[str, int, str]]:
             if name not in ERROR_TYPES or not node.exc.args:
                 continue
             message = _template(node.exc.args[0])
-            if message and len(message.strip("{}… ")) > 8:
+            # A re-raise that adds only a prefix (`{source}: {e}`) says nothing of its own.
+            if message and len(re.findall(r"[A-Za-z]{2,}", re.sub(r"\{[^}]*\}", "", message))) >= 3:
                 found.append((str(path.relative_to(REPO)), node.lineno, " ".join(message.split())))
     return found
 
@@ -169,7 +170,7 @@ def errors_reference() -> str:
             continue
         out.append(f"## {title}\n")
         for module, line, message in items:
-            out.append(f"- `` {message.replace('``', '` `')} `` <small>{module}:{line}</small>")
+            out.append(f"- `` {message.replace('``', '` `')} `` (`{module}:{line}`)")
         out.append("")
     return "\n".join(out)
 
@@ -219,7 +220,8 @@ def benchmarks_index() -> str:
 
 
 def _results_page(path: Path) -> str:
-    return path.read_text()
+    # Below the reference pages in search: "budget" should find pack.budget before a table that has the word.
+    return "---\nsearch:\n  boost: 0.3\n---\n\n" + path.read_text()
 
 
 # -- includes -------------------------------------------------------------------------------------
