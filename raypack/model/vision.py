@@ -1,0 +1,121 @@
+"""Vision-language models on packed rows: what makes a packed row of image+text examples exact.
+
+A packed VLM row is the text of several examples, one after another, with each image's
+placeholder tokens in its example's text; the images themselves travel beside the row in
+example order (`raypack.data.vision_collate`):
+
+    input_ids      t t S I I I I E t t | t S I I I I I I E t      S/E: vision start/end, I: image tokens
+    position_ids   0 1 2 3 4 5 6 7 8 9 | 0 1 2 3 4 5 6 7 8 9      row 0: text position, restarts per example
+    (mRoPE rows)   0 1 2 3 3 3 3 5 6 7 | 0 1 2 3 3 3 4 4 4 6 ...  rows 1-3: each example's own get_rope_index
+    images         [img a]               [img b]                     concatenated in example order
+
+Three things keep it exact, each checked in tests/unit/model/test_vision.py against every
+example run alone through the model's own forward (which builds its own positions):
+
+- Language side: raypack's varlen attention keeps examples apart through `cu_seq_lens_q`, found
+  from row 0. For mRoPE models (Qwen2/2.5/3-VL) rows 1-3 are what the model's own
+  `get_rope_index` gives for the example alone (`example_positions`); transformers reads a
+  4-row `position_ids` as exactly that (row 0 for the boundaries, rows 1-3 for the rotary).
+- Vision side: the vision tower runs with transformers' own `sdpa` attention, which attends
+  within one image (Qwen's towers split on their own per-image `cu_seqlens`; CLIP/SigLIP towers
+  take images as a batch). The packed row's `cu_seq_lens_q` also reaches the tower as a keyword,
+  which its sdpa path ignores; a flash vision path would not, so the tower never runs one.
+- Features to placeholders: the model scatters image features onto placeholder tokens in order,
+  and images are concatenated in the order their examples are, so each lands on its own example.
+
+Refused (`check_vlm_packable`), naming the trait: a model whose forward takes `token_type_ids`
+(Gemma 3, PaliGemma), which it uses to let image tokens attend to each other bidirectionally, a
+mask a causal varlen kernel can't apply; and every trait `traits.check_packable` refuses in the
+language model. The padded strategies still train both.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+from transformers import AutoModelForImageTextToText, PretrainedConfig
+
+from raypack.model import attention as attn
+from raypack.model.traits import PADDED, UnsupportedModelError, check_packable
+
+VISION_ATTENTION = "sdpa"
+"""The vision tower's attention on packed rows: transformers' own, per image (see the module doc)."""
+
+
+def is_vlm(config: PretrainedConfig) -> bool:
+    """A config with a vision tower and a language model (transformers' image-text-to-text models)."""
+    return getattr(config, "vision_config", None) is not None and getattr(config, "text_config", None) is not None
+
+
+def attn_implementation(config: PretrainedConfig, attention: str) -> dict[str, str]:
+    """transformers' per-sub-config attention: raypack's (or `sdpa`/`eager`, padded) for the
+    language model, the tower's own for the vision tower."""
+    text = attention if attention in ("sdpa", "eager") else attn.attn_implementation_name(attention)
+    vision = "eager" if attention == "eager" else VISION_ATTENTION
+    return {"": text, "text_config": text, "vision_config": vision}
+
+
+def build_vlm(config: PretrainedConfig, attention: str = "sdpa_varlen", dtype: torch.dtype = torch.float32,
+              check: bool = True):
+    """A VLM from `config` (random init): raypack's attention in the language model when
+    `attention` is one of its backends (refusing what can't pack unless `check` is False, for
+    tests that show a refusal is needed), `sdpa`/`eager` otherwise."""
+    config = copy.deepcopy(config)  # from_config writes the attention choice into it
+    config.use_cache = False
+    model = AutoModelForImageTextToText.from_config(config, attn_implementation=attn_implementation(config, attention),
+                                                    dtype=dtype)  # fmt: skip
+    if check and attention not in ("sdpa", "eager"):
+        check_vlm_packable(model, type(config).__name__, attention)
+    model.config.use_cache = False
+    return model
+
+
+def check_vlm_packable(model: torch.nn.Module, name: str, attention: str = "sdpa_varlen") -> None:
+    """Raise UnsupportedModelError unless a packed row of image+text examples trains `model`
+    exactly: no bidirectional image-token mask, and a language model `check_packable` accepts."""
+    params = inspect.signature(type(model).forward).parameters
+    if "token_type_ids" in params:
+        raise UnsupportedModelError(
+            f"{name} ({type(model).__name__}) can't train on packed rows: its forward takes token_type_ids, which it "
+            "uses to let an image's tokens attend to each other bidirectionally, a mask raypack's causal varlen "
+            f"attention can't apply. Use a padded strategy instead ({PADDED}), which trains it with its own mask."
+        )
+    check_packable(model, name, attn.candidate_backends(attention, "cpu"))
+
+
+def _inner(model: torch.nn.Module) -> torch.nn.Module:
+    """The *Model inside a *ForConditionalGeneration (where get_rope_index lives)."""
+    return getattr(model, "model", model)
+
+
+def uses_mrope(model: torch.nn.Module) -> bool:
+    """Positions with temporal/height/width rows for image tokens (Qwen2/2.5/3-VL): `get_rope_index`."""
+    return callable(getattr(_inner(model), "get_rope_index", None))
+
+
+def token_types(config: PretrainedConfig, input_ids: torch.Tensor) -> torch.Tensor:
+    """0 for text, 1 for image tokens (what `get_rope_index` reads as mm_token_type_ids)."""
+    image = getattr(config, "image_token_id", None)
+    if image is None:
+        image = config.image_token_index
+    return (input_ids == image).to(torch.int32)
+
+
+def example_positions(model: torch.nn.Module, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None):
+    """Positions for one example alone (`input_ids` 1-D): (4, n) for mRoPE models, row 0 the text
+    position 0..n-1 and rows 1-3 the model's own `get_rope_index`; else (n,) text positions."""
+    n = input_ids.shape[0]
+    text = torch.arange(n, dtype=torch.long)
+    if not uses_mrope(model):
+        return text
+    if image_grid_thw is None or len(image_grid_thw) == 0:
+        rope = text.expand(3, -1)  # what get_rope_index gives text alone: the text position thrice
+    else:
+        ids = input_ids[None].cpu()
+        with torch.no_grad():
+            rope, _ = _inner(model).get_rope_index(ids, mm_token_type_ids=token_types(model.config, ids),
+                                                   image_grid_thw=image_grid_thw.cpu())  # fmt: skip
+        rope = rope[:, 0].long()
+    return torch.cat([text[None], rope], 0)

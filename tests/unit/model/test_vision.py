@@ -1,0 +1,125 @@
+"""Vision-language families on packed rows: exact for both towers, or refused before training.
+
+For each family in tests/vision_families.py a tiny model (hidden 64, 2 layers, a 2-layer vision
+tower) is built from a config. Three examples (one image; text only; two images of different
+sizes) go into one packed row with raypack's positions and collate, through raypack's exact CPU
+path in the language model and the tower's own sdpa. Each example is also run alone through the
+model's own forward under `eager` attention everywhere, which builds its own positions
+(`get_rope_index` for mRoPE) from the example's grids. The logits, the summed loss and every
+gradient (vision tower, projector, language model) agree within 1e-5 relative in fp32.
+
+Refused families must raise UnsupportedModelError naming the trait, and with the check
+bypassed packing must really differ, so no refusal is spurious. The negative controls show the
+check can fail: positions a naive packer would build leave Qwen2.5-VL far off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vision_families import VLM_FAMILIES, make_examples, vlm_packed_vs_alone, with_positions
+
+from raypack.data.vision_collate import collate_vision_packed
+from raypack.model.traits import UnsupportedModelError
+from raypack.model.vision import build_vlm, check_vlm_packable, example_positions, is_vlm, uses_mrope
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TOLERANCE = 1e-5
+
+
+def _pair(spec, attention="sdpa_varlen", check=True):
+    config = spec.build_config()
+    torch.manual_seed(0)
+    model = build_vlm(config, attention, check=check).eval()
+    ref = build_vlm(config, "eager").eval()
+    ref.load_state_dict(model.state_dict())
+    return config, model, ref
+
+
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_vlm_family_is_exact_or_refused(family):
+    spec = VLM_FAMILIES[family]
+    if spec.refused:
+        with pytest.raises(UnsupportedModelError, match=spec.refused):
+            build_vlm(spec.build_config(), "sdpa_varlen")
+        config, model, ref = _pair(spec, check=False)
+        examples = make_examples(spec, config)
+        errors = vlm_packed_vs_alone(model, ref, examples, collate_vision_packed(with_positions(model, examples)))
+        assert errors["logits"] > 1e-3, "refused, yet packing looks exact"
+        return
+    config, model, ref = _pair(spec)
+    assert is_vlm(config)
+    examples = make_examples(spec, config)
+    batch = collate_vision_packed(with_positions(model, examples))
+    assert batch["pixel_values"].shape[0] == sum(e["pixel_values"].shape[0] for e in examples if e["pixel_values"] is not None)
+    errors = vlm_packed_vs_alone(model, ref, examples, batch)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < TOLERANCE, f"{family}: {worst} off by {errors[worst]:.2e} (all: {errors})"
+    assert {"grad:vision", "grad:projector", "grad:language"} <= errors.keys(), f"{family}: a tower got no gradient"
+
+
+MROPE = [f for f, s in VLM_FAMILIES.items() if not s.refused and s.layout == "patches"]
+
+
+@pytest.mark.parametrize("family", MROPE)
+def test_mrope_positions_are_the_models_own_per_example(family):
+    """Rows 1-3 restart per example and are what get_rope_index gives the example alone; row 0
+    is the text position (boundaries). Image tokens share temporal positions (not 0..n-1)."""
+    spec = VLM_FAMILIES[family]
+    config, model, _ = _pair(spec)
+    assert uses_mrope(model)
+    examples = make_examples(spec, config)
+    pos = collate_vision_packed(with_positions(model, examples))["position_ids"]
+    assert pos.shape == (4, 1, sum(len(e["input_ids"]) for e in examples))
+    offset = 0
+    for e in examples:
+        n = len(e["input_ids"])
+        mine = pos[:, 0, offset : offset + n]
+        assert torch.equal(mine[0], torch.arange(n))
+        assert torch.equal(mine, example_positions(model, e["input_ids"], e["image_grid_thw"]))
+        if e["image_grid_thw"] is not None:
+            assert not torch.equal(mine[1], mine[0]), "image tokens got text positions"
+        offset += n
+
+
+@pytest.mark.parametrize("naive", ["text_positions", "no_restart"])
+def test_naive_mrope_packing_is_caught(naive):
+    """What peers' bug reports describe: text positions for the image tokens, or a row 0 that
+    doesn't restart per example (the examples attend to each other). The check sees both.
+
+    (get_rope_index over the whole packed row is not among them: it shifts each example's three
+    rows by one constant, which rotary attention cancels, so with row 0 restarting it is exact.)"""
+    spec = VLM_FAMILIES["qwen2_5_vl"]
+    config, model, ref = _pair(spec)
+    examples = make_examples(spec, config)
+    batch = collate_vision_packed(with_positions(model, examples))
+    text = batch["position_ids"][0]
+    if naive == "text_positions":
+        batch["position_ids"] = torch.cat([text[None], text[None].expand(3, -1, -1)])
+    else:
+        total = text.shape[-1]
+        row = torch.arange(total)[None, None]
+        batch["position_ids"] = torch.cat([row, batch["position_ids"][1:]])
+        cu = torch.tensor([0, total], dtype=torch.int32)
+        batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=total, max_length_k=total)
+    assert vlm_packed_vs_alone(model, ref, examples, batch)["logits"] > 1e-3
+
+
+def test_vision_tower_attention_is_never_raypacks():
+    """The tower attends bidirectionally within an image: raypack's causal varlen attention must
+    never run it (it would refuse is_causal=False), and the language model must run raypack's."""
+    config = VLM_FAMILIES["qwen2_5_vl"].build_config()
+    model = build_vlm(config, "sdpa_varlen")
+    assert model.config.vision_config._attn_implementation == "sdpa"
+    assert model.config.text_config._attn_implementation.startswith("raypack_")
+
+
+def test_language_model_traits_are_still_refused():
+    """A VLM whose language model has a trait raypack can't pack (here a token-mixing convolution
+    layer type) is refused by the same checks as a text model."""
+    spec = VLM_FAMILIES["llava_clip"]
+    config = spec.build_config()
+    model = build_vlm(config, "sdpa")
+    model.config.text_config.layer_types = ["conv", "full_attention"]
+    with pytest.raises(UnsupportedModelError, match=r"layer_types conv"):
+        check_vlm_packable(model, "tiny-llava")
