@@ -36,7 +36,8 @@ class VisionFamily:
     kwargs: dict[str, Any]
     """Its arguments (text_config, vision_config, token ids)."""
     layout: str
-    """`patches` (Qwen: flat patches + grid_thw, dynamic resolution) or `pictures` ([3, S, S] each)."""
+    """`patches` (Qwen: flat patches + grid_thw, dynamic resolution), `pictures` ([1, 3, S, S]
+    each) or `stacked` (Idefics3/SmolVLM: [1, 1, 3, S, S] each, images along dimension 1)."""
     refused: str | None = None
     """None: must be exact. Else a regex the refusal must match."""
 
@@ -73,6 +74,13 @@ VLM_FAMILIES: dict[str, VisionFamily] = {
     "llava_siglip": VisionFamily("LlavaConfig", dict(
         text_config={**TEXT, "model_type": "llama"}, vision_config={**SIGLIP_VISION, "model_type": "siglip_vision_model"},
         image_token_id=IMAGE, vision_feature_layer=-1, vision_feature_select_strategy="full"), "pictures"),
+    # Idefics3 and SmolVLM: a SigLIP-like tower, pixel shuffle (scale 2) and a projector on a Llama
+    "idefics3": VisionFamily("Idefics3Config", dict(
+        text_config={**TEXT, "model_type": "llama"}, vision_config={**SIGLIP_VISION, "model_type": "idefics3_vision"},
+        image_token_id=IMAGE, scale_factor=2), "stacked"),
+    "smolvlm": VisionFamily("SmolVLMConfig", dict(
+        text_config={**TEXT, "model_type": "llama"}, vision_config={**SIGLIP_VISION, "model_type": "smolvlm_vision"},
+        image_token_id=IMAGE, scale_factor=2), "stacked"),
     # Gemma 3: image tokens attend to each other bidirectionally
     "gemma3": VisionFamily("Gemma3Config", dict(
         text_config={**TEXT, "model_type": "gemma3_text", "sliding_window": 8, "query_pre_attn_scalar": 16},
@@ -92,6 +100,8 @@ def _image(spec: VisionFamily, config, g: torch.Generator, size: tuple[int, int]
         return h * w // vision.spatial_merge_size**2, pixels, torch.tensor([[1, h, w]])
     side = vision.image_size
     n = getattr(config, "mm_tokens_per_image", None) or (side // vision.patch_size) ** 2
+    if spec.layout == "stacked":
+        return n // config.scale_factor**2, torch.randn(1, 1, 3, side, side, generator=g), None
     return n, torch.randn(1, 3, side, side, generator=g), None
 
 
@@ -116,7 +126,7 @@ def make_examples(spec: VisionFamily, config, seed: int = 0, layout=EXAMPLES) ->
         ids = torch.cat([ids, torch.randint(3, 400, (answer,), generator=g)])
         labels = torch.cat([labels, ids[-answer:]])
         out.append({"input_ids": ids, "labels": labels,
-                    "pixel_values": torch.cat(pixels) if pixels else None,
+                    "pixel_values": torch.cat(pixels, 1 if spec.layout == "stacked" else 0) if pixels else None,
                     "image_grid_thw": torch.cat(grids) if grids else None})  # fmt: skip
     return out
 
@@ -143,7 +153,7 @@ def tower(name: str) -> str:
     """Which part a parameter belongs to: vision, projector or language."""
     if any(k in name for k in ("merger", "multi_modal_projector", "connector", "mm_input_projection", "mm_soft_emb")):
         return "projector"
-    if any(k in name for k in ("visual.", "vision_tower", "vision_model")):
+    if any(k in name for k in ("visual.", "vision_tower", "vision_model", "vision_encoder")):
         return "vision"
     return "language"
 

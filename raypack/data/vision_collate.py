@@ -23,8 +23,16 @@ import torch
 
 from raypack.data.formats import IGNORE_INDEX
 
-IMAGE_KEYS = ("pixel_values", "image_grid_thw")
-"""Per-example image tensors, concatenated along their first dimension (images or patches)."""
+IMAGE_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask")
+"""Per-example image tensors, concatenated in example order (`_image_axis`)."""
+
+
+def _image_axis(key: str, value: torch.Tensor) -> int:
+    """Where the images (or patches) of `value` run: dimension 1 for the Idefics3/SmolVLM layout,
+    whose pixel_values are (batch, images, C, H, W) and pixel_attention_mask (batch, images, H, W);
+    dimension 0 everywhere else (Qwen's patches and grids, CLIP/SigLIP towers' pictures)."""
+    batched = {"pixel_values": 5, "pixel_attention_mask": 4}
+    return 1 if value.dim() == batched.get(key) else 0
 
 
 def collate_vision_packed(examples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -58,7 +66,8 @@ def collate_vision_packed(examples: Sequence[Mapping[str, Any]]) -> dict[str, An
         "max_length_k": int(lengths.max()),
     }
     for key in IMAGE_KEYS:
-        parts = [torch.as_tensor(e[key]) for e in examples if e.get(key) is not None and len(e[key])]
+        parts = [torch.as_tensor(e[key]) for e in examples if e.get(key) is not None]
+        parts = [p for p in parts if p.numel()]
         if parts:
-            batch[key] = torch.cat(parts, 0)
+            batch[key] = torch.cat(parts, _image_axis(key, parts[0]))
     return batch
