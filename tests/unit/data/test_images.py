@@ -105,3 +105,17 @@ def test_an_image_processor_without_grids_is_refused(parts):
 
     with pytest.raises(Exception, match=r"grid image processors \(Qwen2/2.5/3-VL"):
         ImageTokenizer(Pictures(), tokenizer)
+
+
+@pytest.mark.parametrize("name", ["vision.jsonl", "vision_pairs.jsonl"])
+def test_the_text_pipeline_refuses_image_rows_naming_file_and_line(name):
+    """Until training feeds images, an image row is a bad row of the text pipeline (which stops at
+    the first, data.on_bad_rows=error) rather than training as text without its pictures."""
+    from raypack.data import sources
+    from raypack.data.listing import list_sources, read_units
+
+    units = read_units(list_sources((str(SAMPLE / name),)))
+    rows = [r for u in units for r in sources.read_unit({k: [u[k]] for k in u}, "auto").to_pylist()]
+    assert len(rows) == 36
+    assert all("image data: raypack's training pipeline doesn't feed images" in r["error"] for r in rows)
+    assert f"{name} line 1: " in rows[0]["error"], rows[0]["error"]
