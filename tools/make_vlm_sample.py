@@ -27,7 +27,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 # Like the bundled template, with content as text or a list of parts; each image renders as
 # Qwen's start, pad and end tokens, and {% generation %} marks what the assistant writes.
 CHAT_TEMPLATE = (

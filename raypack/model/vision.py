@@ -119,3 +119,29 @@ def example_positions(model: torch.nn.Module, input_ids: torch.Tensor, image_gri
                                                    image_grid_thw=image_grid_thw.cpu())  # fmt: skip
         rope = rope[:, 0].long()
     return torch.cat([text[None], rope], 0)
+
+
+TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, initializer_range=0.1,
+                 rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})  # fmt: skip
+TINY_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, in_channels=3,
+                   window_size=16, fullatt_block_indexes=[1], initializer_range=0.1)  # fmt: skip
+
+
+def tiny_vlm_config(image_processor, tokenizer) -> PretrainedConfig:
+    """A tiny Qwen2.5-VL config that fits `image_processor` (patch, temporal patch and merge sizes)
+    and `tokenizer` (vocabulary, image and vision start/end tokens): the bundled processor's
+    model (raypack/assets/vlm_processor), random weights, for tests and the CPU quickstart."""
+    from transformers import Qwen2_5_VLConfig
+
+    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}  # fmt: skip
+    missing = [k for k, v in ids.items() if v is None or v == tokenizer.unk_token_id]
+    if missing:
+        raise ValueError(f"the tokenizer lacks the vision tokens for {', '.join(missing)}")
+    text = {**TINY_TEXT, "vocab_size": len(tokenizer), "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}  # fmt: skip
+    vision = {**TINY_VISION, "patch_size": image_processor.patch_size, "spatial_merge_size": image_processor.merge_size,
+              "temporal_patch_size": image_processor.temporal_patch_size}  # fmt: skip
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
