@@ -86,7 +86,9 @@ def check_vlm_packable(model: torch.nn.Module, name: str, attention: str = "sdpa
 
 
 def _inner(model: torch.nn.Module) -> torch.nn.Module:
-    """The *Model inside a *ForConditionalGeneration (where get_rope_index lives)."""
+    """The *Model inside a *ForConditionalGeneration (where get_rope_index lives), through a peft
+    wrapper (whose own `.model` is its LoRA layer, not the VLM's)."""
+    model = getattr(model, "get_base_model", lambda: model)()
     return getattr(model, "model", model)
 
 
@@ -145,3 +147,44 @@ def tiny_vlm_config(image_processor, tokenizer) -> PretrainedConfig:
     vision = {**TINY_VISION, "patch_size": image_processor.patch_size, "spatial_merge_size": image_processor.merge_size,
               "temporal_patch_size": image_processor.temporal_patch_size}  # fmt: skip
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
+
+
+TOWERS = ("visual", "vision_tower", "vision_model")
+"""Where transformers' VLMs keep the vision tower, on the inner model (Qwen, LLaVA/Gemma, Idefics3/SmolVLM)."""
+PROJECTORS = ("merger", "multi_modal_projector", "connector")
+"""Where they keep the projector: inside the tower (Qwen's merger) or beside it."""
+FREEZABLE = ("vision", "projector")
+"""The parts `freeze` takes (model.freeze's values)."""
+
+
+def parts(model: torch.nn.Module) -> dict[str, list[str]]:
+    """Parameter names of the vision tower (without the projector) and of the projector."""
+    inner = _inner(model)
+    prefix = "" if inner is model else "model."
+    out: dict[str, list[str]] = {"vision": [], "projector": []}
+    found = [t for t in TOWERS if isinstance(getattr(inner, t, None), torch.nn.Module)]
+    for name, _ in model.named_parameters():
+        bare = name.removeprefix("base_model.model.").removeprefix(prefix)
+        if any(bare.startswith(f"{t}.merger.") or bare.startswith(f"{p}.") for t in found for p in PROJECTORS):
+            out["projector"].append(name)
+        elif any(bare.startswith(f"{t}.") for t in found):
+            out["vision"].append(name)
+    if not found or not out["projector"]:
+        raise UnsupportedModelError(f"{type(model).__name__}: no vision tower ({', '.join(TOWERS)}) or projector "
+                                    f"({', '.join(PROJECTORS)}) found to freeze")  # fmt: skip
+    return out
+
+
+def freeze(model: torch.nn.Module, what: tuple[str, ...]) -> list[str]:
+    """Stop training the vision tower and/or the projector (`what` from FREEZABLE); returns the
+    names frozen. A frozen part still runs in the forward and passes gradients through to
+    what is before it; its own weights get none."""
+    unknown = sorted(set(what) - set(FREEZABLE))
+    if unknown:
+        raise ValueError(f"model.freeze: unknown part(s) {unknown}; expected some of {', '.join(FREEZABLE)}")
+    found = parts(model)
+    names = {n for w in what for n in found[w]}
+    for name, p in model.named_parameters():
+        if name in names:
+            p.requires_grad_(False)
+    return sorted(names)

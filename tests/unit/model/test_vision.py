@@ -21,7 +21,7 @@ from vision_families import VLM_FAMILIES, make_examples, vlm_packed_vs_alone, wi
 
 from raypack.data.vision_collate import collate_vision_packed
 from raypack.model.traits import UnsupportedModelError
-from raypack.model.vision import build_vlm, check_vlm_packable, example_positions, is_vlm, uses_mrope
+from raypack.model.vision import build_vlm, check_vlm_packable, example_positions, freeze, is_vlm, uses_mrope
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOLERANCE = 1e-5
@@ -123,3 +123,48 @@ def test_language_model_traits_are_still_refused():
     model.config.text_config.layer_types = ["conv", "full_attention"]
     with pytest.raises(UnsupportedModelError, match=r"layer_types conv"):
         check_vlm_packable(model, "tiny-llava")
+
+
+TRAINED = [f for f, s in VLM_FAMILIES.items() if not s.refused]
+
+
+@pytest.mark.parametrize("family", TRAINED)
+@pytest.mark.parametrize("what", [("vision",), ("vision", "projector")])
+def test_frozen_parts_get_no_gradient_and_the_rest_stays_exact(family, what):
+    spec = VLM_FAMILIES[family]
+    config, model, ref = _pair(spec)
+    frozen = freeze(model, what)
+    assert freeze(ref, what) == frozen and frozen
+    examples = make_examples(spec, config)
+    errors = vlm_packed_vs_alone(model, ref, examples, collate_vision_packed(with_positions(model, examples)))
+    assert all(model.get_parameter(n).grad is None for n in frozen)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < TOLERANCE, f"{family}: {worst} off by {errors[worst]:.2e}"
+    assert ("grad:projector" in errors) == ("projector" not in what) and "grad:vision" not in errors
+
+
+LANGUAGE_LORA = r".*(language_model|text_model).*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+"""LoRA on the language model only (peft's target_modules as a regex)."""
+
+
+@pytest.mark.parametrize("family", TRAINED)
+def test_lora_on_the_language_model_is_exact(family):
+    """peft's LoRA on the language model's linear layers, the towers frozen: every adapter gradient
+    packed equals the examples alone (B drawn at random: at peft's zero start every lora_A
+    gradient is zero, which any path would match)."""
+    from exactness import random_lora_b
+    from peft import LoraConfig, get_peft_model
+
+    spec = VLM_FAMILIES[family]
+    config, model, ref = _pair(spec)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=LANGUAGE_LORA)
+    model = random_lora_b(get_peft_model(model, lora))
+    ref = get_peft_model(ref, lora)
+    ref.load_state_dict(model.state_dict())
+    examples = make_examples(spec, config)
+    # positions from the peft-wrapped model: example_positions finds get_rope_index through the wrapper
+    errors = vlm_packed_vs_alone(model, ref, examples, collate_vision_packed(with_positions(model, examples)))
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < TOLERANCE, f"{family} + LoRA: {worst} off by {errors[worst]:.2e}"
+    trained = [n for n, p in model.named_parameters() if p.grad is not None]
+    assert trained and all("lora_" in n and ("language_model" in n or "text_model" in n) for n in trained)
