@@ -93,8 +93,18 @@ def _inner(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def uses_mrope(model: torch.nn.Module) -> bool:
-    """Positions with temporal/height/width rows for image tokens (Qwen2/2.5/3-VL): `get_rope_index`."""
-    return callable(getattr(_inner(model), "get_rope_index", None))
+    """Positions with temporal/height/width rows for image tokens (Qwen2/2.5/3-VL): `get_rope_index`.
+    A config with an mrope_section whose model shows no get_rope_index is refused: text positions
+    would train it silently wrong."""
+    found = callable(getattr(_inner(model), "get_rope_index", None))
+    text = model.config.get_text_config()
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    if not found and isinstance(rope, dict) and rope.get("mrope_section"):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: its config has multimodal rotary positions (mrope_section) but raypack finds no "
+            f"get_rope_index to build them per example; use a padded strategy ({PADDED})"
+        )
+    return found
 
 
 def token_types(config: PretrainedConfig, input_ids: torch.Tensor) -> torch.Tensor:

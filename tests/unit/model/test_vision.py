@@ -168,3 +168,18 @@ def test_lora_on_the_language_model_is_exact(family):
     assert errors[worst] < TOLERANCE, f"{family} + LoRA: {worst} off by {errors[worst]:.2e}"
     trained = [n for n, p in model.named_parameters() if p.grad is not None]
     assert trained and all("lora_" in n and ("language_model" in n or "text_model" in n) for n in trained)
+
+
+def test_mrope_without_get_rope_index_is_refused():
+    """An mRoPE model whose get_rope_index raypack can't reach (an unknown wrapper) is refused,
+    never trained on text positions."""
+    spec = VLM_FAMILIES["qwen2_5_vl"]
+    model = build_vlm(spec.build_config(), "sdpa")
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.model, self.config = torch.nn.Module(), inner.config
+
+    with pytest.raises(UnsupportedModelError, match=r"mrope_section.*get_rope_index"):
+        example_positions(Wrapper(model), torch.arange(5), torch.tensor([[1, 4, 4]]))
