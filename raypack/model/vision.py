@@ -49,6 +49,15 @@ def is_vlm(config: PretrainedConfig) -> bool:
     return getattr(config, "vision_config", None) is not None and getattr(config, "text_config", None) is not None
 
 
+def training_refusal(config: PretrainedConfig) -> str:
+    """What to add to the refusal of a model raypack train can't load, where it is a VLM: the
+    packed path is exact here, but the training pipeline doesn't carry images to it yet."""
+    if not is_vlm(config):
+        return ""
+    return (": it is a vision-language model, which raypack packs exactly at the model level "
+            "(raypack/model/vision.py) but whose images `raypack train` doesn't carry yet (docs/guides/vision.md)")
+
+
 def attn_implementation(config: PretrainedConfig, attention: str) -> dict[str, str]:
     """transformers' per-sub-config attention: raypack's (or `sdpa`/`eager`, padded) for the
     language model, the tower's own for the vision tower."""

@@ -183,3 +183,12 @@ def test_mrope_without_get_rope_index_is_refused():
 
     with pytest.raises(UnsupportedModelError, match=r"mrope_section.*get_rope_index"):
         example_positions(Wrapper(model), torch.arange(5), torch.tensor([[1, 4, 4]]))
+
+
+def test_raypack_train_refuses_a_vlm_before_training():
+    """`raypack train` can't carry images yet: its model check (preflight) refuses a VLM config,
+    saying what is done and where."""
+    from raypack.model.build import check_model
+
+    with pytest.raises(UnsupportedModelError, match=r"is not a causal language model here: it is a vision-language"):
+        check_model(VLM_FAMILIES["qwen2_5_vl"].build_config(), attention="auto", device_type="cpu")
