@@ -200,3 +200,33 @@ def vlm_packed_vs_alone(model, ref, examples: list[dict], batch: dict) -> dict[s
         err = (p.grad - q.grad).abs().max().item() / max(q.grad.abs().max().item(), floor)
         errors[key] = max(errors.get(key, 0.0), err)
     return errors
+
+
+def report() -> list[str]:
+    """One line a family: the largest packed-vs-alone error of the logits, loss and each tower's
+    gradients (the numbers test_vision.py bounds), or the refusal."""
+    from raypack.data.vision_collate import collate_vision_packed
+    from raypack.model.traits import UnsupportedModelError
+    from raypack.model.vision import build_vlm
+
+    lines = ["| family | logits | loss | vision grad | projector grad | language grad |", "|---|---|---|---|---|---|"]
+    for family, spec in VLM_FAMILIES.items():
+        config = spec.build_config()
+        torch.manual_seed(0)
+        try:
+            model = build_vlm(config, "sdpa_varlen").eval()
+        except UnsupportedModelError as e:
+            lines.append(f"| {family} | refused: {str(e).split(': ', 1)[1][:90]}... | | | | |")
+            continue
+        ref = build_vlm(config, "eager").eval()
+        ref.load_state_dict(model.state_dict())
+        examples = make_examples(spec, config)
+        e = vlm_packed_vs_alone(model, ref, examples, collate_vision_packed(with_positions(model, examples)))
+        cells = [f"{e[k]:.1e}" for k in ("logits", "loss", "grad:vision", "grad:projector", "grad:language")]
+        lines.append(f"| {family} | {' | '.join(cells)} |")
+    return lines
+
+
+if __name__ == "__main__":  # PYTHONPATH=.:tests python tests/vision_families.py
+    torch.set_num_threads(1)
+    print("\n".join(report()))
