@@ -192,3 +192,23 @@ def test_raypack_train_refuses_a_vlm_before_training():
 
     with pytest.raises(UnsupportedModelError, match=r"is not a causal language model here: it is a vision-language"):
         check_model(VLM_FAMILIES["qwen2_5_vl"].build_config(), attention="auto", device_type="cpu")
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava_siglip", "idefics3"])
+def test_gradient_checkpointing_stays_exact(family):
+    """raypack's full gradient checkpointing (non-reentrant, raypack/model/checkpointing.py) on
+    both towers: the recomputed forward keeps the packed row's positions and images. Train mode,
+    where transformers checkpoints (these configs have no dropout)."""
+    from raypack.model import checkpointing
+
+    spec = VLM_FAMILIES[family]
+    config, model, ref = _pair(spec)
+    checkpointing.enable(model, "full")
+    model.train()
+    examples = make_examples(spec, config)
+    errors = vlm_packed_vs_alone(model, ref, examples, collate_vision_packed(with_positions(model, examples)))
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < TOLERANCE, f"{family} + checkpointing: {worst} off by {errors[worst]:.2e}"
+    on = [n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False)]
+    assert any(n.startswith(("model.visual", "model.vision")) for n in on), on  # the tower's layers
+    assert any(n.startswith(("model.language_model", "model.text_model")) for n in on), on
