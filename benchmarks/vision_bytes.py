@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/vision_bytes.py [--smoke] [--out FILE]
 
 Decides what prepared image examples store (raypack/data/images.py). Two cases:
-- the bundled sample (raypack/assets/sample/vision.jsonl) under the bundled tiny processor;
+- the bundled sample (raypack/assets/vision_sample/vision.jsonl) under the bundled tiny processor;
 - synthetic photos (smooth gradients, shapes and noise, JPEG quality 90) at common sizes under
   Qwen2.5-VL's released image-processor settings (14-pixel patches, temporal patch 2, merge 2,
   min_pixels 3136, max_pixels 12845056), and with max_pixels capped at 1003520 (1280 tokens).
@@ -24,7 +24,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from benchmarks.common import REPO, cpu_header, host_now, write_results
 
-SAMPLE = REPO / "raypack" / "assets" / "sample"
+SAMPLE = REPO / "raypack" / "assets" / "vision_sample"
 
 
 def photo(w: int, h: int, seed: int) -> bytes:

@@ -1,12 +1,13 @@
 """Make the bundled vision-language assets: a tiny processor and a small image sample.
 
-    python tools/make_vlm_sample.py       # rewrites raypack/assets/vlm_processor/ and raypack/assets/sample/vision*
+    python tools/make_vlm_sample.py       # rewrites raypack/assets/vlm_processor/ and raypack/assets/vision_sample/
 
 Nothing may come from a model hub, so the processor is the bundled tokenizer (tools/make_tokenizer.py)
 plus Qwen's image tokens and a chat template that renders image parts, and a Qwen2-VL image
 processor sized for a tiny tower (4-pixel patches, 2x2 merge, at most 32x32 pixels). The sample is
 a few dozen generated pictures (a coloured shape on a background, 16 to 32 pixels a side, PNG)
-with a question and its answer each, in both layouts raypack reads (raypack/data/images.py).
+with a question and its answer each, in both layouts raypack reads (raypack/data/images.py), in
+a folder of its own: the text sample's folder (raypack/assets/sample/) is read whole as text data.
 Deterministic: the same seed gives the same files. Prints the bytes per example stored encoded
 (PNG) against processed (float32 patches), the measurement behind storing encoded images.
 """
@@ -82,19 +83,19 @@ def main() -> None:
     args = ap.parse_args()
     assets = REPO / "raypack" / "assets"
     make_processor(assets / "vlm_processor")
-    images_dir = assets / "sample" / "vision_images"
-    if images_dir.exists():
-        shutil.rmtree(images_dir)
-    images_dir.mkdir(parents=True)
+    folder = assets / "vision_sample"
+    if folder.exists():
+        shutil.rmtree(folder)
+    (folder / "images").mkdir(parents=True)
     rng = random.Random(args.seed)
     parts, pairs, encoded, processed = [], [], 0, 0
     proc = image_processor()
     for i in range(args.examples):
         im, colour, shape = picture(rng)
-        name = f"vision_images/{i:03d}.png"
+        name = f"images/{i:03d}.png"
         buf = io.BytesIO()
         im.save(buf, format="PNG", optimize=True)
-        (assets / "sample" / name).write_bytes(buf.getvalue())
+        (folder / name).write_bytes(buf.getvalue())
         encoded += len(buf.getvalue())
         processed += proc(images=[im], return_tensors="np")["pixel_values"].astype("float32").nbytes
         question, answer = rng.choice([("What colour is the shape?", f"It is {colour}."),
@@ -106,7 +107,7 @@ def main() -> None:
         pairs.append({"messages": [{"role": "user", "content": f"<image>{question}"},
                                    {"role": "assistant", "content": answer}], "images": [name]})  # fmt: skip
     for fname, rows in (("vision.jsonl", parts), ("vision_pairs.jsonl", pairs)):
-        with open(assets / "sample" / fname, "w") as f:
+        with open(folder / fname, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
     n = args.examples
     print(f"wrote {n} examples; bytes per example: encoded PNG {encoded / n:.0f}, processed float32 {processed / n:.0f} "

@@ -15,7 +15,7 @@ from raypack.config import ASSETS
 from raypack.data.images import ImageError, ImageTokenizer, decode_image, image_messages, read_image_bytes
 
 PROCESSOR = ASSETS / "vlm_processor"
-SAMPLE = ASSETS / "sample"
+SAMPLE = ASSETS / "vision_sample"
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +75,8 @@ def _pair(content, images):
 
 def test_images_from_paths_uris_and_base64(parts):
     _, _, tokenize = parts
-    png = (SAMPLE / "vision_images/000.png").read_bytes()
-    sources = [str(SAMPLE / "vision_images/000.png"), (SAMPLE / "vision_images/000.png").as_uri(),
+    png = (SAMPLE / "images/000.png").read_bytes()
+    sources = [str(SAMPLE / "images/000.png"), (SAMPLE / "images/000.png").as_uri(),
                "data:image/png;base64," + base64.b64encode(png).decode(), base64.b64encode(png).decode()]  # fmt: skip
     for source in sources:
         assert tokenize(_pair("<image>hi", [source]), "x")["images"] == [png]

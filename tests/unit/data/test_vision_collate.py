@@ -24,7 +24,7 @@ from raypack.data.vision_collate import collate_vision_packed
 from raypack.model.vision import build_vlm, example_positions, tiny_vlm_config, token_types
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-SAMPLE = ASSETS / "sample"
+SAMPLE = ASSETS / "vision_sample"
 
 
 @pytest.fixture(scope="module")
