@@ -19,7 +19,8 @@ Tokenizing (`ImageTokenizer`): the chat template renders each image as one image
 image within its pixel budget (min_pixels, max_pixels) and gives its patches and grid; each pad
 becomes grid.prod() / merge_size**2 copies, as the model's own processor expands it. Labels are
 the assistant's tokens only (the template's {% generation %} marks them): prompt and image
-tokens carry none. An example's `length` counts its image tokens, and `vision_patches` the
+tokens carry none. EOS ends every example, with a label after an assistant turn, as in the text
+pipeline (raypack/data/encode.py). An example's `length` counts its image tokens, and `vision_patches` the
 tower's work, so the plan and the balance see the real cost.
 
 What a prepared example holds: its tokens, and the image bytes as read (`images`), not the
@@ -195,6 +196,10 @@ class ImageTokenizer:
             else:
                 out_ids.append(t)
                 labels.append(t if m else IGNORE_INDEX)
+        eos = self.tokenizer.eos_token_id
+        if eos is not None and out_ids[-1] != eos:  # as the text pipeline ends every example (data/encode.py)
+            out_ids.append(eos)
+            labels.append(eos if messages[-1]["role"] == "assistant" else IGNORE_INDEX)
         return {
             "input_ids": out_ids, "labels": labels, "length": len(out_ids), "images": blobs,
             "image_grid_thw": pix["image_grid_thw"].tolist(), "vision_patches": int(pix["pixel_values"].shape[0]),

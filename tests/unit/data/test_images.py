@@ -52,9 +52,10 @@ def test_tokens_labels_and_pixels_match_the_models_processor(parts, monkeypatch)
         ref = reference.apply_chat_template(messages, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True, return_tensors="np")  # fmt: skip
         ids = ref["input_ids"][0]
-        assert ours["input_ids"] == ids.tolist()
-        assert ours["labels"] == np.where(ref["assistant_masks"][0] == 1, ids, -100).tolist()
-        assert ours["length"] == len(ids) and ours["vision_patches"] == ref["pixel_values"].shape[0]
+        eos = tokenizer.eos_token_id  # raypack ends an example with EOS, trained after the assistant
+        assert ours["input_ids"] == [*ids.tolist(), eos]
+        assert ours["labels"] == [*np.where(ref["assistant_masks"][0] == 1, ids, -100).tolist(), eos]
+        assert ours["length"] == len(ids) + 1 and ours["vision_patches"] == ref["pixel_values"].shape[0]
         pixels = tokenize.example_pixels(ours)
         assert np.array_equal(pixels["image_grid_thw"], ref["image_grid_thw"])
         assert np.array_equal(pixels["pixel_values"], ref["pixel_values"])
