@@ -112,12 +112,14 @@ EXAMPLES = ((5, [(4, 4)], 7), (9, [], 4), (3, [(4, 6), (2, 2)], 6))
 def make_examples(spec: VisionFamily, config, seed: int = 0, layout=EXAMPLES) -> list[dict]:
     """Examples of text, images between vision start/end tokens, an answer; labels on the answer only."""
     g = torch.Generator().manual_seed(seed)
+    image = getattr(config, "image_token_id", None) or config.image_token_index
+    start, end = getattr(config, "vision_start_token_id", START), getattr(config, "vision_end_token_id", END)
     out = []
     for prompt, images, answer in layout:
         ids, pixels, grids = [torch.randint(3, 400, (prompt,), generator=g)], [], []
         for size in images:
             n, pix, grid = _image(spec, config, g, size)
-            ids += [torch.tensor([START] + [IMAGE] * n + [END]), torch.randint(3, 400, (2,), generator=g)]
+            ids += [torch.tensor([start] + [image] * n + [end]), torch.randint(3, 400, (2,), generator=g)]
             pixels.append(pix)
             if grid is not None:
                 grids.append(grid)

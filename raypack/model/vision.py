@@ -207,3 +207,16 @@ def freeze(model: torch.nn.Module, what: tuple[str, ...]) -> list[str]:
         if name in names:
             p.requires_grad_(False)
     return sorted(names)
+
+
+def save_vlm(model: torch.nn.Module, folder, image_processor, tokenizer) -> None:
+    """Write a trained VLM where transformers loads it back: the weights (LoRA merged into them;
+    transformers doesn't save the attention choice, so raypack's never leaks into the folder) and
+    the processor's parts: tokenizer, chat template and image processor. AutoModelForImageTextToText,
+    AutoTokenizer and AutoImageProcessor load the folder (AutoProcessor too, for Qwen's processors,
+    only where torchvision is installed: docs/guides/vision.md)."""
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    image_processor.save_pretrained(folder)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vision_families import VLM_FAMILIES, make_examples, vlm_packed_vs_alone, with_positions
+from vision_families import VLM_FAMILIES, alone_inputs, make_examples, vlm_packed_vs_alone, with_positions
 
 from raypack.data.vision_collate import collate_vision_packed
 from raypack.model.traits import UnsupportedModelError
@@ -212,3 +212,35 @@ def test_gradient_checkpointing_stays_exact(family):
     on = [n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", False)]
     assert any(n.startswith(("model.visual", "model.vision")) for n in on), on  # the tower's layers
     assert any(n.startswith(("model.language_model", "model.text_model")) for n in on), on
+
+
+def test_a_saved_vlm_loads_with_transformers_and_computes_the_same(tmp_path):
+    """save_vlm after LoRA training: AutoModelForImageTextToText (its own attention, each example
+    alone) gives the packed model's logits; the tokenizer and image processor load from the folder."""
+    from exactness import random_lora_b
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    from raypack.config import ASSETS
+    from raypack.model.vision import save_vlm, tiny_vlm_config
+
+    image_processor = AutoImageProcessor.from_pretrained(ASSETS / "vlm_processor")
+    tokenizer = AutoTokenizer.from_pretrained(ASSETS / "vlm_processor")
+    config = tiny_vlm_config(image_processor, tokenizer)
+    torch.manual_seed(0)
+    model = random_lora_b(get_peft_model(build_vlm(config, "sdpa_varlen"), LoraConfig(r=4, target_modules=LANGUAGE_LORA)))
+    model.eval()
+    spec = VLM_FAMILIES["qwen2_5_vl"]
+    examples = make_examples(spec, config)
+    batch = collate_vision_packed(with_positions(model, examples))
+    batch.pop("labels")
+    with torch.no_grad():
+        packed = model(**batch).logits[0]
+    save_vlm(model, tmp_path, image_processor, tokenizer)
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path).eval()
+    assert not any("lora" in n for n, _ in loaded.named_parameters())
+    assert AutoTokenizer.from_pretrained(tmp_path).chat_template == tokenizer.chat_template
+    assert type(AutoImageProcessor.from_pretrained(tmp_path)) is type(image_processor)
+    with torch.no_grad():
+        alone = torch.cat([loaded(**alone_inputs(loaded, e)).logits[0] for e in examples])
+    assert ((packed - alone).abs().max() / alone.abs().max()).item() < TOLERANCE
