@@ -37,7 +37,8 @@ class VisionFamily:
     """Its arguments (text_config, vision_config, token ids)."""
     layout: str
     """`patches` (Qwen: flat patches + grid_thw, dynamic resolution), `pictures` ([1, 3, S, S]
-    each) or `stacked` (Idefics3/SmolVLM: [1, 1, 3, S, S] each, images along dimension 1)."""
+    each), `sized` (pictures with their image_sizes: Pixtral) or `stacked` (Idefics3/SmolVLM:
+    [1, 1, 3, S, S] each, images along dimension 1)."""
     refused: str | None = None
     """None: must be exact. Else a regex the refusal must match."""
 
@@ -66,6 +67,18 @@ VLM_FAMILIES: dict[str, VisionFamily] = {
         text_config={**TEXT, "rope_parameters": {**MROPE, "mrope_interleaved": True}},
         vision_config={**QWEN_VISION, "num_position_embeddings": 64, "deepstack_visual_indexes": [0]},
         **TOKENS), "patches"),  # fmt: skip
+    # GLM-4.1V: mRoPE (its own get_rope_index), a tower with 2-D position embeddings interpolated per image
+    "glm4v": VisionFamily("Glm4vConfig", dict(
+        text_config={**TEXT, "rope_parameters": {**MROPE, "partial_rotary_factor": 0.5, "mrope_section": [1, 1, 2]}},
+        vision_config={**QWEN_VISION, "image_size": 16, "out_hidden_size": 64}, image_token_id=IMAGE, video_token_id=VIDEO,
+        image_start_token_id=START, image_end_token_id=END, video_start_token_id=START, video_end_token_id=END),
+        "patches"),
+    # Qwen3-VL-MoE: Qwen3-VL with routed experts (per token: packing can't change routing)
+    "qwen3_vl_moe": VisionFamily("Qwen3VLMoeConfig", dict(
+        text_config={**TEXT, "rope_parameters": {**MROPE, "mrope_interleaved": True}, "num_experts": 4,
+                     "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1},
+        vision_config={**QWEN_VISION, "num_position_embeddings": 64, "deepstack_visual_indexes": [0]},
+        **TOKENS), "patches"),  # fmt: skip
     # LLaVA: a CLIP tower and a projector on a Llama
     "llava_clip": VisionFamily("LlavaConfig", dict(
         text_config={**TEXT, "model_type": "llama"}, vision_config={**CLIP_VISION, "model_type": "clip_vision_model"},
@@ -81,6 +94,10 @@ VLM_FAMILIES: dict[str, VisionFamily] = {
     "smolvlm": VisionFamily("SmolVLMConfig", dict(
         text_config={**TEXT, "model_type": "llama"}, vision_config={**SIGLIP_VISION, "model_type": "smolvlm_vision"},
         image_token_id=IMAGE, scale_factor=2), "stacked"),
+    # Mistral 3: a Pixtral tower (all images in one sequence, a block mask per image) and a patch merger
+    "mistral3": VisionFamily("Mistral3Config", dict(
+        text_config={**TEXT, "model_type": "mistral"}, vision_config={**SIGLIP_VISION, "model_type": "pixtral",
+        "head_dim": 16}, image_token_index=IMAGE, spatial_merge_size=2, vision_feature_layer=-1), "sized"),
     # Gemma 3: image tokens attend to each other bidirectionally
     "gemma3": VisionFamily("Gemma3Config", dict(
         text_config={**TEXT, "model_type": "gemma3_text", "sliding_window": 8, "query_pre_attn_scalar": 16},
@@ -102,6 +119,8 @@ def _image(spec: VisionFamily, config, g: torch.Generator, size: tuple[int, int]
     n = getattr(config, "mm_tokens_per_image", None) or (side // vision.patch_size) ** 2
     if spec.layout == "stacked":
         return n // config.scale_factor**2, torch.randn(1, 1, 3, side, side, generator=g), None
+    if spec.layout == "sized":
+        return n // config.spatial_merge_size**2, torch.randn(1, 3, side, side, generator=g), None
     return n, torch.randn(1, 3, side, side, generator=g), None
 
 
@@ -129,7 +148,9 @@ def make_examples(spec: VisionFamily, config, seed: int = 0, layout=EXAMPLES) ->
         labels = torch.cat([labels, ids[-answer:]])
         out.append({"input_ids": ids, "labels": labels,
                     "pixel_values": torch.cat(pixels, 1 if spec.layout == "stacked" else 0) if pixels else None,
-                    "image_grid_thw": torch.cat(grids) if grids else None})  # fmt: skip
+                    "image_grid_thw": torch.cat(grids) if grids else None,
+                    "image_sizes": torch.tensor([[p.shape[-2], p.shape[-1]] for p in pixels])
+                    if pixels and spec.layout == "sized" else None})  # fmt: skip
     return out
 
 
@@ -146,6 +167,8 @@ def alone_inputs(model, example: dict) -> dict:
         if example["image_grid_thw"] is not None:
             kwargs["image_grid_thw"] = example["image_grid_thw"]
             kwargs["mm_token_type_ids"] = token_types(model.config, kwargs["input_ids"])
+        if example.get("image_sizes") is not None:
+            kwargs["image_sizes"] = example["image_sizes"]
         if "token_type_ids" in inspect.signature(type(model).forward).parameters:
             kwargs["token_type_ids"] = token_types(model.config, kwargs["input_ids"]).long()
     return kwargs

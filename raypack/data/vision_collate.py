@@ -23,7 +23,7 @@ import torch
 
 from raypack.data.formats import IGNORE_INDEX
 
-IMAGE_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask")
+IMAGE_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes")
 """Per-example image tensors, concatenated in example order (`_image_axis`)."""
 
 
