@@ -6,14 +6,14 @@ example order (`raypack.data.vision_collate`):
 
     input_ids      t t S I I I I E t t | t S I I I I I I E t      S/E: vision start/end, I: image tokens
     position_ids   0 1 2 3 4 5 6 7 8 9 | 0 1 2 3 4 5 6 7 8 9      row 0: text position, restarts per example
-    (mRoPE rows)   0 1 2 3 3 3 3 5 6 7 | 0 1 2 3 3 3 4 4 4 6 ...  rows 1-3: each example's own get_rope_index
+    (mRoPE row 1)  0 1 2 3 3 3 3 5 6 7 | 0 1 2 2 2 2 2 2 5 6      rows 1-3: each example's own get_rope_index
     images         [img a]               [img b]                     concatenated in example order
 
 Three things keep it exact, each checked in tests/unit/model/test_vision.py against every
 example run alone through the model's own forward (which builds its own positions):
 
 - Language side: raypack's varlen attention keeps examples apart through `cu_seq_lens_q`, found
-  from row 0. For mRoPE models (Qwen2/2.5/3-VL) rows 1-3 are what the model's own
+  from row 0. For mRoPE models (Qwen2/2.5/3-VL, GLM-4.1V) rows 1-3 are what the model's own
   `get_rope_index` gives for the example alone (`example_positions`); transformers reads a
   4-row `position_ids` as exactly that (row 0 for the boundaries, rows 1-3 for the rotary).
 - Vision side: the vision tower runs with transformers' own `sdpa` attention, which attends
