@@ -69,5 +69,10 @@ def collate_vision_packed(examples: Sequence[Mapping[str, Any]]) -> dict[str, An
         parts = [torch.as_tensor(e[key]) for e in examples if e.get(key) is not None]
         parts = [p for p in parts if p.numel()]
         if parts:
-            batch[key] = torch.cat(parts, _image_axis(key, parts[0]))
+            axis = _image_axis(key, parts[0])
+            shapes = {p.shape[:axis] + p.shape[axis + 1:] for p in parts}
+            if len(shapes) > 1:  # pictures of different sizes would need padding, which alone they don't get
+                raise ValueError(f"collate_vision_packed: {key} of different shapes {sorted(shapes)} in one packed row; "
+                                 "packing is exact here for one picture size per tower input (Qwen's patches have any)")
+            batch[key] = torch.cat(parts, axis)
     return batch

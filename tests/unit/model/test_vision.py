@@ -244,3 +244,12 @@ def test_a_saved_vlm_loads_with_transformers_and_computes_the_same(tmp_path):
     with torch.no_grad():
         alone = torch.cat([loaded(**alone_inputs(loaded, e)).logits[0] for e in examples])
     assert ((packed - alone).abs().max() / alone.abs().max()).item() < TOLERANCE
+
+
+def test_pictures_of_different_sizes_are_refused_not_padded():
+    """A picture tower takes one size per batch; padding one would change its result against the
+    example alone, so the collate refuses the mix (Qwen's flat patches have no such limit)."""
+    a = {"input_ids": [1, 2], "labels": [1, 2], "position_ids": [0, 1], "pixel_values": torch.zeros(1, 3, 16, 16)}
+    b = {**a, "pixel_values": torch.zeros(1, 3, 8, 8)}
+    with pytest.raises(ValueError, match=r"pixel_values of different shapes"):
+        collate_vision_packed([a, b])
