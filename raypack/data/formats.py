@@ -117,10 +117,18 @@ def _messages(messages: Any, key: str) -> list[dict[str, str]]:
         if role not in ROLES:
             raise FormatError(f"{key}[{j}]: unknown role {role!r}; expected one of {', '.join(ROLES)}")
         content = m.get("content")
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image" for p in content):
+            raise FormatError(f"{key}[{j}]: {IMAGES_NOT_TRAINED}")
         if not isinstance(content, str):
             raise FormatError(f"{key}[{j}]: content must be a string, got {type(content).__name__}")
         out.append({"role": role, "content": content})
     return out
+
+
+IMAGES_NOT_TRAINED = (
+    "image data: raypack's training pipeline doesn't feed images to a model yet (raypack/data/images.py reads "
+    "and tokenizes them; docs/guides/vision.md says what is done), so this row would train without its pictures"
+)
 
 
 PREFERENCE_KEYS = ("prompt", "chosen", "rejected")
@@ -178,6 +186,8 @@ def _validate(rec: Any, fmt: str, vocab_size: int | None) -> dict[str, Any]:
         messages = rec.get("messages")
         if messages is None:
             raise FormatError("missing field `messages` (chat format)")
+        if rec.get("images"):  # placeholders would train as the text "<image>", without the pictures
+            raise FormatError(f"`images`: {IMAGES_NOT_TRAINED}")
         if len(out := _messages(messages, "messages")) == 0:
             raise FormatError("empty conversation (`messages` is [])")
         return {"messages": out}

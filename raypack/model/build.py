@@ -31,7 +31,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from raypack import storage
 from raypack.errors import InputError
 from raypack.model import attention as attn
-from raypack.model import checkpointing
+from raypack.model import checkpointing, vision
 from raypack.model.traits import UnsupportedModelError, check_packable
 
 __all__ = [
@@ -171,7 +171,8 @@ def check_model(
     config, default_name, _ = _config(name_or_config, trust_remote_code, vocab_size)
     name = name or default_name
     if MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None) is None and not getattr(config, "auto_map", None):
-        raise UnsupportedModelError(f"model.name {name!r}: {type(config).__name__} is not a causal language model here")
+        raise UnsupportedModelError(f"model.name {name!r}: {type(config).__name__} is not a causal language model here"
+                                    f"{vision.training_refusal(config)}")  # fmt: skip
     if not packed:
         return
     backends = () if attention in ("sdpa", "eager") else attn.candidate_backends(attention, device_type)

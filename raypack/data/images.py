@@ -1,0 +1,216 @@
+"""Image+text examples: read their images and tokenize them with the model's image processor.
+
+Two layouts, the ones the field uses:
+
+    chat parts   {"messages": [{"role": "user", "content": [{"type": "image", "image": "cat.png"},
+                                                           {"type": "text", "text": "What is it?"}]},
+                               {"role": "assistant", "content": "A cat."}]}
+    placeholders {"messages": [{"role": "user", "content": "<image>What is it?"},
+                               {"role": "assistant", "content": "A cat."}],
+                  "images": ["cat.png"]}                  (LLaMA-Factory's and ShareGPT's layout)
+
+An image is a path (relative to the data file's folder, or absolute), a URI (file://, s3://,
+gs://, ... through pyarrow's filesystems, as Ray Data reads), a `data:image/...;base64,` URI or
+bare base64. A missing or undecodable image, or placeholders that don't match the images,
+raise ImageError naming the file and line.
+
+Tokenizing (`ImageTokenizer`): the chat template renders each image as one image-pad token
+(a special token, so it never merges with its neighbours); the image processor resizes the
+image within its pixel budget (min_pixels, max_pixels) and gives its patches and grid; each pad
+becomes grid.prod() / merge_size**2 copies, as the model's own processor expands it. Labels are
+the assistant's tokens only (the template's {% generation %} marks them): prompt and image
+tokens carry none. EOS ends every example, with a label after an assistant turn, as in the text
+pipeline (raypack/data/encode.py). An example's `length` counts its image tokens, and
+`vision_patches` the tower's work, for the plan and the balance to count.
+
+What a prepared example holds: its tokens, and the image bytes as read (`images`), not the
+processed pixels, which are 51x the bundled sample's PNGs and 102-130x photo-like JPEGs under
+Qwen2.5-VL's processor (benchmarks/vision_bytes.py). `example_pixels` processes them again where
+they are used (tens to hundreds of ms an image on one CPU core), checking the grids still match.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from raypack.data.formats import IGNORE_INDEX
+from raypack.errors import InputError
+
+PLACEHOLDER = "<image>"
+"""The image placeholder of the `messages` + `images` layout."""
+IMAGE_PAD = "<|image_pad|>"
+"""The token the chat template renders for each image (Qwen's name), expanded per image."""
+
+
+class ImageError(InputError):
+    """An image example that can't be read: names the file and line."""
+
+
+def _parts(content: Any, where: str) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise ImageError(f"{where}: a message's content must be text or a list of parts, got {type(content).__name__}")
+    out = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            out.append({"type": "text", "text": str(part.get("text", ""))})
+        elif kind == "image":
+            source = part.get("image", part.get("url", part.get("path")))
+            if not isinstance(source, str) or not source:
+                raise ImageError(f"{where}: an image part needs an 'image' path, URI or base64 string")
+            out.append({"type": "image", "image": source})
+        else:
+            raise ImageError(f"{where}: unknown content part {part!r}; expected type 'text' or 'image'")
+    return out
+
+
+def image_messages(record: dict[str, Any], where: str) -> tuple[list[dict], list[str]]:
+    """The record's messages with content as parts ({"type": "image"} where an image goes, in
+    order) and the image sources, for either layout."""
+    messages = record.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ImageError(f"{where}: an image example needs a non-empty 'messages' list")
+    given = record.get("images")
+    if given is not None and not isinstance(given, list):
+        raise ImageError(f"{where}: 'images' must be a list of paths, URIs or base64 strings")
+    out, sources = [], []
+    for m in messages:
+        parts = []
+        for part in _parts(m.get("content", ""), where):
+            if part["type"] == "image":
+                if given is not None:
+                    raise ImageError(f"{where}: image parts in messages and an 'images' list; use one layout")
+                sources.append(part["image"])
+                parts.append({"type": "image"})
+                continue
+            if given is None or PLACEHOLDER not in part["text"]:
+                parts.append(part)
+                continue
+            pieces = part["text"].split(PLACEHOLDER)
+            for i, piece in enumerate(pieces):
+                if i:
+                    parts.append({"type": "image"})
+                if piece:
+                    parts.append({"type": "text", "text": piece})
+        out.append({"role": m.get("role"), "content": parts})
+    if given is not None:
+        found = sum(p["type"] == "image" for m in out for p in m["content"])
+        if found != len(given):
+            raise ImageError(f"{where}: {found} {PLACEHOLDER} placeholder(s) in messages but {len(given)} image(s) in 'images'")
+        sources = [str(s) for s in given]
+    return out, sources
+
+
+_B64 = re.compile(r"^[A-Za-z0-9+/=\s]+$")
+
+
+def read_image_bytes(source: str, base_dir: str | Path | None, where: str) -> bytes:
+    """The encoded bytes of one image source (path, URI, data URI or base64)."""
+    short = source if len(source) < 80 else source[:60] + "..."
+    try:
+        if source.startswith("data:"):
+            return base64.b64decode(source.split(",", 1)[1], validate=True)
+        if "://" in source:
+            from pyarrow import fs
+
+            filesystem, path = fs.FileSystem.from_uri(source)
+            with filesystem.open_input_file(path) as f:
+                return f.read()
+        path = Path(source)
+        if not path.is_absolute() and base_dir is not None:
+            path = Path(base_dir) / path
+        if path.is_file():
+            return path.read_bytes()
+        if len(source) > 64 and _B64.match(source):  # bare base64, not a path that happens to be missing
+            return base64.b64decode(source, validate=True)
+        raise FileNotFoundError(f"no such file {str(path)!r}")
+    except (OSError, ValueError, IndexError, binascii.Error) as e:
+        raise ImageError(f"{where}: image {short!r} can't be read: {e}") from None
+
+
+def decode_image(data: bytes, source: str, where: str):
+    """A PIL image in RGB from encoded bytes, or ImageError naming the example."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            im.load()
+            return im.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        short = source if len(source) < 80 else source[:60] + "..."
+        raise ImageError(f"{where}: image {short!r} is not a decodable image: {e}") from None
+
+
+class ImageTokenizer:
+    """Image+text examples -> input_ids, labels, length, images (encoded bytes), image_grid_thw,
+    vision_patches, with the model's image processor and tokenizer (see the module doc)."""
+
+    def __init__(self, image_processor, tokenizer):
+        if not hasattr(image_processor, "merge_size"):
+            raise InputError(
+                f"{type(image_processor).__name__}: raypack tokenizes image data with grid image processors "
+                "(Qwen2/2.5/3-VL: patches, image_grid_thw, merge_size) only so far; other families pack exactly "
+                "at the model level but have no data path yet"
+            )
+        self.image_processor, self.tokenizer = image_processor, tokenizer
+        self.pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+        if self.pad_id is None or self.pad_id == tokenizer.unk_token_id:
+            raise InputError(f"the tokenizer has no {IMAGE_PAD} token for images")
+
+    def pixels(self, images: Sequence) -> dict[str, np.ndarray]:
+        """pixel_values (patches, D) float32 and image_grid_thw (n, 3) for decoded images."""
+        out = self.image_processor(images=list(images), return_tensors="np")
+        return {"pixel_values": np.asarray(out["pixel_values"], np.float32),
+                "image_grid_thw": np.asarray(out["image_grid_thw"], np.int64)}  # fmt: skip
+
+    def __call__(self, record: dict[str, Any], where: str, base_dir: str | Path | None = None) -> dict[str, Any]:
+        messages, sources = image_messages(record, where)
+        blobs = [read_image_bytes(s, base_dir, where) for s in sources]
+        images = [decode_image(b, s, where) for b, s in zip(blobs, sources)]
+        enc = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                 return_assistant_tokens_mask=True)  # fmt: skip
+        ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])
+        pads = [i for i, t in enumerate(ids) if t == self.pad_id]
+        if len(pads) != len(images):
+            raise ImageError(f"{where}: the chat template rendered {len(pads)} image token(s) for {len(images)} image(s)")
+        pix = self.pixels(images) if images else {"pixel_values": np.zeros((0, 0), np.float32),
+                                                  "image_grid_thw": np.zeros((0, 3), np.int64)}  # fmt: skip
+        merge = self.image_processor.merge_size**2
+        counts = [int(np.prod(g)) // merge for g in pix["image_grid_thw"]]
+        out_ids, labels = [], []
+        for i, (t, m) in enumerate(zip(ids, mask)):
+            if t == self.pad_id:
+                n = counts[pads.index(i)]
+                out_ids += [t] * n
+                labels += [IGNORE_INDEX] * n
+            else:
+                out_ids.append(t)
+                labels.append(t if m else IGNORE_INDEX)
+        eos = self.tokenizer.eos_token_id
+        if eos is not None and out_ids[-1] != eos:  # as the text pipeline ends every example (data/encode.py)
+            out_ids.append(eos)
+            labels.append(eos if messages[-1]["role"] == "assistant" else IGNORE_INDEX)
+        return {
+            "input_ids": out_ids, "labels": labels, "length": len(out_ids), "images": blobs,
+            "image_grid_thw": pix["image_grid_thw"].tolist(), "vision_patches": int(pix["pixel_values"].shape[0]),
+        }  # fmt: skip
+
+    def example_pixels(self, example: dict[str, Any], where: str = "example") -> dict[str, np.ndarray]:
+        """The pixels of a prepared example, processed again from its stored bytes (collate)."""
+        images = [decode_image(b, "stored image", where) for b in example["images"]]
+        if not images:
+            return {}
+        pix = self.pixels(images)
+        if pix["image_grid_thw"].tolist() != [list(g) for g in example["image_grid_thw"]]:
+            raise ValueError(f"{where}: the image processor changed since the data was prepared (other grids)")
+        return pix

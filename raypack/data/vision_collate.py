@@ -1,0 +1,78 @@
+"""Image+text examples -> the keyword arguments of a packed vision-language forward.
+
+Like `collate.collate_packed`, every example goes into one [1, T] row, and the example offsets
+(`cu_seq_lens_q/k`, from the text positions) are computed once here. Beside the row travel the
+examples' images, concatenated in example order, so the model's in-order scatter of image
+features onto placeholder tokens puts each image on its own example (raypack/model/vision.py):
+
+    example a: ids [t S I I E t], positions (4, 6), pixel_values (4 patches, D), grid [[1, 2, 2]]
+    example b: ids [t S I E t t], positions (4, 6), pixel_values (4 patches, D), grid [[1, 2, 2]]
+                                    |
+                                    v
+    input_ids       [1, 12]        position_ids  [4, 1, 12] (mRoPE) or [1, 12]
+    pixel_values    (8, D)         image_grid_thw [[1, 2, 2], [1, 2, 2]]
+    labels          [1, 12], -100 at each example's first token     cu_seq_lens [0, 6, 12]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from raypack.data.formats import IGNORE_INDEX
+
+IMAGE_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes")
+"""Per-example image tensors, concatenated in example order (`_image_axis`)."""
+
+
+def _image_axis(key: str, value: torch.Tensor) -> int:
+    """Where the images (or patches) of `value` run: dimension 1 for the Idefics3/SmolVLM layout,
+    whose pixel_values are (batch, images, C, H, W) and pixel_attention_mask (batch, images, H, W);
+    dimension 0 everywhere else (Qwen's patches and grids, CLIP/SigLIP towers' pictures)."""
+    batched = {"pixel_values": 5, "pixel_attention_mask": 4}
+    return 1 if value.dim() == batched.get(key) else 0
+
+
+def collate_vision_packed(examples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One packed row of `examples` (dicts of input_ids, labels, position_ids (n,) or (4, n), and
+    optionally the IMAGE_KEYS). Examples without images add none."""
+    if not examples:
+        raise ValueError("collate_vision_packed got no examples")
+    ids = [torch.as_tensor(e["input_ids"], dtype=torch.long) for e in examples]
+    positions = [torch.as_tensor(e["position_ids"], dtype=torch.long) for e in examples]
+    rows = {p.dim() for p in positions}
+    if len(rows) != 1:
+        raise ValueError("collate_vision_packed got text positions and mRoPE positions in one batch")
+    labels = []
+    for e, i, p in zip(examples, ids, positions):
+        lab = torch.as_tensor(e["labels"], dtype=torch.long).clone()
+        if not (len(lab) == len(i) == p.shape[-1]):
+            raise ValueError(f"example has input_ids/labels/position_ids of lengths {len(i)}/{len(lab)}/{p.shape[-1]}")
+        lab[0] = IGNORE_INDEX  # the previous example's last token must not predict this one's first
+        labels.append(lab)
+    lengths = torch.tensor([len(i) for i in ids])
+    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32)
+    position_ids = torch.cat(positions, -1)
+    batch: dict[str, Any] = {
+        "input_ids": torch.cat(ids)[None],
+        # (4, T) -> (4, 1, T): transformers reads row 0 as the text position, rows 1-3 as mRoPE
+        "position_ids": position_ids[:, None] if position_ids.dim() == 2 else position_ids[None],
+        "labels": torch.cat(labels)[None],
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": int(lengths.max()),
+        "max_length_k": int(lengths.max()),
+    }
+    for key in IMAGE_KEYS:
+        parts = [torch.as_tensor(e[key]) for e in examples if e.get(key) is not None]
+        parts = [p for p in parts if p.numel()]
+        if parts:
+            axis = _image_axis(key, parts[0])
+            shapes = {p.shape[:axis] + p.shape[axis + 1:] for p in parts}
+            if len(shapes) > 1:  # pictures of different sizes would need padding, which alone they don't get
+                raise ValueError(f"collate_vision_packed: {key} of different shapes {sorted(shapes)} in one packed row; "
+                                 "packing is exact here for one picture size per tower input (Qwen's patches have any)")
+            batch[key] = torch.cat(parts, axis)
+    return batch

@@ -1,0 +1,122 @@
+"""raypack/data/images.py: both image layouts read, bad images named by file and line, and the
+tokens, labels and pixels the same as the model's own processor gives (Qwen2VLProcessor over the
+bundled processor assets)."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+import pytest
+from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
+
+from raypack.config import ASSETS
+from raypack.data.images import ImageError, ImageTokenizer, decode_image, image_messages, read_image_bytes
+
+PROCESSOR = ASSETS / "vlm_processor"
+SAMPLE = ASSETS / "vision_sample"
+
+
+@pytest.fixture(scope="module")
+def parts():
+    image_processor, tokenizer = AutoImageProcessor.from_pretrained(PROCESSOR), AutoTokenizer.from_pretrained(PROCESSOR)
+    return image_processor, tokenizer, ImageTokenizer(image_processor, tokenizer)
+
+
+def _records(name):
+    return [json.loads(line) for line in (SAMPLE / name).read_text().splitlines()]
+
+
+def test_the_pil_image_processor_loads_without_torchvision(parts):
+    image_processor, _, _ = parts
+    assert type(image_processor).__name__ == "Qwen2VLImageProcessorPil"
+
+
+def test_tokens_labels_and_pixels_match_the_models_processor(parts, monkeypatch):
+    image_processor, tokenizer, tokenize = parts
+    # Without torchvision, transformers can't name the video-processor base class its processors
+    # check their arguments against (VideoProcessorMixin isn't exported), so Qwen2VLProcessor
+    # can't be built here at all; skip that check, nothing else, to use it as the reference.
+    monkeypatch.setattr(Qwen2VLProcessor, "check_argument_for_proper_class", lambda *args: None)
+    reference = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
+                                 chat_template=tokenizer.chat_template)  # fmt: skip
+    for i, rec in enumerate(_records("vision.jsonl")[:6]):
+        ours = tokenize(rec, f"vision.jsonl:{i + 1}", base_dir=SAMPLE)
+        messages, sources = image_messages(rec, "")
+        pictures = iter(decode_image(read_image_bytes(s, SAMPLE, ""), s, "") for s in sources)
+        for m in messages:
+            for part in m["content"]:
+                if part["type"] == "image":
+                    part["image"] = next(pictures)
+        ref = reference.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True, return_tensors="np")  # fmt: skip
+        ids = ref["input_ids"][0]
+        eos = tokenizer.eos_token_id  # raypack ends an example with EOS, trained after the assistant
+        assert ours["input_ids"] == [*ids.tolist(), eos]
+        assert ours["labels"] == [*np.where(ref["assistant_masks"][0] == 1, ids, -100).tolist(), eos]
+        assert ours["length"] == len(ids) + 1 and ours["vision_patches"] == ref["pixel_values"].shape[0]
+        pixels = tokenize.example_pixels(ours)
+        assert np.array_equal(pixels["image_grid_thw"], ref["image_grid_thw"])
+        assert np.array_equal(pixels["pixel_values"], ref["pixel_values"])
+        image_tokens = (ref["mm_token_type_ids"][0] == 1).sum()
+        assert image_tokens > 0 and all(ours["labels"][j] == -100 for j in np.flatnonzero(ref["mm_token_type_ids"][0]))
+
+
+def test_both_layouts_give_the_same_example(parts):
+    _, _, tokenize = parts
+    for a, b in zip(_records("vision.jsonl")[:4], _records("vision_pairs.jsonl")[:4]):
+        x, y = tokenize(a, "a", base_dir=SAMPLE), tokenize(b, "b", base_dir=SAMPLE)
+        assert x["input_ids"] == y["input_ids"] and x["images"] == y["images"]
+
+
+def _pair(content, images):
+    return {"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "ok"}], "images": images}
+
+
+def test_images_from_paths_uris_and_base64(parts):
+    _, _, tokenize = parts
+    png = (SAMPLE / "images/000.png").read_bytes()
+    sources = [str(SAMPLE / "images/000.png"), (SAMPLE / "images/000.png").as_uri(),
+               "data:image/png;base64," + base64.b64encode(png).decode(), base64.b64encode(png).decode()]  # fmt: skip
+    for source in sources:
+        assert tokenize(_pair("<image>hi", [source]), "x")["images"] == [png]
+
+
+def test_bad_images_name_the_file_and_line(parts, tmp_path):
+    _, _, tokenize = parts
+    (tmp_path / "broken.png").write_bytes(b"not a picture")
+    with pytest.raises(ImageError, match=r"data.jsonl:3: image 'gone.png' can't be read: no such file"):
+        tokenize(_pair("<image>hi", ["gone.png"]), "data.jsonl:3", base_dir=tmp_path)
+    with pytest.raises(ImageError, match=r"data.jsonl:4: image 'broken.png' is not a decodable image"):
+        tokenize(_pair("<image>hi", ["broken.png"]), "data.jsonl:4", base_dir=tmp_path)
+    with pytest.raises(ImageError, match=r"data.jsonl:5: 2 <image> placeholder\(s\) in messages but 1 image\(s\)"):
+        tokenize(_pair("<image><image>hi", ["a.png"]), "data.jsonl:5", base_dir=tmp_path)
+    with pytest.raises(ImageError, match=r"data.jsonl:6: 0 <image> placeholder\(s\) in messages but 1 image\(s\)"):
+        tokenize(_pair("hi", ["a.png"]), "data.jsonl:6", base_dir=tmp_path)
+    with pytest.raises(ImageError, match=r"data.jsonl:7: an image part needs"):
+        tokenize({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "data.jsonl:7")
+
+
+def test_an_image_processor_without_grids_is_refused(parts):
+    _, tokenizer, _ = parts
+
+    class Pictures:  # a CLIP-style processor: whole pictures, no merge_size
+        pass
+
+    with pytest.raises(Exception, match=r"grid image processors \(Qwen2/2.5/3-VL"):
+        ImageTokenizer(Pictures(), tokenizer)
+
+
+@pytest.mark.parametrize("name", ["vision.jsonl", "vision_pairs.jsonl"])
+def test_the_text_pipeline_refuses_image_rows_naming_file_and_line(name):
+    """Until training feeds images, an image row is a bad row of the text pipeline (which stops at
+    the first, data.on_bad_rows=error) rather than training as text without its pictures."""
+    from raypack.data import sources
+    from raypack.data.listing import list_sources, read_units
+
+    units = read_units(list_sources((str(SAMPLE / name),)))
+    rows = [r for u in units for r in sources.read_unit({k: [u[k]] for k in u}, "auto").to_pylist()]
+    assert len(rows) == 36
+    assert all("image data: raypack's training pipeline doesn't feed images" in r["error"] for r in rows)
+    assert f"{name} line 1: " in rows[0]["error"], rows[0]["error"]
