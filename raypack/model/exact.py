@@ -4,8 +4,10 @@ Each example (each chunk of an example, on chunked-attention layers) runs on its
 is Σ len², like the CUDA varlen kernels', not (Σ len)² as a masked attention over the whole row
 would be. Where the model needs nothing SDPA lacks, each example is one SDPA call (causal, or with
 a window mask); with logit softcapping or attention sinks it is transformers' eager formula.
-Boundaries come from cu_seqlens, read as a list once per forward: free on the CPU, one sync per
-forward on CUDA. `chunk_cu_seqlens`, which the CUDA kernels use too, needs no read at all.
+Boundaries come from cu_seqlens as a list, once per forward: from the host tensor collate built
+them in, which `move_batch` keeps beside the device copy (`raypack.data.collate.host_copy`), so
+on CUDA no device value is read; only a batch moved some other way is read back from the device
+(one sync per forward). `chunk_cu_seqlens`, which the CUDA kernels use too, needs no read at all.
 
 The whole path is one torch.library custom op, `raypack::exact_varlen` (see `exact_attention`), so
 torch.compile keeps a layer's graph whole around it. Its backward is written out (the eager
@@ -25,6 +27,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from raypack.data.collate import host_copy
 
 
 class LastCache:
@@ -64,11 +68,14 @@ def chunk_cu_seqlens(cu: torch.Tensor, chunk: int, total: int) -> torch.Tensor:
 
 
 def _segments(cu: torch.Tensor, chunk: int | None, total: int) -> list[int]:
-    """Lengths of the examples, or of the chunks of the examples, in row order (none empty), read
-    once per forward."""
+    """Lengths of the examples, or of the chunks of the examples, in row order (none empty), found
+    once per forward: from the host copy of `cu` that collate computed (`host_copy`, kept by
+    move_batch), or, where there is none (a batch moved some other way), read from `cu`."""
     hit = _per_batch.get(cu, ("segments", chunk, total))
     if hit is None:
-        bounds = (chunk_cu_seqlens(cu, chunk, total) if chunk else cu).tolist()
+        host = host_copy(cu)
+        source = cu if host is None else host
+        bounds = (chunk_cu_seqlens(source, chunk, total) if chunk else source).tolist()
         if bounds[0] != 0 or bounds[-1] != total:
             raise ValueError(f"cu_seqlens must run from 0 to the row's {total} tokens, got {bounds[0]}..{bounds[-1]}")
         hit = [e - s for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
