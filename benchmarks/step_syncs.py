@@ -13,7 +13,7 @@ over gloo on the CPU, each running the same steps:
 - `before`: the step as raypack ran it up to issue 35 (`baseline_step` below: N gathered over the
   default group and read, a device sync, the loss and times gathered and read), on DeepSpeed's
   settings of then (its bf16 overflow check and synchronized throughput timer on, the preset's
-  overlap_comm on one rank);
+  overlap_comm on one rank, its own clipping, which reads the norm's validity on the host);
 - `after`: raypack's step as its loop runs it (raypack/train/loop.py's `take_step`: the ranks'
   stop votes, `train_step`, the previous step's values read a step late through
   raypack/train/stepvalues.py) on raypack's DeepSpeed config (raypack/train/engine.py).
@@ -203,6 +203,8 @@ def run_side(side: str, args, device: torch.device, world: int) -> dict:
                                                     total_steps=args.warmup + args.steps)
     finally:
         engine_mod.deepspeed_config = original
+    if side == "before" and "unscale_and_clip_grads" in vars(engine.optimizer):
+        del engine.optimizer.unscale_and_clip_grads  # DeepSpeed's own clipping, as before issue 40
     loss = make_loss(engine, "chunked")
     rank = dist.get_rank()
     rows = make_rows(args.warmup + args.steps, args.tokens, loss.vocab, seed=args.seed + rank)

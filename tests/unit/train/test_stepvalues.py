@@ -45,6 +45,13 @@ def test_deepspeeds_overflow_check_and_throughput_timer_are_off(one_rank):
     assert not [e for e in events(after) if "has_overflow" in e[2]]
 
 
+def test_clipping_reads_nothing_on_the_host(one_rank):
+    """Both sides clip at 1.0: DeepSpeed's ZeRO-2 clipping asks whether the norm is invalid on the
+    host once per parameter group (two here); raypack's engine swaps in the device-side answer."""
+    invalid = lambda side: [e for e in events(side, "read", "deepspeed") if "is_invalid_grad_norm" in e[2]]  # noqa: E731
+    assert len(invalid(one_rank["before"])) >= 2 * 5 and not invalid(one_rank["after"])
+
+
 def test_a_steps_values_are_read_after_the_next_step_is_enqueued(one_rank):
     """raypack's loop step (loop.take_step) reads the device only in Pending.resolve, one read a
     step, and the read of step k's values comes after step k+1's update was enqueued; only a
