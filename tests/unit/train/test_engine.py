@@ -129,3 +129,32 @@ def test_bf16_precisions_adamw_keeps_the_updates_rounding_drops():
     assert torch.equal(train(torch.bfloat16, torch_adamw), torch.ones(64))  # every update lost
     kahan = train(torch.bfloat16, lambda groups: make_optimizer(groups, cfg))
     assert (kahan - reference).abs().max().item() <= 2**-7
+
+
+def test_a_zero2_engine_clips_as_deepspeed_does(one_rank_group):
+    """The engine setup_engine builds swaps its clipping in (ZeRO-2, bf16, grad_clip small enough
+    to clip): its step's weights equal, bit for bit, those of the same engine with DeepSpeed's own
+    clipping put back, and its gradient norm is the one DeepSpeed computed."""
+    from raypack.model.build import load_model
+    from raypack.train.engine import setup_engine
+
+    cfg = TrainConfig(num_workers=1, zero_stage=2, grad_clip=0.05, warmup_steps=0, lr=1e-2)
+    ids = torch.randint(3, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    after = {}
+    for clipping in ("raypack", "deepspeed"):
+        torch.manual_seed(0)
+        model = load_model("tiny-llama", dtype="bfloat16", vocab_size=256)
+        engine, _ = setup_engine(model, cfg, dtype=torch.bfloat16, world_size=1, total_steps=2)
+        swapped = "unscale_and_clip_grads" in vars(engine.optimizer)
+        assert swapped, "setup_engine left ZeRO-2's clipping as it was"
+        if clipping == "deepspeed":
+            del engine.optimizer.unscale_and_clip_grads
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        norm = float(engine.get_global_grad_norm())
+        assert norm > cfg.grad_clip, "the step did not clip: the test shows nothing"
+        after[clipping] = (norm, {n: p.detach().clone() for n, p in engine.module.named_parameters()})
+        engine.destroy()
+    assert after["raypack"][0] == after["deepspeed"][0]
+    for name, weight in after["deepspeed"][1].items():
+        assert torch.equal(after["raypack"][1][name], weight), name
