@@ -341,7 +341,10 @@ def main(argv=None) -> int:
              f"Model: {'tiny-llama' if args.smoke else 'Llama-3.2-1B shape'}, bf16, DeepSpeed ZeRO-2, torch AdamW, the "
              f"chunked loss, clipping at 1.0; one {args.tokens}-token packed row a step; {args.warmup} warm-up and "
              f"{args.steps} measured steps. Counts are means per measured step, by where they come from "
-             "(the module doc says what each kind is and what the CPU can't show).", ""]
+             "(the module doc says what each kind is and what the CPU can't show). Both sides run today's model "
+             "code: transformers' packed-row detection in its mask code (a read a forward, until issue 40) is gone "
+             "from both. `deepspeed (stage_1_and_2._optimizer_step)`: torch AdamW's `.item()` of its step counters, "
+             "host tensors when it is not fused (the CPU); fused on CUDA, they stay on the device, unread.", ""]
     for world, r in results.items():
         lines += [f"## {world} rank{'s' if world > 1 else ''}", "", *table(r, device == "cuda"), ""]
     write_results("step_syncs", smoke, args.out, lines)
