@@ -21,7 +21,6 @@ of the rows and right-pads them into a normal [B, Lmax] batch with an attention_
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -149,35 +148,9 @@ def count_label_tokens(batch: Mapping[str, Any]) -> int:
     return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
 
 
-class HostCopies:
-    """A tensor moved off the host -> the host tensor it was moved from, for as long as the moved
-    one lives (keyed by identity: a freed tensor's address reused by a new one never hits)."""
-
-    def __init__(self) -> None:
-        self._by_id: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
-
-    def put(self, moved: torch.Tensor, host: torch.Tensor) -> None:
-        key = id(moved)
-        self._by_id[key] = (weakref.ref(moved, lambda _, key=key: self._by_id.pop(key, None)), host)
-
-    def get(self, moved: torch.Tensor) -> torch.Tensor | None:
-        hit = self._by_id.get(id(moved))
-        return hit[1] if hit is not None and hit[0]() is moved else None
-
-
-_host_copies = HostCopies()
-
-
-def host_copy(tensor: torch.Tensor) -> torch.Tensor | None:
-    """The host tensor `move_batch` moved `tensor` from (cu_seq_lens_q: the boundaries collate
-    computed on the host), or None: reading it instead of `tensor` costs no device sync."""
-    return _host_copies.get(tensor)
-
-
 def move_batch(batch: Mapping[str, Any], device: torch.device | str) -> dict[str, Any]:
     """Tensors to `device` (non-blocking); ints stay on the host. cu_seq_lens_k stays the same
-    tensor as cu_seq_lens_q, and the host cu_seq_lens_q stays at hand (`host_copy`) for the
-    attention that needs the boundaries as numbers (the exact path, raypack/model/exact.py)."""
+    tensor as cu_seq_lens_q."""
     moved: dict[str, Any] = {}
     for key, value in batch.items():
         if key == "cu_seq_lens_k" and value is batch.get("cu_seq_lens_q"):
@@ -186,7 +159,4 @@ def move_batch(batch: Mapping[str, Any], device: torch.device | str) -> dict[str
     if "cu_seq_lens_k" in batch:
         same = batch["cu_seq_lens_k"] is batch.get("cu_seq_lens_q")
         moved["cu_seq_lens_k"] = moved["cu_seq_lens_q"] if same else batch["cu_seq_lens_k"].to(device)
-    cu = batch.get("cu_seq_lens_q")
-    if isinstance(cu, torch.Tensor) and moved["cu_seq_lens_q"] is not cu and cu.device.type == "cpu":
-        _host_copies.put(moved["cu_seq_lens_q"], cu)
     return moved

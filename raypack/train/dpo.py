@@ -42,14 +42,14 @@ import torch
 import torch.nn.functional as F
 
 from raypack.config import DpoConfig
-from raypack.data.collate import collate_packed, example_starts, move_batch
+from raypack.data.collate import collate_packed, example_starts
 from raypack.data.formats import IGNORE_INDEX, row_labels
 from raypack.data.pairs import CHOSEN, PIECE_MASK, REJECTED
 from raypack.data.shards import Prepared, iter_rank_packs
 from raypack.model.kernels import checkpoint_offload
 from raypack.train.chunked_ce import chunked_sequence_objective
 from raypack.train.loss import TARGET_KEYS, CausalLMLoss, label_targets
-from raypack.train.prefetch import StepBatch
+from raypack.train.prefetch import StepBatch, to_device
 from raypack.train.stepvalues import HostCounts, Pending, StepTimer
 from raypack.train.stop import StopWatch
 
@@ -245,7 +245,7 @@ class DPOLoss:
         stats: list = []
         for i, batch in enumerate(step.batches):
             with checkpoint_offload(offload, engine.device):
-                loss_sum = self(engine, {**move_batch(batch, engine.device), "sft_scale": sft_scale}, stats)
+                loss_sum = self(engine, {**to_device(batch, engine.device), "sft_scale": sft_scale}, stats)
             engine.backward(loss_sum * scale)
             total += loss_sum.detach()
             if i < len(step.batches) - 1:
@@ -265,7 +265,7 @@ class DPOLoss:
         pairs = chosen = 0
         for row in iter_rank_packs(data.eval_dir, rank):
             step = self.prepare_step([row], data.padded, data.pad_token_id)
-            batch = move_batch(step.batches[0], engine.device)
+            batch = to_device(step.batches[0], engine.device)
             pairs, chosen = pairs + step.pairs, chosen + step.chosen_tokens
             kept: list = []  # an empty pack runs its forward too: ZeRO-3's gathers are collective
             losses.append(self(engine, {**batch, "sft_scale": 0.0}, kept))

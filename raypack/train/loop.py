@@ -43,7 +43,6 @@ import torch.distributed as dist
 from transformers.integrations import HfDeepSpeedConfig
 
 from raypack.config import Config
-from raypack.data.collate import move_batch
 from raypack.data.encode import load_tokenizer
 from raypack.data.shards import Prepared, iter_epoch_packs, iter_rank_packs
 from raypack.model.adapters import apply_adapters, frozen_digest, quantization_config, trainable_summary
@@ -60,7 +59,7 @@ from raypack.train.dpo_reference import make_dpo_loss
 from raypack.train.loss import CausalLMLoss, make_loss, probe_batch
 from raypack.train.memory import resolve_checkpointing
 from raypack.train.metrics import Eta, Reporter, model_flops_per_token
-from raypack.train.prefetch import StepBatch, prepare_step
+from raypack.train.prefetch import StepBatch, prepare_step, to_device
 from raypack.train.sequence import data_rank, make_groups, probe_split, step_source
 from raypack.train.startup import Startup
 from raypack.train.stepvalues import HostCounts, Pending, StepTimer
@@ -143,7 +142,7 @@ def forward_backward(engine, batches: list[dict], scale: float | torch.Tensor, l
         # move_batch keeps cu_seq_lens_q and _k one tensor; two copies would cost a device
         # comparison (a sync) in every attention layer.
         with checkpoint_offload(offload, engine.device):
-            loss_sum = loss(engine, move_batch(batch, engine.device))
+            loss_sum = loss(engine, to_device(batch, engine.device))
         engine.backward(loss_sum * scale)
         total += loss_sum.detach()
         if i < len(batches) - 1:
@@ -188,7 +187,7 @@ def evaluate(engine, data: Prepared, group: SequenceGroup, loss: CausalLMLoss) -
     with _steps(data, engine.device, group, rows, 1) as steps:
         for step in steps:
             labels += step.label_tokens
-            total += loss(engine, move_batch(step.batches[0], engine.device))  # no sync per batch
+            total += loss(engine, to_device(step.batches[0], engine.device))  # no sync per batch
     engine.train()
     summed = global_count([float(total), labels], engine.device).sum(0)
     return float(summed[0] / summed[1].clamp_min(1))
@@ -268,7 +267,7 @@ def setup_worker(config: dict) -> Worker:
     # Probes the model once (a short forward on every rank): a model the chunked loss can't
     # reproduce exactly stops here, before any step.
     loss = make_loss(engine, cfg.train.loss, cfg.train.loss_chunk_tokens, padded=data.padded)
-    probe = move_batch(probe_batch(loss.vocab, data.padded), engine.device)
+    probe = to_device(probe_batch(loss.vocab, data.padded), engine.device)
     _, changed = check_selective(engine.module, probe, cfg.model.gradient_checkpointing)
     if changed and rank == 0:
         print(f"[raypack] gradient checkpointing: full ({changed})", flush=True)

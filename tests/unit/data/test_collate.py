@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from raypack.data.collate import collate_packed, count_label_tokens, example_starts, host_copy, move_batch
+from raypack.data.collate import collate_packed, count_label_tokens, example_starts, move_batch
 
 
 def row(*lengths, start=100, noreset=False):
@@ -51,26 +51,6 @@ def test_padded_mode():
 def test_move_batch_keeps_ints_and_shared_cu_seqlens():
     moved = move_batch(collate_packed([row(2, 2)]), "cpu")
     assert moved["cu_seq_lens_k"] is moved["cu_seq_lens_q"] and moved["max_length_q"] == 2
-
-
-def test_move_batch_keeps_the_host_boundaries_beside_the_moved_ones():
-    """Off the host (meta stands in for CUDA: a device tensor without values to read), the moved
-    cu_seq_lens_q answers with the host tensor collate built, for as long as it lives."""
-    batch = collate_packed([row(2, 2), row(3)])
-    moved = move_batch(batch, "meta")
-    cu = moved["cu_seq_lens_q"]
-    assert cu.device.type == "meta" and moved["cu_seq_lens_k"] is cu
-    assert host_copy(cu) is batch["cu_seq_lens_q"] and host_copy(cu).tolist() == [0, 2, 4, 7]
-    assert host_copy(batch["cu_seq_lens_q"]) is None  # a host tensor is its own: nothing kept
-    assert host_copy(move_batch(batch, "cpu")["cu_seq_lens_q"]) is None  # not moved: read as it is
-    del moved, cu
-    assert not host_copies_alive(), "a host copy outlived the tensor it stood for"
-
-
-def host_copies_alive() -> int:
-    from raypack.data import collate
-
-    return len(collate._host_copies._by_id)
 
 
 @st.composite

@@ -55,21 +55,22 @@ def test_exact_path_reads_the_host_boundaries_collate_built_never_the_moved_tens
     example and chunk lengths, so the values found never came from it; (2) a forward and backward
     of a model on the exact path, its cu_seq_lens_q moved (a stand-in: a distinct CPU tensor, kept
     as move_batch keeps a CUDA one), reads the host tensor once and never the moved one: the op
-    gets the very tensor the batch holds. What it can't: that nothing else in a CUDA step syncs
-    (benchmarks/step_syncs.py, with torch's sync debug mode, on a GPU)."""
-    from raypack.data import collate
-    from raypack.model.exact import _segments
+    gets the very tensor the batch holds. The training step keeps the host copy as it moves a
+    micro-batch (tests/unit/train/test_prefetch.py). What it can't: that nothing else in a CUDA
+    step syncs (benchmarks/step_syncs.py, with torch's sync debug mode, on a GPU)."""
+    from raypack.model.exact import _segments, keep_host_copy
 
     batch = collate_packed(make_rows()[0])
     host = batch["cu_seq_lens_q"]
     lengths = (host[1:] - host[:-1]).tolist()
     meta = move_batch(batch, "meta")["cu_seq_lens_q"]
+    keep_host_copy(meta, host)
     total = int(host[-1])
     assert _segments(meta, None, total) == lengths
     assert sum(_segments(meta, 4, total)) == total and max(_segments(meta, 4, total)) <= 4
 
-    moved = host.clone()  # what move_batch returns on CUDA: another tensor, the host one kept
-    collate._host_copies.put(moved, host)
+    moved = host.clone()  # what the step moves to CUDA: another tensor, the host one kept
+    keep_host_copy(moved, host)
     reads = []
     real = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(self) or real(self))
