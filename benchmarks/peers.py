@@ -200,21 +200,19 @@ def child_trl(args, work: Path, peer: Peer) -> dict:
             "resident_gib": resident[-1] / 2**30 if resident else None}  # fmt: skip
 
 
-def child_raypack(args, work: Path, peer: Peer) -> dict:
-    import torch
+def raypack_config(args, work: Path, name: str, cuda: bool):
+    """The config row `name` trains with: the benchmark's settings, then the row's overrides. model.dtype
+    stays `auto` on both devices: bfloat16 on CUDA, float32 on the CPU, and bfloat16 wherever a row
+    sets train.precision: bf16 (which refuses a float32 model), so every row runs in a CPU smoke too."""
     import yaml
 
-    from benchmarks.train_throughput import read_tensorboard
     from raypack.config import loads
-    from raypack.runs import run_dir
-    from raypack.train.trainer import start
 
-    cuda = torch.cuda.is_available()
     settings = {
         "data": {"paths": [str(work / "data.parquet")], "format": "tokenized", "eval_fraction": 0.0},
         "tokenize": {"num_cpus": 0.5},
         "pack": {"strategy": "balanced", "budget": args.budget, "seed": args.seed},
-        "model": {"name": str(work / "model"), **({} if cuda else {"dtype": "float32"})},
+        "model": {"name": str(work / "model")},
         # report at the end of warm-up: the measured steps' memory peak is their reports' own
         "train": {"num_workers": 1, "use_gpu": cuda, "grad_accum": args.accum, "max_steps": args.warmup + args.steps,
                   "seed": args.seed, "warmup_steps": 2, "lr": 1e-4, "min_lr_ratio": 0.1, "weight_decay": 0.0,
@@ -222,7 +220,18 @@ def child_raypack(args, work: Path, peer: Peer) -> dict:
                   "save_final": False},
         "run": {"name": "peers", "storage_path": str(work / "scratch")},
     }  # fmt: skip
-    cfg = loads(yaml.safe_dump(settings), peer.overrides, "<peers>")
+    return loads(yaml.safe_dump(settings), CONFIGS[name].overrides, f"<peers.py {name}>")
+
+
+def child_raypack(args, work: Path, name: str) -> dict:
+    import torch
+
+    from benchmarks.train_throughput import read_tensorboard
+    from raypack.runs import run_dir
+    from raypack.train.trainer import start
+
+    cuda = torch.cuda.is_available()
+    cfg = raypack_config(args, work, name, cuda)
     start(cfg)  # starts Ray as `raypack train` does (its settings: the dashboard too)
     tb = read_tensorboard(f"{run_dir(cfg)}/tensorboard")
     last = args.warmup + args.steps
@@ -302,7 +311,8 @@ def table(results: dict[str, dict], per_token: float, peak: float | None) -> lis
     return lines
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, with --smoke's sizes applied (a child gets them as plain arguments)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny model, 256-token packs, 3 steps, CPU: proves the script runs")
     p.add_argument("--examples", type=int, default=20_000)
@@ -324,14 +334,19 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.gradient_checkpointing is None:
         args.gradient_checkpointing = not args.smoke
+    if args.smoke:
+        args.examples, args.budget, args.steps, args.warmup = 600, 256, 3, 1
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if args.child:
         peer = CONFIGS[args.child]
         work = Path(args.work)
-        result = child_trl(args, work, peer) if peer.side == "trl" else child_raypack(args, work, peer)
+        result = child_trl(args, work, peer) if peer.side == "trl" else child_raypack(args, work, args.child)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
-    if args.smoke:
-        args.examples, args.budget, args.steps, args.warmup = 600, 256, 3, 1
     if gpu_or_smoke(__file__, args.smoke, "compares TRL and raypack on one GPU") is None:
         return 2
     began = time.time()

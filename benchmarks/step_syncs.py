@@ -13,8 +13,9 @@ over gloo on the CPU, each running the same steps:
 - `before`: the step as raypack ran it up to issue 35 (`baseline_step` below: N gathered over the
   default group and read, a device sync, the loss and times gathered and read), on DeepSpeed's
   settings of then (its bf16 overflow check and synchronized throughput timer on, the preset's
-  overlap_comm on one rank);
-- `after`: raypack's step (raypack/train/loop.py's `train_step`, values read a step late through
+  overlap_comm on one rank, its own clipping, which reads the norm's validity on the host);
+- `after`: raypack's step as its loop runs it (raypack/train/loop.py's `take_step`: the ranks'
+  stop votes, `train_step`, the previous step's values read a step late through
   raypack/train/stepvalues.py) on raypack's DeepSpeed config (raypack/train/engine.py).
 
 Both run DeepSpeed ZeRO-2 with torch AdamW, the chunked loss, gradient clipping at 1.0, one
@@ -148,6 +149,25 @@ def baseline_step(engine, step, loss) -> dict[str, float]:
     return {"loss": float(stats[:, 0].sum()) / n_global, "tokens": float(stats[:, 1].sum())}
 
 
+def loop_worker(cfg, engine, scheduler, loss, counts, rank: int, total_steps: int):
+    """The state raypack's loop steps with (raypack/train/loop.py's Worker), for the `after` side:
+    its reporter logs each step's values (no trackers; reports, evals and checkpoints come only
+    when due, not every step, and are not counted), and its StopWatch votes at every step (no
+    driver asks here, so every vote is to go on: what a run's steps cost until a stop)."""
+    from raypack.config import Config
+    from raypack.train.checkpoint import TrainState
+    from raypack.train.loop import Worker
+    from raypack.train.metrics import Reporter
+    from raypack.train.stop import StopWatch
+
+    reporter = Reporter(rank=rank, total_steps=total_steps, report_every=None, static={},
+                        gather=counts.gather if counts.world > 1 else None)
+    reporter.start_clocks()
+    return Worker(Config(train=cfg), data=None, rank=rank, engine=engine, scheduler=scheduler, loss=loss,
+                  state=TrainState(), reporter=reporter, total_steps=total_steps, config={}, counts=counts,
+                  stop=StopWatch(rank=rank))
+
+
 def old_settings(ds: dict, world: int) -> dict:
     """DeepSpeed's config as raypack wrote it before issue 35: DeepSpeed's own defaults for the bf16
     overflow check and the throughput timer, and the preset's overlap_comm on one rank."""
@@ -164,7 +184,7 @@ def run_side(side: str, args, device: torch.device, world: int) -> dict:
     from benchmarks.loss_memory import build, make_rows
     from raypack.config import TrainConfig
     from raypack.train import engine as engine_mod
-    from raypack.train.loop import train_step
+    from raypack.train.loop import log_pending, take_step
     from raypack.train.loss import make_loss
     from raypack.train.prefetch import prepare_step
     from raypack.train.stepvalues import HostCounts
@@ -179,17 +199,20 @@ def run_side(side: str, args, device: torch.device, world: int) -> dict:
     original = engine_mod.deepspeed_config
     engine_mod.deepspeed_config = lambda *a, **k: config  # setup_engine builds exactly `config`
     try:
-        engine, _ = engine_mod.setup_engine(model, cfg, dtype=torch.bfloat16, world_size=world,
-                                            total_steps=args.warmup + args.steps)
+        engine, scheduler = engine_mod.setup_engine(model, cfg, dtype=torch.bfloat16, world_size=world,
+                                                    total_steps=args.warmup + args.steps)
     finally:
         engine_mod.deepspeed_config = original
+    if side == "before" and "unscale_and_clip_grads" in vars(engine.optimizer):
+        del engine.optimizer.unscale_and_clip_grads  # DeepSpeed's own clipping, as before issue 40
     loss = make_loss(engine, "chunked")
     rank = dist.get_rank()
     rows = make_rows(args.warmup + args.steps, args.tokens, loss.vocab, seed=args.seed + rank)
     steps = [prepare_step([r], pin=device.type == "cuda") for r in rows]
     counts = HostCounts.open(world, device)
+    worker = loop_worker(cfg, engine, scheduler, loss, counts, rank, len(steps))
     counter = SyncCounter()
-    pending, started, first = None, 0.0, 0
+    started, first = 0.0, 0
     import warnings
 
     with counter, warnings.catch_warnings(record=True) as warned:
@@ -203,15 +226,11 @@ def run_side(side: str, args, device: torch.device, world: int) -> dict:
                     torch.cuda.set_sync_debug_mode("warn")  # a warning per synchronizing CUDA call
             if side == "before":
                 baseline_step(engine, step, loss)
-                counter.mark(f"step {i + 1} enqueued")
-            else:  # as raypack/train/loop.py's train_epoch: enqueue this step, then read the last one
-                current = train_step(engine, step, loss, counts, i + 1)
-                counter.mark(f"step {i + 1} enqueued")
-                if pending is not None:
-                    pending.resolve()
-                pending = current
-        if pending is not None:
-            pending.resolve()
+            else:  # the loop's own step: the stop vote, enqueue this step, then read the last one
+                assert take_step(worker, step, 0, 0.0), "a step with no stop asked for stopped"
+            counter.mark(f"step {i + 1} enqueued")
+        if side == "after":
+            log_pending(worker)  # the last step's values, as the loop reads them at its last report
         if device.type == "cuda":
             torch.cuda.synchronize()
     elapsed = time.perf_counter() - started
@@ -322,7 +341,10 @@ def main(argv=None) -> int:
              f"Model: {'tiny-llama' if args.smoke else 'Llama-3.2-1B shape'}, bf16, DeepSpeed ZeRO-2, torch AdamW, the "
              f"chunked loss, clipping at 1.0; one {args.tokens}-token packed row a step; {args.warmup} warm-up and "
              f"{args.steps} measured steps. Counts are means per measured step, by where they come from "
-             "(the module doc says what each kind is and what the CPU can't show).", ""]
+             "(the module doc says what each kind is and what the CPU can't show). Both sides run today's model "
+             "code: transformers' packed-row detection in its mask code (a read a forward, until issue 40) is gone "
+             "from both. `deepspeed (stage_1_and_2._optimizer_step)`: torch AdamW's `.item()` of its step counters, "
+             "host tensors when it is not fused (the CPU); fused on CUDA, they stay on the device, unread.", ""]
     for world, r in results.items():
         lines += [f"## {world} rank{'s' if world > 1 else ''}", "", *table(r, device == "cuda"), ""]
     write_results("step_syncs", smoke, args.out, lines)

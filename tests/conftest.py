@@ -68,6 +68,23 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def one_rank_group(monkeypatch, tmp_path):
+    """A gloo process group of one, with the variables DeepSpeed's launcher would set."""
+    import torch.distributed as dist
+
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "DS_ACCELERATOR": "cpu"}.items():
+        monkeypatch.setenv(key, value)
+    ours = not dist.is_initialized()
+    if ours:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    if ours:
+        from benchmarks.step_syncs import destroy_process_group
+
+        destroy_process_group()  # through DeepSpeed, which forgets the groups it cached
+
+
 @pytest.fixture(scope="session")
 def ray_local():
     """A local Ray instance for the whole session, started the way every raypack command starts

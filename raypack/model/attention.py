@@ -26,8 +26,13 @@ attention sinks (`s_aux`, an extra per-head logit in the softmax denominator), c
 attention and dropout. The kernels get chunked layers as cu_seqlens cut at chunk boundaries
 and refuse sinks.
 
-The mask function registered next to the names returns None: boundaries come from
-cu_seqlens, and a 4D mask built by transformers would cost O(T^2) memory for nothing.
+No mask function is registered next to the names (transformers' AttentionMaskInterface), so
+transformers' mask code returns None at once for them: boundaries come from cu_seqlens, a 4D mask
+would cost O(T^2) memory for nothing, and with a mask function registered transformers first
+looks for packed rows in `position_ids` (masking_utils.find_packed_sequence_indices), reading the
+device once a forward (twice with sliding-window layers) for a mask nobody uses. A real padding
+mask, which that early return would drop, is refused where the decoder is called instead
+(`refuse_padding_masks`, installed by build.load_model).
 """
 
 from __future__ import annotations
@@ -39,13 +44,12 @@ from typing import Any
 
 import torch
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 from raypack.model import ulysses
 from raypack.model.exact import LastCache, chunk_cu_seqlens, exact_attention
-from raypack.model.traits import PADDED, UnsupportedModelError, row_scaled_layers
+from raypack.model.traits import PADDED, UnsupportedModelError, decoder, row_scaled_layers
 
-__all__ = ["NAMES", "BACKENDS", "attn_implementation_name", "chunk_cu_seqlens", "register"]
+__all__ = ["NAMES", "BACKENDS", "attn_implementation_name", "chunk_cu_seqlens", "refuse_padding_masks", "register"]
 
 NAMES = {
     "auto": "raypack_varlen",
@@ -316,16 +320,21 @@ def _make_forward(backend: str | None):
     return forward
 
 
-def _no_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> None:
-    """Mask function for the raypack names: boundaries come from cu_seqlens, so no 4D mask. A real
-    padding mask would be silently ignored, so refuse it (the check syncs, but only when a mask
-    is passed at all, which packed batches never do)."""
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError(
-            "raypack varlen attention got a padding attention_mask; packed rows carry none. "
-            "Use attention='sdpa' (strategies pad, pad_sorted) for padded batches."
-        )
-    return None
+def refuse_padding_masks(model: torch.nn.Module) -> None:
+    """Refuse a padding attention_mask passed to `model`'s text decoder (a forward pre-hook): raypack's
+    names get no mask from transformers (see the module doc), so a mask with zeros would be silently
+    ignored. The check syncs, but only when a mask is passed at all, which packed batches never do.
+    On the decoder, not the model: PEFT calls the model's `forward` directly, hooks bypassed."""
+
+    def check(module, args, kwargs) -> None:
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
+            raise ValueError(
+                "raypack varlen attention got a padding attention_mask; packed rows carry none. "
+                "Use attention='sdpa' (strategies pad, pad_sorted) for padded batches."
+            )
+
+    decoder(model).register_forward_pre_hook(check, with_kwargs=True)
 
 
 _registered = False
@@ -338,5 +347,4 @@ def register() -> None:
         return
     for attention, name in NAMES.items():
         AttentionInterface.register(name, _make_forward(None if attention == "auto" else attention))
-        AttentionMaskInterface.register(name, _no_mask)
     _registered = True

@@ -236,6 +236,8 @@ def load_model(
         model = AutoModelForCausalLM.from_config(config, **common)
     if packed and zero3:
         check_packable(model, name, attn.candidate_backends(attention, _device_type()))
+    if packed:
+        attn.refuse_padding_masks(model)
     if getattr(config, "output_router_logits", False):
         # The training loop's loss is token cross-entropy from the logits; a router's auxiliary
         # loss, which transformers adds to `loss` only, never reaches it (in any strategy).

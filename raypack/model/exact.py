@@ -4,8 +4,10 @@ Each example (each chunk of an example, on chunked-attention layers) runs on its
 is Σ len², like the CUDA varlen kernels', not (Σ len)² as a masked attention over the whole row
 would be. Where the model needs nothing SDPA lacks, each example is one SDPA call (causal, or with
 a window mask); with logit softcapping or attention sinks it is transformers' eager formula.
-Boundaries come from cu_seqlens, read as a list once per forward: free on the CPU, one sync per
-forward on CUDA. `chunk_cu_seqlens`, which the CUDA kernels use too, needs no read at all.
+Boundaries come from cu_seqlens as a list, once per forward: from the host tensor collate built
+them in, which the training step keeps beside the device copy (`keep_host_copy`, by
+raypack.train.prefetch.to_device), so on CUDA no device value is read; only a batch moved some
+other way is read back from the device (one sync per forward). `chunk_cu_seqlens`, which the CUDA kernels use too, needs no read at all.
 
 The whole path is one torch.library custom op, `raypack::exact_varlen` (see `exact_attention`), so
 torch.compile keeps a layer's graph whole around it. Its backward is written out (the eager
@@ -46,6 +48,40 @@ class LastCache:
 _per_batch = LastCache()
 
 
+class HostCopies:
+    """A tensor moved off the host -> the host tensor it was moved from, for as long as the moved
+    one lives (keyed by identity: a freed tensor's address reused by a new one never hits)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+    def put(self, moved: torch.Tensor, host: torch.Tensor) -> None:
+        key = id(moved)
+        self._by_id[key] = (weakref.ref(moved, lambda _, key=key: self._by_id.pop(key, None)), host)
+
+    def get(self, moved: torch.Tensor) -> torch.Tensor | None:
+        hit = self._by_id.get(id(moved))
+        return hit[1] if hit is not None and hit[0]() is moved else None
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+
+_host_copies = HostCopies()
+
+
+def keep_host_copy(moved: torch.Tensor, host: torch.Tensor) -> None:
+    """`moved` (a batch's cu_seq_lens_q on the device) holds the values of `host` (the host tensor
+    collate built): the exact path reads those instead, with no device sync, while `moved` lives."""
+    if moved is not host:
+        _host_copies.put(moved, host)
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The host tensor kept for `tensor` (`keep_host_copy`), or None."""
+    return _host_copies.get(tensor)
+
+
 def chunk_cu_seqlens(cu: torch.Tensor, chunk: int, total: int) -> torch.Tensor:
     """`cu` with a boundary added at every multiple of `chunk` from each example's start
     (positions restart per example, so chunks do too): chunked causal attention within an
@@ -64,11 +100,15 @@ def chunk_cu_seqlens(cu: torch.Tensor, chunk: int, total: int) -> torch.Tensor:
 
 
 def _segments(cu: torch.Tensor, chunk: int | None, total: int) -> list[int]:
-    """Lengths of the examples, or of the chunks of the examples, in row order (none empty), read
-    once per forward."""
+    """Lengths of the examples, or of the chunks of the examples, in row order (none empty), found
+    once per forward: from the host copy of `cu` that collate computed (`keep_host_copy`, by
+    raypack.train.prefetch.to_device), or, where there is none (a batch moved some other way),
+    read from `cu`."""
     hit = _per_batch.get(cu, ("segments", chunk, total))
     if hit is None:
-        bounds = (chunk_cu_seqlens(cu, chunk, total) if chunk else cu).tolist()
+        host = host_copy(cu)
+        source = cu if host is None else host
+        bounds = (chunk_cu_seqlens(source, chunk, total) if chunk else source).tolist()
         if bounds[0] != 0 or bounds[-1] != total:
             raise ValueError(f"cu_seqlens must run from 0 to the row's {total} tokens, got {bounds[0]}..{bounds[-1]}")
         hit = [e - s for s, e in zip(bounds[:-1], bounds[1:]) if e > s]

@@ -92,20 +92,23 @@ def compile_layers(model: nn.Module) -> int:
 def check_compiled(model: nn.Module, batch: dict) -> int:
     """One training forward and backward of `batch` (a tiny packed batch on the model's device)
     through the compiled layers, in train mode, under the model's own checkpointing: what the
-    first step runs. Refuses (UnsupportedModelError), before any step, a model whose layers Dynamo
-    can't trace whole: a graph break inside a checkpointed layer makes Dynamo run the whole
-    checkpoint eagerly, so the layer would not be compiled at all, forward or recompute. The
-    gradient is taken for the input embeddings only: no parameter's gradient is written, so
-    DeepSpeed's gradient hooks never fire. Returns the graphs compiled so far."""
+    first step runs. Refuses (UnsupportedModelError), before any step, a model whose layers don't
+    run compiled: a graph break inside a checkpointed layer makes Dynamo run the whole checkpoint
+    eagerly, so the layer would not be compiled at all, forward or recompute; and a layer that runs
+    eagerly with no graph break at all (Dynamo disabled: TORCHDYNAMO_DISABLE, a `force_eager`
+    stance; its recompile limit reached; layers never compiled) compiles nothing and would pass a
+    check of breaks alone. The gradient is taken for the input embeddings only: no parameter's
+    gradient is written, so DeepSpeed's gradient hooks never fire. Returns the graphs compiled so far."""
     from torch._dynamo.utils import counters
 
     before = dict(counters["graph_break"])
     was_training = model.training
     model.train()
     try:
-        embeds = model.get_input_embeddings()(batch["input_ids"]).detach().requires_grad_()
-        out = model(**{k: v for k, v in batch.items() if k not in ("input_ids", "labels")}, inputs_embeds=embeds)
-        torch.autograd.grad(out.logits.float().sum(), embeds)
+        with eager_layers(model) as eager:
+            embeds = model.get_input_embeddings()(batch["input_ids"]).detach().requires_grad_()
+            out = model(**{k: v for k, v in batch.items() if k not in ("input_ids", "labels")}, inputs_embeds=embeds)
+            torch.autograd.grad(out.logits.float().sum(), embeds)
     finally:
         model.train(was_training)
     breaks = {why: n - before.get(why, 0) for why, n in counters["graph_break"].items() if n > before.get(why, 0)}
@@ -116,7 +119,41 @@ def check_compiled(model: nn.Module, batch: dict) -> int:
             f"run eagerly where it breaks, and a checkpointed one entirely (Dynamo's graph breaks: {reasons}); set "
             "train.compile: false"
         )
+    if eager:
+        layers = len(decoder_layers(model, "train.compile"))
+        raise UnsupportedModelError(
+            f"train.compile: {len(set(eager))} of {layers} decoder layers of {type(model).__name__} ran eagerly in a "
+            "training forward, with no graph break: torch.compile ran none of their code (Dynamo disabled by "
+            "TORCHDYNAMO_DISABLE or a force_eager stance, its recompile limit reached, or the layers not compiled); "
+            "set train.compile: false or find what turned it off"
+        )
     return compiled_graphs()
+
+
+@contextlib.contextmanager
+def eager_layers(model: nn.Module):
+    """Yields a list that collects the index of every decoder layer of `model` that runs outside
+    torch.compile while the block runs (once per call: a checkpointed layer run eagerly counts its
+    recompute too). A forward pre-hook on each layer asks `torch.compiler.is_compiling()`: Dynamo
+    traces the hook with it a constant True, so a compiled layer's graph holds no trace of it and
+    records nothing, while a layer run eagerly calls it for real. Hooks are not among Dynamo's
+    guards (`skip_nnmodule_hook_guards`), so adding and removing them recompiles nothing."""
+    layers = decoder_layers(model, "train.compile")
+    ran: list[int] = []
+
+    def hook(index: int):
+        def note(module, args) -> None:
+            if not torch.compiler.is_compiling():
+                ran.append(index)
+
+        return note
+
+    handles = [layer.register_forward_pre_hook(hook(i)) for i, layer in enumerate(layers)]
+    try:
+        yield ran
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _liger_into_graphs(layers: nn.Module) -> None:

@@ -42,15 +42,16 @@ import torch
 import torch.nn.functional as F
 
 from raypack.config import DpoConfig
-from raypack.data.collate import collate_packed, example_starts, move_batch
+from raypack.data.collate import collate_packed, example_starts
 from raypack.data.formats import IGNORE_INDEX, row_labels
 from raypack.data.pairs import CHOSEN, PIECE_MASK, REJECTED
 from raypack.data.shards import Prepared, iter_rank_packs
 from raypack.model.kernels import checkpoint_offload
 from raypack.train.chunked_ce import chunked_sequence_objective
 from raypack.train.loss import TARGET_KEYS, CausalLMLoss, label_targets
-from raypack.train.prefetch import StepBatch
+from raypack.train.prefetch import StepBatch, to_device
 from raypack.train.stepvalues import HostCounts, Pending, StepTimer
+from raypack.train.stop import StopWatch
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -202,12 +203,16 @@ class DPOLoss:
     # --- one optimizer step -------------------------------------------------------------------------
 
     def train_step(self, engine, step: PairStep, counts: HostCounts, number: int = 0, wait_s: float = 0.0,
-                   offload: bool = False) -> Pending:
+                   offload: bool = False, stop: StopWatch | None = None) -> Pending | None:
         """Enqueue optimizer step `number` on prefetched micro-batches of pairs (loop.train_step's
-        DPO twin): the same host counts before the first backward, and the loss and METRICS sums
-        read a step late (raypack/train/stepvalues.py), as means over the step's pairs."""
+        DPO twin): the same host counts before the first backward, the stop vote riding them (None,
+        no step taken, when the ranks agree to stop), and the loss and METRICS sums read a step
+        late (raypack/train/stepvalues.py), as means over the step's pairs."""
         timer = StepTimer(engine.device)
-        pairs, chosen_tokens, labels, tokens = self.step_counts(counts, step)
+        counted = self.step_counts(counts, step, stop, number - 1)
+        if counted is None:
+            return None
+        pairs, chosen_tokens, labels, tokens = counted
         host = {"pairs": pairs, "label_tokens": labels, "tokens": tokens, "data_wait_s": wait_s,
                 "world_size": counts.world, "skipped_steps": float(pairs == 0)}
         if pairs == 0:
@@ -220,10 +225,13 @@ class DPOLoss:
                                 names=METRICS, per="pairs")
 
     @staticmethod
-    def step_counts(counts: HostCounts, step: PairStep) -> list[float]:
+    def step_counts(counts: HostCounts, step: PairStep, stop: StopWatch | None = None,
+                    after: int = 0) -> list[float] | None:
         """The step's pairs, chosen tokens, label tokens and tokens over every rank: host numbers,
-        as SFT's label count (one gloo all_gather on many ranks, nothing on one)."""
-        return counts.sums(step.pairs, step.chosen_tokens, step.label_tokens, step.tokens)
+        as SFT's label count (one gloo all_gather on many ranks, nothing on one), with `stop`'s
+        vote after step `after` in the same gather: None when the ranks agree to stop there."""
+        values = [step.pairs, step.chosen_tokens, step.label_tokens, step.tokens]
+        return counts.sums(*values) if stop is None else stop.sums(counts, values, after)
 
     def forward_backward(self, engine, step: PairStep, pairs: float, chosen_tokens: float, world: int,
                          offload: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,7 +245,7 @@ class DPOLoss:
         stats: list = []
         for i, batch in enumerate(step.batches):
             with checkpoint_offload(offload, engine.device):
-                loss_sum = self(engine, {**move_batch(batch, engine.device), "sft_scale": sft_scale}, stats)
+                loss_sum = self(engine, {**to_device(batch, engine.device), "sft_scale": sft_scale}, stats)
             engine.backward(loss_sum * scale)
             total += loss_sum.detach()
             if i < len(step.batches) - 1:
@@ -257,7 +265,7 @@ class DPOLoss:
         pairs = chosen = 0
         for row in iter_rank_packs(data.eval_dir, rank):
             step = self.prepare_step([row], data.padded, data.pad_token_id)
-            batch = move_batch(step.batches[0], engine.device)
+            batch = to_device(step.batches[0], engine.device)
             pairs, chosen = pairs + step.pairs, chosen + step.chosen_tokens
             kept: list = []  # an empty pack runs its forward too: ZeRO-3's gathers are collective
             losses.append(self(engine, {**batch, "sft_scale": 0.0}, kept))

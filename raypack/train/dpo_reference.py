@@ -35,10 +35,10 @@ import torch.distributed as dist
 
 from raypack import storage
 from raypack.config import Config
-from raypack.data.collate import move_batch
 from raypack.data.shards import Prepared, iter_rank_packs
 from raypack.model.adapters import is_peft_model, weights_digest
 from raypack.train.dpo import DPOLoss, pair_batch
+from raypack.train.prefetch import to_device
 
 MANIFEST = "manifest.json"
 
@@ -64,7 +64,7 @@ def rows_logps(loss: DPOLoss, forward, rows, padded: bool, pad_token_id: int, de
     empty pack's too: under ZeRO-3 every rank must run as many forwards as the others)."""
     out: dict[int, float] = {}
     for row in rows:
-        batch = move_batch(pair_batch(row, padded, pad_token_id), device)
+        batch = to_device(pair_batch(row, padded, pad_token_id), device)
         batch.pop("completion_tokens")
         sequence = batch.pop("sequence")
         _, sums = loss.objective(forward, batch, sequence, len(row["example_ids"]), lambda s: s.sum())

@@ -12,6 +12,9 @@ A lean step: every DeepSpeed setting that costs time and buys nothing is off (re
 - `zero_optimization.overlap_comm` on one rank: it buys nothing (there is no communication to
   overlap) and synchronizes the device at the end of every backward (ZeRO 1-2's epilogue), on top
   of a second reduce bucket. With many ranks the preset's choice stands.
+- ZeRO 1-2's gradient clipping (`gradient_clipping`, train.grad_clip: 1.0 by default) reads a
+  device value on the host once per parameter group every step, to put inf in place of an invalid
+  norm: raypack swaps in the same replacement as a tensor op (`clip_without_reading`).
 The reduce bucket still carries one rank's gradients (copied in, "reduced" over a group of one,
 copied into the partition): its size only sets how many such flushes a step takes, each a few
 launches, and costs 2 bytes an element, so the preset's size stands.
@@ -33,6 +36,7 @@ cluster image).
 from __future__ import annotations
 
 import math
+import types
 from typing import Any
 
 import deepspeed
@@ -42,8 +46,8 @@ from raypack.config import TrainConfig
 from raypack.model.build import resolve_dtype
 from raypack.train.presets import PRESETS, find_auto, load_preset
 
-__all__ = ["PRESETS", "deepspeed_config", "load_preset", "lr_lambda", "make_optimizer", "model_dtype", "setup_engine",
-           "skip_shm_build"]
+__all__ = ["PRESETS", "clip_without_reading", "deepspeed_config", "load_preset", "lr_lambda", "make_optimizer",
+           "model_dtype", "setup_engine", "skip_shm_build"]
 
 BETAS = (0.9, 0.95)
 EPS = 1e-8
@@ -166,4 +170,40 @@ def setup_engine(model: torch.nn.Module, cfg: TrainConfig, *, dtype: torch.dtype
         lr_scheduler=schedule,
         config=ds_config,
     )
+    clip_without_reading(engine.optimizer)
     return engine, scheduler
+
+
+def clip_without_reading(optimizer) -> bool:
+    """ZeRO 1-2's gradient clipping, made to wait for nothing: DeepSpeed's `unscale_and_clip_grads`
+    (0.19.8, runtime/zero/stage_1_and_2.py) asks `is_invalid_grad_norm(total_norm)` on the host, a
+    `bool()` of a device tensor per parameter group, every step at any train.grad_clip > 0, only
+    to put inf in place of an invalid norm. The same replacement as a tensor op (`torch.where`)
+    gives the same clip factor, bit for bit, with no read (tests/unit/train/test_engine.py checks
+    it against DeepSpeed's own). Returns whether it was installed (ZeRO 1-2's optimizer only)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer):
+        return False
+    optimizer.unscale_and_clip_grads = types.MethodType(_unscale_and_clip_grads, optimizer)
+    return True
+
+
+def _unscale_and_clip_grads(self, grad_groups_flat, total_norm) -> None:
+    """DeepSpeedZeroOptimizer.unscale_and_clip_grads with the invalid norm replaced on the device."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if not torch.is_tensor(total_norm):  # not a path DeepSpeed 0.19.8 takes: its own code, as it is
+        return DeepSpeedZeroOptimizer.unscale_and_clip_grads(self, grad_groups_flat, total_norm)
+    if self.clip_grad == 0.0 and self.loss_scale == 1.0:
+        return None
+    combined_scale = self.loss_scale
+    if self.clip_grad > 0.0:
+        valid = torch.isfinite(total_norm) & (total_norm >= 0)
+        clip_norm = torch.where(valid, total_norm, torch.full_like(total_norm, float("inf")))
+        clip = ((clip_norm / self.loss_scale) + 1e-6) / self.clip_grad  # norm is in fact norm * scale
+        combined_scale = torch.clamp(clip, min=1.0) * self.loss_scale
+    for grad in grad_groups_flat:
+        for g in grad if isinstance(grad, list) else [grad]:
+            g.data.mul_(1.0 / combined_scale)
+    return None

@@ -19,8 +19,9 @@ A step with N = 0 (no rank has a label token: rare, since examples without one a
 packing) is logged and skipped, with no forward, backward or update, never averaged in as 0.
 
 Stopping: SIGTERM or Ctrl-C to the driver, or a node of the run being preempted, is agreed on by
-every rank before a step starts (one small host all_gather), so all of them stop after the same
-step, with a checkpoint when the last one is old (raypack/train/stop.py).
+every rank before a step starts, each rank's vote riding the step's own host all_gather of its
+label tokens (no collective of its own), so all of them stop after the same step, with a
+checkpoint when the last one is old (raypack/train/stop.py).
 
 Data: a background thread reads, collates and pins the next step's micro-batches while this one
 computes (raypack/train/prefetch.py). The step never waits for the device: N is a host number
@@ -42,7 +43,6 @@ import torch.distributed as dist
 from transformers.integrations import HfDeepSpeedConfig
 
 from raypack.config import Config
-from raypack.data.collate import move_batch
 from raypack.data.encode import load_tokenizer
 from raypack.data.shards import Prepared, iter_epoch_packs, iter_rank_packs
 from raypack.model.adapters import apply_adapters, frozen_digest, quantization_config, trainable_summary
@@ -59,7 +59,7 @@ from raypack.train.dpo_reference import make_dpo_loss
 from raypack.train.loss import CausalLMLoss, make_loss, probe_batch
 from raypack.train.memory import resolve_checkpointing
 from raypack.train.metrics import Eta, Reporter, model_flops_per_token
-from raypack.train.prefetch import StepBatch, prepare_step
+from raypack.train.prefetch import StepBatch, prepare_step, to_device
 from raypack.train.sequence import data_rank, make_groups, probe_split, step_source
 from raypack.train.startup import Startup
 from raypack.train.stepvalues import HostCounts, Pending, StepTimer
@@ -142,7 +142,7 @@ def forward_backward(engine, batches: list[dict], scale: float | torch.Tensor, l
         # move_batch keeps cu_seq_lens_q and _k one tensor; two copies would cost a device
         # comparison (a sync) in every attention layer.
         with checkpoint_offload(offload, engine.device):
-            loss_sum = loss(engine, move_batch(batch, engine.device))
+            loss_sum = loss(engine, to_device(batch, engine.device))
         engine.backward(loss_sum * scale)
         total += loss_sum.detach()
         if i < len(batches) - 1:
@@ -151,15 +151,20 @@ def forward_backward(engine, batches: list[dict], scale: float | torch.Tensor, l
 
 
 def train_step(engine, step: StepBatch, loss: CausalLMLoss, counts: HostCounts, number: int = 0,
-               wait_s: float = 0.0, offload: bool = False) -> Pending:
+               wait_s: float = 0.0, offload: bool = False, stop: StopWatch | None = None) -> Pending | None:
     """Enqueue optimizer step `number` on prefetched micro-batches; its values are read later
     (`Pending.resolve`, raypack/train/stepvalues.py). `wait_s` is how long the loop waited for them;
-    `offload`: model.offload_checkpoints."""
+    `offload`: model.offload_checkpoints; `stop`: the run's StopWatch, whose vote rides the step's
+    host gather: None, and no step taken, when the ranks agree to stop after step `number - 1`."""
     timer = StepTimer(engine.device)
     # Every rank needs N, the step's global label count, before its first backward: host numbers,
     # summed over the ranks on the host (nothing to sum on one rank). Every rank reads the same N,
     # so a step with none is skipped by all of them alike.
-    n_global, tokens = counts.sums(step.label_tokens, step.tokens)
+    values = [step.label_tokens, step.tokens]
+    sums = counts.sums(*values) if stop is None else stop.sums(counts, values, number - 1)
+    if sums is None:
+        return None
+    n_global, tokens = sums
     host = {"label_tokens": n_global, "tokens": tokens, "data_wait_s": wait_s, "world_size": counts.world,
             "skipped_steps": float(n_global == 0)}
     if n_global == 0:
@@ -182,7 +187,7 @@ def evaluate(engine, data: Prepared, group: SequenceGroup, loss: CausalLMLoss) -
     with _steps(data, engine.device, group, rows, 1) as steps:
         for step in steps:
             labels += step.label_tokens
-            total += loss(engine, move_batch(step.batches[0], engine.device))  # no sync per batch
+            total += loss(engine, to_device(step.batches[0], engine.device))  # no sync per batch
     engine.train()
     summed = global_count([float(total), labels], engine.device).sum(0)
     return float(summed[0] / summed[1].clamp_min(1))
@@ -262,7 +267,7 @@ def setup_worker(config: dict) -> Worker:
     # Probes the model once (a short forward on every rank): a model the chunked loss can't
     # reproduce exactly stops here, before any step.
     loss = make_loss(engine, cfg.train.loss, cfg.train.loss_chunk_tokens, padded=data.padded)
-    probe = move_batch(probe_batch(loss.vocab, data.padded), engine.device)
+    probe = to_device(probe_batch(loss.vocab, data.padded), engine.device)
     _, changed = check_selective(engine.module, probe, cfg.model.gradient_checkpointing)
     if changed and rank == 0:
         print(f"[raypack] gradient checkpointing: full ({changed})", flush=True)
@@ -320,31 +325,44 @@ def train_epoch(w: Worker, epoch: int) -> None:
             t0 = time.perf_counter()
             if (step := next(steps, None)) is None:
                 break
-            if w.stop.agree(w.counts, state.step):  # asked to stop: after the step just taken
+            if not take_step(w, step, epoch, time.perf_counter() - t0):  # asked to stop: after the last step
                 stop_here(w, epoch)
                 return
-            wait_s, offload = time.perf_counter() - t0, w.cfg.model.offload_checkpoints
-            if dpo:  # the same step over pairs: raypack/train/dpo.py
-                pending = w.loss.train_step(w.engine, step, w.counts, state.step + 1, wait_s=wait_s, offload=offload)
-            else:
-                pending = train_step(w.engine, step, w.loss, w.counts, state.step + 1, wait_s=wait_s, offload=offload)
-            pending.host["lr"] = w.scheduler.get_last_lr()[0]
-            if w.cfg.train.compile:  # graphs Dynamo compiled so far: a count that grows is recompiling
-                pending.host["compiled_graphs"] = float(compiled_graphs())
-            if pending.host["skipped_steps"] and w.rank == 0:
-                print(f"[raypack] step {state.step + 1}: no rank has a label token; skipped (no update)", flush=True)
-            state.step += 1
-            state.micro_step += accum
-            state.steps_log.append((state.step, epoch, step.example_ids))
-            # The previous step's values: read now, with this step enqueued behind it.
-            log_pending(w)
-            w.pending = pending
-            if "first_step" not in w.clock.marks:  # this start's first step: read at once, once
-                log_pending(w)
-                w.clock.mark("first_step")
-                if w.rank == 0:
-                    print(f"[raypack] start-up: {w.clock.line()}", flush=True)
             after_step(w, epoch)
+
+
+def take_step(w: Worker, step, epoch: int, wait_s: float) -> bool:
+    """The loop's optimizer step on `step`, prefetched micro-batches (waited for `wait_s`): its
+    host numbers and the ranks' stop votes in one gather, then forward, backward and update
+    enqueued, the previous step's values read. False, with no step taken, when the ranks agree to
+    stop after the last one. What every step of a run costs: benchmarks/step_syncs.py counts this."""
+    state = w.state
+    offload = w.cfg.model.offload_checkpoints
+    if isinstance(w.loss, DPOLoss):  # the same step over pairs: raypack/train/dpo.py
+        pending = w.loss.train_step(w.engine, step, w.counts, state.step + 1, wait_s=wait_s, offload=offload,
+                                    stop=w.stop)
+    else:
+        pending = train_step(w.engine, step, w.loss, w.counts, state.step + 1, wait_s=wait_s, offload=offload,
+                             stop=w.stop)
+    if pending is None:
+        return False
+    pending.host["lr"] = w.scheduler.get_last_lr()[0]
+    if w.cfg.train.compile:  # graphs Dynamo compiled so far: a count that grows is recompiling
+        pending.host["compiled_graphs"] = float(compiled_graphs())
+    if pending.host["skipped_steps"] and w.rank == 0:
+        print(f"[raypack] step {state.step + 1}: no rank has a label token; skipped (no update)", flush=True)
+    state.step += 1
+    state.micro_step += w.cfg.train.grad_accum
+    state.steps_log.append((state.step, epoch, step.example_ids))
+    # The previous step's values: read now, with this step enqueued behind it.
+    log_pending(w)
+    w.pending = pending
+    if "first_step" not in w.clock.marks:  # this start's first step: read at once, once
+        log_pending(w)
+        w.clock.mark("first_step")
+        if w.rank == 0:
+            print(f"[raypack] start-up: {w.clock.line()}", flush=True)
+    return True
 
 
 def log_pending(w: Worker) -> None:

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from raypack.data.collate import collate_packed, count_label_tokens
+from raypack.data.collate import collate_packed, count_label_tokens, move_batch
+from raypack.model.exact import keep_host_copy
 from raypack.train.loss import label_targets
 
 
@@ -131,3 +132,14 @@ class Prefetcher(Iterator[StepBatch]):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def to_device(batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
+    """A micro-batch on `device` (collate.move_batch), its host cu_seq_lens_q kept beside the moved
+    one for the exact attention, which needs the boundaries as numbers and so reads the host's, not
+    the device's (raypack/model/exact.py: no device sync per micro-batch on CUDA)."""
+    moved = move_batch(batch, device)
+    cu = batch.get("cu_seq_lens_q")
+    if isinstance(cu, torch.Tensor) and cu.device.type == "cpu":
+        keep_host_copy(moved["cu_seq_lens_q"], cu)
+    return moved

@@ -24,10 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raypack.data.collate import move_batch, shard_batch
+from raypack.data.collate import shard_batch
 from raypack.model.ulysses import SequenceGroup, sequence_parallel
 from raypack.train.loss import label_targets, probe_batch
-from raypack.train.prefetch import Prefetcher, StepBatch
+from raypack.train.prefetch import Prefetcher, StepBatch, to_device
 
 
 def make_groups(size: int) -> SequenceGroup:
@@ -55,7 +55,7 @@ def probe_split(engine, group: SequenceGroup, loss) -> None:
         return
     batch = probe_batch(loss.vocab, padded=False)  # the chunked loss: the config refuses the full one here
     batch.update(label_targets(batch["labels"]))
-    shard = move_batch(shard_batch(batch, group.size)[group.rank], engine.device)
+    shard = to_device(shard_batch(batch, group.size)[group.rank], engine.device)
     was_training = engine.module.training
     engine.module.eval()
     try:

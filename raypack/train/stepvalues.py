@@ -24,10 +24,11 @@ same message.
 
 Per optimizer step, then: one rank makes no collective and no host read of a device value; it
 waits once, a step late, for the previous step's end event; many ranks add one
-host all_gather (N and the tokens) and one device all_reduce of the loss (queued, not waited
-for). Reports gather each rank's step times once a report (`window`), for the rank imbalance.
-`benchmarks/step_syncs.py` counts them, before and after, and tests/unit/train/test_stepvalues.py
-holds the step to it.
+host all_gather (N, the tokens, and each rank's vote to stop, raypack/train/stop.py) and one
+device all_reduce of the loss (queued, not waited for). Reports gather each rank's step times
+once a report (`window`), for the rank imbalance. `benchmarks/step_syncs.py` counts them in the
+loop's own step (loop.take_step), before and after, and tests/unit/train/test_stepvalues.py holds
+the step to it.
 
 Divergence. DeepSpeed's bf16 overflow check is off (raypack/train/engine.py), so a step whose
 gradients hold inf or NaN would be applied. The gradient norm DeepSpeed computes anyway for

@@ -8,8 +8,9 @@ step boundary with a checkpoint, within `train.stop_grace_s`:
              one line on the screen, and a timer that stops everything at the deadline
     workers: rank 0 reads the key (at most every POLL_S); every rank reads Ray Train's notice
              that its node is being preempted (a node drain: `ray start` got SIGTERM, a spot
-             reclaim, an autoscaler); before each step the ranks share their votes (one small
-             host all_gather, none on one rank), so all of them stop after the same step
+             reclaim, an autoscaler); before each step the ranks share their votes in the step's
+             own host all_gather (of its label tokens: none on one rank), so all of them stop
+             after the same step
         ──> a checkpoint, if the last one is older than train.stop_checkpoint_after_s and the
             time left fits one (the last checkpoint's cost), reported and so registered
         ──> a driver's stop: the loop returns, rank 0 records where it stopped (`<key>:done`),
@@ -190,13 +191,19 @@ class StopWatch:
         stale = time.monotonic() - self._last_checkpoint >= self.checkpoint_after_s
         return 2.0 * reason + float(fits and stale and step != self.checkpoint_step)
 
-    def agree(self, counts, step: int) -> bool:
-        """Whether every rank stops after `step`: the largest vote of all (`counts`, the loop's
-        stepvalues.HostCounts, gathers them; one rank gathers nothing). Sets `reason` and
+    def sums(self, counts, values: list[float], step: int) -> list[float] | None:
+        """The next step's host numbers `values` summed over the ranks, with this rank's vote after
+        `step` riding in the same message: `counts` (the loop's stepvalues.HostCounts) gathers
+        both in the one all_gather the step makes anyway (none on one rank), so a stop costs no
+        collective of its own. None when the ranks agree to stop after `step` (`agree`)."""
+        gathered = counts.gather([*values, self.vote(step)])
+        return None if self.agree(float(gathered[:, -1].max())) else gathered[:, :-1].sum(0).tolist()
+
+    def agree(self, largest: float) -> bool:
+        """Whether every rank stops: the largest vote of all ranks decides. Sets `reason` and
         `checkpoint` for what follows."""
-        votes = float(counts.gather([self.vote(step)])[:, 0].max())
-        if votes:
-            self.reason, self.checkpoint = int(votes) // 2, bool(int(votes) % 2)
+        if largest:
+            self.reason, self.checkpoint = int(largest) // 2, bool(int(largest) % 2)
         return self.agreed
 
     def checkpointed(self, seconds: float, step: int) -> None:
@@ -256,7 +263,7 @@ def resumes(step: int, resume_from: int) -> str:
 def _preemption_info():
     """Ray Train's notice that a node of this worker group is being preempted, as this worker
     holds it (set by Train's PreemptionWatcher on every worker). Read without the barrier that
-    the public `ray.train.get_preemption_info()` is: the step's all_gather agrees on it instead."""
+    the public `ray.train.get_preemption_info()` is: the step's host all_gather agrees on it instead."""
     try:
         from ray.train.v2._internal.execution.context import get_train_context
 

@@ -121,7 +121,8 @@ def test_kernel_path_does_not_sync():
 def test_compiled_training_on_cuda(backend, checkpointing):
     """train.compile as training runs it, on CUDA (torch 2.11 on the GPU image): each checkpointed
     layer traced whole with the backend's kernel in its graph (the setup probe finds no graph
-    break), packed rows exact in bf16, and rows of other lengths compile nothing new."""
+    break and no layer run eagerly), every layer run compiled in the training forward and backward,
+    packed rows exact in bf16, and rows of other lengths compile nothing new."""
     from torch._dynamo.utils import counters
 
     from raypack.model import kernels
@@ -135,12 +136,15 @@ def test_compiled_training_on_cuda(backend, checkpointing):
     ref = load_model(model.config, attention="eager", dtype=model.dtype).cuda().eval()
     ref.load_state_dict(model.state_dict())
     kernels.compile_layers(model)
-    kernels.check_compiled(model, move_batch(probe_batch(1024, padded=False), "cuda"))
+    # refuses a graph break and a layer run eagerly; the probe's training forward compiles graphs
+    assert kernels.check_compiled(model, move_batch(probe_batch(1024, padded=False), "cuda")) > 0
     model.eval()  # no dropout; the layers alone in training mode, where transformers checkpoints them
     for layer in kernels.decoder_layers(model, "test"):
         layer.training = True
     values, gradients = TOLERANCE[model.dtype]
-    errors = packed_vs_alone(model, ref, lengths=LENGTHS, device="cuda")
+    with kernels.eager_layers(model) as eager:
+        errors = packed_vs_alone(model, ref, lengths=LENGTHS, device="cuda")
+    assert not eager, f"layers {sorted(set(eager))} ran eagerly in training: compile compiled nothing for them"
     grads = {k: v for k, v in errors.items() if k.startswith("grad:")}
     assert errors["logits"] < values and errors["loss"] < values, errors
     assert max(grads.values()) < gradients, max(grads.items(), key=lambda kv: kv[1])

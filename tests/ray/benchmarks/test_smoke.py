@@ -32,7 +32,9 @@ COMMANDS = {  # script -> what its results file must show
                "| on the fly | ", "on the fly / precomputed, a step"],
 }
 ARGS = {"peers.py": ["--configs", "raypack", "trl", "trl-mixed", "--gradient-checkpointing"]}
-"""Beyond --smoke: peers' other rows (raypack-full, trl-sdpa) run the same two children with other settings."""
+"""Beyond --smoke: peers' other rows (raypack-full, raypack-bf16, trl-sdpa) run the same two children with
+other settings: tests/unit/benchmarks/test_peers.py checks that raypack accepts each raypack row's config on
+the CPU, and `make gpu-rehearsal` runs every row."""
 
 
 def run(cmd: list[str], env: dict | None = None, timeout: int = 900) -> subprocess.CompletedProcess:

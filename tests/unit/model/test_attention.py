@@ -145,6 +145,38 @@ def test_padding_mask_is_refused():
     model = load_model("tiny-llama")
     with pytest.raises(ValueError, match="attention='sdpa'"):
         model(**collate_packed(make_rows()[0], padded=True))
+    batch = collate_packed(make_rows()[0])
+    with torch.no_grad():  # a mask of ones pads nothing: the same logits as none
+        ones = model(**batch, attention_mask=torch.ones_like(batch["input_ids"])).logits
+        torch.testing.assert_close(ones, model(**batch).logits, rtol=0, atol=0)
+
+
+def test_padding_mask_is_refused_under_lora():
+    """PEFT calls the model's forward directly, past its hooks: the refusal sits on the decoder."""
+    from raypack.config.sections import PeftConfig
+    from raypack.model.adapters import apply_adapters
+
+    model = apply_adapters(load_model("tiny-llama"), PeftConfig(method="lora"), "tiny-llama")
+    with pytest.raises(ValueError, match="attention='sdpa'"):
+        model(**collate_packed(make_rows()[0], padded=True))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_transformers_looks_for_no_packed_rows(family, monkeypatch):
+    """transformers' mask code, for an attention with a mask function registered, looks for packed
+    rows in position_ids (a device read each time: once a forward, twice with sliding layers) to
+    build a mask raypack's attention never uses. raypack's names have none: it never looks."""
+    from transformers import masking_utils
+
+    calls = []
+    real = masking_utils.find_packed_sequence_indices
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda *a: calls.append(1) or real(*a))
+    model = load_model(f"tiny-{family}", **FAMILIES[family])
+    model(**collate_packed(make_rows()[0])).logits.sum().backward()
+    assert not calls
+    sdpa = load_model(f"tiny-{family}", attention="sdpa", **FAMILIES[family])
+    sdpa(**collate_packed(make_rows()[0]))
+    assert calls, "transformers no longer looks for packed rows: this test shows nothing"
 
 
 def test_cuda_backends_refuse_fp32_clearly():

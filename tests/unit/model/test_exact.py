@@ -1,5 +1,6 @@
 """The exact per-example path against a dense masked reference (values and gradients, float64),
-the chunk boundaries it and the CUDA kernels use, and its one host read per forward."""
+the chunk boundaries it and the CUDA kernels use, and its one read per forward, of the host's
+boundaries."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 from exactness import make_rows
 
-from raypack.data.collate import collate_packed
+from raypack.data.collate import collate_packed, move_batch
 from raypack.model.build import load_model
 from raypack.model.exact import chunk_cu_seqlens, exact_attention
 
@@ -43,6 +44,42 @@ def test_exact_path_reads_boundaries_once_per_forward(monkeypatch):
     with torch.no_grad():
         model(**batch)
     assert len(calls) == 1
+
+
+def test_exact_path_reads_the_host_boundaries_collate_built_never_the_moved_tensor(monkeypatch):
+    """On CUDA the cu_seq_lens_q a model gets is a device tensor, and reading it (.tolist())
+    makes the host wait for the device: once a micro-batch. The exact path reads the host tensor
+    collate built instead, which move_batch keeps beside the moved one (collate.host_copy).
+
+    What the CPU can show: (1) a moved tensor with no values at all (meta) still gives the right
+    example and chunk lengths, so the values found never came from it; (2) a forward and backward
+    of a model on the exact path, its cu_seq_lens_q moved (a stand-in: a distinct CPU tensor, kept
+    as move_batch keeps a CUDA one), reads the host tensor once and never the moved one: the op
+    gets the very tensor the batch holds. The training step keeps the host copy as it moves a
+    micro-batch (tests/unit/train/test_prefetch.py). What it can't: that nothing else in a CUDA
+    step syncs (benchmarks/step_syncs.py, with torch's sync debug mode, on a GPU)."""
+    from raypack.model.exact import _segments, keep_host_copy
+
+    batch = collate_packed(make_rows()[0])
+    host = batch["cu_seq_lens_q"]
+    lengths = (host[1:] - host[:-1]).tolist()
+    meta = move_batch(batch, "meta")["cu_seq_lens_q"]
+    keep_host_copy(meta, host)
+    total = int(host[-1])
+    assert _segments(meta, None, total) == lengths
+    assert sum(_segments(meta, 4, total)) == total and max(_segments(meta, 4, total)) <= 4
+
+    moved = host.clone()  # what the step moves to CUDA: another tensor, the host one kept
+    keep_host_copy(moved, host)
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(self) or real(self))
+    model = load_model("tiny-llama", num_hidden_layers=3, attention="sdpa_varlen", gradient_checkpointing="full")
+    model.train()
+    out = model(**{**{k: v for k, v in batch.items() if k != "labels"}, "cu_seq_lens_q": moved, "cu_seq_lens_k": moved})
+    out.logits.sum().backward()  # the checkpointed layers' recompute and the op's backward too
+    assert not any(r is moved for r in reads), "the exact path read the moved cu_seq_lens_q"
+    assert sum(r is host for r in reads) == 1, "the host boundaries: once a forward"
 
 
 def dense_reference(q, k, v, lengths, scale, window=None, softcap=None, sinks=None, chunk=None):

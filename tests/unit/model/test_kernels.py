@@ -58,12 +58,14 @@ def _compiled_training_vs_alone(family: str, checkpointing: str) -> None:
     inference = kernels.compiled_graphs()
     # the setup's other probes, in raypack.train.loop.setup_worker's order
     assert check_selective(model, probe, checkpointing) == (checkpointing, None)
-    kernels.check_compiled(model, probe)  # a graph break here is a refusal
-    errors = packed_vs_alone(model, ref)  # train mode: every layer checkpointed
+    kernels.check_compiled(model, probe)  # a graph break, or a layer run eagerly, here is a refusal
+    assert kernels.compiled_graphs() > inference, "the training probe compiled no graph of its own"
+    with kernels.eager_layers(model) as eager:
+        errors = packed_vs_alone(model, ref)  # train mode: every layer checkpointed
+    assert not eager, f"layers {sorted(set(eager))} ran eagerly in training"
     worst = max(errors, key=errors.get)
     assert errors[worst] < TOLERANCE, f"{family} compiled, {checkpointing}: {worst} off by {errors[worst]:.2e}"
     graphs = kernels.compiled_graphs()
-    assert graphs > inference, "training compiled nothing: its layers ran eagerly"
     # other rows: other total lengths and example counts, one example alone, and no new graph
     errors = packed_vs_alone(model, ref, lengths=([10, 7, 3, 2], [5, 19], [12]), seed=1)
     assert max(errors.values()) < TOLERANCE
@@ -101,6 +103,31 @@ def test_a_layer_that_breaks_the_graph_is_refused_before_training():
     attention._warned.add("derive")  # the once-only warning of derived boundaries is not what is tested
     with pytest.raises(kernels.UnsupportedModelError, match="don't compile whole.*train.compile: false"):
         kernels.check_compiled(model, probe)
+
+
+@pytest.mark.parametrize("how", ["not compiled", "force_eager", "recompile limit"])
+def test_layers_that_run_eagerly_without_a_graph_break_are_refused(how, monkeypatch):
+    """Compile can compile nothing and break no graph: layers never compiled, Dynamo told to run
+    eagerly, or its recompile limit reached (Dynamo then runs the frame eagerly, counting no break).
+    The setup probe refuses all three; a check of graph breaks alone passed them."""
+    import contextlib
+
+    from torch._dynamo.utils import counters
+
+    from raypack.train.loss import probe_batch
+
+    torch._dynamo.reset()
+    model = load_model("tiny-llama", attention="sdpa_varlen", dtype="float32", gradient_checkpointing="full").train()
+    if how != "not compiled":
+        kernels.compile_layers(model)
+    if how == "recompile limit":
+        monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 0)
+    probe = {k: v for k, v in probe_batch(256, padded=False).items() if k != "labels"}
+    breaks = dict(counters["graph_break"])
+    stance = torch.compiler.set_stance("force_eager") if how == "force_eager" else contextlib.nullcontext()
+    with stance, pytest.raises(kernels.UnsupportedModelError, match="2 of 2 decoder layers .* ran eagerly"):
+        kernels.check_compiled(model, probe)
+    assert dict(counters["graph_break"]) == breaks, "no graph break: the break check alone would have passed"
 
 
 def test_liger_is_used_where_it_can_run_and_refused_where_asked_for_and_it_cannot(monkeypatch):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import types
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from raypack.config import TrainConfig
 from raypack.train.engine import deepspeed_config, lr_lambda
@@ -34,6 +37,43 @@ def test_offload_uses_deepspeeds_optimizer_and_auto_is_refused(tmp_path):
         deepspeed_config(TrainConfig(deepspeed_preset=str(preset)), dtype=torch.float32, world_size=1)
     with pytest.raises(ValueError, match="no preset 'zero9'"):
         deepspeed_config(TrainConfig(deepspeed_preset="zero9"), dtype=torch.float32, world_size=1)
+
+
+class Reads(TorchDispatchMode):
+    """Counts reads of a tensor's value on the host (`.item()`, `bool()`: aten._local_scalar_dense)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += str(func).startswith("aten._local_scalar_dense")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("norm", [0.3, 2.5, float("inf"), float("nan"), -1.0])
+@pytest.mark.parametrize("clip_grad,loss_scale", [(1.0, 1.0), (0.7, 1.0), (1.0, 1024.0), (0.0, 8.0), (0.0, 1.0)])
+def test_zero12_clipping_matches_deepspeeds_bit_for_bit_without_reading_the_device(norm, clip_grad, loss_scale):
+    """DeepSpeed's ZeRO 1-2 unscale_and_clip_grads asks on the host whether the norm is invalid (a
+    read that waits for the backward on CUDA); raypack's replacement decides it on the device. The
+    same gradients come out of both, for a valid norm, inf, NaN and DeepSpeed's -1 sentinel."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from raypack.train.engine import _unscale_and_clip_grads
+
+    owner = types.SimpleNamespace(clip_grad=clip_grad, loss_scale=loss_scale, device=torch.device("cpu"))
+    grads = [torch.randn(37, generator=torch.Generator().manual_seed(0)), [torch.randn(5), torch.randn(3)]]
+    theirs, ours = copy.deepcopy(grads), copy.deepcopy(grads)
+    total = torch.tensor(norm)
+    with Reads() as deepspeeds:
+        DeepSpeedZeroOptimizer.unscale_and_clip_grads(owner, theirs, total)
+    with Reads() as raypacks:
+        _unscale_and_clip_grads(owner, ours, total)
+    flat = lambda gs: torch.cat([g.reshape(-1) for x in gs for g in (x if isinstance(x, list) else [x])])  # noqa: E731
+    torch.testing.assert_close(flat(ours), flat(theirs), rtol=0, atol=0, equal_nan=True)
+    assert not torch.equal(flat(ours), flat(grads)) or (clip_grad == 0 and loss_scale == 1.0) or norm < clip_grad
+    assert raypacks.count == 0
+    assert deepspeeds.count == (1 if clip_grad > 0 else 0), "DeepSpeed no longer reads here: is the swap still needed?"
 
 
 def test_the_step_is_lean_on_one_rank_and_on_many():
@@ -89,3 +129,32 @@ def test_bf16_precisions_adamw_keeps_the_updates_rounding_drops():
     assert torch.equal(train(torch.bfloat16, torch_adamw), torch.ones(64))  # every update lost
     kahan = train(torch.bfloat16, lambda groups: make_optimizer(groups, cfg))
     assert (kahan - reference).abs().max().item() <= 2**-7
+
+
+def test_a_zero2_engine_clips_as_deepspeed_does(one_rank_group):
+    """The engine setup_engine builds swaps its clipping in (ZeRO-2, bf16, grad_clip small enough
+    to clip): its step's weights equal, bit for bit, those of the same engine with DeepSpeed's own
+    clipping put back, and its gradient norm is the one DeepSpeed computed."""
+    from raypack.model.build import load_model
+    from raypack.train.engine import setup_engine
+
+    cfg = TrainConfig(num_workers=1, zero_stage=2, grad_clip=0.05, warmup_steps=0, lr=1e-2)
+    ids = torch.randint(3, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    after = {}
+    for clipping in ("raypack", "deepspeed"):
+        torch.manual_seed(0)
+        model = load_model("tiny-llama", dtype="bfloat16", vocab_size=256)
+        engine, _ = setup_engine(model, cfg, dtype=torch.bfloat16, world_size=1, total_steps=2)
+        swapped = "unscale_and_clip_grads" in vars(engine.optimizer)
+        assert swapped, "setup_engine left ZeRO-2's clipping as it was"
+        if clipping == "deepspeed":
+            del engine.optimizer.unscale_and_clip_grads
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        norm = float(engine.get_global_grad_norm())
+        assert norm > cfg.grad_clip, "the step did not clip: the test shows nothing"
+        after[clipping] = (norm, {n: p.detach().clone() for n, p in engine.module.named_parameters()})
+        engine.destroy()
+    assert after["raypack"][0] == after["deepspeed"][0]
+    for name, weight in after["deepspeed"][1].items():
+        assert torch.equal(after["raypack"][1][name], weight), name

@@ -175,23 +175,6 @@ def test_liger_uncompiled_rules_selective_out(monkeypatch):
     assert resolve_checkpointing(compiled, "cpu") == ("selective", "as configured")
 
 
-@pytest.fixture
-def one_rank_group(monkeypatch, tmp_path):
-    """A gloo process group of one, with the variables DeepSpeed's launcher would set."""
-    import torch.distributed as dist
-
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "DS_ACCELERATOR": "cpu"}.items():
-        monkeypatch.setenv(key, value)
-    ours = not dist.is_initialized()
-    if ours:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    if ours:
-        from benchmarks.step_syncs import destroy_process_group
-
-        destroy_process_group()  # through DeepSpeed, which forgets the groups it cached
-
-
 def tensor_bytes(value) -> int:
     """Bytes of every tensor in a nest of dicts and lists."""
     import torch

@@ -94,3 +94,23 @@ def test_close_stops_a_thread_blocked_on_a_full_queue():
     assert threading.active_count() == before
     with pytest.raises(StopIteration):
         next(steps)
+
+
+def test_to_device_keeps_the_host_boundaries_beside_the_moved_ones():
+    """Off the host (meta stands in for CUDA: a device tensor without values to read), the moved
+    cu_seq_lens_q answers with the host tensor collate built, for as long as it lives."""
+    import gc
+
+    from raypack.model import exact
+    from raypack.train.prefetch import to_device
+
+    batch = collate_packed([{"input_ids": [5, 6, 7, 8, 9], "labels": [5, 6, 7, 8, 9], "position_ids": [0, 1, 0, 1, 2]}])
+    before = len(exact._host_copies)
+    moved = to_device(batch, "meta")
+    cu = moved["cu_seq_lens_q"]
+    assert cu.device.type == "meta" and moved["cu_seq_lens_k"] is cu
+    assert exact.host_copy(cu) is batch["cu_seq_lens_q"] and exact.host_copy(cu).tolist() == [0, 2, 5]
+    assert exact.host_copy(to_device(batch, "cpu")["cu_seq_lens_q"]) is None  # not moved: read as it is
+    del moved, cu
+    gc.collect()
+    assert len(exact._host_copies) == before, "a host copy outlived the tensor it stood for"

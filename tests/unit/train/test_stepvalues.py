@@ -45,18 +45,29 @@ def test_deepspeeds_overflow_check_and_throughput_timer_are_off(one_rank):
     assert not [e for e in events(after) if "has_overflow" in e[2]]
 
 
+def test_clipping_reads_nothing_on_the_host(one_rank):
+    """Both sides clip at 1.0: DeepSpeed's ZeRO-2 clipping asks whether the norm is invalid on the
+    host once per parameter group (two here); raypack's engine swaps in the device-side answer."""
+    invalid = lambda side: [e for e in events(side, "read", "deepspeed") if "is_invalid_grad_norm" in e[2]]  # noqa: E731
+    assert len(invalid(one_rank["before"])) >= 2 * 5 and not invalid(one_rank["after"])
+
+
 def test_a_steps_values_are_read_after_the_next_step_is_enqueued(one_rank):
-    """raypack's step reads the device only in Pending.resolve, one read a step, and the read of
-    step k's values comes after step k+1 was enqueued (the CPU's exact attention may read its host
-    cu_seqlens, which on CUDA are a varlen kernel's argument)."""
+    """raypack's loop step (loop.take_step) reads the device only in Pending.resolve, one read a
+    step, and the read of step k's values comes after step k+1's update was enqueued; only a
+    start's first step is read at once, for its start-up line (the CPU's exact attention may read
+    its host cu_seqlens, which on CUDA are a varlen kernel's argument)."""
     after = one_rank["after"]["events"]
     reads = [(i, e) for i, e in enumerate(after) if e[0] == "read" and e[1] == "raypack"]
     assert {e[2] for _, e in reads} - {"exact._segments"} == {"stepvalues.resolve"}
     resolved = [i for i, e in reads if e[2] == "stepvalues.resolve"]
-    marks = [i for i, e in enumerate(after) if e[0] == "mark"]
+    marks = [i for i, e in enumerate(after) if e[0] == "mark"]  # marks[k - 1]: step k enqueued and returned
     assert len(resolved) == len(marks) == 5
-    for k, at in enumerate(resolved[:-1]):  # the last step is read after the loop: there is no next one
-        assert marks[k + 1] < at < marks[k + 2] if k + 2 < len(marks) else marks[k + 1] < at
+    assert resolved[0] < marks[0], "the first step is read at once"
+    for k in range(2, len(marks)):  # step k's values, read in step k + 1's take_step after its update
+        update = max(i for i in range(marks[k - 1], marks[k]) if after[i][1] == "deepspeed")
+        assert update < resolved[k - 1] < marks[k], f"step {k} was read before step {k + 1} was enqueued"
+    assert resolved[-1] > marks[-1]  # the last step is read after the loop: there is no next one
 
 
 def pending(loss_sum: float, grad_norm, tokens: float = 4.0) -> Pending:

@@ -56,22 +56,29 @@ def test_a_rank_votes_to_stop_and_checkpoint_only_when_the_checkpoint_is_stale_a
     assert other.vote(step=5) == 2 * PREEMPTED + 1
 
 
-class Votes:
-    """What the loop's HostCounts.gather returns: every rank's values, a row each."""
+class Ranks:
+    """What the loop's HostCounts.gather returns: this rank's values, then each other rank's row."""
 
-    def __init__(self, *others: float):
+    def __init__(self, *others: tuple[float, ...]):
         self.others = others
+        self.gathers = 0
 
     def gather(self, values):
         import numpy as np
 
-        return np.asarray([values, *[[v] for v in self.others]], dtype=np.float64)
+        self.gathers += 1
+        return np.asarray([values, *self.others], dtype=np.float64)
 
 
-def test_every_rank_follows_the_largest_vote():
+def test_every_rank_follows_the_largest_vote_riding_the_steps_own_gather():
+    """The votes travel in the step's host gather of its label tokens and tokens: the sums come
+    back as without them, and the largest vote decides (the driver's ask over a preemption)."""
     watch = StopWatch()
-    assert not watch.agree(Votes(0.0, 0.0), step=3) and not watch.checkpoint
-    assert watch.agree(Votes(0.0, 2.0 * PREEMPTED + 1, 2.0 * ASKED), step=3)  # the driver's ask wins
+    ranks = Ranks((4.0, 40.0, 0.0), (2.0, 20.0, 0.0))
+    assert watch.sums(ranks, [1.0, 10.0], step=3) == [7.0, 70.0] and not watch.agreed and not watch.checkpoint
+    ranks = Ranks((4.0, 40.0, 2.0 * PREEMPTED + 1), (2.0, 20.0, 2.0 * ASKED))
+    assert watch.sums(ranks, [1.0, 10.0], step=3) is None  # stop: no step is taken on these sums
+    assert ranks.gathers == 1, "the vote has a collective of its own"
     assert watch.reason == ASKED and not watch.checkpoint
 
 
@@ -83,7 +90,7 @@ def test_finish_tells_the_driver_where_the_workers_stopped(kv):
     import json
 
     watch = StopWatch("stop:k", rank=0)
-    assert watch.agree(Votes(2.0 * ASKED + 1), step=17)
+    assert watch.sums(Ranks((0.0, 2.0 * ASKED + 1)), [5.0], step=17) is None and watch.agreed
     watch.finish(step=17)
     assert json.loads(kv[b"stop:k:done"]) == {"step": 17, "checkpoint": True, "resume_from": 0}  # checkpointed by the loop
 
