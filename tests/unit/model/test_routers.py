@@ -1,0 +1,81 @@
+"""Finding an MoE model's routers: the model's own router_logits recorder, and the same modules
+found by trait (a module that scores the experts and feeds a top-k) with that recorder hidden, for
+every MoE family raypack packs (tests/families.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from families import FAMILIES
+from transformers import AutoModelForCausalLM
+
+from raypack.config.sections import TrainConfig
+from raypack.data.collate import collate_packed
+from raypack.model import routers as routers_mod
+from raypack.model.routers import RouterNotFoundError, by_trait, declared, expert_count, find_routers
+from raypack.train.loss import probe_batch
+from raypack.train.router_loss import make_router_loss
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MOE = [f for f, spec in FAMILIES.items() if not spec.refused and expert_count(spec.build_config(f))]
+SIGMOID = {"deepseek_v3"}
+"""Bias-corrected sigmoid routers among them (GLM-4.5's is DeepSeek-V3's)."""
+
+
+def build(family):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(copy.deepcopy(FAMILIES[family].build_config(family)),
+                                            attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_trait_finds_the_declared_routers(family):
+    model = build(family)
+    cls, index = declared(model)
+    want = [m for m in model.modules() if isinstance(m, cls)]
+    probe = {k: v for k, v in probe_batch(512, padded=False).items() if k != "labels"}
+    found, found_index = by_trait(model, probe, expert_count(model.config))
+    assert found == want and found_index == index
+    routers = find_routers(model, family)
+    assert routers.kind == ("sigmoid" if family in SIGMOID else "softmax")
+    assert routers.layers == len(want) and routers.num_experts == 4 and routers.top_k == 2
+
+
+def test_without_a_recorder_the_trait_is_used(monkeypatch):
+    model = build("qwen3_moe")
+    monkeypatch.setattr(routers_mod, "declared", lambda model: None)
+    probe = {k: v for k, v in probe_batch(512, padded=False).items() if k != "labels"}
+    routers = find_routers(model, "qwen3_moe", probe)
+    assert routers.how == "trait" and routers.layers == 2
+    rows = collate_packed([{"input_ids": [5, 6, 7], "labels": [5, 6, 7], "position_ids": [0, 1, 2]}])
+    with routers.capture() as calls:
+        model(**{k: v for k, v in rows.items() if k != "labels"})
+    assert len(calls) == 2 and calls[0].logits.shape == (3, 4) and calls[0].selected.shape == (3, 2)
+
+
+def test_an_moe_model_whose_router_is_not_found_is_refused(monkeypatch):
+    model = build("mixtral")
+    monkeypatch.setattr(routers_mod, "declared", lambda model: None)
+    monkeypatch.setattr(routers_mod, "by_trait", lambda model, probe, experts: ([], 0))
+    with pytest.raises(RouterNotFoundError, match=r"model.name 'my-moe': a mixture-of-experts model \(4 experts\).*"
+                                                  r"train.router_aux_loss_coef: 0"):
+        make_router_loss(model, TrainConfig(), "my-moe", probe={})
+    assert make_router_loss(model, TrainConfig(router_aux_loss_coef=0), "my-moe") is None
+
+
+def test_hooks_record_only_inside_capture():
+    model = build("mixtral")
+    routers = find_routers(model, "mixtral")
+    ids = torch.tensor([[5, 6, 7]])
+    model(input_ids=ids)  # outside: nothing kept (a checkpoint's recompute runs here)
+    with routers.capture() as calls:
+        model(input_ids=ids)
+    model(input_ids=ids)
+    assert len(calls) == 2
+    routers.remove()
+    with routers.capture() as calls:
+        model(input_ids=ids)
+    assert calls == []
