@@ -45,6 +45,7 @@ from raypack.config import Config
 from raypack.data.collate import move_batch
 from raypack.data.encode import load_tokenizer
 from raypack.data.shards import Prepared, iter_epoch_packs, iter_rank_packs
+from raypack.errors import InputError
 from raypack.model.adapters import apply_adapters, frozen_digest, quantization_config, trainable_summary
 from raypack.model.build import load_model
 from raypack.model.checkpointing import check_selective
@@ -58,8 +59,10 @@ from raypack.train.dpo import DPOLoss, reporter_fields
 from raypack.train.dpo_reference import make_dpo_loss
 from raypack.train.loss import CausalLMLoss, make_loss, probe_batch
 from raypack.train.memory import resolve_checkpointing
+from raypack.train.expert_load import ExpertLoad
 from raypack.train.metrics import Eta, Reporter, model_flops_per_token
 from raypack.train.prefetch import StepBatch, prepare_step
+from raypack.train.router_loss import UNIT_KEYS, RouterLoss, make_router_loss
 from raypack.train.sequence import data_rank, make_groups, probe_split, step_source
 from raypack.train.startup import Startup
 from raypack.train.stepvalues import HostCounts, Pending, StepTimer
@@ -134,16 +137,29 @@ def base_digests(engine) -> list[int]:
 
 
 def forward_backward(engine, batches: list[dict], scale: float | torch.Tensor, loss: CausalLMLoss,
-                     offload: bool = False) -> torch.Tensor:
+                     offload: bool = False, router: RouterLoss | None = None, router_scale: float = 0.0,
+                     router_sums: list | None = None) -> torch.Tensor:
     """Backward every micro-batch of one optimizer step; the caller runs the final engine.step().
-    `offload`: model.offload_checkpoints."""
+    `offload`: model.offload_checkpoints. `router`: the router loss, each micro-batch's sum of it
+    scaled by `router_scale` into the backward, and its sums (RouterLoss.sums) appended to
+    `router_sums`."""
     total = torch.zeros((), device=engine.device)
     for i, batch in enumerate(batches):
         # move_batch keeps cu_seq_lens_q and _k one tensor; two copies would cost a device
         # comparison (a sync) in every attention layer.
         with checkpoint_offload(offload, engine.device):
-            loss_sum = loss(engine, move_batch(batch, engine.device))
-        engine.backward(loss_sum * scale)
+            moved = move_batch(batch, engine.device)
+            if router is None:
+                loss_sum = loss(engine, moved)
+                objective = loss_sum * scale
+            else:
+                units = {k: moved.pop(k) for k in UNIT_KEYS}
+                with router.routers.capture() as calls:
+                    loss_sum = loss(engine, moved)
+                aux_sum, load = router.sums(calls, units)
+                objective = loss_sum * scale + aux_sum * router_scale
+                router_sums.append(torch.cat([aux_sum.detach().double().reshape(1), load.reshape(-1)]))
+        engine.backward(objective)
         total += loss_sum.detach()
         if i < len(batches) - 1:
             engine.step()  # a no-op for the weights until the accumulation boundary
@@ -151,24 +167,39 @@ def forward_backward(engine, batches: list[dict], scale: float | torch.Tensor, l
 
 
 def train_step(engine, step: StepBatch, loss: CausalLMLoss, counts: HostCounts, number: int = 0,
-               wait_s: float = 0.0, offload: bool = False) -> Pending:
+               wait_s: float = 0.0, offload: bool = False, router: RouterLoss | None = None) -> Pending:
     """Enqueue optimizer step `number` on prefetched micro-batches; its values are read later
     (`Pending.resolve`, raypack/train/stepvalues.py). `wait_s` is how long the loop waited for them;
-    `offload`: model.offload_checkpoints."""
+    `offload`: model.offload_checkpoints; `router`: the router loss (raypack/train/router_loss.py)."""
     timer = StepTimer(engine.device)
     # Every rank needs N, the step's global label count, before its first backward: host numbers,
     # summed over the ranks on the host (nothing to sum on one rank). Every rank reads the same N,
-    # so a step with none is skipped by all of them alike.
-    n_global, tokens = counts.sums(step.label_tokens, step.tokens)
+    # so a step with none is skipped by all of them alike. The router loss's units (U) ride along.
+    if router is None:
+        n_global, tokens = counts.sums(step.label_tokens, step.tokens)
+    else:
+        n_global, tokens, units = counts.sums(step.label_tokens, step.tokens, step.router_units)
     host = {"label_tokens": n_global, "tokens": tokens, "data_wait_s": wait_s, "world_size": counts.world,
             "skipped_steps": float(n_global == 0)}
     if n_global == 0:
         timer.stop()
         return Pending(number, host, timer=timer)
     scale = counts.world * len(step.batches) / n_global
-    loss_sum = forward_backward(engine, step.batches, scale, loss, offload)
+    if router is None:
+        loss_sum = forward_backward(engine, step.batches, scale, loss, offload)
+        engine.step()
+        return Pending.enqueued(number, host, counts.reduce(loss_sum), engine.get_global_grad_norm(), timer)
+    # The step's router loss is the mean over its U units: each unit's sum weighs coef / U once
+    # DeepSpeed has divided by the micro-batches and averaged over the ranks.
+    host["router_units"] = units
+    sums: list[torch.Tensor] = []
+    loss_sum = forward_backward(engine, step.batches, scale, loss, offload, router,
+                                router.coef * counts.world * len(step.batches) / max(units, 1.0), sums)
     engine.step()
-    return Pending.enqueued(number, host, counts.reduce(loss_sum), engine.get_global_grad_norm(), timer)
+    # one device all_reduce: the loss, the router loss and the expert load, not waited for
+    summed = counts.reduce(torch.cat([loss_sum.double().reshape(1), torch.stack(sums).sum(0)]))
+    return Pending.enqueued(number, host, summed[0], engine.get_global_grad_norm(), timer, extra=summed[1:],
+                            more=router.read)
 
 
 @torch.no_grad()
@@ -220,6 +251,8 @@ class Worker:
     """The train_loop_config the worker was started with."""
     group: SequenceGroup = SequenceGroup(size=1, rank=0)
     """The ranks that share this rank's rows (train.sequence_parallel; a group of one without)."""
+    router: RouterLoss | None = None
+    """An MoE model's router load-balancing loss (raypack/train/router_loss.py); None: off."""
     tokenizer: Any = None
     """Rank 0's tokenizer, saved with the final model (loaded at setup, not in the step loop)."""
     counts: HostCounts = HostCounts(world=1)
@@ -268,6 +301,8 @@ def setup_worker(config: dict) -> Worker:
         print(f"[raypack] gradient checkpointing: full ({changed})", flush=True)
     if cfg.train.compile:  # a layer that can't compile whole, recompute included, stops here
         check_compiled(engine.module, probe)
+    group = make_groups(cfg.train.sequence_parallel)
+    router = setup_router(engine, cfg, probe, group)
     if cfg.train.objective == "dpo":  # its reference log-probabilities: before a checkpoint is restored
         loss = make_dpo_loss(engine, loss, cfg, data, rank, global_count)
     base = base_digests(engine) if cfg.model.peft.enabled else None
@@ -287,6 +322,7 @@ def setup_worker(config: dict) -> Worker:
         epochs=t.epochs,
         eta=Eta(total_steps, t.eval_every_steps, t.checkpoint_every_steps),
         gather=host_counts.gather if world > 1 else None,
+        experts=ExpertLoad(router.layers, router.experts) if router is not None else None,
         **(reporter_fields() if isinstance(loss, DPOLoss) else {}),
     )
     reporter.start_clocks()
@@ -295,15 +331,38 @@ def setup_worker(config: dict) -> Worker:
               f"{counts['total_params']:,} ({counts['trainable_params'] / counts['total_params']:.2%}); the base is frozen",
               flush=True)
     tokenizer = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template) if rank == 0 else None
-    group = make_groups(t.sequence_parallel)
+    if router is not None and rank == 0:
+        print(f"[raypack] router load-balancing loss: {router.describe()}", flush=True)
     probe_split(engine, group, loss)  # a model that can't split its rows stops here, before any step
     if rank == 0 and group.size > 1:
         print(f"[raypack] sequence parallel: {world} workers in {world // group.size} groups of {group.size}; each "
               f"row's tokens split {group.size} ways, at most {-(-cfg.pack.budget // group.size)} a worker", flush=True)
     clock.mark("setup")
-    return Worker(cfg, data, rank, engine, scheduler, loss, state, reporter, total_steps, config, group, tokenizer,
-                  host_counts, clock=clock, stop=StopWatch(config.get("stop_key"), rank, t.stop_checkpoint_after_s,
+    return Worker(cfg, data, rank, engine, scheduler, loss, state, reporter, total_steps, config, group, router,
+                  tokenizer, host_counts, clock=clock, stop=StopWatch(config.get("stop_key"), rank, t.stop_checkpoint_after_s,
                                                            checkpoint_step=state.step))
+
+
+def setup_router(engine, cfg: Config, probe: dict[str, Any], group: SequenceGroup) -> RouterLoss | None:
+    """The router loss of an MoE model (None: a dense model, or a coefficient of 0), or a refusal,
+    before any step, of what it can't do exactly yet."""
+    probe = {k: v for k, v in probe.items() if k != "labels"}
+    router = make_router_loss(engine.module, cfg.train, cfg.model.name, probe)
+    if router is None:
+        return None
+    t, off = cfg.train, "or set train.router_aux_loss_coef: 0 to train without the router loss"
+    if group.size > 1:
+        # each rank of a group routes a share of every example's tokens: their per-example sums
+        # would have to be combined across the group before the product f * P
+        raise InputError(f"train.router_aux_loss_coef={router.coef:g}: the router loss is not combined across a "
+                         f"train.sequence_parallel group yet; set train.sequence_parallel: 1, {off}")
+    if t.objective == "dpo":
+        raise InputError(f"train.router_aux_loss_coef={router.coef:g}: the router loss is not added to DPO's "
+                         f"objective yet; {off}")
+    if t.compile:
+        raise InputError(f"train.router_aux_loss_coef={router.coef:g}: the router hooks are not traced by "
+                         f"train.compile yet; set train.compile: false, {off}")
+    return router
 
 
 def train_epoch(w: Worker, epoch: int) -> None:
@@ -315,7 +374,9 @@ def train_epoch(w: Worker, epoch: int) -> None:
     rows = functools.partial(iter_epoch_packs, w.data, w.data_rank, epoch, start_step=state.micro_step)
     # The plan gives every rank the same multiple of `accum` steps, so a short group is the epoch end.
     dpo = isinstance(w.loss, DPOLoss)
-    with _steps(w.data, w.engine.device, w.group, rows, accum, w.loss.prepare_step if dpo else prepare_step) as steps:
+    collate = w.loss.prepare_step if dpo else functools.partial(
+        prepare_step, router_scope=w.router.scope if w.router is not None else None)
+    with _steps(w.data, w.engine.device, w.group, rows, accum, collate) as steps:
         while state.step < w.total_steps:
             t0 = time.perf_counter()
             if (step := next(steps, None)) is None:
@@ -327,7 +388,8 @@ def train_epoch(w: Worker, epoch: int) -> None:
             if dpo:  # the same step over pairs: raypack/train/dpo.py
                 pending = w.loss.train_step(w.engine, step, w.counts, state.step + 1, wait_s=wait_s, offload=offload)
             else:
-                pending = train_step(w.engine, step, w.loss, w.counts, state.step + 1, wait_s=wait_s, offload=offload)
+                pending = train_step(w.engine, step, w.loss, w.counts, state.step + 1, wait_s=wait_s, offload=offload,
+                                     router=w.router)
             pending.host["lr"] = w.scheduler.get_last_lr()[0]
             if w.cfg.train.compile:  # graphs Dynamo compiled so far: a count that grows is recompiling
                 pending.host["compiled_graphs"] = float(compiled_graphs())

@@ -167,6 +167,12 @@ class RouterLoss:
                                    batch["router_unit_tokens"], self.routers.kind, self.experts, self.routers.top_k)
         return losses.sum(), load
 
+    def read(self, values: dict[str, float], readings: list[float]) -> dict[str, Any]:
+        """A step's values from its summed readings (Pending.more): the mean router loss over the
+        step's units, and the expert load, [layers, E] tokens (raypack/train/expert_load.py)."""
+        return {"router_aux_loss": readings[0] / max(values["router_units"], 1.0),
+                "router_load": np.asarray(readings[1:], dtype=np.float64).reshape(self.layers, self.experts)}
+
     def describe(self) -> str:
         return f"coefficient {self.coef:g}, per {self.scope.replace('_', '-')}; {self.routers.describe()}"
 
@@ -196,8 +202,3 @@ def step_units(batches: list[dict[str, Any]]) -> int:
     """This rank's units of one step (host numbers: `units` put them in the batches)."""
     return int(sum(int(b.get("router_unit_count", 0)) for b in batches))
 
-
-def load_shares(load: np.ndarray) -> np.ndarray:
-    """[layers, E] token counts -> each layer's shares (rows sum to 1; a row of none stays 0)."""
-    total = load.sum(-1, keepdims=True)
-    return np.divide(load, total, out=np.zeros_like(load, dtype=np.float64), where=total > 0)
