@@ -63,7 +63,8 @@ def tensorboard_events(folder: str | Path):
             event.ParseFromString(data[pos + 12:pos + 12 + length])
             pos += 12 + length + 4
             for value in event.summary.value:
-                yield value.tag, event.step, value.simple_value
+                if value.WhichOneof("value") == "simple_value":  # images: tensorboard_images
+                    yield value.tag, event.step, value.simple_value
 
 
 def tensorboard_scalars(folder: str | Path) -> dict[str, dict[int, float]]:
