@@ -166,7 +166,10 @@ def find_routers(model: nn.Module, name: str, probe: dict[str, Any] | None = Non
             f"model.name {name!r}: a mixture-of-experts model ({experts} experts), but raypack finds no router in it "
             "(no router_logits recorder, and no module that scores the experts and feeds a top-k); set "
             "train.router_aux_loss_coef: 0 to train it without the router's load-balancing loss")
-    wrapped = [m for m in model.modules() if getattr(m, "base_layer", None) in modules]
+    # peft's LoRA on a parameter (ParamWrapper, what `all-linear` puts on a router's weight) swaps the
+    # weight while the router runs, so the hooked router's scores include the adapter; a LoRA layer
+    # that adds its output to the base layer's (lora.Linear) would leave it out of them.
+    wrapped = [m for m in model.modules() if getattr(m, "base_layer", None) in modules and not _swaps_weight(m)]
     if wrapped:
         raise RouterNotFoundError(
             f"model.name {name!r}: model.peft puts an adapter on its router ({type(wrapped[0]).__name__}), and "
@@ -178,6 +181,14 @@ def find_routers(model: nn.Module, name: str, probe: dict[str, Any] | None = Non
                                   "tell its router's top-k; set train.router_aux_loss_coef: 0")
     num_experts = experts or _out_features(modules[0])
     return Routers(modules, router_kind(modules[0], num_experts), num_experts, top_k, index, how)
+
+
+def _swaps_weight(wrapper: nn.Module) -> bool:
+    try:
+        from peft.tuners.lora.layer import ParamWrapper
+    except ImportError:
+        return False
+    return isinstance(wrapper, ParamWrapper)
 
 
 def _top_k(config: Any, module: nn.Module) -> int:

@@ -155,3 +155,46 @@ def test_router_loss_step_is_the_same_packed_unpacked_and_padded(process_group):
     assert pooled["router_units"] == 2 and pooled_alone["router_units"] == 4
     assert pooled_alone["router_aux_loss"] == pytest.approx(alone["router_aux_loss"], rel=1e-6)
     assert abs(pooled["router_aux_loss"] - packed["router_aux_loss"]) > 1e-3  # packing changes the pooled value
+
+
+def tiny_moe(checkpointing="none", lora=False, attention="sdpa_varlen"):
+    from exactness import random_lora_b
+
+    from raypack.config import PeftConfig
+    from raypack.model.adapters import apply_adapters
+    from raypack.model.build import load_model
+
+    torch.manual_seed(0)
+    model = load_model("tiny-qwen3_moe", attention=attention, dtype="float32", vocab_size=64,
+                       gradient_checkpointing=checkpointing)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, 0.5)
+    if lora:
+        model = random_lora_b(apply_adapters(model, PeftConfig(method="lora", r=4, alpha=8)))
+    return model.train()  # transformers checkpoints only in training mode; Qwen3-MoE has no dropout or jitter
+
+
+@pytest.mark.parametrize("checkpointing, lora", [("full", False), ("selective", False), ("none", True),
+                                                 ("full", True)])
+def test_router_loss_with_checkpointing_and_lora_is_the_same_packed_and_alone(process_group, checkpointing, lora):
+    """The router scores keep their gradient through raypack's (non-reentrant) recompute, whose
+    second router calls the capture ignores; with LoRA the frozen routers pass the router loss's
+    gradient on to the adapters."""
+    g = torch.Generator().manual_seed(2)
+    examples = []
+    for n in (9, 4, 12, 6):
+        ids = torch.randint(3, 64, (n,), generator=g).tolist()
+        examples.append({"input_ids": ids, "labels": ids, "position_ids": list(range(n)), "num_tokens": n,
+                         "example_ids": [n]})
+    packed, p_grads = moe_step(tiny_moe(checkpointing, lora), [examples[:3], examples[3:]])
+    alone, a_grads = moe_step(tiny_moe(checkpointing, lora), [[e] for e in examples])
+    plain, n_grads = moe_step(tiny_moe("none", lora), [examples[:3], examples[3:]])
+    for other, grads in ((alone, a_grads), (plain, n_grads)):
+        assert other["router_aux_loss"] == pytest.approx(packed["router_aux_loss"], rel=1e-5)
+        assert other["loss"] == pytest.approx(packed["loss"], rel=1e-5)
+        assert grads.keys() == p_grads.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, p_grads[name], rtol=1e-5, atol=1e-6 * p_grads[name].abs().max().item())
+    if lora:  # peft's all-linear puts LoRA on the router's weight too (a ParamWrapper): it trains
+        assert all("lora_" in name for name in p_grads) and any("mlp.gate.lora_A" in n for n in p_grads)
