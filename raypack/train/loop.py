@@ -305,6 +305,7 @@ def setup_worker(config: dict) -> Worker:
     router = setup_router(engine, cfg, probe, group)
     if cfg.train.objective == "dpo":  # its reference log-probabilities: before a checkpoint is restored
         loss = make_dpo_loss(engine, loss, cfg, data, rank, global_count)
+        loss.router = router  # after the reference pass, which needs no router loss
     base = base_digests(engine) if cfg.model.peft.enabled else None
     state = restore(engine, rank, data.fingerprint, base)
     counts = trainable_summary(engine.module)
@@ -350,18 +351,12 @@ def setup_router(engine, cfg: Config, probe: dict[str, Any], group: SequenceGrou
     router = make_router_loss(engine.module, cfg.train, cfg.model.name, probe)
     if router is None:
         return None
-    t, off = cfg.train, "or set train.router_aux_loss_coef: 0 to train without the router loss"
+    off = "or set train.router_aux_loss_coef: 0 to train without the router loss"
     if group.size > 1:
         # each rank of a group routes a share of every example's tokens: their per-example sums
         # would have to be combined across the group before the product f * P
         raise InputError(f"train.router_aux_loss_coef={router.coef:g}: the router loss is not combined across a "
                          f"train.sequence_parallel group yet; set train.sequence_parallel: 1, {off}")
-    if t.objective == "dpo":
-        raise InputError(f"train.router_aux_loss_coef={router.coef:g}: the router loss is not added to DPO's "
-                         f"objective yet; {off}")
-    if t.compile:
-        raise InputError(f"train.router_aux_loss_coef={router.coef:g}: the router hooks are not traced by "
-                         f"train.compile yet; set train.compile: false, {off}")
     return router
 
 
