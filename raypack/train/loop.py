@@ -45,7 +45,6 @@ from raypack.config import Config
 from raypack.data.collate import move_batch
 from raypack.data.encode import load_tokenizer
 from raypack.data.shards import Prepared, iter_epoch_packs, iter_rank_packs
-from raypack.errors import InputError
 from raypack.model.adapters import apply_adapters, frozen_digest, quantization_config, trainable_summary
 from raypack.model.build import load_model
 from raypack.model.checkpointing import check_selective
@@ -302,7 +301,7 @@ def setup_worker(config: dict) -> Worker:
     if cfg.train.compile:  # a layer that can't compile whole, recompute included, stops here
         check_compiled(engine.module, probe)
     group = make_groups(cfg.train.sequence_parallel)
-    router = setup_router(engine, cfg, probe, group)
+    router = setup_router(engine, cfg, probe)
     if cfg.train.objective == "dpo":  # its reference log-probabilities: before a checkpoint is restored
         loss = make_dpo_loss(engine, loss, cfg, data, rank, global_count)
         loss.router = router  # after the reference pass, which needs no router loss
@@ -344,20 +343,11 @@ def setup_worker(config: dict) -> Worker:
                                                            checkpoint_step=state.step))
 
 
-def setup_router(engine, cfg: Config, probe: dict[str, Any], group: SequenceGroup) -> RouterLoss | None:
-    """The router loss of an MoE model (None: a dense model, or a coefficient of 0), or a refusal,
-    before any step, of what it can't do exactly yet."""
+def setup_router(engine, cfg: Config, probe: dict[str, Any]) -> RouterLoss | None:
+    """The router loss of an MoE model (None: a dense model, or a coefficient of 0), or a refusal
+    before any step (router_loss.check_router_setting; a router not found)."""
     probe = {k: v for k, v in probe.items() if k != "labels"}
-    router = make_router_loss(engine.module, cfg.train, cfg.model.name, probe)
-    if router is None:
-        return None
-    off = "or set train.router_aux_loss_coef: 0 to train without the router loss"
-    if group.size > 1:
-        # each rank of a group routes a share of every example's tokens: their per-example sums
-        # would have to be combined across the group before the product f * P
-        raise InputError(f"train.router_aux_loss_coef={router.coef:g}: the router loss is not combined across a "
-                         f"train.sequence_parallel group yet; set train.sequence_parallel: 1, {off}")
-    return router
+    return make_router_loss(engine.module, cfg.train, cfg.model.name, probe)
 
 
 def train_epoch(w: Worker, epoch: int) -> None:

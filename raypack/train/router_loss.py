@@ -50,7 +50,8 @@ import torch
 from torch import nn
 
 from raypack.config.sections import TrainConfig
-from raypack.model.routers import RouterCall, Routers, expert_count, find_routers
+from raypack.errors import InputError
+from raypack.model.routers import RouterCall, RouterNotFoundError, Routers, expert_count, find_routers
 
 DEFAULT_COEF = 0.001
 """`auto` for an MoE model whose config names no router_aux_loss_coef: TRL's default."""
@@ -177,25 +178,37 @@ class RouterLoss:
         return f"coefficient {self.coef:g}, per {self.scope.replace('_', '-')}; {self.routers.describe()}"
 
 
+def check_router_setting(train: TrainConfig, config: Any, name: str) -> float:
+    """The coefficient this run's router loss will have (0: none), from the model's config alone
+    (the driver's check before Ray starts, and the worker's); refuses a number above 0 on a dense
+    model and what the router loss can't do exactly yet (sequence parallelism)."""
+    moe = bool(expert_count(config)) if config is not None else False
+    coef = resolve_coef(train.router_aux_loss_coef, config, moe)
+    if coef == 0:
+        return 0.0
+    if not moe and train.router_aux_loss_coef != "auto":
+        raise RouterNotFoundError(f"model.name {name!r}: train.router_aux_loss_coef={coef:g}, but it is not a "
+                                  "mixture-of-experts model (no router); set train.router_aux_loss_coef: auto or 0")
+    if train.sequence_parallel > 1:
+        # each rank of a group routes a share of every example's tokens: their per-example sums
+        # would have to be combined across the group before the product f * P
+        raise InputError(
+            f"model.name {name!r}: train.router_aux_loss_coef={coef:g} with train.sequence_parallel="
+            f"{train.sequence_parallel}: the router loss is not combined across a sequence-parallel group yet; set "
+            "train.sequence_parallel: 1, or train.router_aux_loss_coef: 0 to train without the router loss")
+    return coef
+
+
 def make_router_loss(model: nn.Module, train: TrainConfig, name: str,
                      probe: dict[str, Any] | None = None) -> RouterLoss | None:
     """The run's router objective, or None: a dense model, or a coefficient of 0 (explicit, or
     `auto` on a model that has none). An MoE model whose router can't be found with a coefficient
     above 0 is refused (RouterNotFoundError, naming it)."""
-    config = getattr(model, "config", None)
-    moe = bool(expert_count(config)) if config is not None else False
-    coef = resolve_coef(train.router_aux_loss_coef, config, moe)
+    coef = check_router_setting(train, getattr(model, "config", None), name)
     if coef == 0:
         return None
     routers = find_routers(model, name, probe)
-    if routers is None:
-        if train.router_aux_loss_coef == "auto":
-            return None
-        from raypack.model.routers import RouterNotFoundError
-
-        raise RouterNotFoundError(f"model.name {name!r}: train.router_aux_loss_coef={coef:g}, but it is not a "
-                                  "mixture-of-experts model (no router); set train.router_aux_loss_coef: auto or 0")
-    return RouterLoss(routers, coef, train.router_aux_loss)
+    return RouterLoss(routers, coef, train.router_aux_loss) if routers is not None else None
 
 
 def step_units(batches: list[dict[str, Any]]) -> int:
