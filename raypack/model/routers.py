@@ -281,6 +281,16 @@ def by_trait(model: nn.Module, probe: dict[str, Any], experts: int) -> tuple[lis
         if tensor.shape[-1] == experts:
             fed |= _ancestors(tensor)
     hits = [(m, i, out) for m, i, out in outputs if out.grad_fn in fed]
+    # The scores, not what is made of them: a hit computed from the hit of a module nested with
+    # it (ERNIE 4.5's router adds a correction to its softmax in a submodule and takes the top-k
+    # of that) is not the router. (A later layer's scores derive from an earlier one's too, through
+    # the residual stream: those modules are not nested.)
+    def nested(a: nn.Module, b: nn.Module) -> bool:
+        return a is not b and (any(x is b for x in a.modules()) or any(x is a for x in b.modules()))
+
+    hits = [(m, i, out) for m, i, out in hits
+            if not any(nested(m, m2) and out2.grad_fn is not out.grad_fn and out2.grad_fn in _ancestors(out)
+                       for m2, _, out2 in hits)]
     if not hits:
         return [], 0
     # The innermost module that returns the scores (a Linear gate inside a router block returns the same tensor).

@@ -21,7 +21,7 @@ from raypack.train.router_loss import make_router_loss
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 MOE = [f for f, spec in FAMILIES.items() if not spec.refused and expert_count(spec.build_config(f))]
-SIGMOID = {"deepseek_v3"}
+SIGMOID = {"deepseek_v3", "glm4_moe"}
 """Bias-corrected sigmoid routers among them (GLM-4.5's is DeepSeek-V3's)."""
 
 
