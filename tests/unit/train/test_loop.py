@@ -198,3 +198,32 @@ def test_router_loss_with_checkpointing_and_lora_is_the_same_packed_and_alone(pr
             torch.testing.assert_close(grad, p_grads[name], rtol=1e-5, atol=1e-6 * p_grads[name].abs().max().item())
     if lora:  # peft's all-linear puts LoRA on the router's weight too (a ParamWrapper): it trains
         assert all("lora_" in name for name in p_grads) and any("mlp.gate.lora_A" in n for n in p_grads)
+
+
+def test_router_loss_adds_no_host_read_to_the_step(process_group):
+    """The router loss's sums stay on the device until the step's values are read (a step late):
+    the step reads no more tensor values on the host with the router loss than without it
+    (benchmarks/step_syncs.py's counter: every .item(), .tolist(), .cpu(), ... in this thread)."""
+    from benchmarks.step_syncs import SyncCounter
+
+    from raypack.config.sections import TrainConfig
+    from raypack.train.loss import make_loss
+    from raypack.train.router_loss import make_router_loss
+
+    model = tiny_moe()
+    examples = [{"input_ids": list(range(3, 3 + n)), "labels": list(range(3, 3 + n)), "position_ids": list(range(n)),
+                 "num_tokens": n, "example_ids": [n]} for n in (9, 4, 12)]
+    loss = make_loss(model, "chunked")
+    reads = {}
+    for coef in (0.0, 0.1):
+        router = make_router_loss(model, TrainConfig(router_aux_loss_coef=coef), "tiny-qwen3_moe")
+        step = prepare_step([merge(examples[:2]), merge(examples[2:])], router_scope=router and router.scope)
+        with SyncCounter() as counter:
+            pending = train_step(OneRank(model, 2), step, loss, HostCounts(1), 1, router=router)
+        reads[coef] = [e for e in counter.events if e[0] in ("read", "sync", "collective")]
+        values = pending.resolve()
+        assert ("router_aux_loss" in values) == bool(coef)
+        if router is not None:
+            router.routers.remove()
+    # (the model's own mask code reads on the CPU path, router loss or not)
+    assert reads[0.1] == reads[0.0] and not [e for e in reads[0.1] if e[1] == "raypack"], reads
