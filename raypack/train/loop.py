@@ -14,7 +14,10 @@ skipped or trained twice in an epoch by the final model.
 Loss: one optimizer step's loss is Σ token losses / N, where N counts the label tokens of all its
 micro-batches on all ranks. DeepSpeed divides each backward by the accumulation steps and averages
 gradients over ranks, so each micro-batch's summed loss is scaled by world·accum/N to undo both.
-The token losses come from raypack/train/loss.py (chunked: no [tokens, vocab] logits).
+The token losses come from raypack/train/loss.py (chunked: no [tokens, vocab] logits). An MoE
+model's router load-balancing loss (raypack/train/router_loss.py) rides in the same backward: each
+micro-batch's sum over its units (examples) scaled by coef·world·accum/U, U the step's units on
+every rank, counted on the host with N.
 A step with N = 0 (no rank has a label token: rare, since examples without one are dropped before
 packing) is logged and skipped, with no forward, backward or update, never averaged in as 0.
 
