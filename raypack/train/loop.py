@@ -350,7 +350,10 @@ def setup_router(engine, cfg: Config, probe: dict[str, Any]) -> RouterLoss | Non
     """The router loss of an MoE model (None: a dense model, or a coefficient of 0), or a refusal
     before any step (router_loss.check_router_setting; a router not found)."""
     probe = {k: v for k, v in probe.items() if k != "labels"}
-    return make_router_loss(engine.module, cfg.train, cfg.model.name, probe)
+    router = make_router_loss(engine.module, cfg.train, cfg.model.name, probe)
+    if router is not None:
+        router.probe(engine, probe, cfg.model.name)
+    return router
 
 
 def train_epoch(w: Worker, epoch: int) -> None:

@@ -168,6 +168,18 @@ class RouterLoss:
                                    batch["router_unit_tokens"], self.routers.kind, self.experts, self.routers.top_k)
         return losses.sum(), load
 
+    def probe(self, forward, batch: dict[str, Any], name: str) -> None:
+        """One forward of a probe batch (every rank: ZeRO-3 gathers collectively): each router must
+        run once, with the kernels and wrappers the run applies (a kernel that replaced the MoE
+        block's router would leave the hooks silent). Refused before training otherwise."""
+        with torch.no_grad(), self.routers.capture() as calls:
+            forward(**batch)
+        if len(calls) != self.layers:
+            raise RouterNotFoundError(
+                f"model.name {name!r}: its {self.layers} routers ran {len(calls)} times in a probe forward (expected "
+                "once each; a kernel or wrapper may replace them), so raypack can't read their scores; set "
+                "train.router_aux_loss_coef: 0 to train it without the router loss")
+
     def read(self, values: dict[str, float], readings: list[float]) -> dict[str, Any]:
         """A step's values from its summed readings (Pending.more): the mean router loss over the
         step's units, and the expert load, [layers, E] tokens (raypack/train/expert_load.py)."""

@@ -121,3 +121,27 @@ def test_capture_through_compiled_layers_is_exact_and_compiles_once():
             torch.testing.assert_close(mine_g[name], grad, rtol=1e-4, atol=1e-6 * grad.abs().max().item())
         counts.append(compiled_graphs())
     assert counts[0] == counts[-1], counts
+
+
+def test_routers_that_dont_run_are_refused_before_training():
+    """A kernel or wrapper that replaces the MoE block's router leaves the hooks silent: the setup
+    probe refuses it, naming the model."""
+    from raypack.config.sections import TrainConfig
+    from raypack.train.router_loss import make_router_loss
+
+    model = build("qwen3_moe")
+    router = make_router_loss(model, TrainConfig(), "tiny-qwen3_moe")
+    probe = {k: v for k, v in probe_batch(512, padded=False).items() if k != "labels"}
+    router.probe(model, probe, "tiny-qwen3_moe")  # every router ran once
+    class Unhooked(torch.nn.Module):  # as a fused MoE kernel would: the block no longer calls the router module
+        def __init__(self, gate):
+            super().__init__()
+            self.inner = [gate]  # kept out of the module tree, its hooks never called
+
+        def forward(self, h):
+            return type(self.inner[0]).forward(self.inner[0], h)
+
+    for layer in model.model.layers:
+        layer.mlp.gate = Unhooked(layer.mlp.gate)
+    with pytest.raises(RouterNotFoundError, match=r"model.name 'tiny-qwen3_moe': its 2 routers ran 0 times"):
+        router.probe(model, probe, "tiny-qwen3_moe")
