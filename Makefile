@@ -1,6 +1,8 @@
 # Everything a newcomer needs, from a machine with nothing but Python 3.10+.
 #   make run    set up .venv and run the main job on the embedded default (local Ray, tiny model, sample data)
 #   make test   set up .venv and run the test suite
+#   make docs         build the docs site (docs/, mkdocs.yml) into site/ with --strict: a broken link fails
+#   make docs-serve   serve it on http://127.0.0.1:8000, rebuilt as pages change
 #   Both install exactly the versions in constraints.txt (the lock, shared with the cluster image).
 #   make lock         regenerate constraints.txt after a change to pyproject.toml's dependencies
 #   make test-latest  the suite on the newest versions pyproject.toml's ranges allow (.venv-latest;
@@ -26,7 +28,7 @@ LOCK   := constraints.txt
 BIN    := $(VENV)/bin
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup run test test-latest test-liger lock gpu-wheels gpu-check gpu-rehearsal bench-peers bench-smoke bench-recompute clean
+.PHONY: setup run test docs docs-serve test-latest test-liger lock gpu-wheels gpu-check gpu-rehearsal bench-peers bench-smoke bench-recompute clean
 setup: $(VENV)/.installed
 
 # torch first, from $(TORCH) (another version on a CUDA box: the lock's torch pin is left out of
@@ -44,6 +46,14 @@ run: setup
 
 test: setup
 	$(BIN)/pytest -q tests
+
+# The configuration and command-line references, the error list and the benchmark index are
+# generated from the code at build time (tools/docs_hooks.py).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr 127.0.0.1:8000
 
 # The liger extra's version; triton: the newest, which Liger's kernels are checked with on the CPU.
 LIGER_CPU ?= liger-kernel==0.8.5 triton==3.9.0
@@ -85,4 +95,4 @@ bench-smoke: setup
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(BIN)/python tools/bench_gpu.py --smoke
 
 clean:
-	rm -rf $(VENV) .venv-latest .cache
+	rm -rf $(VENV) .venv-latest .cache site

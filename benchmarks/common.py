@@ -63,8 +63,10 @@ def results_path(theme: str, smoke: bool = False, out: str | None = None) -> Pat
 
 
 def write_results(theme: str, smoke: bool, out: str | None, lines: list[str]) -> Path:
-    """Write a results file (see results_path), echo it, and say where it went."""
+    """Write a results file (see results_path), echo it, and say where it went. The line after the
+    title names the commit measured, so the docs' benchmark index can say what changed since."""
     path = results_path(theme, smoke, out)
+    lines = [*lines[:1], "", f"Commit: {commit()}", *lines[1:]] if lines else lines
     path.write_text("\n".join(lines))
     print("\n".join(lines))
     print(f"wrote {path}")
@@ -108,6 +110,20 @@ def _signal_group(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
     except ProcessLookupError:
         pass
+
+
+def commit() -> str:
+    """The checkout's commit, `abc1234` (`abc1234 with uncommitted changes` where the tree differs);
+    `not known` where there is no git (a copy of the working tree)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.CalledProcessError):
+        return "not known (no git repository here)"
+    return f"`{head}`" + (" with uncommitted changes" if dirty else "")
 
 
 def command_line(script: str, argv: list[str] | None) -> str:

@@ -1,4 +1,4 @@
-"""`raypack` command line: train, sweep, plan, data, export and chat. Parses arguments and hands off.
+"""`raypack` command line: train, sweep, plan, data, config, export and chat. Parses arguments and hands off.
 
     raypack train --config jobs/configs/tiny_cpu.yaml train.lr=2e-5
     raypack plan --config jobs/configs/qwen7b.yaml pack.budget=4096 train.num_workers=64
@@ -6,6 +6,8 @@
     raypack sweep --config jobs/configs/sweeps/packing_cpu.yaml
     raypack sweep --resume ./results/sweeps/sweep-packing-cpu   # continue an interrupted sweep
     raypack data --config jobs/configs/quickstart.yaml      # tokenize only, print a summary
+    raypack config pack.budget                              # what a field means: type, default, docstring
+    raypack config --config jobs/configs/tiny_cpu.yaml      # the resolved config a run would train
     raypack export ./results/tiny_cpu --checkpoint 10       # a Hugging Face folder from any checkpoint
     raypack export ./results/tiny_cpu --best eval_loss --dtype bfloat16 --out ./exports/best
     raypack chat ./results/tiny_cpu                         # talk to the trained model in the terminal
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 import traceback
@@ -66,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     p.add_argument("--out", help="write the (first strategy's) assignment as Parquet")
 
+    p = sub.add_parser("config", parents=[common], help="print the resolved config, or what a field means")
+    p.add_argument("--config", help="YAML run config (default: raypack's defaults)")
+    p.add_argument("items", nargs="*", metavar="FIELD_OR_OVERRIDE",
+                   help="a field or section to explain (pack.budget, model.peft), or dotted overrides (train.lr=2e-5)")
+
     p = sub.add_parser("export", parents=[common], help="write a Hugging Face folder from any checkpoint of a run")
     p.add_argument("run", metavar="RUN", help="run folder (<run.storage_path>/<run.name>), local or a URI")
     which = p.add_mutually_exclusive_group()
@@ -105,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         # modules bring in Ray, torch and transformers (3 to 10 s on 2 cores).
         command = importlib.import_module(f"raypack.commands.{args.command}")
         return command.run(args) or 0
+    except BrokenPipeError:  # `raypack config | head`: the reader left early, which is no error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except KeyboardInterrupt as e:  # what a command doesn't handle itself: one line, no traceback
         print(f"\n[raypack] {stopped_by(signal_of(e))}", file=sys.stderr, flush=True)
         return 128 + signal_of(e)

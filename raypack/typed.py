@@ -14,6 +14,7 @@ Generic: nothing here knows raypack's sections (raypack/config.py declares them)
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
@@ -37,7 +38,9 @@ def build(cls: type, raw: Any, prefix: str = "") -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - names)
     if unknown:
-        raise ConfigError(f"{prefix}{unknown[0]}: unknown key; expected one of {', '.join(sorted(names))}")
+        close = difflib.get_close_matches(str(unknown[0]), sorted(names), n=1, cutoff=0.6)
+        guess = f"did you mean {prefix}{close[0]}? " if close else ""
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown key; {guess}expected one of {', '.join(sorted(names))}")
     kwargs = {}
     for name, value in raw.items():
         hint = hints[name]

@@ -14,7 +14,7 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-python3}
 torch=${TORCH:-torch==2.13.0}
-extras=${LOCK_EXTRAS:-dev,bench,tracking,optuna,peft}
+extras=${LOCK_EXTRAS:-dev,bench,tracking,optuna,peft,docs}
 venv=$(mktemp -d)/venv
 trap 'rm -rf "$(dirname "$venv")"' EXIT
 "$py" -m venv "$venv"

@@ -50,13 +50,21 @@ __all__ = [
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
+    """Where the examples come from, their format, bad rows and the eval split."""
     tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
+    """Tokenizer, chat template, which tokens carry loss, and what happens to over-long examples."""
     pack: PackConfig = field(default_factory=PackConfig)
+    """How examples share packed rows: the strategy, the row budget in tokens, the plan's seed."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The model, its attention backend, dtype, recompute, kernels and adapters."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """Ray Train and DeepSpeed: workers, ZeRO stage, optimizer, loss, schedule, checkpoints, reports."""
     run: RunConfig = field(default_factory=RunConfig)
+    """The run's name, where its results go, and Weights & Biases."""
     tune: TuneConfig = field(default_factory=TuneConfig)
+    """`raypack sweep` only: what a Ray Tune sweep searches, and how it ranks and stops trials."""
     dpo: DpoConfig = field(default_factory=DpoConfig)
+    """`train.objective: dpo` only: preference tuning's loss and its reference model."""
 
     def __post_init__(self) -> None:
         check_objective(self)  # train.objective: dpo and what it needs of the other sections
@@ -160,8 +168,17 @@ def _build(raw: dict[str, Any], overrides: Sequence[str], source: str, saved: bo
         if off:
             raise ConfigError(f"{off[0]}: {unused(cfg)[off[0]]}")
     except ConfigError as e:
-        raise ConfigError(f"{blame(str(e), overrides, source)}: {e}") from None
+        raise ConfigError(f"{blame(str(e), overrides, source)}: {e}{_see_reference(str(e))}") from None
     return cfg
+
+
+def _see_reference(message: str) -> str:
+    """For an unknown key, where the section's real fields are documented at the terminal."""
+    key, _, rest = message.partition(":")
+    if not rest.startswith(" unknown key"):
+        return ""
+    section = key.rsplit(".", 1)[0] if "." in key else ""
+    return f" (`raypack config {section}` lists them)" if section else " (`raypack config` lists every section)"
 
 
 def blame(message: str, overrides: Sequence[str], source: str) -> str:

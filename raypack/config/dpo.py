@@ -37,7 +37,7 @@ class DpoConfig:
     packed rows with the frozen starting model, stored beside them and reused on resume;
     `on_the_fly` (LoRA only: the base with the adapters off) a no-grad forward per micro-batch.
     `auto`: precomputed, which costs what on the fly costs over one epoch and saves a forward a
-    row in every later epoch and evaluation (benchmarks/dpo.py measures both: README, DPO)."""
+    row in every later epoch and evaluation (benchmarks/dpo.py measures both: docs/guides/dpo.md)."""
 
     def __post_init__(self) -> None:
         _check(self.beta > 0, "dpo.beta", "a positive float", self.beta)

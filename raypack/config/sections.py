@@ -357,11 +357,13 @@ class WandbConfig:
     mode: Literal["disabled", "online", "offline"] = "disabled"
     """`online` streams to the W&B server; `offline` writes the run under <run>/wandb for `wandb sync`."""
     project: str = "raypack"
+    """W&B project the run is logged to."""
     entity: str | None = None
     """Team or user; None: the API key's default entity."""
     group: str | None = None
     """Runs shown together in W&B; None: the sweep's name for a sweep trial, none for a run."""
     tags: tuple[str, ...] = ()
+    """Tags shown on the run in W&B."""
 
     @property
     def enabled(self) -> bool:

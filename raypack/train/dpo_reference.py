@@ -18,7 +18,7 @@ runs the model being trained, before its first update (under LoRA, with the adap
 With LoRA the reference can also be taken on the fly (`dpo.reference: on_the_fly`): one no-grad
 forward of each micro-batch with the adapters off, every epoch and every evaluation, instead of
 one pass up front: the same work over one epoch, more after. benchmarks/dpo.py times both (the
-CPU runs: precomputed faster from 0.7-1.7 epochs on; README, DPO), so `auto` precomputes.
+CPU runs: precomputed faster from 0.7-1.7 epochs on; docs/guides/dpo.md), so `auto` precomputes.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ def test_unknown_key_names_key_choices_and_file(tmp_path):
 
 def test_unknown_section(tmp_path):
     path = write(tmp_path, {"tokenise": {}})
-    with pytest.raises(ConfigError, match=r"tokenise: unknown key; expected one of .*tokenize"):
+    with pytest.raises(ConfigError, match=r"tokenise: unknown key; did you mean tokenize\? expected one of .*tokenize"):
         load(path)
 
 

@@ -36,7 +36,7 @@ import check_image  # noqa: E402
 
 PINS = check_image.pins()
 MAKEFILE = (REPO / "Makefile").read_text()
-LOCKED_EXTRAS = ("dev", "bench", "tracking", "optuna", "peft")
+LOCKED_EXTRAS = ("dev", "bench", "tracking", "optuna", "peft", "docs")
 """The extras tools/lock.sh installs to make the lock (its LOCK_EXTRAS). Not locked: `flash` (needs CUDA to
 build) and `liger` (Triton on CUDA: the CUDA torch's own Triton, which a lock made with the CPU torch can't pin)."""
 

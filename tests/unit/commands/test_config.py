@@ -1,0 +1,52 @@
+"""`raypack config`: the resolved config and one field's documentation at the terminal."""
+
+from __future__ import annotations
+
+import yaml
+from paths import REPO
+
+from raypack.cli import main
+from raypack.config import load
+
+
+def test_field_prints_type_default_and_docstring(capsys):
+    assert main(["config", "pack.budget"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("pack.budget: an integer\n  default: 1024\n")
+    assert "Tokens per packed row" in out
+
+
+def test_field_shows_the_configured_value_and_allowed_values(capsys):
+    config = str(REPO / "jobs/configs/tiny_cpu.yaml")
+    assert main(["config", "--config", config, "pack.budget=2048", "pack.budget", "model.attention"]) == 0
+    out = capsys.readouterr().out
+    assert "value:   2048 (from " in out
+    assert "allowed: auto, flash_attn, torch_varlen, sdpa_varlen, sdpa" in out
+
+
+def test_misspelt_field_suggests_the_nearest_and_exits_2(capsys):
+    assert main(["config", "pack.budgt"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean pack.budget" in err and "Traceback" not in err
+
+
+def test_no_field_prints_the_resolved_config_as_yaml_that_loads_back(capsys, tmp_path):
+    config = str(REPO / "jobs/configs/tiny_cpu.yaml")
+    assert main(["config", "--config", config, "train.lr=3e-4"]) == 0
+    text = capsys.readouterr().out
+    assert yaml.safe_load(text)["train"]["lr"] == 3e-4
+    saved = tmp_path / "resolved.yaml"
+    saved.write_text(text)
+    assert load(saved) == load(config, ["train.lr=3e-4"])
+
+
+def test_section_lists_its_fields(capsys):
+    assert main(["config", "model.peft"]) == 0
+    out = capsys.readouterr().out
+    assert "model.peft.r " in out and "model.peft.target_modules" in out
+
+
+def test_unknown_key_in_a_run_points_to_the_reference(capsys):
+    assert main(["config", "pack.budgt=3"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean pack.budget?" in err and "`raypack config pack` lists them" in err
