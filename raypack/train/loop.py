@@ -303,7 +303,6 @@ def setup_worker(config: dict) -> Worker:
         print(f"[raypack] gradient checkpointing: full ({changed})", flush=True)
     if cfg.train.compile:  # a layer that can't compile whole, recompute included, stops here
         check_compiled(engine.module, probe)
-    group = make_groups(cfg.train.sequence_parallel)
     router = setup_router(engine, cfg, probe)
     if cfg.train.objective == "dpo":  # its reference log-probabilities: before a checkpoint is restored
         loss = make_dpo_loss(engine, loss, cfg, data, rank, global_count)
@@ -334,6 +333,7 @@ def setup_worker(config: dict) -> Worker:
               f"{counts['total_params']:,} ({counts['trainable_params'] / counts['total_params']:.2%}); the base is frozen",
               flush=True)
     tokenizer = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template) if rank == 0 else None
+    group = make_groups(t.sequence_parallel)
     if router is not None and rank == 0:
         print(f"[raypack] router load-balancing loss: {router.describe()}", flush=True)
     probe_split(engine, group, loss)  # a model that can't split its rows stops here, before any step
