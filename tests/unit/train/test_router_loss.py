@@ -5,7 +5,8 @@
   transformers' `load_balancing_loss_func` on the router logits that model returns (softmax
   routers), or DeepSeek-V3's sequence-wise balance loss written out below from the paper on the
   router's own choice (sigmoid routers with a bias-corrected top-k), fp32, 1e-5;
-- `micro_batch`: equals transformers' function on the same rows' router logits, packed and padded.
+- `micro_batch`: equals transformers' function on the same rows' router logits, packed and padded (for
+  sigmoid routers, the sequence-wise reference over the whole packed row).
 
 Models run in eval mode (no router jitter); gradients are still taken.
 """
@@ -120,19 +121,29 @@ def test_example_scope_is_each_example_alone(family):
 
 @pytest.mark.parametrize("family", MOE)
 def test_micro_batch_scope_is_transformers_function_on_the_rows(family):
+    """Packed (no mask) and padded (the attention mask) rows; for a bias-corrected sigmoid router,
+    which transformers gives no loss, the sequence-wise reference over the whole packed row."""
     packed, ref = models(family)
-    router = router_loss(packed, family, "micro_batch")
-    if router.routers.kind != "softmax":
-        pytest.skip("transformers has no balance loss for a bias-corrected sigmoid router")
     rows, _ = make_rows(vocab=512)
     for padded, model in ((False, packed), (True, ref)):
+        router = router_loss(model, family, "micro_batch")
+        if padded and router.routers.kind != "softmax":
+            continue
         batch = collate_packed(rows, padded=padded)
         batch.update(router.units(batch))
-        with router.routers.capture() if model is packed else router_loss(ref, family, "micro_batch").routers.capture() as calls:
+        seen = []
+        hooks = [m.register_forward_hook(lambda m, a, o: seen.append(o)) for m in router.routers.modules]
+        with router.routers.capture() as calls:
             out = model(**model_kwargs(batch), output_router_logits=True)
-        ours = router_loss(model, family, "micro_batch").sums(calls, batch)[0]
-        theirs = load_balancing_loss_func(out.router_logits, router.experts, router.routers.top_k,
-                                          batch.get("attention_mask"))
+        for h in hooks:
+            h.remove()
+        ours = router.sums(calls, batch)[0]
+        if router.routers.kind == "softmax":
+            theirs = load_balancing_loss_func(out.router_logits, router.experts, router.routers.top_k,
+                                              batch.get("attention_mask"))
+        else:
+            theirs = sum(seq_balance_reference(z, o[2], router.experts, router.routers.top_k)
+                         for z, o in zip(out.router_logits, seen))
         assert batch["router_unit_count"] == 1
         assert rel_err(ours, theirs) < TOL, (padded, ours.item(), theirs.item())
 
