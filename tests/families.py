@@ -89,6 +89,12 @@ FAMILIES: dict[str, Family] = {
     "olmoe": Family("OlmoeConfig", MOE),
     "granitemoe": Family("GraniteMoeConfig", MOE),
     "phimoe": Family("PhimoeConfig", MOE),
+    "ernie4_5_moe": Family("Ernie4_5_MoeConfig", {**MOE, "moe_num_experts": 4, "moe_k": 2, "moe_num_shared_experts": 1,
+                                                  "moe_layer_start_index": 0}),  # fmt: skip
+    "minimax_m2": Family("MiniMaxM2Config", MOE),
+    # GLM-4.5: DeepSeek-V3's sigmoid router with a bias-corrected top-k, a dense first layer
+    "glm4_moe": Family("Glm4MoeConfig", {**MOE, "first_k_dense_replace": 1, "n_shared_experts": 1,
+                                         "num_hidden_layers": 3}),  # fmt: skip
     # MLA (DeepSeek-V2/V3 also MoE with a dense first layer and shared experts)
     "deepseek_v2": Family("DeepseekV2Config", {**MOE, **MLA, "first_k_dense_replace": 1, "n_shared_experts": 1}),
     "deepseek_v3": Family("DeepseekV3Config", {**MOE, **MLA, "first_k_dense_replace": 1, "n_shared_experts": 1,

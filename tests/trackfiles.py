@@ -63,7 +63,8 @@ def tensorboard_events(folder: str | Path):
             event.ParseFromString(data[pos + 12:pos + 12 + length])
             pos += 12 + length + 4
             for value in event.summary.value:
-                yield value.tag, event.step, value.simple_value
+                if value.WhichOneof("value") == "simple_value":  # images: tensorboard_images
+                    yield value.tag, event.step, value.simple_value
 
 
 def tensorboard_scalars(folder: str | Path) -> dict[str, dict[int, float]]:
@@ -82,3 +83,23 @@ def config(path: str | Path) -> dict:
             items = r.run.config.update if r.WhichOneof("record_type") == "run" else r.config.update
             out.update({item.key: json.loads(item.value_json) for item in items})
     return out
+
+
+def tensorboard_images(folder: str | Path) -> dict[str, dict[int, tuple[int, int, bytes]]]:
+    """{tag: {step: (height, width, PNG bytes)}} of every image in `folder`'s event files."""
+    from tensorboardX.proto import event_pb2
+
+    images: dict[str, dict[int, tuple[int, int, bytes]]] = {}
+    for file in sorted(Path(folder).glob("events.out.tfevents.*")):
+        data, pos = file.read_bytes(), 0
+        while pos + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event()
+            event.ParseFromString(data[pos + 12:pos + 12 + length])
+            pos += 12 + length + 4
+            for value in event.summary.value:
+                if value.HasField("image"):
+                    image = value.image
+                    images.setdefault(value.tag, {})[event.step] = (image.height, image.width,
+                                                                    image.encoded_image_string)
+    return images

@@ -111,6 +111,10 @@ STEPS = [
          smoke_args=["--smoke", "--distributions", "flan"]),
     Step("lora", "lora", ["benchmarks/lora_throughput.py"], cap_s=90, min_s=45, required=False,
          smoke_args=["--smoke"]),
+    # MoE: a Qwen3-MoE-shaped model's step with the router loss off, per example and per micro-batch
+    # (issue 43; not yet run on a GPU)
+    Step("moe", "router_loss", ["benchmarks/router_loss.py"], cap_s=90, min_s=40, required=False,
+         smoke_args=["--smoke"]),
     # It doubles row lengths for as long as its own --budget allows.
     Step("long", "long_context", ["benchmarks/long_context.py", "--budget", "120"], cap_s=150, min_s=60,
          required=False, smoke_args=["--smoke"]),

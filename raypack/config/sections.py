@@ -282,6 +282,16 @@ class TrainConfig:
     never holds the [tokens, vocab] logits (raypack/train/loss.py; a model it can't reproduce exactly
     is refused at setup); `full` takes the model's own logits, for any model; `liger` is Liger-Kernel's
     fused linear cross-entropy on the same hidden states (CUDA, `raypack[liger]`)."""
+    router_aux_loss_coef: Literal["auto"] | float = "auto"
+    """A mixture-of-experts model's router load-balancing loss, added to the step's loss times this
+    coefficient (raypack/train/router_loss.py). `auto`: the model config's `router_aux_loss_coef`,
+    or 0.001 for an MoE model whose config names none (TRL's default), 0 for a dense model; a
+    number >= 0 sets it (0: off). A model whose router raypack can't find is refused when it is > 0."""
+    router_aux_loss: Literal["example", "micro_batch"] = "example"
+    """`example`: each example's load-balancing loss over its own tokens (found from the packed
+    row's boundaries), averaged over the step's examples on every rank, so packing, strategy and
+    rank count don't change it; `micro_batch`: transformers' value pooled over each micro-batch's
+    tokens, as TRL and Axolotl train it (it depends on which examples share a row)."""
     compile: bool = False
     """torch.compile each decoder layer whole, attention and gradient checkpointing's recompute
     included (regional, dynamic shapes: a new packed length doesn't recompile; a layer that can't
@@ -318,6 +328,8 @@ class TrainConfig:
         _check(self.stop_checkpoint_after_s >= 0, "train.stop_checkpoint_after_s", "a number >= 0",
                self.stop_checkpoint_after_s)
         _check(not self.offload_params or self.zero_stage == 3, "train.offload_params", "zero_stage 3", self.zero_stage)
+        _check(self.router_aux_loss_coef == "auto" or self.router_aux_loss_coef >= 0, "train.router_aux_loss_coef",
+               "auto or a number >= 0", self.router_aux_loss_coef)
         _check(self.sequence_parallel > 0, "train.sequence_parallel", "a positive int", self.sequence_parallel)
         _check(self.num_workers % self.sequence_parallel == 0, "train.sequence_parallel",
                f"a divisor of train.num_workers ({self.num_workers})", self.sequence_parallel)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import os
-import warnings
 from typing import Any
 
 import torch
@@ -56,6 +55,8 @@ TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "olmo": ("OlmoConfig", {}),
     "olmo2": ("Olmo2Config", {}),
     "granite": ("GraniteConfig", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32}),
 }
 """`tiny-<family>`: config class and what it needs beyond the shared tiny sizes."""
 
@@ -238,14 +239,9 @@ def load_model(
         check_packable(model, name, attn.candidate_backends(attention, _device_type()))
     if packed:
         attn.refuse_padding_masks(model)
-    if getattr(config, "output_router_logits", False):
-        # The training loop's loss is token cross-entropy from the logits; a router's auxiliary
-        # loss, which transformers adds to `loss` only, never reaches it (in any strategy).
-        warnings.warn(
-            f"{name}: output_router_logits is set, but raypack trains on token cross-entropy only; the router's "
-            f"auxiliary loss (router_aux_loss_coef={getattr(config, 'router_aux_loss_coef', None)}) is not applied",
-            stacklevel=2,
-        )
+    # output_router_logits changes nothing here: the training loop reads the routers' scores with
+    # its own hooks and adds their load-balancing loss itself, exact per example
+    # (train.router_aux_loss_coef, raypack/train/router_loss.py).
     model.config.use_cache = False
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.use_cache = False

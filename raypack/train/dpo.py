@@ -50,6 +50,7 @@ from raypack.model.kernels import checkpoint_offload
 from raypack.train.chunked_ce import chunked_sequence_objective
 from raypack.train.loss import TARGET_KEYS, CausalLMLoss, label_targets
 from raypack.train.prefetch import StepBatch, to_device
+from raypack.train.router_loss import UNIT_KEYS
 from raypack.train.stepvalues import HostCounts, Pending, StepTimer
 from raypack.train.stop import StopWatch
 
@@ -109,6 +110,8 @@ class DPOLoss:
             order = np.argsort(self.ids)
             self.ids, self.values = self.ids[order], np.fromiter(reference.values(), np.float64, len(reference))[order]
         self.adapters_off = adapters_off
+        self.router = None
+        """The policy's router loss (an MoE model: raypack/train/router_loss.py), set by the loop."""
 
     # --- host side: pairs of a step ---------------------------------------------------------------
 
@@ -119,6 +122,8 @@ class DPOLoss:
         batches, pairs, chosen_tokens, label_tokens = [], 0, 0, 0
         for row in group:
             batch = pair_batch(row, padded, pad_token_id)
+            if self.router is not None:  # each sequence (chosen, rejected) a unit of its own, as SFT's examples
+                batch.update(self.router.units(batch))
             if self.ids is not None:
                 batch["ref_logps"] = torch.from_numpy(self.lookup(row["example_ids"])).float()
             pairs += len(row["example_ids"]) // 2
@@ -132,7 +137,8 @@ class DPOLoss:
             batches.append(batch)
         return PairStep(batches=batches, label_tokens=label_tokens, tokens=sum(int(r["num_tokens"]) for r in group),
                         example_ids=[i for r in group for i in r["example_ids"]], pairs=pairs,
-                        chosen_tokens=chosen_tokens)
+                        chosen_tokens=chosen_tokens,
+                        router_units=sum(int(b.get("router_unit_count", 0)) for b in batches))
 
     def lookup(self, example_ids) -> np.ndarray:
         ids = np.asarray(example_ids, dtype=np.int64)
@@ -146,10 +152,12 @@ class DPOLoss:
 
     # --- the loss of one micro-batch ----------------------------------------------------------------
 
-    def __call__(self, forward, batch: dict[str, Any], stats: list | None = None) -> torch.Tensor:
+    def __call__(self, forward, batch: dict[str, Any], stats: list | None = None,
+                 router_calls: list | None = None) -> torch.Tensor:
         """Σ over the micro-batch's pairs of their loss (+ the NLL term's share), fp32; `stats`,
-        when given, receives the pairs' METRICS sums."""
-        batch = dict(batch)
+        when given, receives the pairs' METRICS sums, and `router_calls` the policy forward's
+        router calls (the reference's forward is not captured)."""
+        batch = {k: v for k, v in batch.items() if k not in UNIT_KEYS}
         sequence, tokens = batch.pop("sequence"), batch.pop("completion_tokens")
         ref = batch.pop("ref_logps", None)
         sft_scale = batch.pop("sft_scale", 0.0)
@@ -161,7 +169,12 @@ class DPOLoss:
             loss = pair_losses(sums, ref, tokens, self.cfg).sum()
             return loss - sft_scale * sums[0::2].sum() if sft_scale else loss
 
-        loss, sums = self.objective(forward, batch, sequence, len(tokens), objective)
+        if router_calls is None:
+            loss, sums = self.objective(forward, batch, sequence, len(tokens), objective)
+        else:
+            with self.router.routers.capture() as calls:
+                loss, sums = self.objective(forward, batch, sequence, len(tokens), objective)
+            router_calls.extend(calls)
         if stats is not None:
             stats.append(pair_stats(sums, ref, self.cfg))
         return loss
@@ -212,41 +225,61 @@ class DPOLoss:
         counted = self.step_counts(counts, step, stop, number - 1)
         if counted is None:
             return None
-        pairs, chosen_tokens, labels, tokens = counted
+        pairs, chosen_tokens, labels, tokens, *routed_units = counted
+        units = routed_units[0] if routed_units else 0.0
         host = {"pairs": pairs, "label_tokens": labels, "tokens": tokens, "data_wait_s": wait_s,
                 "world_size": counts.world, "skipped_steps": float(pairs == 0)}
+        if self.router is not None:
+            host["router_units"] = units
         if pairs == 0:
             timer.stop()
             return Pending(number, host, timer=timer)
-        total, stats = self.forward_backward(engine, step, pairs, chosen_tokens, counts.world, offload)
+        routed: list = []
+        total, stats = self.forward_backward(engine, step, pairs, chosen_tokens, counts.world, offload, units, routed)
         engine.step()
-        sums = counts.reduce(torch.cat([total.reshape(1).double(), stats]))  # one device all_reduce, not waited for
+        parts = [total.reshape(1).double(), stats] + ([torch.stack(routed).sum(0)] if routed else [])
+        sums = counts.reduce(torch.cat(parts))  # one device all_reduce, not waited for
         return Pending.enqueued(number, host, sums[0], engine.get_global_grad_norm(), timer, extra=sums[1:],
-                                names=METRICS, per="pairs")
+                                names=METRICS, per="pairs", more=self.router.read if self.router else None)
 
-    @staticmethod
-    def step_counts(counts: HostCounts, step: PairStep, stop: StopWatch | None = None,
+    def step_counts(self, counts: HostCounts, step: PairStep, stop: StopWatch | None = None,
                     after: int = 0) -> list[float] | None:
-        """The step's pairs, chosen tokens, label tokens and tokens over every rank: host numbers,
-        as SFT's label count (one gloo all_gather on many ranks, nothing on one), with `stop`'s
-        vote after step `after` in the same gather: None when the ranks agree to stop there."""
+        """The step's pairs, chosen tokens, label tokens, tokens and (with the router loss) the
+        router's units over every rank: host numbers, as SFT's label count (one gloo all_gather on
+        many ranks, nothing on one), with `stop`'s vote after step `after` in the same gather: None
+        when the ranks agree to stop there."""
         values = [step.pairs, step.chosen_tokens, step.label_tokens, step.tokens]
+        if self.router is not None:
+            values.append(step.router_units)
         return counts.sums(*values) if stop is None else stop.sums(counts, values, after)
 
     def forward_backward(self, engine, step: PairStep, pairs: float, chosen_tokens: float, world: int,
-                         offload: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         offload: bool = False, units: float = 0.0,
+                         routed: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Backward every micro-batch of one optimizer step, each scaled so that the step's
         gradient is that of the mean over all `pairs` of the step (see the module docstring); the
         caller runs the final engine.step(). Returns this rank's Σ loss and its METRICS sums, on the
-        device (nothing read)."""
+        device (nothing read). With the router loss, the policy's, the mean over the step's `units`
+        (its sequences) times its coefficient, is added as TRL adds the model's aux loss, and each
+        micro-batch's router sums go to `routed`."""
         scale = world * len(step.batches) / pairs  # DeepSpeed divides by both
         sft_scale = self.cfg.sft_weight * pairs / max(chosen_tokens, 1.0)
         total = torch.zeros((), device=engine.device)
         stats: list = []
+        router = self.router
         for i, batch in enumerate(step.batches):
             with checkpoint_offload(offload, engine.device):
-                loss_sum = self(engine, {**to_device(batch, engine.device), "sft_scale": sft_scale}, stats)
-            engine.backward(loss_sum * scale)
+                moved = to_device(batch, engine.device)
+                if router is None:
+                    loss_sum = self(engine, {**moved, "sft_scale": sft_scale}, stats)
+                    objective = loss_sum * scale
+                else:
+                    calls: list = []
+                    loss_sum = self(engine, {**moved, "sft_scale": sft_scale}, stats, calls)
+                    aux_sum, load = router.sums(calls, moved)
+                    objective = loss_sum * scale + aux_sum * (router.coef * world * len(step.batches) / max(units, 1.0))
+                    routed.append(torch.cat([aux_sum.detach().double().reshape(1), load.reshape(-1)]))
+            engine.backward(objective)
             total += loss_sum.detach()
             if i < len(step.batches) - 1:
                 engine.step()  # a no-op for the weights until the accumulation boundary

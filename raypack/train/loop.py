@@ -14,7 +14,10 @@ skipped or trained twice in an epoch by the final model.
 Loss: one optimizer step's loss is Σ token losses / N, where N counts the label tokens of all its
 micro-batches on all ranks. DeepSpeed divides each backward by the accumulation steps and averages
 gradients over ranks, so each micro-batch's summed loss is scaled by world·accum/N to undo both.
-The token losses come from raypack/train/loss.py (chunked: no [tokens, vocab] logits).
+The token losses come from raypack/train/loss.py (chunked: no [tokens, vocab] logits). An MoE
+model's router load-balancing loss (raypack/train/router_loss.py) rides in the same backward: each
+micro-batch's sum over its units (examples) scaled by coef·world·accum/U, U the step's units on
+every rank, counted on the host with N.
 A step with N = 0 (no rank has a label token: rare, since examples without one are dropped before
 packing) is logged and skipped, with no forward, backward or update, never averaged in as 0.
 
@@ -58,8 +61,10 @@ from raypack.train.dpo import DPOLoss, reporter_fields
 from raypack.train.dpo_reference import make_dpo_loss
 from raypack.train.loss import CausalLMLoss, make_loss, probe_batch
 from raypack.train.memory import resolve_checkpointing
+from raypack.train.expert_load import ExpertLoad
 from raypack.train.metrics import Eta, Reporter, model_flops_per_token
 from raypack.train.prefetch import StepBatch, prepare_step, to_device
+from raypack.train.router_loss import UNIT_KEYS, RouterLoss, make_router_loss
 from raypack.train.sequence import data_rank, make_groups, probe_split, step_source
 from raypack.train.startup import Startup
 from raypack.train.stepvalues import HostCounts, Pending, StepTimer
@@ -134,16 +139,29 @@ def base_digests(engine) -> list[int]:
 
 
 def forward_backward(engine, batches: list[dict], scale: float | torch.Tensor, loss: CausalLMLoss,
-                     offload: bool = False) -> torch.Tensor:
+                     offload: bool = False, router: RouterLoss | None = None, router_scale: float = 0.0,
+                     router_sums: list | None = None) -> torch.Tensor:
     """Backward every micro-batch of one optimizer step; the caller runs the final engine.step().
-    `offload`: model.offload_checkpoints."""
+    `offload`: model.offload_checkpoints. `router`: the router loss, each micro-batch's sum of it
+    scaled by `router_scale` into the backward, and its sums (RouterLoss.sums) appended to
+    `router_sums`."""
     total = torch.zeros((), device=engine.device)
     for i, batch in enumerate(batches):
         # move_batch keeps cu_seq_lens_q and _k one tensor; two copies would cost a device
         # comparison (a sync) in every attention layer.
         with checkpoint_offload(offload, engine.device):
-            loss_sum = loss(engine, to_device(batch, engine.device))
-        engine.backward(loss_sum * scale)
+            moved = to_device(batch, engine.device)
+            if router is None:
+                loss_sum = loss(engine, moved)
+                objective = loss_sum * scale
+            else:
+                units = {k: moved.pop(k) for k in UNIT_KEYS}
+                with router.routers.capture() as calls:
+                    loss_sum = loss(engine, moved)
+                aux_sum, load = router.sums(calls, units)
+                objective = loss_sum * scale + aux_sum * router_scale
+                router_sums.append(torch.cat([aux_sum.detach().double().reshape(1), load.reshape(-1)]))
+        engine.backward(objective)
         total += loss_sum.detach()
         if i < len(batches) - 1:
             engine.step()  # a no-op for the weights until the accumulation boundary
@@ -151,29 +169,44 @@ def forward_backward(engine, batches: list[dict], scale: float | torch.Tensor, l
 
 
 def train_step(engine, step: StepBatch, loss: CausalLMLoss, counts: HostCounts, number: int = 0,
-               wait_s: float = 0.0, offload: bool = False, stop: StopWatch | None = None) -> Pending | None:
+               wait_s: float = 0.0, offload: bool = False, stop: StopWatch | None = None,
+               router: RouterLoss | None = None) -> Pending | None:
     """Enqueue optimizer step `number` on prefetched micro-batches; its values are read later
     (`Pending.resolve`, raypack/train/stepvalues.py). `wait_s` is how long the loop waited for them;
     `offload`: model.offload_checkpoints; `stop`: the run's StopWatch, whose vote rides the step's
-    host gather: None, and no step taken, when the ranks agree to stop after step `number - 1`."""
+    host gather: None, and no step taken, when the ranks agree to stop after step `number - 1`;
+    `router`: the router loss (raypack/train/router_loss.py)."""
     timer = StepTimer(engine.device)
     # Every rank needs N, the step's global label count, before its first backward: host numbers,
     # summed over the ranks on the host (nothing to sum on one rank). Every rank reads the same N,
-    # so a step with none is skipped by all of them alike.
-    values = [step.label_tokens, step.tokens]
+    # so a step with none is skipped by all of them alike. The router loss's units (U) ride along.
+    values = [step.label_tokens, step.tokens] + ([step.router_units] if router is not None else [])
     sums = counts.sums(*values) if stop is None else stop.sums(counts, values, number - 1)
     if sums is None:
         return None
-    n_global, tokens = sums
+    n_global, tokens, *routed_units = sums
+    units = routed_units[0] if routed_units else 0.0
     host = {"label_tokens": n_global, "tokens": tokens, "data_wait_s": wait_s, "world_size": counts.world,
             "skipped_steps": float(n_global == 0)}
     if n_global == 0:
         timer.stop()
         return Pending(number, host, timer=timer)
     scale = counts.world * len(step.batches) / n_global
-    loss_sum = forward_backward(engine, step.batches, scale, loss, offload)
+    if router is None:
+        loss_sum = forward_backward(engine, step.batches, scale, loss, offload)
+        engine.step()
+        return Pending.enqueued(number, host, counts.reduce(loss_sum), engine.get_global_grad_norm(), timer)
+    # The step's router loss is the mean over its U units: each unit's sum weighs coef / U once
+    # DeepSpeed has divided by the micro-batches and averaged over the ranks.
+    host["router_units"] = units
+    sums: list[torch.Tensor] = []
+    loss_sum = forward_backward(engine, step.batches, scale, loss, offload, router,
+                                router.coef * counts.world * len(step.batches) / max(units, 1.0), sums)
     engine.step()
-    return Pending.enqueued(number, host, counts.reduce(loss_sum), engine.get_global_grad_norm(), timer)
+    # one device all_reduce: the loss, the router loss and the expert load, not waited for
+    summed = counts.reduce(torch.cat([loss_sum.double().reshape(1), torch.stack(sums).sum(0)]))
+    return Pending.enqueued(number, host, summed[0], engine.get_global_grad_norm(), timer, extra=summed[1:],
+                            more=router.read)
 
 
 @torch.no_grad()
@@ -225,6 +258,8 @@ class Worker:
     """The train_loop_config the worker was started with."""
     group: SequenceGroup = SequenceGroup(size=1, rank=0)
     """The ranks that share this rank's rows (train.sequence_parallel; a group of one without)."""
+    router: RouterLoss | None = None
+    """An MoE model's router load-balancing loss (raypack/train/router_loss.py); None: off."""
     tokenizer: Any = None
     """Rank 0's tokenizer, saved with the final model (loaded at setup, not in the step loop)."""
     counts: HostCounts = HostCounts(world=1)
@@ -273,8 +308,10 @@ def setup_worker(config: dict) -> Worker:
         print(f"[raypack] gradient checkpointing: full ({changed})", flush=True)
     if cfg.train.compile:  # a layer that can't compile whole, recompute included, stops here
         check_compiled(engine.module, probe)
+    router = setup_router(engine, cfg, probe)
     if cfg.train.objective == "dpo":  # its reference log-probabilities: before a checkpoint is restored
         loss = make_dpo_loss(engine, loss, cfg, data, rank, global_count)
+        loss.router = router  # after the reference pass, which needs no router loss
     base = base_digests(engine) if cfg.model.peft.enabled else None
     state = restore(engine, rank, data.fingerprint, base)
     counts = trainable_summary(engine.module)
@@ -292,6 +329,7 @@ def setup_worker(config: dict) -> Worker:
         epochs=t.epochs,
         eta=Eta(total_steps, t.eval_every_steps, t.checkpoint_every_steps),
         gather=host_counts.gather if world > 1 else None,
+        experts=ExpertLoad(router.layers, router.experts) if router is not None else None,
         **(reporter_fields() if isinstance(loss, DPOLoss) else {}),
     )
     reporter.start_clocks()
@@ -301,14 +339,26 @@ def setup_worker(config: dict) -> Worker:
               flush=True)
     tokenizer = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template) if rank == 0 else None
     group = make_groups(t.sequence_parallel)
+    if router is not None and rank == 0:
+        print(f"[raypack] router load-balancing loss: {router.describe()}", flush=True)
     probe_split(engine, group, loss)  # a model that can't split its rows stops here, before any step
     if rank == 0 and group.size > 1:
         print(f"[raypack] sequence parallel: {world} workers in {world // group.size} groups of {group.size}; each "
               f"row's tokens split {group.size} ways, at most {-(-cfg.pack.budget // group.size)} a worker", flush=True)
     clock.mark("setup")
-    return Worker(cfg, data, rank, engine, scheduler, loss, state, reporter, total_steps, config, group, tokenizer,
-                  host_counts, clock=clock, stop=StopWatch(config.get("stop_key"), rank, t.stop_checkpoint_after_s,
+    return Worker(cfg, data, rank, engine, scheduler, loss, state, reporter, total_steps, config, group, router,
+                  tokenizer, host_counts, clock=clock, stop=StopWatch(config.get("stop_key"), rank, t.stop_checkpoint_after_s,
                                                            checkpoint_step=state.step))
+
+
+def setup_router(engine, cfg: Config, probe: dict[str, Any]) -> RouterLoss | None:
+    """The router loss of an MoE model (None: a dense model, or a coefficient of 0), or a refusal
+    before any step (router_loss.check_router_setting; a router not found)."""
+    probe = {k: v for k, v in probe.items() if k != "labels"}
+    router = make_router_loss(engine.module, cfg.train, cfg.model.name, probe)
+    if router is not None:
+        router.probe(engine, probe, cfg.model.name)
+    return router
 
 
 def train_epoch(w: Worker, epoch: int) -> None:
@@ -320,7 +370,9 @@ def train_epoch(w: Worker, epoch: int) -> None:
     rows = functools.partial(iter_epoch_packs, w.data, w.data_rank, epoch, start_step=state.micro_step)
     # The plan gives every rank the same multiple of `accum` steps, so a short group is the epoch end.
     dpo = isinstance(w.loss, DPOLoss)
-    with _steps(w.data, w.engine.device, w.group, rows, accum, w.loss.prepare_step if dpo else prepare_step) as steps:
+    collate = w.loss.prepare_step if dpo else functools.partial(
+        prepare_step, router_scope=w.router.scope if w.router is not None else None)
+    with _steps(w.data, w.engine.device, w.group, rows, accum, collate) as steps:
         while state.step < w.total_steps:
             t0 = time.perf_counter()
             if (step := next(steps, None)) is None:
@@ -343,7 +395,7 @@ def take_step(w: Worker, step, epoch: int, wait_s: float) -> bool:
                                     stop=w.stop)
     else:
         pending = train_step(w.engine, step, w.loss, w.counts, state.step + 1, wait_s=wait_s, offload=offload,
-                             stop=w.stop)
+                             stop=w.stop, router=w.router)
     if pending is None:
         return False
     pending.host["lr"] = w.scheduler.get_last_lr()[0]

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from raypack.data.progress import duration
+from raypack.train.expert_load import ExpertLoad
 from raypack.train.stepvalues import rank_imbalance
 from raypack.train.tracking import Trackers
 
@@ -44,6 +45,8 @@ REPORTED = (
     "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected",
     "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies", "eval_rewards/margins",
     "eval_logps/chosen", "eval_logps/rejected",
+    # MoE models with the router loss (raypack/train/expert_load.py)
+    "router_aux_loss", "expert_load_max", "expert_load_worst_layer",
 )
 """Every metric a report can carry (`Reporter.summary` and the static values the loop adds);
 what a sweep may rank trials by."""
@@ -162,6 +165,8 @@ class Reporter:
     """The per-step count a window's loss is averaged over: label tokens (SFT), pairs (DPO)."""
     means: tuple[str, ...] = ()
     """More per-step values reported as their window's mean, weighted like the loss (DPO's rewards)."""
+    experts: ExpertLoad | None = None
+    """An MoE run with the router loss: its aux loss, expert load and heatmap at each report."""
     _window: list[dict[str, float]] = field(default_factory=list)
     _peak_memory: float = 0.0
     _next_report: int = FIRST_REPORT
@@ -264,9 +269,16 @@ class Reporter:
             metrics["mfu"] = metrics["tokens_per_s"] * self.flops_per_token / (peak * world)
         metrics.update(self.static)
         metrics.update(extra or {})
+        per_layer: dict[str, float] = {}
+        if self.experts is not None:
+            routed, per_layer, image = self.experts.summary(window)
+            metrics.update(routed)
+            if image is not None:
+                self.trackers.image(step, "expert_load", image)
         # The step's own values (loss, lr, times, rank imbalance) went to the trackers every step.
-        self.trackers.scalars(step, {k: v for k, v in metrics.items() if k not in window_keys(window) and k != "step"})
-        self.trackers.report(step, metrics)
+        self.trackers.scalars(step, {**{k: v for k, v in metrics.items() if k not in window_keys(window) and k != "step"},
+                                     **per_layer})
+        self.trackers.report(step, {**metrics, **per_layer})
         if self.rank == 0:
             self._progress(metrics)
         return metrics
@@ -276,6 +288,9 @@ class Reporter:
         for key, name in (("rewards/accuracies", "acc"), ("eval_rewards/accuracies", "eval_acc")):  # DPO
             if m.get(key) is not None:
                 eval_part += f" {name} {m[key]:.2f}"
+        if m.get("router_aux_loss") is not None:  # MoE: the router loss, and the worst layer's busiest expert
+            eval_part += (f" aux {m['router_aux_loss']:.4f} experts {m['expert_load_max']:.2f}x mean "
+                          f"(layer {m['expert_load_worst_layer']})")
         loss = f"{m['loss']:.4f}" if m["loss"] is not None else "-"
         left = f" left {duration(self.eta.left(m['step']))}" if self.eta is not None else ""
         print(

@@ -30,6 +30,7 @@ import torch
 from raypack.data.collate import collate_packed, count_label_tokens, move_batch
 from raypack.model.exact import keep_host_copy
 from raypack.train.loss import label_targets
+from raypack.train.router_loss import batch_units
 
 
 @dataclass
@@ -43,14 +44,21 @@ class StepBatch:
     tokens: int
     """Real (non-padding) tokens."""
     example_ids: list[int]
+    router_units: int = 0
+    """The router loss's units (examples, or micro-batches) in this rank's micro-batches; 0: no router loss."""
 
 
-def prepare_step(group: list[dict[str, Any]], padded: bool = False, pad_token_id: int = 0, pin: bool = False) -> StepBatch:
-    """Collate each packed row of `group` into a micro-batch; pin its tensors when `pin`."""
+def prepare_step(group: list[dict[str, Any]], padded: bool = False, pad_token_id: int = 0, pin: bool = False,
+                 router_scope: str | None = None) -> StepBatch:
+    """Collate each packed row of `group` into a micro-batch; pin its tensors when `pin`.
+    `router_scope` (train.router_aux_loss, when the router loss is on): each token's unit too
+    (raypack/train/router_loss.py)."""
     batches = []
     for row in group:
         batch = collate_packed([row], padded=padded, pad_token_id=pad_token_id)
         batch.update(label_targets(batch["labels"]))
+        if router_scope is not None:
+            batch.update(batch_units(batch, router_scope))
         if pin:
             # cu_seq_lens_k must stay the same tensor as _q (see collate.move_batch)
             pinned = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items() if k != "cu_seq_lens_k"}
@@ -63,6 +71,7 @@ def prepare_step(group: list[dict[str, Any]], padded: bool = False, pad_token_id
         label_tokens=sum(count_label_tokens(b) for b in batches),
         tokens=sum(int(row["num_tokens"]) for row in group),
         example_ids=[i for row in group for i in row["example_ids"]],
+        router_units=sum(int(b.get("router_unit_count", 0)) for b in batches),
     )
 
 

@@ -136,6 +136,7 @@ def check_model_and_tokenizer(cfg: Config, tok) -> int:
     """The model's vocabulary size, once its config resolves and the tokenizer fits it."""
     from raypack.data.encode import TokenizeError
     from raypack.model.build import model_config, model_vocab_size  # torch: seconds
+    from raypack.train.router_loss import check_router_setting
 
     m = cfg.model
     # A tiny model is built with the tokenizer's vocabulary (see raypack.data.prepare), so it fits.
@@ -143,6 +144,7 @@ def check_model_and_tokenizer(cfg: Config, tok) -> int:
     check_packed_model(cfg, config)
     check_kernels(cfg, config)
     check_adapters(cfg, config)
+    check_router_setting(cfg.train, config, m.name)
     vocab = model_vocab_size(config)
     if len(tok) > vocab:
         raise TokenizeError(

@@ -135,16 +135,21 @@ class Pending:
     """Sums read after the loss, each reported divided by `per` as the loss is (DPO's metrics)."""
     per: str = "label_tokens"
     """The host value the loss is a mean over: label tokens (SFT), pairs (DPO)."""
+    more: Any = None
+    """Reads the readings after the named sums (another objective's: the router loss's sum and
+    expert load, raypack/train/router_loss.py): more(values, readings) -> values to add."""
+    more_len: int = 0
 
     @classmethod
     def enqueued(cls, step: int, host: dict[str, float], loss_sum: torch.Tensor, grad_norm: Any,
                  timer: StepTimer, extra: torch.Tensor | None = None, names: tuple[str, ...] = (),
-                 per: str = "label_tokens") -> Pending:
-        """After the step's last kernel: copy its loss, the `extra` sums named `names` and the
-        gradient norm to host memory, without waiting, and mark the step's end on the stream."""
+                 per: str = "label_tokens", more: Any = None) -> Pending:
+        """After the step's last kernel: copy its loss, the `extra` sums (the first len(names) named
+        `names`, the rest read by `more`) and the gradient norm to host memory, without waiting,
+        and mark the step's end on the stream."""
         parts = [loss_sum.detach().double().reshape(1)]
         if extra is not None:
-            parts.append(extra.detach().double().reshape(len(names)))
+            parts.append(extra.detach().double().reshape(-1))
         if isinstance(grad_norm, torch.Tensor):
             parts.append(grad_norm.detach().double().reshape(1))
         elif grad_norm is not None:  # a host number already (DeepSpeed's inf after an overflow)
@@ -156,7 +161,8 @@ class Pending:
         else:
             readings = both
         timer.stop()
-        return cls(step, host, readings, timer, names=names, per=per)
+        more_len = 0 if extra is None else extra.numel() - len(names)
+        return cls(step, host, readings, timer, names=names, per=per, more=more, more_len=more_len)
 
     def resolve(self) -> dict[str, float]:
         """The step's values for the trackers and reports (read once; a DivergedError if not finite)."""
@@ -172,7 +178,10 @@ class Pending:
             read = self.readings.tolist()  # host memory: the event above has passed
             values["loss"] = read[0] / values[self.per]
             values.update({name: read[1 + k] / values[self.per] for k, name in enumerate(self.names)})
-            if len(read) > 1 + len(self.names):
+            if self.more is not None:
+                start = 1 + len(self.names)
+                values.update(self.more(values, read[start:start + self.more_len]))
+            if len(read) > 1 + len(self.names) + self.more_len:
                 values["grad_norm"] = read[-1]
             norm = values.get("grad_norm", 0.0)
             bad = [f"the loss is {values['loss']}"] if not math.isfinite(values["loss"]) else []

@@ -237,6 +237,16 @@ class Trackers:
             # than it had logged); those steps were logged already, from the same data.
             self._wandb.log(scalars, step=step)
 
+    def image(self, step: int, name: str, image: Any) -> None:
+        """An [H, W, 3] uint8 image as train/<name> at optimizer step `step`, to TensorBoard and W&B
+        (MLflow keeps images as artifacts, not per step: left out)."""
+        if self._tb is not None:
+            self._tb.add_image(f"train/{name}", image, step, dataformats="HWC")
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({f"train/{name}": wandb.Image(image)}, step=step)
+
     def report(self, step: int, metrics: dict[str, Any]) -> None:
         """A Ray Train report's numeric metrics, to MLflow; flushes TensorBoard."""
         if self._tb is not None:

@@ -60,6 +60,7 @@ from raypack.train.stop import DriverStop
 from raypack.train.tracking import TrackingTargets, save_wandb_id, targets
 
 SUMMARY = ("step", "loss", "eval_loss", "rewards/accuracies", "eval_rewards/accuracies", "rewards/margins",
+           "router_aux_loss", "expert_load_max", "expert_load_worst_layer",
            "tokens_per_s", "packing_efficiency", "peak_memory_gb")
 """The metrics a finished run records in its result file and prints (a run that lacks one, as SFT
 lacks DPO's rewards, records it as null and prints none)."""

@@ -215,3 +215,21 @@ def test_bf16_precision_and_the_chosen_report_cadence_load():
     cfg = load(None, ["train.precision=bf16", "model.dtype=bfloat16", "train.zero_stage=3"])
     assert cfg.train.precision == "bf16" and cfg.train.report_every_steps is None  # null: chosen as the run goes
     assert load(None, ["train.report_every_steps=7"]).train.report_every_steps == 7
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.router_aux_loss_coef=-0.1"], r"train\.router_aux_loss_coef: expected auto or a number >= 0, got -0\.1"),
+    (["train.router_aux_loss_coef=fast"], r"train\.router_aux_loss_coef: expected one of 'auto' or a number, got 'fast'"),
+    (["train.router_aux_loss=batch"], r"train\.router_aux_loss: expected one of 'example', 'micro_batch'"),
+])
+def test_router_aux_loss_settings_are_checked(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load(None, overrides)
+
+
+def test_router_aux_loss_settings_load_and_round_trip():
+    assert (load(None).train.router_aux_loss_coef, load(None).train.router_aux_loss) == ("auto", "example")
+    cfg = load(None, ["train.router_aux_loss_coef=0.01", "train.router_aux_loss=micro_batch"])
+    assert (cfg.train.router_aux_loss_coef, cfg.train.router_aux_loss) == (0.01, "micro_batch")
+    assert loads(dumps(cfg)) == cfg
+    assert load(None, ["train.router_aux_loss_coef=0"]).train.router_aux_loss_coef == 0.0

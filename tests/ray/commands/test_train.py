@@ -238,3 +238,23 @@ def test_ctrl_c_in_training_exits_130_with_one_line_and_the_resume_continues(ray
     assert f"[raypack] removed {orphan}: saved as the run stopped, never registered" in out.stdout
     assert not orphan.exists()
     assert "continuing from its last checkpoint" in out.stdout
+
+
+@pytest.mark.slow
+def test_quickstart_on_tiny_qwen3_moe_logs_the_router_loss_and_the_expert_heatmap(ray_local, tmp_path, capsys):
+    """`raypack train --config jobs/configs/quickstart.yaml model.name=tiny-qwen3_moe`, cut to 5
+    steps: the router loss (auto: Qwen3-MoE's own coefficient) at every step, the per-layer expert
+    load and the layers-by-experts heatmap at the report, all in TensorBoard's event file; the
+    summary names the worst layer."""
+    code = main(["train", "--config", str(REPO / "jobs" / "configs" / "quickstart.yaml"), "model.name=tiny-qwen3_moe",
+                 f"run.storage_path={tmp_path}", "run.name=moe", "train.max_steps=5", "data.eval_fraction=0"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "expert_load_worst_layer" in out and "router_aux_loss" in out  # the summary (workers' lines go to Ray's logs)
+    board = tmp_path / "moe" / "tensorboard"
+    scalars = tensorboard_scalars(board)
+    assert sorted(scalars["train/router_aux_loss"]) == [1, 2, 3, 4, 5]
+    assert all(1.0 < v < 4.0 for v in scalars["train/router_aux_loss"].values())  # top-2: 2 when even
+    assert 1.0 <= scalars["train/expert_load/layer_0"][5] <= 4.0 and 5 in scalars["train/expert_load/layer_1"]
+    height, width, png = trackfiles.tensorboard_images(board)["train/expert_load"][5]
+    assert (height, width) == (2 * 8, 4 * 8) and png.startswith(b"\x89PNG")

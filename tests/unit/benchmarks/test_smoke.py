@@ -31,6 +31,8 @@ NO_RAY = {  # script -> what its results file must show
     "pack_plan.py": ["| flan | 20,000 | 2048 | balanced |", "## Balance at budget 2048", "| flan | 20,000 | 512 |"],
     "step_profile.py": ["| matmuls |", "| elementwise and norms |", "profiled steps after"],
     "recompute.py": ["| none | eager |", "| full | eager |", "| selective | compiled |"],
+    # the router loss off, per example, per micro-batch (issue 43)
+    "router_loss.py": ["| off |", "| example |", "| micro_batch |"],
     # one rank in-process and two spawned over gloo; raypack's own collectives on two ranks: the
     # host gather of N and tokens, the loss's all_reduce
     "step_syncs.py": ["## 1 rank", "## 2 ranks", "| collective: raypack (stepvalues.gather) | 0.0 | 1.0 |",

@@ -47,13 +47,18 @@ def test_a_raypack_model_config_is_not_guessed_at():
         load_model(ModelConfig(name="tiny-llama"))
 
 
-def test_router_aux_loss_is_named_when_the_config_asks_for_it():
-    """raypack's loss is token cross-entropy; a config that turns the MoE aux loss on hears so."""
+def test_output_router_logits_warns_no_more_and_tiny_qwen3_moe_builds():
+    """The router loss is raypack's own now (raypack/train/router_loss.py): no warning that it isn't."""
+    import warnings
+
     cfg = tiny_config("llama")
-    with pytest.warns(UserWarning, match="auxiliary loss"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
         load_model(transformers.MixtralConfig(**{k: getattr(cfg, k) for k in ("hidden_size", "intermediate_size",
                    "num_hidden_layers", "num_attention_heads", "num_key_value_heads")}, vocab_size=512,
                    num_local_experts=2, output_router_logits=True))  # fmt: skip
+    model = load_model("tiny-qwen3_moe", dtype="float32")
+    assert type(model).__name__ == "Qwen3MoeForCausalLM" and model.config.num_experts == 4
 
 
 @pytest.mark.parametrize("hub", ["offline", "unreachable"])

@@ -221,3 +221,67 @@ def test_an_empty_pack_adds_nothing_and_still_runs_its_forward():
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g)
+
+
+def split_pairs(row: dict) -> list[dict]:
+    """A packed row of pairs as rows of one pair each (the same sequences, unpacked)."""
+    from raypack.data.collate import example_starts
+
+    starts = list(example_starts(row["position_ids"])) + [len(row["input_ids"])]
+    out = []
+    for k in range(0, len(row["example_ids"]), 2):
+        lo, hi = starts[k], starts[k + 2]
+        piece = {key: row[key][lo:hi] for key in ("input_ids", "position_ids")}
+        piece["labels" if "labels" in row else "loss_mask"] = row["labels" if "labels" in row else "loss_mask"][lo:hi]
+        out.append({**row, **piece, "example_ids": row["example_ids"][k:k + 2], "num_tokens": hi - lo})
+    return out
+
+
+def test_router_loss_is_added_to_dpo_per_sequence_packed_or_not():
+    """The policy's router loss (tiny Qwen3-MoE) added to DPO as TRL adds the model's aux loss:
+    the step's mean over its sequences, each sequence's own (transformers' function on it alone),
+    the same loss, router loss and gradients packed or one pair per micro-batch."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from raypack.config.sections import TrainConfig
+    from raypack.train.router_loss import make_router_loss
+
+    dpo = DpoConfig(beta=0.1)
+    rows = packed_pair_rows(SAMPLE, 6, budget=600)[0]
+    assert any(len(r["example_ids"]) >= 4 for r in rows)  # pairs share rows
+    results = []
+    for layout in (rows, [p for r in rows for p in split_pairs(r)]):
+        torch.manual_seed(0)
+        model = load_model("tiny-qwen3_moe", attention="sdpa_varlen", dtype="float32", vocab_size=768).eval()
+        loss = DPOLoss(make_loss(model, "chunked", chunk_tokens=7), dpo, gather=None)
+        reference = rows_logps(loss, model, rows, False, 2, "cpu")
+        loss = DPOLoss(loss.base, dpo, gather=None, reference=reference)
+        loss.router = make_router_loss(model, TrainConfig(router_aux_loss_coef=0.5), "tiny-qwen3_moe")
+        step = loss.prepare_step(layout)
+        values = loss.train_step(OneRankEngine(model, len(step.batches)), step, HostCounts(1), 1).resolve()
+        results.append((values, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        loss.router.routers.remove()
+    (packed, grads), (alone, alone_grads) = results
+    assert packed["router_units"] == alone["router_units"] == 2 * sum(len(r["example_ids"]) // 2 for r in rows)
+    assert packed["loss"] == pytest.approx(alone["loss"], rel=TOLERANCE)
+    assert packed["router_aux_loss"] == pytest.approx(alone["router_aux_loss"], rel=TOLERANCE)
+    sequences = [ids for r in rows for ids in _sequences(r)]
+    with torch.no_grad():
+        own = [load_balancing_loss_func(model(input_ids=torch.tensor([ids]), output_router_logits=True).router_logits,
+                                        4, 2).item() for ids in sequences]
+    assert packed["router_aux_loss"] == pytest.approx(sum(own) / len(own), rel=TOLERANCE)
+    assert errors_between(grads, alone_grads) < TOLERANCE
+    assert any("mlp.gate" in n for n in grads)  # the router trains on DPO's step
+
+
+def _sequences(row):
+    from raypack.data.collate import example_starts
+
+    starts = list(example_starts(row["position_ids"])) + [len(row["input_ids"])]
+    return [row["input_ids"][lo:hi] for lo, hi in zip(starts[:-1], starts[1:])]
+
+
+def errors_between(a, b) -> float:
+    assert a.keys() == b.keys()
+    floor = 1e-3 * max(g.abs().max().item() for g in b.values())
+    return max((a[n] - b[n]).abs().max().item() / max(b[n].abs().max().item(), floor) for n in a)

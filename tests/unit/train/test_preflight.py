@@ -143,3 +143,21 @@ def test_adapters_are_checked_on_the_meta_model(tmp_path):
         preflight(load(None, head))
     assert preflight(load(None, [*head, "train.loss=full"])).vocab_size == 768
     assert preflight(load(None, base)).vocab_size == 768
+
+
+def test_router_loss_settings_are_checked_before_ray(tmp_path):
+    """A router loss asked of a dense model, and one beside sequence parallelism, stop before Ray
+    starts, naming the model; `auto` on a dense model, or 0, is no router loss at all."""
+    from raypack.errors import InputError
+    from raypack.model.routers import RouterNotFoundError
+
+    base = [f"run.storage_path={tmp_path}"]
+    with pytest.raises(RouterNotFoundError, match=r"model.name 'tiny-llama': train.router_aux_loss_coef=0.01, but it "
+                                                  r"is not a mixture-of-experts model"):
+        preflight(load(None, [*base, "train.router_aux_loss_coef=0.01"]))
+    moe_sp = [*base, "model.name=tiny-qwen3_moe", "train.sequence_parallel=2"]
+    with pytest.raises(InputError, match=r"model.name 'tiny-qwen3_moe': train.router_aux_loss_coef=0.001 with "
+                                         r"train.sequence_parallel=2.*not combined across"):
+        preflight(load(None, moe_sp))
+    assert preflight(load(None, [*moe_sp, "train.router_aux_loss_coef=0"])).vocab_size == 768
+    assert preflight(load(None, base)).vocab_size == 768  # auto on a dense model

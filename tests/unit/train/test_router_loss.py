@@ -1,0 +1,173 @@
+"""The router's load-balancing loss on packed rows, per MoE family raypack packs (tests/families.py):
+
+- `example`: the loss and every parameter's gradient on two packed rows equal the mean, over the
+  examples, of each example's own loss run alone through transformers' eager model, with
+  transformers' `load_balancing_loss_func` on the router logits that model returns (softmax
+  routers), or DeepSeek-V3's sequence-wise balance loss written out below from the paper on the
+  router's own choice (sigmoid routers with a bias-corrected top-k), fp32, 1e-5;
+- `micro_batch`: equals transformers' function on the same rows' router logits, packed and padded (for
+  sigmoid routers, the sequence-wise reference over the whole packed row).
+
+Models run in eval mode (no router jitter); gradients are still taken.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from exactness import make_rows, rel_err
+from families import FAMILIES
+from transformers import AutoModelForCausalLM
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+from raypack.config.sections import TrainConfig
+from raypack.data.collate import collate_packed
+from raypack.model.attention import attn_implementation_name
+from raypack.model.routers import declared, expert_count
+from raypack.train.router_loss import batch_units, make_router_loss, resolve_coef
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MOE = [f for f, spec in FAMILIES.items() if not spec.refused and expert_count(spec.build_config(f))]
+TOL = 1e-5
+
+
+def models(family: str):
+    config = FAMILIES[family].build_config(family)
+    torch.manual_seed(0)
+    packed = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn_implementation_name("sdpa_varlen")).eval()
+    # Router weights at random: some families start them at zero, where every token ties.
+    with torch.no_grad():
+        for name, p in packed.named_parameters():
+            if p.dim() == 2 and p.shape[0] == expert_count(config) and p.shape[1] == config.hidden_size:
+                p.normal_(0, 0.5)
+    ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager").eval()
+    ref.load_state_dict(packed.state_dict())
+    return packed, ref
+
+
+def router_loss(model, family, scope="example"):
+    return make_router_loss(model, TrainConfig(router_aux_loss_coef=1.0, router_aux_loss=scope), family)
+
+
+def model_kwargs(batch):
+    return {k: v for k, v in batch.items() if k not in ("labels",) and not k.startswith("router_")}
+
+
+def seq_balance_reference(logits, selected, experts, top_k):
+    """DeepSeek-V3 (arXiv 2412.19437, eqs. 17-20) for one sequence and one layer, written out."""
+    n = logits.shape[0]
+    s = torch.sigmoid(logits.float())
+    s = s / s.sum(-1, keepdim=True)
+    loss = 0.0
+    for e in range(experts):
+        f = experts / (top_k * n) * (selected == e).any(-1).float().sum()
+        loss = loss + f * s[:, e].mean()
+    return loss
+
+
+def alone_loss(ref, routers, ids):
+    """One example alone through the eager model: transformers' function on its returned router
+    logits, or the sequence-wise reference on its routers' own choice."""
+    if routers.kind == "softmax":
+        out = ref(input_ids=ids[None], output_router_logits=True)
+        return load_balancing_loss_func(out.router_logits, routers.num_experts, routers.top_k)
+    cls, _ = declared(ref)
+    seen = []
+    hooks = [m.register_forward_hook(lambda m, a, o: seen.append(o)) for m in ref.modules() if isinstance(m, cls)]
+    try:
+        out = ref(input_ids=ids[None], output_router_logits=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(seen) == len(out.router_logits)
+    return sum(seq_balance_reference(z, o[2], routers.num_experts, routers.top_k)
+               for z, o in zip(out.router_logits, seen))
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_example_scope_is_each_example_alone(family):
+    packed, ref = models(family)
+    router = router_loss(packed, family)
+    assert router is not None and router.routers.how == "declared"
+    rows, examples = make_rows(vocab=512)
+    batch = collate_packed(rows)
+    batch.update(router.units(batch))
+    with router.routers.capture() as calls:
+        packed(**model_kwargs(batch))
+    total, load = router.sums(calls, batch)
+    mean = total / batch["router_unit_count"]
+    mean.backward()
+    ref_router = router_loss(ref, family).routers
+    alone = sum(alone_loss(ref, ref_router, ids) for ids, _ in examples) / len(examples)
+    alone.backward()
+    assert batch["router_unit_count"] == len(examples)
+    assert rel_err(mean, alone) < TOL, (mean.item(), alone.item())
+    mine, theirs = grads(packed), grads(ref)
+    assert mine.keys() == theirs.keys() and mine
+    floor = 1e-3 * max(g.abs().max().item() for g in theirs.values())
+    worst = max((mine[n] - theirs[n]).abs().max().item() / max(theirs[n].abs().max().item(), floor) for n in mine)
+    assert worst < TOL, worst
+    # the load: every token's top-k, each layer
+    assert load.shape == (router.layers, router.experts)
+    assert torch.all(load.sum(-1) == sum(len(ids) for ids, _ in examples) * router.routers.top_k)
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_micro_batch_scope_is_transformers_function_on_the_rows(family):
+    """Packed (no mask) and padded (the attention mask) rows; for a bias-corrected sigmoid router,
+    which transformers gives no loss, the sequence-wise reference over the whole packed row."""
+    packed, ref = models(family)
+    rows, _ = make_rows(vocab=512)
+    for padded, model in ((False, packed), (True, ref)):
+        router = router_loss(model, family, "micro_batch")
+        if padded and router.routers.kind != "softmax":
+            continue
+        batch = collate_packed(rows, padded=padded)
+        batch.update(router.units(batch))
+        seen = []
+        hooks = [m.register_forward_hook(lambda m, a, o: seen.append(o)) for m in router.routers.modules]
+        with router.routers.capture() as calls:
+            out = model(**model_kwargs(batch), output_router_logits=True)
+        for h in hooks:
+            h.remove()
+        ours = router.sums(calls, batch)[0]
+        if router.routers.kind == "softmax":
+            theirs = load_balancing_loss_func(out.router_logits, router.experts, router.routers.top_k,
+                                              batch.get("attention_mask"))
+        else:
+            theirs = sum(seq_balance_reference(z, o[2], router.experts, router.routers.top_k)
+                         for z, o in zip(out.router_logits, seen))
+        assert batch["router_unit_count"] == 1
+        assert rel_err(ours, theirs) < TOL, (padded, ours.item(), theirs.item())
+
+
+def test_coefficient_auto_and_dense_models():
+    moe = FAMILIES["qwen3_moe"].build_config("qwen3_moe")
+    assert resolve_coef("auto", moe, True) == moe.router_aux_loss_coef
+    v3 = FAMILIES["deepseek_v3"].build_config("deepseek_v3")
+    assert not hasattr(v3, "router_aux_loss_coef") and resolve_coef("auto", v3, True) == 0.001
+    assert resolve_coef("auto", FAMILIES["llama"].build_config("llama"), False) == 0.0
+    assert resolve_coef(0.02, moe, True) == 0.02
+    dense = AutoModelForCausalLM.from_config(FAMILIES["llama"].build_config("llama"))
+    assert make_router_loss(dense, TrainConfig(), "llama") is None
+    with pytest.raises(Exception, match=r"model.name 'llama'.*not a mixture-of-experts model"):
+        make_router_loss(dense, TrainConfig(router_aux_loss_coef=0.01), "llama")
+
+
+def test_units_of_packed_and_padded_batches():
+    rows, _ = make_rows(vocab=512)
+    packed = batch_units(collate_packed(rows), "example")
+    assert packed["router_unit_count"] == 5
+    assert packed["router_units"].tolist() == [0] * 21 + [1] * 6 + [2] * 13 + [3] + [4] * 9
+    padded = batch_units(collate_packed(rows, padded=True), "example")
+    assert padded["router_unit_tokens"].tolist() == [21, 6, 13, 1, 9]
+    assert (padded["router_units"] == 5).sum() == 5 * 21 - 50  # pad tokens belong to no unit
+    pooled = batch_units(collate_packed(rows, padded=True), "micro_batch")
+    assert pooled["router_unit_count"] == 1 and pooled["router_unit_tokens"].tolist() == [50]
