@@ -37,7 +37,6 @@ import torch
 import torch.nn.functional as F
 import transformers
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -74,7 +73,6 @@ def masked_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 def register_masked() -> None:
     attn.register()
     AttentionInterface.register(MASKED, masked_attention)
-    AttentionMaskInterface.register(MASKED, attn._no_mask)
 
 
 def make_row(budget: int, seed: int, vocab: int) -> tuple[dict, int]:
