@@ -31,8 +31,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from raypack import storage
 from raypack.errors import InputError
 from raypack.model import attention as attn
-from raypack.model import checkpointing
-from raypack.model.traits import UnsupportedModelError, check_packable
+from raypack.model import checkpointing, mixers
+from raypack.model.traits import UnsupportedModelError, check_packable, decoder, late_attention
 
 __all__ = [
     "ModelNotFoundError", "UnsupportedModelError", "check_model", "check_packable", "load_model", "meta_model",
@@ -229,12 +229,20 @@ def load_model(
                              "not a model built from a config")
         # bitsandbytes quantizes as the weights reach the GPU: load them straight onto this rank's device
         common.update(quantization_config=quantization, device_map={"": torch.cuda.current_device()})
+    late = packed and late_attention(meta_model(config, trust_remote_code))
+    if late:  # transformers refuses the name at build for this class (traits.late_attention)
+        common["attn_implementation"] = "eager"
     if pretrained:
         model = AutoModelForCausalLM.from_pretrained(source, config=config, **common)
     else:
         model = AutoModelForCausalLM.from_config(config, **common)
+    if late:
+        model.config._attn_implementation = impl  # sets the sub-configs' too; layers read it per call
     if packed and zero3:
         check_packable(model, name, attn.candidate_backends(attention, _device_type()))
+    if packed:
+        # convolutions and recurrences keep a packed row's examples apart (mixers.py)
+        mixers.install(model, decoder(model))
     if getattr(config, "output_router_logits", False):
         # The training loop's loss is token cross-entropy from the logits; a router's auxiliary
         # loss, which transformers adds to `loss` only, never reaches it (in any strategy).

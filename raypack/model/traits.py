@@ -38,6 +38,7 @@ from collections.abc import Sequence
 import torch
 
 from raypack.errors import InputError
+from raypack.model import mixers
 
 EXACT_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention",
                                "moe", "sparse", "dense"})  # fmt: skip
@@ -63,19 +64,27 @@ def decoder(model: torch.nn.Module) -> torch.nn.Module:
     return found if isinstance(found, torch.nn.Module) else model
 
 
-def token_mixers(model: torch.nn.Module) -> list[str]:
-    """What, besides causal attention, mixes tokens along the sequence: layer types and modules."""
+def token_mixers(model: torch.nn.Module, known_exact: bool = False) -> list[str]:
+    """What, besides causal attention, mixes tokens along the sequence: layer types and modules.
+    `known_exact`: the mixers raypack keeps exact (mixers.py) will be installed, so they and
+    their layers' types don't count; only what it doesn't know does."""
     found = []
     config = getattr(model, "config", None)
     config = getattr(config, "get_text_config", lambda: config)()
+    text = decoder(model)
+    known = mixers.find(text) if known_exact else {}
+    modules = dict(text.named_modules())
+    inside = tuple(f"{name}." for name in known)
+    # a layer whose type is a mixer's kind is exact if it holds a known mixer (by layer_idx)
+    mixer_layers = {getattr(modules[name], "layer_idx", None) for name in known}
     for field in ("layer_types", "mtp_layer_types"):
         types = getattr(config, field, None) or []
-        odd = sorted({t for t in types if t not in EXACT_LAYER_TYPES})
+        odd = sorted({t for i, t in enumerate(types) if t not in EXACT_LAYER_TYPES
+                      and not (field == "layer_types" and i in mixer_layers)})  # fmt: skip
         if odd:
             found.append(f"{field} {', '.join(odd)}")
-    text = decoder(model)
     for name, module in text.named_modules():
-        if isinstance(module, torch.nn.Conv1d):
+        if isinstance(module, torch.nn.Conv1d) and not name.startswith(inside):
             found.append(f"a convolution over the sequence ({name})")
             break
     for name, module in text.named_modules():
@@ -83,10 +92,38 @@ def token_mixers(model: torch.nn.Module) -> list[str]:
             found.append(f"bidirectional attention ({name}.is_causal is False)")
             break
     for name, _ in text.named_parameters():
-        if name.rsplit(".", 1)[-1] == "A_log":
+        if name.rsplit(".", 1)[-1] == "A_log" and not name.startswith(inside):
             found.append(f"a state-space (Mamba-style) scan ({name.rsplit('.', 1)[0]})")
             break
     return found
+
+
+_QUERY_PROJECTIONS = ("q_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv")
+
+
+def routes_attention(model: torch.nn.Module) -> bool:
+    """Whether raypack's attention reaches every attention layer. transformers promises it for
+    classes that declare `_supports_attention_backend`. The hybrids (Qwen3.5, Qwen3-Next,
+    Nemotron-H, Bamba, ...) don't, because transformers' own padding-free path can't reach their
+    mixers; raypack's mixers do, so for a model holding them it reads the attention layers
+    themselves: every module with query projections must look its function up in
+    ALL_ATTENTION_FUNCTIONS. `late_attention` says such a model gets the name after it is built."""
+    if getattr(type(model), "_supports_attention_backend", False):
+        return True
+    return late_attention(model)
+
+
+def late_attention(model: torch.nn.Module) -> bool:
+    """A hybrid whose class doesn't declare `_supports_attention_backend` but whose attention
+    layers all go through AttentionInterface: transformers refuses a registered name at build,
+    so the model is built with eager and the name set on its config afterwards (build.py)."""
+    if getattr(type(model), "_supports_attention_backend", False):
+        return False
+    text = decoder(model)
+    if not mixers.find(text):
+        return False
+    attention = {type(m) for m in text.modules() if any(hasattr(m, p) for p in _QUERY_PROJECTIONS)}
+    return bool(attention) and all("ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward) for cls in attention)
 
 
 def has_sinks(model: torch.nn.Module) -> str | None:
@@ -140,11 +177,11 @@ def check_packable(
             f"and it has {heads or 'no known number of'} heads; use a sequence_parallel that divides them"
         )
     reasons = []
-    if not getattr(type(model), "_supports_attention_backend", False):
+    if not routes_attention(model):
         reasons.append("transformers can't route its attention through AttentionInterface")
     if "position_ids" not in inspect.signature(type(model).forward).parameters:
         reasons.append("its forward takes no position_ids")
-    reasons += [f"{m}, which would mix the examples of a packed row" for m in token_mixers(model)]
+    reasons += [f"{m}, which would mix the examples of a packed row" for m in token_mixers(model, bool(backends))]
     floor = row_scaled_layers(model.config)
     if floor is not None and max_row_tokens is not None and max_row_tokens >= floor:
         reasons.append(
