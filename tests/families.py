@@ -30,6 +30,7 @@ MAMBA2 = dict(mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=2
 MAMBA2_BAMBA = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2, mamba_d_conv=4,
                     mamba_expand=1, mamba_chunk_size=8)  # fmt: skip
 MAMBA2_ZAMBA = dict(n_mamba_heads=4, mamba_d_state=8, mamba_ngroups=2, mamba_d_conv=4, mamba_expand=1, chunk_size=8)
+INDEXER = dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=16, indexer_compress_ratio=4)
 """Mamba-2 layers, in each config's own names: 4 heads of 16, state 8, 2 groups, chunks of 8."""
 
 
@@ -130,19 +131,25 @@ FAMILIES: dict[str, Family] = {
     "granitemoehybrid": Family("GraniteMoeHybridConfig", {**MOE, **MAMBA2_BAMBA, "layer_types": ["mamba", "attention"]}),
     "falcon_h1": Family("FalconH1Config", {**MAMBA2_BAMBA, "mamba_d_ssm": 64}),
     "zamba2": Family("Zamba2Config", {**MAMBA2_ZAMBA, "layers_block_type": ["mamba", "hybrid"]}),
+    "olmo_hybrid": Family("OlmoHybridConfig", {**GDN, "layer_types": ["linear_attention", "full_attention"]}),
     # refused: token mixers raypack doesn't keep exact, which see the whole row
     "jamba": Family("JambaConfig", MOE, refused=r"convolution over the sequence"),
-    "kimi_linear": Family("KimiLinearConfig", {**MOE, "layer_types": ["linear_attention", "full_attention"]},
+    # Kimi-Linear's and Bailing's KDA (a delta rule with per-channel decay and three convolutions)
+    "kimi_linear": Family("KimiLinearConfig", {**MOE, **MLA, "linear_num_heads": 4, "linear_head_dim": 16,
+                                               "layer_types": ["linear_attention", "full_attention"]},
                           refused=r"linear_attention"),  # fmt: skip
-    "olmo_hybrid": Family("OlmoHybridConfig", {**GDN, "layer_types": ["linear_attention", "full_attention"]},
-                          refused=r"linear_attention"),  # fmt: skip
-    "bailing_hybrid": Family("BailingHybridConfig", {**MOE, "layer_types": ["linear_attention", "full_attention"]},
+    "bailing_hybrid": Family("BailingHybridConfig", {**MOE, **MLA,
+                                                     "layer_types": ["linear_attention", "full_attention"]},
                              refused=r"linear_attention"),  # fmt: skip
-    "qwen4_exp": Family("Qwen4ExpTextConfig", {**GDN, **MOE, "layer_types": ["linear_attention", "indexed_attention"]},
-                        refused=r"indexed_attention"),  # fmt: skip
+    # sparse attention over compressed keys (an indexer picks blocks): not raypack's attention.
+    # mixes=False: Qwen4-exp's gated delta rule's torch path refuses cu_seqlens itself; DeepSeek-V4's
+    # compressed keys lie beyond the row, which raypack's attention can't even run
+    "qwen4_exp": Family("Qwen4ExpTextConfig", {**GDN, **MOE, **INDEXER,
+                                               "layer_types": ["linear_attention", "indexed_attention"]},
+                        refused=r"indexed_attention", mixes=False),  # fmt: skip
     "deepseek_v4": Family("DeepseekV4Config", {**MOE, "layer_types": ["heavily_compressed_attention",
                                                                       "compressed_sparse_attention"]},
-                          refused=r"compressed"),  # fmt: skip
+                          refused=r"compressed", mixes=False),  # fmt: skip
     "recurrent_gemma": Family("RecurrentGemmaConfig", refused=r"convolution over the sequence"),
     "bert": Family("BertConfig", {"is_decoder": False}, refused=r"bidirectional attention", mixes=False),
     # BERT as a decoder is causal

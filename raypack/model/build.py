@@ -32,7 +32,7 @@ from raypack import storage
 from raypack.errors import InputError
 from raypack.model import attention as attn
 from raypack.model import checkpointing, mixers
-from raypack.model.traits import UnsupportedModelError, check_packable, decoder, late_attention
+from raypack.model.traits import UnsupportedModelError, check_packable, decoder
 
 __all__ = [
     "ModelNotFoundError", "UnsupportedModelError", "check_model", "check_packable", "load_model", "meta_model",
@@ -229,8 +229,11 @@ def load_model(
                              "not a model built from a config")
         # bitsandbytes quantizes as the weights reach the GPU: load them straight onto this rank's device
         common.update(quantization_config=quantization, device_map={"": torch.cuda.current_device()})
-    late = packed and late_attention(meta_model(config, trust_remote_code))
-    if late:  # transformers refuses the name at build for this class (traits.late_attention)
+    # A class that doesn't declare `_supports_attention_backend` gets the name after it is built
+    # (transformers refuses it at build); only hybrids whose attention layers all route through
+    # the interface pass check_packable (traits.late_attention), before or, under ZeRO-3, after.
+    late = packed and model_cls is not None and not getattr(model_cls, "_supports_attention_backend", False)
+    if late:
         common["attn_implementation"] = "eager"
     if pretrained:
         model = AutoModelForCausalLM.from_pretrained(source, config=config, **common)

@@ -120,9 +120,12 @@ def late_attention(model: torch.nn.Module) -> bool:
     if getattr(type(model), "_supports_attention_backend", False):
         return False
     text = decoder(model)
-    if not mixers.find(text):
+    found = mixers.find(text)
+    if not found:
         return False
-    attention = {type(m) for m in text.modules() if any(hasattr(m, p) for p in _QUERY_PROJECTIONS)}
+    kinds = {type(text.get_submodule(name)) for name in found}  # a gated delta rule has q_proj too
+    attention = {type(m) for m in text.modules()
+                 if any(hasattr(m, p) for p in _QUERY_PROJECTIONS) and type(m) not in kinds}  # fmt: skip
     return bool(attention) and all("ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward) for cls in attention)
 
 
