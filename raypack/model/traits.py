@@ -164,15 +164,28 @@ def backend_reasons(model: torch.nn.Module, backend: str) -> list[str]:
 
 def check_packable(
     model: torch.nn.Module, name: str, backends: Sequence[str] = ("sdpa_varlen",), max_row_tokens: int | None = None,
-    split: int = 1,
+    split: int = 1, compiled: bool = False,
 ) -> None:
     """Raise UnsupportedModelError unless `model` trains exactly on packed rows under one of
     `backends` (the ones `attention='auto'` may pick, or the one it names). `max_row_tokens`,
     when known, bounds the rows (the pack budget); row-position traits are checked against it
     here and otherwise per batch by the attention function. `split`: train.sequence_parallel,
-    whose all-to-all hands each rank 1/split of every layer's query heads (raypack/model/ulysses.py)."""
+    whose all-to-all hands each rank 1/split of every layer's query heads (raypack/model/ulysses.py).
+    `compiled`: train.compile."""
     cls = type(model).__name__
     what = f"{name} ({cls})"
+    if backends and (split > 1 or compiled) and (found := mixers.find(decoder(model))):
+        kinds = ", ".join(sorted({kind.name for kind in found.values()}))
+        if split > 1:
+            raise UnsupportedModelError(
+                f"{what} has {kinds} layers: train.sequence_parallel={split} splits every packed row over {split} "
+                "ranks, and a convolution or recurrence over the row can't continue on the next rank without "
+                "its state passed along, which raypack doesn't do; use train.sequence_parallel=1"
+            )
+        raise UnsupportedModelError(
+            f"{what} has {kinds} layers, which raypack runs one example at a time (or through their CUDA "
+            "kernels): a compiled layer would break its graph at them; use train.compile=false"
+        )
     heads = getattr(model.config.get_text_config(), "num_attention_heads", None)
     if split > 1 and (not heads or heads % split):
         raise UnsupportedModelError(
