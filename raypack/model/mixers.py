@@ -12,10 +12,12 @@ Boundaries are the `cu_seq_lens_q` collate computes once per batch (raypack/data
 which transformers' decoder layers pass to the mixer with the rest of the forward's keyword
 arguments, as they do to attention. Two paths, one answer:
 
-    torch    every example through the layer's own forward, alone, with no cache: transformers'
-             unpacked computation itself (its torch fallbacks, or the kernels, per example).
-             Any device. Cost: one call per example per layer. The boundaries are read once per
-             batch (free on the CPU, one read per forward on CUDA, as attention's exact path).
+    torch    the layer's own forward, with no cache, over the row's examples as a right-padded
+             batch (one example a row): transformers' unpacked computation itself (its torch
+             fallbacks, or the kernels) on each example. Any device. Cost: examples x longest
+             tokens through the mixer, where the row holds their sum. The boundaries are read
+             once per batch (free on the CPU, one read per forward on CUDA, as attention's exact
+             path), and the layer is called once, as ZeRO-3's weight gathering needs.
     kernels  CUDA, with the packages below installed: the whole row in one call, the layer told
              the boundaries the way its kernels take them. transformers already hands
              `cu_seqlens` to flash-linear-attention's gated delta rule; raypack adds `seq_idx`
@@ -153,9 +155,9 @@ def describe(found: dict[str, MixerKind], device_type: str) -> str:
             how = f"varlen kernels: {kind.kernels}"
         elif device_type == "cuda":
             missing = ", ".join(p for p in kind.packages if not _PACKAGES[p])
-            how = f"exact torch path, one example at a time ({missing} not installed: slower)"
+            how = f"exact torch path, examples as a padded batch ({missing} not installed: slower)"
         else:
-            how = "exact torch path, one example at a time"
+            how = "exact torch path, examples as a padded batch"
         parts.append(f"{n} {kind.name} layer{'s' if n > 1 else ''} ({how})")
     return "; ".join(parts)
 
@@ -170,6 +172,18 @@ def _segments(cu: torch.Tensor, total: int) -> list[int]:
         if bounds[0] != 0 or bounds[-1] != total:
             raise ValueError(f"cu_seq_lens_q must run from 0 to the row's {total} tokens, got {bounds[0]}..{bounds[-1]}")
         hit = _per_batch.put(cu, ("segments", total), [e - s for s, e in zip(bounds[:-1], bounds[1:]) if e > s])
+    return hit
+
+
+def _places(cu: torch.Tensor, total: int, device: torch.device) -> tuple[int, int, torch.Tensor]:
+    """(examples, longest, where each row token goes in an [examples * longest] padded batch),
+    once per batch: the index is built on the host from the boundaries and copied over once."""
+    hit = _per_batch.get(cu, ("places", total, device))
+    if hit is None:
+        sizes = _segments(cu, total)
+        longest = max(sizes)
+        index = torch.cat([torch.arange(n) + i * longest for i, n in enumerate(sizes)]).to(device)
+        hit = _per_batch.put(cu, ("places", total, device), (len(sizes), longest, index))
     return hit
 
 
@@ -203,10 +217,15 @@ def _packed_forward(original, kind: MixerKind, hidden_states: torch.Tensor, cach
     if path(kind, row.device.type) == "kernels":
         out = original(row, cache=None, attention_mask=None, **{**kwargs, "seq_idx": seq_idx(cu, total)})
     else:
+        # One call, the examples as the rows of a right-padded batch: each starts from zeros and
+        # ends before its padding, which a causal mixer never reads back. One call, not one per
+        # example, because under ZeRO-3 every submodule call gathers its weights, a collective
+        # that ranks holding different numbers of examples would call different numbers of times.
         rest = {k: v for k, v in kwargs.items() if k not in PACKING_KWARGS}
-        # split, not slices: one backward concatenation instead of a row-sized zero gradient per example
-        out = torch.cat([original(piece, cache=None, attention_mask=None, **rest)
-                         for piece in row.split(_segments(cu, total), dim=1)], dim=1)  # fmt: skip
+        count, longest, index = _places(cu, total, row.device)
+        padded = row.new_zeros(count * longest, width).index_copy(0, index, row[0])
+        out = original(padded.view(count, longest, width), cache=None, attention_mask=None, **rest)
+        out = out.reshape(count * longest, -1).index_select(0, index)
     return out.reshape(batch, length, -1)
 
 
