@@ -58,6 +58,8 @@ class Family:
 
 
 WINDOW = {"sliding_window": 8}
+HYBRID = {"split_refused": r"sequence_parallel.*state passed along"}
+"""A convolution or recurrence over the row can't follow it split across ranks."""
 FAMILIES: dict[str, Family] = {
     # dense, full attention
     "llama": Family("LlamaConfig"),
@@ -113,25 +115,29 @@ FAMILIES: dict[str, Family] = {
     "gpt_oss": Family("GptOssConfig", {**MOE, **WINDOW}),
     # hybrids: token mixers other than attention, each example through the layer alone
     # (raypack/model/mixers.py); examples (up to 21 tokens) longer than the scans' chunks (8)
-    "qwen3_5": Family("Qwen3_5TextConfig", {**GDN, "layer_types": ["linear_attention", "full_attention"]}),
+    "qwen3_5": Family("Qwen3_5TextConfig", {**GDN, "layer_types": ["linear_attention", "full_attention"]}, **HYBRID),
     # A_log's gradient sums every token's decay term with cancellation, in the gated delta rule's
     # fp32 (whatever the model's dtype); the experts' grouped matmul rounds by group size, so the
     # packed row (one group per expert) and the examples alone differ there by up to 1.8e-5
     # (3.7e-6 with eager experts, 8e-7 and 9e-7 with seeds 1 and 2).
     "qwen3_5_moe": Family("Qwen3_5MoeTextConfig", {**GDN, **MOE, "shared_expert_intermediate_size": 32,
                                                    "layer_types": ["linear_attention", "full_attention"]},
-                          tolerance=5e-5),  # fmt: skip
-    "qwen3_next": Family("Qwen3NextConfig", {**GDN, **MOE, "layer_types": ["linear_attention", "full_attention"]}),
-    "lfm2": Family("Lfm2Config", {"layer_types": ["conv", "full_attention"]}),
-    "lfm2_moe": Family("Lfm2MoeConfig", {**MOE, "layer_types": ["conv", "full_attention"], "num_dense_layers": 1}),
-    "lfm3": Family("Lfm3Config", {"layer_types": ["conv", "full_attention"]}),
+                          tolerance=5e-5, **HYBRID),  # fmt: skip
+    "qwen3_next": Family("Qwen3NextConfig", {**GDN, **MOE, "layer_types": ["linear_attention", "full_attention"]},
+                         **HYBRID),  # fmt: skip
+    "lfm2": Family("Lfm2Config", {"layer_types": ["conv", "full_attention"]}, **HYBRID),
+    "lfm2_moe": Family("Lfm2MoeConfig", {**MOE, "layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+                       **HYBRID),  # fmt: skip
+    "lfm3": Family("Lfm3Config", {"layer_types": ["conv", "full_attention"]}, **HYBRID),
     "nemotron_h": Family("NemotronHConfig", {**MAMBA2, "layers_block_type": ["mamba", "attention"],
-                                             "num_hidden_layers": None}),  # fmt: skip
-    "bamba": Family("BambaConfig", {**MAMBA2_BAMBA, "attn_layer_indices": [1]}),
-    "granitemoehybrid": Family("GraniteMoeHybridConfig", {**MOE, **MAMBA2_BAMBA, "layer_types": ["mamba", "attention"]}),
-    "falcon_h1": Family("FalconH1Config", {**MAMBA2_BAMBA, "mamba_d_ssm": 64}),
-    "zamba2": Family("Zamba2Config", {**MAMBA2_ZAMBA, "layers_block_type": ["mamba", "hybrid"]}),
-    "olmo_hybrid": Family("OlmoHybridConfig", {**GDN, "layer_types": ["linear_attention", "full_attention"]}),
+                                             "num_hidden_layers": None}, **HYBRID),  # fmt: skip
+    "bamba": Family("BambaConfig", {**MAMBA2_BAMBA, "attn_layer_indices": [1]}, **HYBRID),
+    "granitemoehybrid": Family("GraniteMoeHybridConfig", {**MOE, **MAMBA2_BAMBA, "layer_types": ["mamba", "attention"]},
+                               **HYBRID),  # fmt: skip
+    "falcon_h1": Family("FalconH1Config", {**MAMBA2_BAMBA, "mamba_d_ssm": 64}, **HYBRID),
+    "zamba2": Family("Zamba2Config", {**MAMBA2_ZAMBA, "layers_block_type": ["mamba", "hybrid"]}, **HYBRID),
+    "olmo_hybrid": Family("OlmoHybridConfig", {**GDN, "layer_types": ["linear_attention", "full_attention"]},
+                          **HYBRID),  # fmt: skip
     # refused: token mixers raypack doesn't keep exact, which see the whole row
     "jamba": Family("JambaConfig", MOE, refused=r"convolution over the sequence"),
     # Kimi-Linear's and Bailing's KDA (a delta rule with per-channel decay and three convolutions)

@@ -205,6 +205,15 @@ def _packed_forward(original, kind: MixerKind, hidden_states: torch.Tensor, cach
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None or cache is not None or kwargs.get("cache_params") is not None:
         return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    from raypack.model import ulysses  # both import traits, which imports this module
+    from raypack.model.traits import UnsupportedModelError
+
+    if ulysses.active() is not None:  # preflight refuses this first (traits.check_packable)
+        raise UnsupportedModelError(
+            f"{kind.name} layer: train.sequence_parallel splits the packed row over ranks, and this layer's "
+            "convolution or recurrence can't continue on the next rank without its state passed along; "
+            "use train.sequence_parallel=1"
+        )
     if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
         attention_mask = None
     if attention_mask is not None and attention_mask.dim() == 2 and bool(attention_mask.all()):
