@@ -125,3 +125,24 @@ def test_transformers_own_torch_path_refuses_what_raypack_runs():
     batch.pop("labels")
     with pytest.raises(ValueError, match=r"can't keep packed sequences apart"):
         model(**batch)
+
+
+def test_a_published_multimodal_qwen3_5_checkpoint_loads_its_text_model(tmp_path):
+    """Qwen3.5 checkpoints name Qwen3_5ForConditionalGeneration (a vision tower beside the text
+    model): raypack loads the text model (Qwen3_5ForCausalLM, transformers' causal-LM class for the
+    config) with the checkpoint's weights and its mixers installed; the tower is not loaded."""
+    from families import GDN
+
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=512, layer_types=["linear_attention", "full_attention"],
+                **GDN)  # fmt: skip
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    torch.manual_seed(0)
+    published = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(text_config=text,
+                                                                                        vision_config=vision))
+    published.save_pretrained(tmp_path)
+    model = load_model(str(tmp_path), attention="sdpa_varlen", dtype="float32")
+    assert type(model).__name__ == "Qwen3_5ForCausalLM"
+    source = published.model.language_model.layers[0].linear_attn
+    assert torch.equal(model.model.layers[0].linear_attn.in_proj_qkv.weight, source.in_proj_qkv.weight)
+    assert getattr(model.model.layers[0].linear_attn, "_raypack_packed", False)
