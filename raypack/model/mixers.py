@@ -95,29 +95,20 @@ class MixerKind:
     """Import names whose kernels transformers' layer calls on CUDA, all needed for the kernels path."""
     kernels: str
     """Those kernels, as the start line and the docs name them."""
-    state: Callable[[nn.Module], int]
-    """Elements of one example's recurrent state and convolution cache (for the memory estimate)."""
     fused: tuple[str, ...] = ()
     """Linear submodules whose weight a fused CUDA kernel reads directly, never calling their
     forward: an adapter there would be skipped, so LoRA's `all-linear` leaves them out."""
 
 
-def _conv_cache(conv: nn.Conv1d) -> int:
-    return conv.in_channels * (conv.kernel_size[0] - 1)
-
-
 KINDS: tuple[MixerKind, ...] = (
     MixerKind("gated delta rule", _gated_delta, ("fla", "causal_conv1d"),
-              "flash-linear-attention chunk_gated_delta_rule (cu_seqlens) + causal-conv1d (seq_idx)",
-              lambda m: m.num_v_heads * m.head_k_dim * m.head_v_dim + _conv_cache(m.conv1d)),
+              "flash-linear-attention chunk_gated_delta_rule (cu_seqlens) + causal-conv1d (seq_idx)"),
     MixerKind("Mamba-2", _mamba2, ("mamba_ssm", "causal_conv1d"),
               "mamba-ssm chunked scan (seq_idx) + causal-conv1d (seq_idx)",
-              lambda m: m.num_heads * m.head_dim * m.ssm_state_size + _conv_cache(m.conv1d),
               # mamba-ssm's mamba_split_conv1d_scan_combined takes outproj_weight (peft refuses
               # out_proj for Nemotron-H and Falcon-H1 for this reason; the kernel is the same in all)
               fused=("out_proj",)),
-    MixerKind("short convolution", _short_conv, ("causal_conv1d",), "causal-conv1d (seq_idx)",
-              lambda m: _conv_cache(m.conv)),
+    MixerKind("short convolution", _short_conv, ("causal_conv1d",), "causal-conv1d (seq_idx)"),
 )  # fmt: skip
 """The mixers raypack keeps exact. To add one: its structure, and a family row in tests/families.py."""
 
@@ -256,10 +247,3 @@ def install(model: nn.Module, decoder: nn.Module) -> dict[str, MixerKind]:
 def fused_linears(model: nn.Module) -> list[str]:
     """Names (in `model`) of the linear layers known mixers' kernels read by weight (`MixerKind.fused`)."""
     return [f"{name}.{sub}" for name, kind in find(model).items() for sub in kind.fused]
-
-
-def state_elements(decoder: nn.Module) -> int:
-    """Elements of the recurrent states and convolution caches one example holds across every
-    known mixer of `decoder`."""
-    modules = dict(decoder.named_modules())
-    return sum(kind.state(modules[name]) for name, kind in find(decoder).items())

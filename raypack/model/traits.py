@@ -2,17 +2,22 @@
 
 A packed row holds several examples. Packing is exact only if every layer that mixes tokens
 keeps them apart, which raypack guarantees for attention routed through its varlen backends
-(`attention.py`) and for nothing else. So a model is refused, naming the model, the trait and
+(`attention.py`) and for the token mixers it knows (`mixers.py`: the gated delta rule, Mamba-2,
+short convolutions), and for nothing else. So a model is refused, naming the model, the trait and
 what still works, when it has
 
-    a token mixer other than attention   `layer_types` entries such as conv, linear_attention,
-                                         hybrid (LFM2, Qwen3-Next, ...), or modules that mix
-                                         along the sequence: nn.Conv1d (LFM2, Mamba, RecurrentGemma),
-                                         SSM parameters `A_log` (Mamba, GatedDeltaNet), attention
-                                         modules with is_causal=False (BERT without is_decoder).
-                                         They see the whole row and would mix examples. Only the
-                                         text decoder is searched (`get_decoder()`): vision and
-                                         audio towers never see a packed row.
+    a token mixer raypack doesn't know   `layer_types` entries such as conv, linear_attention,
+                                         hybrid, or modules that mix along the sequence:
+                                         nn.Conv1d (Mamba-1, RecurrentGemma, KDA), SSM parameters
+                                         `A_log`, attention modules with is_causal=False (BERT
+                                         without is_decoder). They see the whole row and would mix
+                                         examples. Known mixers, and the layer types of the layers
+                                         holding them, count only under raypack's attention
+                                         backends, which install them (not `sdpa`). Only the text
+                                         decoder is searched (`get_decoder()`): vision and audio
+                                         towers never see a packed row.
+    known mixers, split or compiled      train.sequence_parallel > 1 (a recurrence can't follow a
+                                         row across ranks) and train.compile
     attention outside transformers'      no `_supports_attention_backend`, or no position_ids
     attention interface                  in forward (Bloom, GPT-2-era classes)
     row-position query scaling           Llama 4's `attn_temperature_tuning` scales NoPE layers'

@@ -107,13 +107,6 @@ def test_lora_all_linear_leaves_out_what_mamba_kernels_read_by_weight():
     assert mixers.fused_linears(meta_model(tiny_config("qwen3_5"))) == []
 
 
-def test_state_counts_each_mixers_recurrent_state_and_convolution_cache():
-    text = decoder(meta_model(tiny_config("qwen3_5")))
-    # 4 value heads of a 16 x 16 state; the convolution keeps 3 columns of q, k (2 heads x 16) and v (4 x 16)
-    assert mixers.state_elements(text) == 4 * 16 * 16 + 3 * (32 + 32 + 64)
-    assert mixers.state_elements(decoder(meta_model(tiny_config("llama")))) == 0
-
-
 def test_transformers_own_torch_path_refuses_what_raypack_runs():
     """Why raypack runs the examples itself on the CPU: transformers 5.24's gated delta rule,
     handed cu_seqlens without flash-linear-attention, refuses the packed row."""
