@@ -79,10 +79,15 @@ def _mamba2(m: nn.Module) -> bool:
             and _param(m, "dt_bias", 1) and hasattr(m, "n_groups") and hasattr(m, "ssm_state_size"))  # fmt: skip
 
 
+def _linear(m) -> bool:
+    """A linear layer, or one peft has wrapped (an adapter around its `base_layer`)."""
+    return isinstance(m, nn.Linear) or isinstance(getattr(m, "base_layer", None), nn.Linear)
+
+
 def _short_conv(m: nn.Module) -> bool:
     """LFM2's gated short convolution: in_proj to B, C, x; a depthwise convolution of B*x; C gates."""
-    return (_depthwise(getattr(m, "conv", None)) and isinstance(getattr(m, "in_proj", None), nn.Linear)
-            and isinstance(getattr(m, "out_proj", None), nn.Linear) and not any(m.parameters(recurse=False)))  # fmt: skip
+    return (_depthwise(getattr(m, "conv", None)) and _linear(getattr(m, "in_proj", None))
+            and _linear(getattr(m, "out_proj", None)) and not any(m.parameters(recurse=False)))  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -139,3 +139,22 @@ def test_a_published_multimodal_qwen3_5_checkpoint_loads_its_text_model(tmp_path
     source = published.model.language_model.layers[0].linear_attn
     assert torch.equal(model.model.layers[0].linear_attn.in_proj_qkv.weight, source.in_proj_qkv.weight)
     assert getattr(model.model.layers[0].linear_attn, "_raypack_packed", False)
+
+
+@pytest.mark.parametrize("family,adapted", [
+    ("qwen3_5", ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]),
+    ("lfm2", ["in_proj", "out_proj"]),
+    ("nemotron_h", ["in_proj"]),
+])  # fmt: skip
+def test_lora_all_linear_reaches_the_mixers_projections(family, adapted):
+    """peft's own all-linear, as raypack applies it: every projection of the mixer is a LoRA layer
+    (Mamba-2's out_proj aside, see above); the convolution and the decay parameters train no adapter."""
+    from raypack.config import PeftConfig
+    from raypack.model.adapters import apply_adapters, is_adapted
+
+    model = apply_adapters(load_model(f"tiny-{family}", attention="sdpa_varlen", dtype="float32"),
+                           PeftConfig(method="lora", r=4, alpha=8, target_modules=("all-linear",)))  # fmt: skip
+    text = decoder(model.base_model.model)
+    mixer = text.get_submodule(next(iter(mixers.find(text))))
+    assert [p for p in adapted if is_adapted(getattr(mixer, p))] == adapted
+    assert not any(p.requires_grad for n, p in mixer.named_parameters() if "lora_" not in n)
