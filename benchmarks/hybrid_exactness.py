@@ -59,7 +59,7 @@ def measure(family: str, install: bool) -> tuple[str, float]:
     model.config._attn_implementation = NAMES["sdpa_varlen"]  # as load_model does for these classes
     text = decoder(model)
     if install:
-        mixers.install(model, text)
+        mixers.install(text)
     else:
         for name in mixers.find(text):
             module = text.get_submodule(name)

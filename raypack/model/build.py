@@ -259,7 +259,7 @@ def load_model(
         check_packable(model, name, attn.candidate_backends(attention, _device_type()))
     if packed:
         # convolutions and recurrences keep a packed row's examples apart (mixers.py)
-        mixers.install(model, decoder(model))
+        mixers.install(decoder(model))
     if getattr(config, "output_router_logits", False):
         # The training loop's loss is token cross-entropy from the logits; a router's auxiliary
         # loss, which transformers adds to `loss` only, never reaches it (in any strategy).

@@ -234,8 +234,8 @@ def _packed_forward(original, kind: MixerKind, hidden_states: torch.Tensor, cach
     return out.reshape(batch, length, -1)
 
 
-def install(model: nn.Module, decoder: nn.Module) -> dict[str, MixerKind]:
-    """Route every known mixer of `decoder` (model's text model) through `_packed_forward`;
+def install(decoder: nn.Module) -> dict[str, MixerKind]:
+    """Route every known mixer of `decoder` (a model's text model) through `_packed_forward`;
     idempotent. Returns what it found. The wrapper is the instance's `forward`, so parameter
     names, state dicts, peft's targets and DeepSpeed's hooks are those of the model as built."""
     found = find(decoder)
