@@ -41,6 +41,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from raypack.errors import UnsupportedModelError
+from raypack.model import ulysses
 from raypack.model.exact import LastCache
 
 PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
@@ -201,9 +203,6 @@ def _packed_forward(original, kind: MixerKind, hidden_states: torch.Tensor, cach
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None or cache is not None or kwargs.get("cache_params") is not None:
         return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-    from raypack.model import ulysses  # both import traits, which imports this module
-    from raypack.model.traits import UnsupportedModelError
-
     if ulysses.active() is not None:  # preflight refuses this first (traits.check_packable)
         raise UnsupportedModelError(
             f"{kind.name} layer: train.sequence_parallel splits the packed row over ranks, and this layer's "

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 
 import torch
 
-from raypack.errors import InputError
+from raypack.errors import UnsupportedModelError
 from raypack.model import mixers
 
 EXACT_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention",
@@ -54,10 +54,6 @@ attention, and kinds a newer transformers adds) is refused until checked."""
 PADDED = "pad or pad_sorted"
 """The padded strategies, as every refusal names them (data/strategies.py is their home; the
 model layer knows no strategy, tests/unit/model/test_build.py keeps the two in step)."""
-
-
-class UnsupportedModelError(InputError):
-    """The model cannot train exactly on packed rows (with this backend); padded strategies still work."""
 
 
 def decoder(model: torch.nn.Module) -> torch.nn.Module:
