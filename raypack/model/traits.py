@@ -184,8 +184,9 @@ def check_packable(
                 "its state passed along, which raypack doesn't do; use train.sequence_parallel=1"
             )
         raise UnsupportedModelError(
-            f"{what} has {kinds} layers, which raypack runs one example at a time (or through their CUDA "
-            "kernels): a compiled layer would break its graph at them; use train.compile=false"
+            f"{what} has {kinds} layers, whose packed path reads the row's boundaries on the host (the "
+            "examples as a padded batch, or their CUDA kernels): a compiled layer would break its graph there; "
+            "use train.compile=false"
         )
     heads = getattr(model.config.get_text_config(), "num_attention_heads", None)
     if split > 1 and (not heads or heads % split):
