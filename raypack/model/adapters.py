@@ -34,6 +34,7 @@ from torch import nn
 
 from raypack.config import PeftConfig
 from raypack.errors import InputError
+from raypack.model import mixers
 
 
 class AdapterError(InputError):
@@ -70,7 +71,7 @@ def apply_adapters(model: nn.Module, cfg: PeftConfig, name: str = "model") -> nn
     custom = custom_linears(model)
     all_linear = tuple(cfg.target_modules) == ALL_LINEAR
     try:
-        wrapped = get_peft_model(model, lora_config(cfg, exclude=custom if all_linear else None))
+        wrapped = get_peft_model(model, lora_config(cfg, exclude=custom + mixers.fused_linears(model) if all_linear else None))
     except ValueError as e:  # target modules that match nothing, or a layer type peft can't adapt
         raise AdapterError(f"model.peft.target_modules {list(cfg.target_modules)} on {name}: {e}") from None
     if not all_linear and (named := [n for n in custom if is_adapted(wrapped.get_submodule(f"base_model.model.{n}"))]):

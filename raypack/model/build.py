@@ -30,8 +30,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from raypack import storage
 from raypack.errors import InputError
 from raypack.model import attention as attn
-from raypack.model import checkpointing, vision
-from raypack.model.traits import UnsupportedModelError, check_packable
+from raypack.model import checkpointing, mixers, vision
+from raypack.model.traits import UnsupportedModelError, check_packable, decoder
 
 __all__ = [
     "ModelNotFoundError", "UnsupportedModelError", "check_model", "check_packable", "load_model", "meta_model",
@@ -42,10 +42,21 @@ _TINY_COMMON = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     max_position_embeddings=2048, bos_token_id=0, eos_token_id=1, pad_token_id=2,
 )  # fmt: skip
+_TINY_GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
 # special ids are the bundled tokenizer's (768 tokens): pad_token_id becomes the embedding's
 # padding_idx, whose row never trains, so it must not be a real token such as BOS.
 TINY_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {}),
+    # hybrids (raypack/model/mixers.py): one mixer layer, one attention layer
+    "qwen3_5": ("Qwen3_5TextConfig", {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"],
+                                      **_TINY_GDN}),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"],
+                                             "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                             "shared_expert_intermediate_size": 32, **_TINY_GDN}),
+    "nemotron_h": ("NemotronHConfig", {"head_dim": 16, "layers_block_type": ["mamba", "attention"],
+                                       "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 2,
+                                       "chunk_size": 64, "num_hidden_layers": None}),
+    "lfm2": ("Lfm2Config", {"layer_types": ["conv", "full_attention"]}),
     "mistral": ("MistralConfig", {"sliding_window": 32}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 16}),
@@ -80,7 +91,8 @@ def tiny_config(family: str, vocab_size: int = 1024, **overrides: Any):
     if family not in TINY_FAMILIES:
         raise ValueError(f"unknown tiny model family {family!r}; expected one of {', '.join(TINY_FAMILIES)}")
     cls_name, extra = TINY_FAMILIES[family]
-    return getattr(transformers, cls_name)(**{**_TINY_COMMON, **extra, "vocab_size": vocab_size, **overrides})
+    kwargs = {**_TINY_COMMON, **extra, "vocab_size": vocab_size, **overrides}
+    return getattr(transformers, cls_name)(**{k: v for k, v in kwargs.items() if v is not None})
 
 
 def _device_type() -> str:
@@ -161,6 +173,7 @@ def check_model(
     name: str | None = None,
     packed: bool = True,
     split: int = 1,
+    compiled: bool = False,
 ) -> None:
     """Refuse, before any data or worker work, a model that is not a causal LM transformers knows
     here (remote code is checked once built), or, if `packed`, one that can't train exactly on
@@ -168,7 +181,7 @@ def check_model(
     packed position_ids: only the model-wide traits apply). Builds the model on the meta device:
     no weights, a few seconds for 70B. `max_row_tokens` is the longest packed row, if known;
     `name` names the model in errors (default: its name, or its config's class); `split`: the
-    train.sequence_parallel its heads must divide by."""
+    train.sequence_parallel its heads must divide by; `compiled`: train.compile."""
     config, default_name, _ = _config(name_or_config, trust_remote_code, vocab_size)
     name = name or default_name
     if MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None) is None and not getattr(config, "auto_map", None):
@@ -177,7 +190,8 @@ def check_model(
     if not packed:
         return
     backends = () if attention in ("sdpa", "eager") else attn.candidate_backends(attention, device_type)
-    check_packable(meta_model(config, trust_remote_code), name, backends, max_row_tokens=max_row_tokens, split=split)
+    check_packable(meta_model(config, trust_remote_code), name, backends, max_row_tokens=max_row_tokens, split=split,
+                   compiled=compiled)
 
 
 def meta_model(config: PretrainedConfig, trust_remote_code: bool = False):
@@ -231,14 +245,24 @@ def load_model(
                              "not a model built from a config")
         # bitsandbytes quantizes as the weights reach the GPU: load them straight onto this rank's device
         common.update(quantization_config=quantization, device_map={"": torch.cuda.current_device()})
+    # A class that doesn't declare `_supports_attention_backend` gets the name after it is built
+    # (transformers refuses it at build); only hybrids whose attention layers all route through
+    # the interface pass check_packable (traits.late_attention), before or, under ZeRO-3, after.
+    late = packed and model_cls is not None and not getattr(model_cls, "_supports_attention_backend", False)
+    if late:
+        common["attn_implementation"] = "eager"
     if pretrained:
         model = AutoModelForCausalLM.from_pretrained(source, config=config, **common)
     else:
         model = AutoModelForCausalLM.from_config(config, **common)
+    if late:
+        model.config._attn_implementation = impl  # sets the sub-configs' too; layers read it per call
     if packed and zero3:
         check_packable(model, name, attn.candidate_backends(attention, _device_type()))
     if packed:
         attn.refuse_padding_masks(model)
+        # convolutions and recurrences keep a packed row's examples apart (mixers.py)
+        mixers.install(decoder(model))
     # output_router_logits changes nothing here: the training loop reads the routers' scores with
     # its own hooks and adds their load-balancing loss itself, exact per example
     # (train.router_aux_loss_coef, raypack/train/router_loss.py).

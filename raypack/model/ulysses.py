@@ -38,7 +38,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from raypack.model.traits import UnsupportedModelError
+from raypack.errors import UnsupportedModelError
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,8 @@ from raypack.model.checkpointing import check_selective
 from raypack.model.kernels import (apply_kernels, check_compiled, checkpoint_offload, compile_layers, compiled_graphs,
                                    tile_mlps)
 from raypack.model.ulysses import SequenceGroup, sequence_parallel
+from raypack.model import mixers
+from raypack.model.traits import decoder
 from raypack.train.engine import deepspeed_config, model_dtype, setup_engine, skip_shm_build
 from raypack.train.handoff import receive
 from raypack.train.checkpoint import TrainState, report_and_checkpoint, restore
@@ -101,6 +103,9 @@ def setup(cfg: Config, data: Prepared, world_size: int, clock: Startup | None = 
         vocab_size=data.vocab_size,
         quantization=quantization_config(dtype) if m.peft.method == "qlora" else None,
     )
+    if rank == 0 and not data.padded and (found := mixers.find(decoder(model))):
+        device_type = "cuda" if cfg.train.use_gpu else "cpu"
+        print(f"[raypack] token mixers besides attention: {mixers.describe(found, device_type)}", flush=True)
     # before adapters wrap its modules
     apply_kernels(model, m.kernels, "cuda" if cfg.train.use_gpu else "cpu", compiled=cfg.train.compile)
     if m.peft.enabled:

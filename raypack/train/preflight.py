@@ -171,7 +171,7 @@ def check_packed_model(cfg: Config, config=None) -> None:
     check_model(config if config is not None else m.name, attention=m.attention,
                 device_type="cuda" if cfg.train.use_gpu else "cpu", trust_remote_code=m.trust_remote_code,
                 max_row_tokens=max_row, name=m.name, packed=not strategy.padded,
-                split=cfg.train.sequence_parallel)  # fmt: skip
+                split=cfg.train.sequence_parallel, compiled=cfg.train.compile)  # fmt: skip
 
 
 def check_kernels(cfg: Config, config) -> None:

@@ -43,6 +43,10 @@ CASES = {  # zero stage, tiny family, config overrides, gradient checkpointing a
     "zero3-gemma2-tied-softcap": (3, "gemma2", {"final_logit_softcapping": 0.5}, {}),
     # what a user's fast run trains: compiled layers, selective recompute, the setup probe
     "zero2-llama-compiled-selective": (2, "llama", {}, {"gradient_checkpointing": "selective", "compile": True}),
+    # hybrids (raypack/model/mixers.py), three optimizer steps: a gated delta rule beside attention
+    # with every layer recomputed, and Mamba-2 with its weights partitioned
+    "zero2-qwen3_5-checkpointing": (2, "qwen3_5", {}, {"gradient_checkpointing": "full", "steps": 3}),
+    "zero3-nemotron_h": (3, "nemotron_h", {}, {"steps": 3}),
 }
 
 
@@ -73,13 +77,15 @@ def loop(config):
 
     rank = ray.train.get_context().get_world_rank()
     stage, _, _, extra = CASES[config["case"]]
-    cfg = TrainConfig(
-        num_workers=2, zero_stage=stage, grad_accum=2, grad_clip=0.0, warmup_steps=0, deepspeed_preset=config["preset"]
-    )
+    steps = extra.get("steps", 1)
+    cfg = TrainConfig(  # a constant learning rate: the reference's AdamW needs no schedule
+        num_workers=2, zero_stage=stage, grad_accum=2, grad_clip=0.0, warmup_steps=0, min_lr_ratio=1.0,
+        deepspeed_preset=config["preset"],
+    )  # fmt: skip
     model = build_model(config["case"])
     if extra.get("compile"):  # as raypack.train.loop.setup and setup_worker do
         compile_layers(model)
-    engine, _ = setup_engine(model, cfg, dtype=torch.float32, world_size=2, total_steps=1)
+    engine, _ = setup_engine(model, cfg, dtype=torch.float32, world_size=2, total_steps=steps)
     if stage == 3:  # the weights really are partitioned outside forward
         assert engine.module.get_output_embeddings().weight.numel() == 0
     loss_fn = make_loss(engine, "chunked", chunk_tokens=7)
@@ -91,13 +97,20 @@ def loop(config):
         assert probed > 0
     step = prepare_step([packed_row(mb) for mb in EXAMPLES[rank]])  # what the loop's prefetcher builds
     n = float(global_count([step.label_tokens], engine.device)[:, 0].sum())
-    loss_sum = forward_backward(engine, step.batches, 2 * 2 / n, loss_fn)
-    loss = float(global_count([float(loss_sum)], engine.device)[:, 0].sum()) / n
-    grads = {name: deepspeed.utils.safe_get_full_grad(p).clone() for name, p in engine.module.named_parameters()}
+    losses = []
+    for k in range(steps):  # the same micro-batches every step
+        loss_sum = forward_backward(engine, step.batches, 2 * 2 / n, loss_fn)
+        losses.append(float(global_count([float(loss_sum)], engine.device)[:, 0].sum()) / n)
+        if k == 0:
+            grads = {name: deepspeed.utils.safe_get_full_grad(p).clone() for name, p in engine.module.named_parameters()}
+        if steps > 1:
+            engine.step()
+    params = {name: deepspeed.utils.safe_get_full_fp32_param(p).clone() for name, p in engine.module.named_parameters()}
     if rank == 0:
         # the step's rows (other lengths than the probe's) compiled nothing new
         new_graphs = compiled_graphs() - probed if extra.get("compile") else 0
-        torch.save({"loss": loss, "grads": grads, "new_graphs": new_graphs}, config["out"])
+        torch.save({"loss": losses[0], "losses": losses, "grads": grads, "params": params, "new_graphs": new_graphs},
+                   config["out"])  # fmt: skip
 
 
 def fit_on_gloo(fn, tmp_path, name: str, workers: int, **config) -> None:
@@ -125,21 +138,38 @@ def test_two_ranks_two_microbatches_match_single_process(ray_local, tmp_path, ca
     fit_on_gloo(loop, tmp_path, "exact-loss", 2, out=str(out), case=case)
     got = torch.load(out)
 
-    # Reference: one process, each example alone, Σ token losses / total label tokens.
-    model = build_model(case, attention="eager", reference=True)  # the model's own attention and logits
-    examples = [e for mbs in EXAMPLES.values() for mb in mbs for e in mb]
-    total, count = 0.0, 0
-    for e in examples:
-        ids = torch.as_tensor(e)[None]
-        logits = model(input_ids=ids).logits
-        total = total + torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum")
-        count += len(e) - 1
-    loss = total / count
-    loss.backward()
+    # Reference: one process, each example alone, Σ token losses / total label tokens; for
+    # several steps, raypack's AdamW (the torch optimizer at a constant rate) steps it.
+    from raypack.config import TrainConfig
+    from raypack.train.engine import make_optimizer
 
-    assert got["loss"] == pytest.approx(loss.item(), rel=1e-5)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    model = build_model(case, attention="eager", reference=True)  # the model's own attention and logits
+    steps = CASES[case][3].get("steps", 1)
+    optimizer = make_optimizer([{"params": list(model.parameters())}], TrainConfig())
+    examples = [e for mbs in EXAMPLES.values() for mb in mbs for e in mb]
+    for k in range(steps):
+        total, count = 0.0, 0
+        for e in examples:
+            ids = torch.as_tensor(e)[None]
+            logits = model(input_ids=ids).logits
+            total = total + torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum")
+            count += len(e) - 1
+        loss = total / count
+        loss.backward()
+        assert got["losses"][k] == pytest.approx(loss.item(), rel=1e-5), f"step {k + 1}"
+        if k == 0:
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+        if steps > 1:
+            optimizer.step()
+            optimizer.zero_grad()
+    if steps > 1:
+        # Adam divides each gradient by its own running RMS: an entry whose gradient is near zero
+        # (rounding in both runs) may move by a fraction of lr (1e-3) either way; 1e-5 is 1% of one
+        # step's update, and the losses above already agree at every step
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(got["params"][name], p.detach(), rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"{name}: {m}")  # fmt: skip
     assert got["new_graphs"] == 0, "a packed row of a new length recompiled"
 
 

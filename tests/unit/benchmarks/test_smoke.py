@@ -22,6 +22,8 @@ NO_RAY = {  # script -> what its results file must show
     "attention_throughput.py": ["| flan | packed_varlen |", "| flan | pad |", "| flan | packed_chunked |"],
     "epoch_rows.py": ["| window | windowed shuffle (epoch 2) |", "| per_epoch | plan order |"],
     # each case refused before Ray starts: exit code 2, Ray not started
+    # both hybrid families of the smoke run, measured before and after
+    "hybrid_exactness.py": ["| lfm2 | Lfm2Config | short convolution |", "| nemotron_h | NemotronHConfig | Mamba-2 |"],
     "fail_fast.py": ["| unknown pack.strategy | this checkout |", "| 2 | 1 | no |", "| train.lr=inf | this checkout |"],
     "loss_memory.py": ["| activations kept | chunked |", "| gradient checkpointing | full |"],
     # both sides, both settings, and LoRA's frozen base checked bit for bit before timing and after

@@ -102,12 +102,25 @@ def lfm2(tmp_path):
     return tmp_path
 
 
+@pytest.fixture
+def jamba(tmp_path):
+    from families import FAMILIES
+
+    FAMILIES["jamba"].build_config("jamba").save_pretrained(tmp_path / "jamba")
+    return tmp_path / "jamba"
+
+
 @pytest.mark.parametrize("strategy", ["bfd", "flatten", "wrapped"])
-@pytest.mark.parametrize("attention", ["auto", "sdpa"])
-def test_token_mixer_refused_for_packed_strategies(lfm2, strategy, attention):
-    """`sdpa` over packed rows leaves the model's convolution just as free to mix examples."""
+def test_known_token_mixer_packs_only_under_raypacks_attention(lfm2, jamba, strategy):
+    """LFM2's short convolution keeps a packed row's examples apart under raypack's attention
+    backends, which install it (raypack/model/mixers.py); `sdpa` over packed rows leaves it free
+    to mix. Jamba's Mamba-1, which raypack doesn't know, is refused under both."""
+    check_packed_model(cfg_for(lfm2, strategy, attention="auto"))
     with pytest.raises(UnsupportedModelError, match=r"Lfm2ForCausalLM.*layer_types conv.*\(pad or pad_sorted\)"):
-        check_packed_model(cfg_for(lfm2, strategy, attention=attention))
+        check_packed_model(cfg_for(lfm2, strategy, attention="sdpa"))
+    for attention in ("auto", "sdpa"):
+        with pytest.raises(UnsupportedModelError, match=r"JambaForCausalLM.*convolution over the sequence"):
+            check_packed_model(cfg_for(jamba, strategy, attention=attention))
 
 
 @pytest.mark.parametrize("strategy", ["pad", "pad_sorted"])

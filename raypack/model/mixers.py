@@ -1,0 +1,253 @@
+"""Token mixers other than attention, kept exact on packed rows: short convolutions, the gated
+delta rule and Mamba-2 (the hybrid layers of Qwen3.5, Qwen3-Next, LFM2, Nemotron-H, Bamba, ...).
+
+A convolution over the sequence or a recurrence sees the whole packed row. Exact means what it
+means for attention: every example sees what it would see alone.
+
+    row          [a0 a1 a2 a3 | b0 b1 b2]        cu_seq_lens [0, 4, 7]
+    convolution   0 0 0 a0..a3  0 0 0 b0..b2      b0 sees zeros on its left, not a1..a3
+    recurrence    S=0 -> a0..a3 S=0 -> b0..b2     no state flows from a into b
+
+Boundaries are the `cu_seq_lens_q` collate computes once per batch (raypack/data/collate.py),
+which transformers' decoder layers pass to the mixer with the rest of the forward's keyword
+arguments, as they do to attention. Two paths, one answer:
+
+    torch    the layer's own forward, with no cache, over the row's examples as a right-padded
+             batch (one example a row): transformers' unpacked computation itself (its torch
+             fallbacks, or the kernels) on each example. Any device. Cost: examples x longest
+             tokens through the mixer, where the row holds their sum. The boundaries are read
+             once per batch (free on the CPU, one read per forward on CUDA, as attention's exact
+             path), and the layer is called once, as ZeRO-3's weight gathering needs.
+    kernels  CUDA, with the packages below installed: the whole row in one call, the layer told
+             the boundaries the way its kernels take them. transformers already hands
+             `cu_seqlens` to flash-linear-attention's gated delta rule; raypack adds `seq_idx`
+             (each token's example), which causal-conv1d's convolution and mamba-ssm's chunked
+             scan take, and which transformers forwards to them. Built on the device, no read.
+
+A module is a known mixer by its structure (`KINDS`): what parameters and submodules it holds,
+and that its forward takes (hidden_states, cache, attention_mask, **kwargs), the convention
+every one of them shares in transformers 5. Anything else that mixes tokens stays refused
+(traits.token_mixers).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from raypack.errors import UnsupportedModelError
+from raypack.model import ulysses
+from raypack.model.exact import LastCache
+
+PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+"""What a packed row adds to the forward's keyword arguments: the torch path runs each example
+as if unpacked, so none of them reaches the layer there."""
+
+
+def _depthwise(conv) -> bool:
+    return isinstance(conv, nn.Conv1d) and conv.groups == conv.in_channels
+
+
+def _param(module: nn.Module, name: str, ndim: int) -> bool:
+    p = module._parameters.get(name)
+    return p is not None and p.ndim == ndim
+
+
+def _takes_row(module: nn.Module) -> bool:
+    """forward(hidden_states, cache, attention_mask, **kwargs): what the decoder layers of every
+    hybrid family in transformers 5 call their mixer with."""
+    params = inspect.signature(type(module).forward).parameters
+    return ({"hidden_states", "attention_mask"} <= set(params) and ("cache" in params or "cache_params" in params)
+            and any(p.kind is p.VAR_KEYWORD for p in params.values()))  # fmt: skip
+
+
+def _gated_delta(m: nn.Module) -> bool:
+    """The gated delta rule (Qwen3.5, Qwen3-Next): a depthwise convolution over q, k, v, then a
+    per-head decay (A_log, dt_bias) and learning rate; no skip parameter D."""
+    return (_depthwise(getattr(m, "conv1d", None)) and _param(m, "A_log", 1) and _param(m, "dt_bias", 1)
+            and "D" not in m._parameters and hasattr(m, "head_k_dim"))  # fmt: skip
+
+
+def _mamba2(m: nn.Module) -> bool:
+    """Mamba-2 (Nemotron-H, Bamba, Granite 4, ...): depthwise convolution, scalar decay per head
+    (A_log of one dimension), skip D, grouped B/C of ssm_state_size."""
+    return (_depthwise(getattr(m, "conv1d", None)) and _param(m, "A_log", 1) and _param(m, "D", 1)
+            and _param(m, "dt_bias", 1) and hasattr(m, "n_groups") and hasattr(m, "ssm_state_size"))  # fmt: skip
+
+
+def _linear(m) -> bool:
+    """A linear layer, or one peft has wrapped (an adapter around its `base_layer`)."""
+    return isinstance(m, nn.Linear) or isinstance(getattr(m, "base_layer", None), nn.Linear)
+
+
+def _short_conv(m: nn.Module) -> bool:
+    """LFM2's gated short convolution: in_proj to B, C, x; a depthwise convolution of B*x; C gates."""
+    return (_depthwise(getattr(m, "conv", None)) and _linear(getattr(m, "in_proj", None))
+            and _linear(getattr(m, "out_proj", None)) and not any(m.parameters(recurse=False)))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MixerKind:
+    name: str
+    """What it is, in messages and the start line."""
+    matches: Callable[[nn.Module], bool]
+    """Its structure."""
+    packages: tuple[str, ...]
+    """Import names whose kernels transformers' layer calls on CUDA, all needed for the kernels path."""
+    kernels: str
+    """Those kernels, as the start line and the docs name them."""
+    fused: tuple[str, ...] = ()
+    """Linear submodules whose weight a fused CUDA kernel reads directly, never calling their
+    forward: an adapter there would be skipped, so LoRA's `all-linear` leaves them out."""
+
+
+KINDS: tuple[MixerKind, ...] = (
+    MixerKind("gated delta rule", _gated_delta, ("fla", "causal_conv1d"),
+              "flash-linear-attention chunk_gated_delta_rule (cu_seqlens) + causal-conv1d (seq_idx)"),
+    MixerKind("Mamba-2", _mamba2, ("mamba_ssm", "causal_conv1d"),
+              "mamba-ssm chunked scan (seq_idx) + causal-conv1d (seq_idx)",
+              # mamba-ssm's mamba_split_conv1d_scan_combined takes outproj_weight (peft refuses
+              # out_proj for Nemotron-H and Falcon-H1 for this reason; the kernel is the same in all)
+              fused=("out_proj",)),
+    MixerKind("short convolution", _short_conv, ("causal_conv1d",), "causal-conv1d (seq_idx)"),
+)  # fmt: skip
+"""The mixers raypack keeps exact. To add one: its structure, and a family row in tests/families.py."""
+
+
+def kind_of(module: nn.Module) -> MixerKind | None:
+    """The known mixer `module` is, if any."""
+    for kind in KINDS:
+        if kind.matches(module) and _takes_row(module):
+            return kind
+    return None
+
+
+def find(decoder: nn.Module) -> dict[str, MixerKind]:
+    """Every known mixer in `decoder` (the text model), by module name."""
+    return {name: kind for name, module in decoder.named_modules() if (kind := kind_of(module)) is not None}
+
+
+_PACKAGES = {name: importlib.util.find_spec(name) is not None for kind in KINDS for name in kind.packages}
+"""Looked up once, as transformers resolves its kernels once, at import."""
+
+
+def path(kind: MixerKind, device_type: str) -> str:
+    """`kernels` where `kind`'s CUDA kernels run here, else `torch`."""
+    return "kernels" if device_type == "cuda" and all(_PACKAGES[p] for p in kind.packages) else "torch"
+
+
+def describe(found: dict[str, MixerKind], device_type: str) -> str:
+    """The start line's account of the mixers and the path each takes."""
+    counts: dict[MixerKind, int] = {}
+    for kind in found.values():
+        counts[kind] = counts.get(kind, 0) + 1
+    parts = []
+    for kind, n in counts.items():
+        if path(kind, device_type) == "kernels":
+            how = f"varlen kernels: {kind.kernels}"
+        elif device_type == "cuda":
+            missing = ", ".join(p for p in kind.packages if not _PACKAGES[p])
+            how = f"exact torch path, examples as a padded batch ({missing} not installed: slower)"
+        else:
+            how = "exact torch path, examples as a padded batch"
+        parts.append(f"{n} {kind.name} layer{'s' if n > 1 else ''} ({how})")
+    return "; ".join(parts)
+
+
+_per_batch = LastCache()
+
+
+def _segments(cu: torch.Tensor, total: int) -> list[int]:
+    hit = _per_batch.get(cu, ("segments", total))
+    if hit is None:
+        bounds = cu.tolist()
+        if bounds[0] != 0 or bounds[-1] != total:
+            raise ValueError(f"cu_seq_lens_q must run from 0 to the row's {total} tokens, got {bounds[0]}..{bounds[-1]}")
+        hit = _per_batch.put(cu, ("segments", total), [e - s for s, e in zip(bounds[:-1], bounds[1:]) if e > s])
+    return hit
+
+
+def _places(cu: torch.Tensor, total: int, device: torch.device) -> tuple[int, int, torch.Tensor]:
+    """(examples, longest, where each row token goes in an [examples * longest] padded batch),
+    once per batch: the index is built on the host from the boundaries and copied over once."""
+    hit = _per_batch.get(cu, ("places", total, device))
+    if hit is None:
+        sizes = _segments(cu, total)
+        longest = max(sizes)
+        index = torch.cat([torch.arange(n) + i * longest for i, n in enumerate(sizes)]).to(device)
+        hit = _per_batch.put(cu, ("places", total, device), (len(sizes), longest, index))
+    return hit
+
+
+def seq_idx(cu: torch.Tensor, total: int) -> torch.Tensor:
+    """(1, total) int32: each token's example, as causal-conv1d and mamba-ssm take it; on cu's
+    device, with no read back."""
+    hit = _per_batch.get(cu, ("seq_idx", total))
+    if hit is None:
+        idx = torch.arange(total, device=cu.device)
+        found = torch.searchsorted(cu[1:].to(torch.long), idx, right=True).to(torch.int32)[None]
+        hit = _per_batch.put(cu, ("seq_idx", total), found)
+    return hit
+
+
+def _packed_forward(original, kind: MixerKind, hidden_states: torch.Tensor, cache=None, attention_mask=None,
+                    **kwargs) -> torch.Tensor:  # fmt: skip
+    """The mixer over a packed row: its examples apart. Without cu_seq_lens_q (generation, a
+    model called outside raypack's batches) or with a cache (decoding), the layer's own forward."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None or cache is not None or kwargs.get("cache_params") is not None:
+        return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    if ulysses.active() is not None:  # preflight refuses this first (traits.check_packable)
+        raise UnsupportedModelError(
+            f"{kind.name} layer: train.sequence_parallel splits the packed row over ranks, and this layer's "
+            "convolution or recurrence can't continue on the next rank without its state passed along; "
+            "use train.sequence_parallel=1"
+        )
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        attention_mask = None
+    if attention_mask is not None and attention_mask.dim() == 2 and bool(attention_mask.all()):
+        attention_mask = None  # a mask of ones pads nothing (checked only when one is passed)
+    if attention_mask is not None:
+        raise ValueError(f"{kind.name} layer: a packed row carries cu_seq_lens_q and no padding mask, got both")
+    batch, length, width = hidden_states.shape
+    total = batch * length
+    row = hidden_states.reshape(1, total, width)  # cu_seq_lens index the flattened rows
+    if path(kind, row.device.type) == "kernels":
+        out = original(row, cache=None, attention_mask=None, **{**kwargs, "seq_idx": seq_idx(cu, total)})
+    else:
+        # One call, the examples as the rows of a right-padded batch: each starts from zeros and
+        # ends before its padding, which a causal mixer never reads back. One call, not one per
+        # example, because under ZeRO-3 every submodule call gathers its weights, a collective
+        # that ranks holding different numbers of examples would call different numbers of times.
+        rest = {k: v for k, v in kwargs.items() if k not in PACKING_KWARGS}
+        count, longest, index = _places(cu, total, row.device)
+        padded = row.new_zeros(count * longest, width).index_copy(0, index, row[0])
+        out = original(padded.view(count, longest, width), cache=None, attention_mask=None, **rest)
+        out = out.reshape(count * longest, -1).index_select(0, index)
+    return out.reshape(batch, length, -1)
+
+
+def install(decoder: nn.Module) -> dict[str, MixerKind]:
+    """Route every known mixer of `decoder` (a model's text model) through `_packed_forward`;
+    idempotent. Returns what it found. The wrapper is the instance's `forward`, so parameter
+    names, state dicts, peft's targets and DeepSpeed's hooks are those of the model as built."""
+    found = find(decoder)
+    modules = dict(decoder.named_modules())
+    for name, kind in found.items():
+        module = modules[name]
+        if getattr(module, "_raypack_packed", False):
+            continue
+        module.forward = functools.partial(_packed_forward, module.forward, kind)
+        module._raypack_packed = True
+    return found
+
+
+def fused_linears(model: nn.Module) -> list[str]:
+    """Names (in `model`) of the linear layers known mixers' kernels read by weight (`MixerKind.fused`)."""
+    return [f"{name}.{sub}" for name, kind in find(model).items() for sub in kind.fused]
