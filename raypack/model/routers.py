@@ -156,6 +156,10 @@ def find_routers(model: nn.Module, name: str, probe: dict[str, Any] | None = Non
     if found is not None:
         cls, index = found
         modules = [m for m in model.modules() if isinstance(m, cls)]
+        if not modules:
+            # The model names its router and builds none: its layers are all dense, whatever expert
+            # settings its config carries (a hybrid whose layer pattern has no MoE layer).
+            return None
     elif experts and probe is not None:
         modules, index = by_trait(model, probe, experts)
         how = "trait"
@@ -181,6 +185,16 @@ def find_routers(model: nn.Module, name: str, probe: dict[str, Any] | None = Non
                                   "tell its router's top-k; set train.router_aux_loss_coef: 0")
     num_experts = experts or _out_features(modules[0])
     return Routers(modules, router_kind(modules[0], num_experts), num_experts, top_k, index, how)
+
+
+def builds_routers(model: nn.Module) -> bool:
+    """Whether `model` holds a router: an instance of the router class it declares, or, where it
+    declares none, an expert count in its config (the trait search then finds the modules)."""
+    found = declared(model)
+    if found is not None:
+        return any(isinstance(m, found[0]) for m in _base(model).modules())
+    config = getattr(_base(model), "config", None)
+    return bool(expert_count(config)) if config is not None else False
 
 
 def _swaps_weight(wrapper: nn.Module) -> bool:

@@ -220,6 +220,9 @@ def make_router_loss(model: nn.Module, train: TrainConfig, name: str,
     if coef == 0:
         return None
     routers = find_routers(model, name, probe)
+    if routers is None and train.router_aux_loss_coef != "auto":
+        raise RouterNotFoundError(f"model.name {name!r}: train.router_aux_loss_coef={coef:g}, but it builds no "
+                                  "mixture-of-experts layer (no router); set train.router_aux_loss_coef: auto or 0")
     return RouterLoss(routers, coef, train.router_aux_loss) if routers is not None else None
 
 

@@ -196,8 +196,12 @@ def test_family_packed_dpo_equals_each_pair_alone(family):
     expected.backward()
     assert loss == pytest.approx(expected.item(), rel=TOLERANCE), family
     errors = grad_errors(model, {n: p.grad for n, p in alone.named_parameters() if p.grad is not None})
-    worst = max(errors, key=errors.get)
-    assert errors[worst] < TOLERANCE, f"{family}: {worst} off by {errors[worst]:.2e}"
+    # A gated delta rule's A_log gradient sums every token's decay with cancellation and amplifies
+    # rounding (tests/families.py, qwen3_5_moe): two unpacked runs that differ only in rounding differ
+    # in it by 3.5e-5, so it gets that bound; every other gradient keeps the family's.
+    bound = {n: max(TOLERANCE, FAMILIES[family].tolerance, 5e-5 if n.endswith("A_log") else 0.0) for n in errors}
+    worst = max(errors, key=lambda n: errors[n] / bound[n])
+    assert errors[worst] < bound[worst], f"{family}: {worst} off by {errors[worst]:.2e}"
 
 
 def test_an_empty_pack_adds_nothing_and_still_runs_its_forward():
