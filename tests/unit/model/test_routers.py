@@ -94,6 +94,9 @@ def test_capture_through_compiled_layers_is_exact_and_compiles_once():
     from raypack.model.kernels import check_compiled, compile_layers, compiled_graphs
     from raypack.train.router_loss import make_router_loss
 
+    # a fresh Dynamo: code objects other tests compiled count toward its recompile limit, past which
+    # layers run eagerly (which check_compiled refuses)
+    torch._dynamo.reset()
     torch.manual_seed(0)
     model = load_model("tiny-qwen3_moe", dtype="float32", vocab_size=64)
     eager = load_model("tiny-qwen3_moe", dtype="float32", vocab_size=64)
