@@ -20,6 +20,7 @@ every report.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import ray.tune
@@ -30,6 +31,7 @@ from raypack.config import Config
 from raypack.data.strategies import check_split, check_strategies
 from raypack.errors import ConfigError
 from raypack.train.metrics import REPORTED
+from raypack.train.preflight import Checked, preflight
 from raypack.tune.params import OPTIONAL, get, set_field
 
 
@@ -90,12 +92,23 @@ def check(cfg: Config) -> None:
             raise ConfigError("tune.search_alg: optuna is not installed: pip install 'raypack[optuna]'") from None
 
 
-def strictest_trial(cfg: Config) -> Config:
-    """The base config with the largest swept router loss coefficient, for the driver's preflight:
-    a dense model (no router) then refuses a number > 0 before Ray starts (router_loss.check_router_setting),
-    not at every trial's setup. Every trial sets the coefficient itself where it is swept."""
+def preflight_sweep(cfg: Config) -> Checked:
+    """`preflight` (data, tokenizer, model: raypack/train/preflight.py) of the base config, with the
+    largest swept router loss coefficient: a dense model (no router) refuses a number > 0 here,
+    before Ray starts, not at every trial's setup (router_loss.check_router_setting). The config it
+    returns keeps the base coefficient: every trial sets its own where it is swept."""
     coefs = cfg.tune.router_aux_loss_coefs
-    return set_field(cfg, "train.router_aux_loss_coef", max(coefs)) if coefs else cfg
+    if not coefs:
+        return preflight(cfg)
+    from raypack.model.routers import RouterNotFoundError  # torch: imported once a sweep needs it
+
+    key = "train.router_aux_loss_coef"
+    try:
+        checked = preflight(set_field(cfg, key, max(coefs)))
+    except RouterNotFoundError as e:
+        raise RouterNotFoundError(f"tune.router_aux_loss_coefs: {list(coefs)}, but model.name {cfg.model.name!r} is not "
+                                  f"a mixture-of-experts model (no router); sweep only 0, or an MoE model") from None
+    return dataclasses.replace(checked, cfg=set_field(checked.cfg, key, get(cfg, key)))
 
 
 def _eval_in_every_report(cfg: Config) -> bool:

@@ -41,12 +41,11 @@ from raypack.data.strategies import STRATEGIES
 from raypack.errors import ConfigError
 from raypack.runs import SWEEP_CONFIG, run_dir, save_config, storage_path
 from raypack.runtime import init_ray
-from raypack.train.preflight import preflight
 from raypack.tune import plots
 from raypack.tune.data import SweepData, prepare_sweep_data
-from raypack.tune.params import OPTIONAL, set_field
+from raypack.tune.params import OPTIONAL
 from raypack.tune.report import Context, format_csv, format_table, result_row, with_targets
-from raypack.tune.space import (PARAMS, check, dimensions, param_space, planned_trials, strictest_trial,
+from raypack.tune.space import (PARAMS, check, dimensions, param_space, planned_trials, preflight_sweep,
                                  tune_config)
 from raypack.tune.trial import TrainRun
 
@@ -75,9 +74,8 @@ def sweep(cfg: Config, resume: bool = False) -> Outcome:
     """Run (or with `resume`, continue) the sweep `cfg` describes (with `resume`, the config the
     sweep saved: `runs.saved_config(DIR, file=SWEEP_CONFIG)`); returns its rows and report."""
     check(cfg)  # the tune: section, before any Ray work
-    checked = preflight(strictest_trial(cfg))  # the base config's data, tokenizer and model, before Ray starts
-    # absolute paths: trials run in actors whose working dir is not ours
-    base = set_field(checked.cfg, "train.router_aux_loss_coef", cfg.train.router_aux_loss_coef)
+    checked = preflight_sweep(cfg)  # the base config's data, tokenizer and model, before Ray starts
+    base = checked.cfg  # absolute paths: trials run in actors whose working dir is not ours
     experiment = run_dir(base)
     started = ray.tune.Tuner.can_restore(experiment)
     if resume and not started:
