@@ -48,8 +48,8 @@ OPTIONAL = (
     Optional_("beta", "dpo_betas", "dpo_beta_space", "dpo.beta", "beta", ".3g", lambda c: c.train.objective == "dpo",
               "sweeps DPO's beta, so it needs train.objective: dpo"),
     # Only where listed: whether a model has MoE layers is known once it is built, and the base
-
-    # driver's preflight (raypack/tune/sweep.py) and at each trial's setup (router_loss.check_router_setting).
+    # config's `auto` is no value to name a trial by. A dense model refuses a number > 0 at the
+    # driver's preflight (space.preflight_sweep), as at a run's (router_loss.check_router_setting).
     Optional_("router_aux_loss_coef", "router_aux_loss_coefs", "router_aux_loss_coef_space",
               "train.router_aux_loss_coef", "aux", ".3g", lambda c: bool(c.tune.router_aux_loss_coefs), ""),
 )
