@@ -105,9 +105,10 @@ def preflight_sweep(cfg: Config) -> Checked:
     key = "train.router_aux_loss_coef"
     try:
         checked = preflight(set_field(cfg, key, max(coefs)))
-    except RouterNotFoundError as e:
-        raise RouterNotFoundError(f"tune.router_aux_loss_coefs: {list(coefs)}, but model.name {cfg.model.name!r} is not "
-                                  f"a mixture-of-experts model (no router); sweep only 0, or an MoE model") from None
+    except RouterNotFoundError:  # its message would say to set train.router_aux_loss_coef, which trials replace
+        raise RouterNotFoundError(
+            f"tune.router_aux_loss_coefs: {list(coefs)}, but model.name {cfg.model.name!r} is not a "
+            "mixture-of-experts model (no router); sweep only 0, or an MoE model") from None
     return dataclasses.replace(checked, cfg=set_field(checked.cfg, key, get(cfg, key)))
 
 

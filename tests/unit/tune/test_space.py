@@ -142,7 +142,8 @@ def test_router_aux_loss_coefs_are_a_dimension_where_listed():
                            "tune.router_aux_loss_coef_space=choice"))["router_aux_loss_coef"].categories == [0.0, 0.01]
     assert param_space(cfg(*moe, "tune.router_aux_loss_coefs=[0.01]"))["router_aux_loss_coef"] == 0.01
     assert "router_aux_loss_coef" not in param_space(cfg(*moe, "train.router_aux_loss_coef=0.01"))
-    trial = trial_config(swept, {"strategy": "bfd", "budget": 512, "lr": 1e-3, "router_aux_loss_coef": 0.0}, "/tmp/r", "t1")
+    params = {"strategy": "bfd", "budget": 512, "lr": 1e-3, "router_aux_loss_coef": 0.0}
+    trial = trial_config(swept, params, "/tmp/r", "t1")
     assert trial.train.router_aux_loss_coef == 0.0 and trial.run.name == "bfd-b512-lr0.001-aux0-t1"
     trial = trial_config(cfg("model.peft.method=lora", "train.objective=dpo"),
                          {"strategy": "bfd", "budget": 512, "lr": 1e-3, "lora_r": 4, "beta": 0.1,
