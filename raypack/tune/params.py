@@ -18,7 +18,7 @@ from raypack.config import Config
 
 
 @dataclass(frozen=True)
-class Optional_:
+class OptionalParam:
     name: str
     """Its key in Tune's param space, a trial's params and a report row (and the report's column)."""
     values: str
@@ -43,17 +43,22 @@ class Optional_:
 
 
 OPTIONAL = (
-    Optional_("lora_r", "lora_ranks", "lora_rank_space", "model.peft.r", "r", "", lambda c: c.model.peft.enabled,
-              "sweeps adapter ranks, so it needs model.peft.method: lora (or qlora)"),
-    Optional_("beta", "dpo_betas", "dpo_beta_space", "dpo.beta", "beta", ".3g", lambda c: c.train.objective == "dpo",
-              "sweeps DPO's beta, so it needs train.objective: dpo"),
+    OptionalParam("lora_r", "lora_ranks", "lora_rank_space", "model.peft.r", "r", "",
+                  lambda c: c.model.peft.enabled,
+                  "sweeps adapter ranks, so it needs model.peft.method: lora (or qlora)"),
+    OptionalParam("beta", "dpo_betas", "dpo_beta_space", "dpo.beta", "beta", ".3g",
+                  lambda c: c.train.objective == "dpo",
+                  "sweeps DPO's beta, so it needs train.objective: dpo"),
     # Only where listed: whether a model has MoE layers is known once it is built, and the base
     # config's `auto` is no value to name a trial by. A dense model refuses a number > 0 at the
     # driver's preflight (space.preflight_sweep), as at a run's (router_loss.check_router_setting).
-    Optional_("router_aux_loss_coef", "router_aux_loss_coefs", "router_aux_loss_coef_space",
-              "train.router_aux_loss_coef", "aux", ".3g", lambda c: bool(c.tune.router_aux_loss_coefs), ""),
+    OptionalParam("router_aux_loss_coef", "router_aux_loss_coefs", "router_aux_loss_coef_space",
+                  "train.router_aux_loss_coef", "aux", ".3g",
+                  lambda c: bool(c.tune.router_aux_loss_coefs), ""),
 )
 """The optional trial parameters, in the order of a trial's name, the report's columns and its sort."""
+PARAMS = ("strategy", "budget", "lr", *(p.name for p in OPTIONAL))
+"""A trial's parameters: what space.dimensions sweeps, every trial's config and report row carry."""
 
 
 def get(cfg: Any, dotted: str) -> Any:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from raypack.tune.params import OPTIONAL
+from raypack.tune.params import OPTIONAL, PARAMS
 from raypack.tune.params import label as params_label
 
 COLUMNS = (
@@ -36,8 +36,6 @@ HISTORY_KEYS = ("step", "tokens_seen", "train_time_s", "eval_time_s", "loss", "e
                 "total_steps", "steps_per_epoch", "packing_efficiency", "peak_memory_gb", "eval_rewards/accuracies")
 """What a row keeps of each report (every one a number or None)."""
 SPREAD_KEYS = ("tokens_per_s", "epoch_time_s", "time_to_target_s", "eval_loss")
-_PARAMS = ("strategy", "budget", "lr", *(p.name for p in OPTIONAL))
-"""What a row's trial parameters are (space.PARAMS, which imports Ray): repeats share all of them."""
 
 
 @dataclass
@@ -165,12 +163,12 @@ def spread(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
         if r["status"] == "OK":
-            groups.setdefault(tuple(r.get(k) for k in _PARAMS), []).append(r)
+            groups.setdefault(tuple(r.get(k) for k in PARAMS), []).append(r)
     out = []
-    for values, members in groups.items():
+    for params, members in groups.items():
         if len(members) < 2:
             continue
-        entry: dict[str, Any] = {**dict(zip(_PARAMS, values)), "n": len(members)}
+        entry: dict[str, Any] = {**dict(zip(PARAMS, params)), "n": len(members)}
         for key in SPREAD_KEYS:
             values = [m[key] for m in members if m.get(key) is not None]
             if values:
@@ -203,7 +201,7 @@ def format_table(rows: Sequence[dict[str, Any]], context: Context | None = None)
                      "`raypack sweep --resume` runs them")
     groups = spread(rows)
     if groups:
-        keys = [k for k in _PARAMS if k in columns]
+        keys = [k for k in PARAMS if k in columns]
         lines += ["", "## Repeats: median [min, max]", "",
                   "| " + " | ".join([*keys, "n", *SPREAD_KEYS]) + " |", "|" + "---|" * (len(keys) + 1 + len(SPREAD_KEYS))]
         for g in groups:

@@ -35,10 +35,6 @@ from raypack.train.preflight import Checked, preflight
 from raypack.tune.params import OPTIONAL, get, set_field
 
 
-PARAMS = ("strategy", "budget", "lr", *(p.name for p in OPTIONAL))
-"""A trial's parameters: what `dimensions` sweeps, every trial's config and row carry (runs.trial_config)."""
-
-
 def dimensions(cfg: Config) -> dict[str, tuple[Any, ...]]:
     """The swept values per trial parameter; an empty tune list keeps the base config's value
     (an optional parameter only where it applies: `lora_r` for a sweep with adapters, `beta` for one
