@@ -32,7 +32,7 @@ import yaml
 from raypack import storage
 from raypack.config import ASSETS, ASSETS_PREFIX, Config, dumps, loads
 from raypack.errors import ConfigError
-from raypack.tune.params import OPTIONAL, label, set_field
+from raypack.config.swept import OPTIONAL, label, set_field
 
 SAVED_CONFIG = "raypack_config.yaml"
 SWEEP_CONFIG = "raypack_sweep.yaml"
@@ -217,7 +217,7 @@ def trial_name(params: dict[str, Any]) -> str:
 def trial_config(base: Config, params: dict[str, Any], runs_dir: str, suffix: str = "",
                  batch_size: float | None = None) -> Config:
     """The base config with the trial's strategy, budget, lr, optional parameters (LoRA rank, DPO beta,
-    router loss coefficient: raypack/tune/params.py) and equal-work `batch_size`, its run under
+    router loss coefficient: raypack/config/swept.py) and equal-work `batch_size`, its run under
     `runs_dir` with a name no other trial (or earlier sweep) uses: a reused name would resume that run."""
     name = trial_name(params) + (f"-{suffix}" if suffix else "")
     pack = dataclasses.replace(base.pack, strategy=params["strategy"], budget=params["budget"])

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from raypack.tune.params import OPTIONAL, PARAMS
-from raypack.tune.params import label as params_label
+from raypack.config.swept import OPTIONAL, PARAMS
+from raypack.config.swept import label as params_label
 
 COLUMNS = (
     "strategy", "budget", "lr", "trial", "status", "steps", "tokens_per_step", "tokens_per_s",

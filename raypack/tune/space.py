@@ -32,13 +32,13 @@ from raypack.data.strategies import check_split, check_strategies
 from raypack.errors import ConfigError
 from raypack.train.metrics import REPORTED
 from raypack.train.preflight import Checked, preflight
-from raypack.tune.params import OPTIONAL, get, set_field
+from raypack.config.swept import OPTIONAL, get, set_field
 
 
 def dimensions(cfg: Config) -> dict[str, tuple[Any, ...]]:
     """The swept values per trial parameter; an empty tune list keeps the base config's value
     (an optional parameter only where it applies: `lora_r` for a sweep with adapters, `beta` for one
-    with train.objective: dpo, `router_aux_loss_coef` where listed; raypack/tune/params.py)."""
+    with train.objective: dpo, `router_aux_loss_coef` where listed; raypack/config/swept.py)."""
     dims = {
         "strategy": cfg.tune.strategies,
         "budget": cfg.tune.budgets or (cfg.pack.budget,),

@@ -43,7 +43,7 @@ from raypack.runs import SWEEP_CONFIG, run_dir, save_config, storage_path
 from raypack.runtime import init_ray
 from raypack.tune import plots
 from raypack.tune.data import SweepData, prepare_sweep_data
-from raypack.tune.params import OPTIONAL, PARAMS
+from raypack.config.swept import OPTIONAL, PARAMS
 from raypack.tune.report import Context, format_csv, format_table, result_row, with_targets
 from raypack.tune.space import check, dimensions, param_space, planned_trials, preflight_sweep, tune_config
 from raypack.tune.trial import TrainRun

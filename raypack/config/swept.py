@@ -3,8 +3,8 @@ and name, the report's rows, labels and columns, and the sweep's sort order read
 
 Every trial has a strategy, a budget and an lr; an optional parameter is swept (or kept at the
 base config's value) only where it applies, e.g. the adapter rank in a sweep with adapters. A new
-one is one line of OPTIONAL plus its two `tune:` fields (raypack/config/sweep.py). No Ray imports:
-the report and raypack/runs.py read this too.
+one is an entry of OPTIONAL plus its two `tune:` fields (raypack/config/sweep.py). In the config
+layer, so that raypack/runs.py (trial names and configs) and the report read it without Ray.
 """
 
 from __future__ import annotations
