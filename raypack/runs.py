@@ -32,6 +32,7 @@ import yaml
 from raypack import storage
 from raypack.config import ASSETS, ASSETS_PREFIX, Config, dumps, loads
 from raypack.errors import ConfigError
+from raypack.config.swept import OPTIONAL, label, set_field
 
 SAVED_CONFIG = "raypack_config.yaml"
 SWEEP_CONFIG = "raypack_sweep.yaml"
@@ -210,29 +211,24 @@ def write_result(root: str, step: int, metrics: dict[str, Any], checkpoint: str 
 
 
 def trial_name(params: dict[str, Any]) -> str:
-    rank = f"-r{params['lora_r']}" if params.get("lora_r") is not None else ""
-    beta = f"-beta{params['beta']:.3g}" if params.get("beta") is not None else ""
-    return f"{params['strategy']}-b{params['budget']}-lr{params['lr']:.3g}{rank}{beta}"
+    return label(params)
 
 
 def trial_config(base: Config, params: dict[str, Any], runs_dir: str, suffix: str = "",
                  batch_size: float | None = None) -> Config:
-    """The base config with the trial's strategy, budget, lr, LoRA rank, DPO beta (and equal-work `batch_size`), its
-    run under `runs_dir` with a name no other trial (or earlier sweep) uses: a reused name would
-    resume that run."""
+    """The base config with the trial's strategy, budget, lr, optional parameters (LoRA rank, DPO beta,
+    router loss coefficient: raypack/config/swept.py) and equal-work `batch_size`, its run under
+    `runs_dir` with a name no other trial (or earlier sweep) uses: a reused name would resume that run."""
     name = trial_name(params) + (f"-{suffix}" if suffix else "")
     pack = dataclasses.replace(base.pack, strategy=params["strategy"], budget=params["budget"])
     if batch_size is not None:
         pack = dataclasses.replace(pack, batch_size=batch_size)
-    model = base.model
-    if params.get("lora_r") is not None:
-        model = dataclasses.replace(model, peft=dataclasses.replace(model.peft, r=params["lora_r"]))
+    cfg = dataclasses.replace(base, pack=pack, train=dataclasses.replace(base.train, lr=params["lr"]))
+    for p in OPTIONAL:
+        if params.get(p.name) is not None:
+            cfg = set_field(cfg, p.sets, params[p.name])
     return dataclasses.replace(
-        base,
-        pack=pack,
-        model=model,
-        train=dataclasses.replace(base.train, lr=params["lr"]),
-        dpo=dataclasses.replace(base.dpo, beta=params["beta"]) if params.get("beta") is not None else base.dpo,
+        cfg,
         # W&B shows a sweep's trials together: one run each, grouped by the sweep's name.
         run=dataclasses.replace(base.run, name=name, storage_path=runs_dir,
                                 wandb=dataclasses.replace(base.run.wandb, group=base.run.wandb.group or base.run.name)),

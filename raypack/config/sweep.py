@@ -55,6 +55,12 @@ class TuneConfig:
     such trials by eval_rewards/accuracies: their losses scale with beta and don't compare."""
     dpo_beta_space: Literal["grid", "choice"] = "grid"
     """`grid` or `choice` over `dpo_betas`, as for strategies."""
+    router_aux_loss_coefs: tuple[float, ...] = ()
+    """Router load-balancing loss coefficients (`train.router_aux_loss_coef`, numbers >= 0, 0: off)
+    to sweep on a mixture-of-experts model, e.g. [0, 0.001, 0.01]; empty keeps `train.router_aux_loss_coef`.
+    A dense model (no router) refuses a number > 0 before training, as `raypack train` does."""
+    router_aux_loss_coef_space: Literal["grid", "choice"] = "grid"
+    """`grid` or `choice` over `router_aux_loss_coefs`, as for strategies."""
     num_samples: int = 1
     """Tune's num_samples: the grid runs this many times, and random dimensions are drawn this many
     times. Repeats of one grid point give the run-to-run spread (median and range in the table)."""
@@ -88,6 +94,8 @@ class TuneConfig:
         _check(all(lr > 0 for lr in self.lrs), "tune.lrs", "positive numbers", self.lrs)
         _check(all(r > 0 for r in self.lora_ranks), "tune.lora_ranks", "positive ints", self.lora_ranks)
         _check(all(b > 0 for b in self.dpo_betas), "tune.dpo_betas", "positive numbers", self.dpo_betas)
+        _check(all(c >= 0 for c in self.router_aux_loss_coefs), "tune.router_aux_loss_coefs", "numbers >= 0",
+               self.router_aux_loss_coefs)
         if self.lr_space == "loguniform":
             _check(len(self.lrs) == 2 and self.lrs[0] < self.lrs[1], "tune.lrs",
                    "[low, high] with low < high for lr_space: loguniform", self.lrs)
@@ -98,6 +106,8 @@ class TuneConfig:
             for name, values, space in (("strategy", self.strategies, self.strategy_space),
                                         ("budget", self.budgets, self.budget_space), ("lr", self.lrs, self.lr_space),
                                         ("lora_rank", self.lora_ranks, self.lora_rank_space),
-                                        ("dpo_beta", self.dpo_betas, self.dpo_beta_space)):
+                                        ("dpo_beta", self.dpo_betas, self.dpo_beta_space),
+                                        ("router_aux_loss_coef", self.router_aux_loss_coefs,
+                                         self.router_aux_loss_coef_space)):
                 _check(len(values) <= 1 or space != "grid", f"tune.{name}_space",
                        "choice (or loguniform for lr) with search_alg: optuna, which cannot search a grid", space)

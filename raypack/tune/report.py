@@ -25,6 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from raypack.config.swept import OPTIONAL, PARAMS
+from raypack.config.swept import label as params_label
+
 COLUMNS = (
     "strategy", "budget", "lr", "trial", "status", "steps", "tokens_per_step", "tokens_per_s",
     "epoch_time_s", "time_to_target_s", "loss", "eval_loss", "packing_efficiency", "peak_memory_gb",
@@ -66,8 +69,7 @@ def result_row(params: dict[str, Any], history: Sequence[dict[str, Any]], error:
     history = [{k: _number(h.get(k)) for k in HISTORY_KEYS} for h in history if _number(h.get("step")) is not None]
     last = history[-1] if history else {}
     row: dict[str, Any] = {"strategy": params["strategy"], "budget": params["budget"], "lr": params["lr"],
-                           "lora_r": params.get("lora_r"), "beta": params.get("beta"), "trial": trial,
-                           "history": history}
+                           **{p.name: params.get(p.name) for p in OPTIONAL}, "trial": trial, "history": history}
     if params.get("batch_size") is not None:
         row["batch_size"] = params["batch_size"]
     steps, total = last.get("step"), last.get("total_steps")
@@ -103,10 +105,8 @@ def result_row(params: dict[str, Any], history: Sequence[dict[str, Any]], error:
 
 
 def label(row: dict[str, Any]) -> str:
-    rank = f"-r{row['lora_r']}" if row.get("lora_r") is not None else ""
-    beta = f"-beta{row['beta']:.3g}" if row.get("beta") is not None else ""
-    return (f"{row['strategy']}-b{row['budget']}-lr{row['lr']:.3g}{rank}{beta}"
-            + (f" ({row['trial']})" if row.get("trial") else ""))
+    """The trial's run name without its suffix (runs.trial_name), then its Tune trial id."""
+    return params_label(row) + (f" ({row['trial']})" if row.get("trial") else "")
 
 
 def target_loss(rows: Sequence[dict[str, Any]], configured: float | None) -> float | None:
@@ -158,18 +158,17 @@ def _every_trial(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def spread(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Median and range of SPREAD_KEYS over repeats (same strategy, budget and lr; trials that
-    ran to the end), for every group with more than one."""
+    """Median and range of SPREAD_KEYS over repeats (same strategy, budget, lr and optional
+    parameters; trials that ran to the end), for every group with more than one."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
         if r["status"] == "OK":
-            groups.setdefault((r["strategy"], r["budget"], r["lr"], r.get("lora_r"), r.get("beta")), []).append(r)
+            groups.setdefault(tuple(r.get(k) for k in PARAMS), []).append(r)
     out = []
-    for (strategy, budget, lr, lora_r, beta), members in groups.items():
+    for params, members in groups.items():
         if len(members) < 2:
             continue
-        entry: dict[str, Any] = {"strategy": strategy, "budget": budget, "lr": lr, "lora_r": lora_r, "beta": beta,
-                                 "n": len(members)}
+        entry: dict[str, Any] = {**dict(zip(PARAMS, params)), "n": len(members)}
         for key in SPREAD_KEYS:
             values = [m[key] for m in members if m.get(key) is not None]
             if values:
@@ -202,7 +201,7 @@ def format_table(rows: Sequence[dict[str, Any]], context: Context | None = None)
                      "`raypack sweep --resume` runs them")
     groups = spread(rows)
     if groups:
-        keys = [k for k in ("strategy", "budget", "lr", "lora_r", "beta") if k in columns]
+        keys = [k for k in PARAMS if k in columns]
         lines += ["", "## Repeats: median [min, max]", "",
                   "| " + " | ".join([*keys, "n", *SPREAD_KEYS]) + " |", "|" + "---|" * (len(keys) + 1 + len(SPREAD_KEYS))]
         for g in groups:
@@ -212,10 +211,11 @@ def format_table(rows: Sequence[dict[str, Any]], context: Context | None = None)
 
 
 def _columns(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """COLUMNS, with the adapter rank after lr in a sweep with adapters, and DPO's beta and eval
-    reward accuracy in a DPO sweep."""
+    """COLUMNS, with each optional parameter a trial has after lr (the adapter rank in a sweep with
+    adapters, DPO's beta in a DPO sweep, the router loss coefficient where swept), and the eval
+    reward accuracy after eval_loss in a DPO sweep."""
     i = COLUMNS.index("lr") + 1
-    extra = [k for k in ("lora_r", "beta") if any(r.get(k) is not None for r in rows)]
+    extra = [p.name for p in OPTIONAL if any(r.get(p.name) is not None for r in rows)]
     columns = [*COLUMNS[:i], *extra, *COLUMNS[i:]]
     if any(r.get("beta") is not None for r in rows):
         columns.insert(columns.index("eval_loss") + 1, "eval_rewards/accuracies")

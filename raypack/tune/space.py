@@ -20,6 +20,7 @@ every report.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import ray.tune
@@ -30,31 +31,29 @@ from raypack.config import Config
 from raypack.data.strategies import check_split, check_strategies
 from raypack.errors import ConfigError
 from raypack.train.metrics import REPORTED
-
-
-PARAMS = ("strategy", "budget", "lr", "lora_r", "beta")
-"""A trial's parameters: what `dimensions` sweeps, every trial's config and row carry (runs.trial_config)."""
+from raypack.train.preflight import Checked, preflight
+from raypack.config.swept import OPTIONAL, get, set_field
 
 
 def dimensions(cfg: Config) -> dict[str, tuple[Any, ...]]:
     """The swept values per trial parameter; an empty tune list keeps the base config's value
-    (`lora_r` only for a sweep with adapters, `beta` for one with train.objective: dpo)."""
+    (an optional parameter only where it applies: `lora_r` for a sweep with adapters, `beta` for one
+    with train.objective: dpo, `router_aux_loss_coef` where listed; raypack/config/swept.py)."""
     dims = {
         "strategy": cfg.tune.strategies,
         "budget": cfg.tune.budgets or (cfg.pack.budget,),
         "lr": cfg.tune.lrs or (cfg.train.lr,),
     }
-    if cfg.model.peft.enabled:
-        dims["lora_r"] = cfg.tune.lora_ranks or (cfg.model.peft.r,)
-    if cfg.train.objective == "dpo":
-        dims["beta"] = cfg.tune.dpo_betas or (cfg.dpo.beta,)
+    for p in OPTIONAL:
+        if p.applies(cfg):
+            dims[p.name] = getattr(cfg.tune, p.values) or (get(cfg, p.sets),)
     return dims
 
 
 def _space(cfg: Config) -> dict[str, str]:
     t = cfg.tune
-    return {"strategy": t.strategy_space, "budget": t.budget_space, "lr": t.lr_space, "lora_r": t.lora_rank_space,
-            "beta": t.dpo_beta_space}
+    return {"strategy": t.strategy_space, "budget": t.budget_space, "lr": t.lr_space,
+            **{p.name: getattr(t, p.space) for p in OPTIONAL}}
 
 
 def check(cfg: Config) -> None:
@@ -63,10 +62,14 @@ def check(cfg: Config) -> None:
     t = cfg.tune
     for name in t.strategies:
         check_split(name, cfg.train.sequence_parallel, "tune.strategies")
-    if t.lora_ranks and not cfg.model.peft.enabled:
-        raise ConfigError("tune.lora_ranks: sweeps adapter ranks, so it needs model.peft.method: lora (or qlora)")
-    if t.dpo_betas and cfg.train.objective != "dpo":
-        raise ConfigError("tune.dpo_betas: sweeps DPO's beta, so it needs train.objective: dpo")
+    for p in OPTIONAL:
+        if getattr(t, p.values) and not p.applies(cfg):
+            raise ConfigError(f"tune.{p.values}: {p.needs}")
+    if any(c > 0 for c in t.router_aux_loss_coefs) and cfg.train.sequence_parallel > 1:
+        # as router_loss.check_router_setting refuses each such trial at its setup
+        raise ConfigError(f"tune.router_aux_loss_coefs: {list(t.router_aux_loss_coefs)} with train.sequence_parallel="
+                          f"{cfg.train.sequence_parallel}: the router loss is not combined across a sequence-parallel "
+                          "group yet; set train.sequence_parallel: 1, or sweep only 0")
     if t.metric not in REPORTED:
         raise ConfigError(f"tune.metric: expected one of {', '.join(REPORTED)}, got {t.metric!r}")
     ranks_by_metric = t.scheduler != "none" or t.search_alg != "basic"
@@ -83,6 +86,26 @@ def check(cfg: Config) -> None:
             import optuna  # noqa: F401
         except ImportError:
             raise ConfigError("tune.search_alg: optuna is not installed: pip install 'raypack[optuna]'") from None
+
+
+def preflight_sweep(cfg: Config) -> Checked:
+    """`preflight` (data, tokenizer, model: raypack/train/preflight.py) of the base config, with the
+    largest swept router loss coefficient: a dense model (no router) refuses a number > 0 here,
+    before Ray starts, not at every trial's setup (router_loss.check_router_setting). The config it
+    returns keeps the base coefficient: every trial sets its own where it is swept."""
+    coefs = cfg.tune.router_aux_loss_coefs
+    if not coefs:
+        return preflight(cfg)
+    from raypack.model.routers import RouterNotFoundError  # torch: imported once a sweep needs it
+
+    key = "train.router_aux_loss_coef"
+    try:
+        checked = preflight(set_field(cfg, key, max(coefs)))
+    except RouterNotFoundError:  # its message would say to set train.router_aux_loss_coef, which trials replace
+        raise RouterNotFoundError(
+            f"tune.router_aux_loss_coefs: {list(coefs)}, but model.name {cfg.model.name!r} is not a "
+            "mixture-of-experts model (no router); sweep only 0, or an MoE model") from None
+    return dataclasses.replace(checked, cfg=set_field(checked.cfg, key, get(cfg, key)))
 
 
 def _eval_in_every_report(cfg: Config) -> bool:

@@ -41,11 +41,11 @@ from raypack.data.strategies import STRATEGIES
 from raypack.errors import ConfigError
 from raypack.runs import SWEEP_CONFIG, run_dir, save_config, storage_path
 from raypack.runtime import init_ray
-from raypack.train.preflight import preflight
 from raypack.tune import plots
 from raypack.tune.data import SweepData, prepare_sweep_data
+from raypack.config.swept import OPTIONAL, PARAMS
 from raypack.tune.report import Context, format_csv, format_table, result_row, with_targets
-from raypack.tune.space import PARAMS, check, dimensions, param_space, planned_trials, tune_config
+from raypack.tune.space import check, dimensions, param_space, planned_trials, preflight_sweep, tune_config
 from raypack.tune.trial import TrainRun
 
 TABLE = "sweep_results.md"
@@ -73,7 +73,7 @@ def sweep(cfg: Config, resume: bool = False) -> Outcome:
     """Run (or with `resume`, continue) the sweep `cfg` describes (with `resume`, the config the
     sweep saved: `runs.saved_config(DIR, file=SWEEP_CONFIG)`); returns its rows and report."""
     check(cfg)  # the tune: section, before any Ray work
-    checked = preflight(cfg)  # the base config's data, tokenizer and model, before Ray starts
+    checked = preflight_sweep(cfg)  # the base config's data, tokenizer and model, before Ray starts
     base = checked.cfg  # absolute paths: trials run in actors whose working dir is not ours
     experiment = run_dir(base)
     started = ray.tune.Tuner.can_restore(experiment)
@@ -129,7 +129,7 @@ def collect_rows(results, experiment: str, cfg: Config, data: SweepData) -> list
         rows.append(result_row(params, history, r.error, saved.get(r.path), trial))
     order = {name: {v: i for i, v in enumerate(values)} for name, values in dimensions(cfg).items()}
     rows.sort(key=lambda row: (order["strategy"].get(row["strategy"], 99), row["budget"], row["lr"],
-                               row.get("lora_r") or 0, row.get("beta") or 0, row["trial"]))
+                               *(row.get(p.name) or 0 for p in OPTIONAL), row["trial"]))
     return rows
 
 

@@ -45,7 +45,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raypack.config import Config
 from raypack.runs import trial_config
 from raypack.train.trainer import start
-from raypack.tune.space import PARAMS
+from raypack.config.swept import PARAMS
 
 POLL_S = 0.5
 """How long a step waits on the queue before checking whether the Train run ended."""

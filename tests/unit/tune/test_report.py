@@ -123,3 +123,25 @@ def test_a_dpo_beta_sweep_shows_beta_and_the_eval_reward_accuracy():
     assert cells[cells.index("eval_loss") + 1] == "eval_rewards/accuracies"
     assert label(rows[0]).startswith("bfd-b256-lr0.003-beta0.05")
     assert "beta" not in format_table(ROWS, Context(title="T"))
+
+
+def test_a_router_coefficient_sweep_shows_its_column_and_label():
+    """A swept router loss coefficient is a column after lr (after the rank and beta when those are
+    swept too), part of the label, and of what makes trials repeats of one another."""
+    rows = [{**r, "router_aux_loss_coef": c} for r, c in zip(ROWS, (0.0, 0.01, 0.0, 0.001, 0.0))]
+    i = COLUMNS.index("lr") + 1
+    table = format_table(rows, Context(title="T"))
+    assert "| " + " | ".join([*COLUMNS[:i], "router_aux_loss_coef", *COLUMNS[i:]]) + " |" in table.splitlines()
+    assert format_csv(rows).splitlines()[0].startswith("strategy,budget,lr,router_aux_loss_coef,trial")
+    assert label(rows[0]) == "bfd-b256-lr0.003-aux0 (t_00000)" and label(rows[1]).startswith("pad-b256-lr0.003-aux0.01")
+    both = [{**r, "lora_r": 4} for r in rows]
+    assert format_csv(both).splitlines()[0].startswith("strategy,budget,lr,lora_r,router_aux_loss_coef,trial")
+    assert label(both[1]).startswith("pad-b256-lr0.003-r4-aux0.01")
+    assert "router_aux_loss_coef" not in format_table(ROWS, Context(title="T"))
+    # repeats group by the coefficient too: two at 0 make one group, the one at 0.01 none
+    repeats = [result_row({"strategy": "bfd", "budget": 256, "lr": 3e-3, "router_aux_loss_coef": c},
+                          history([5.0, 4.1], [None, 4.2], total=4), None, "TERMINATED", f"r{i}")
+               for i, c in enumerate((0.0, 0.0, 0.01))]
+    (group,) = spread(repeats)
+    assert (group["router_aux_loss_coef"], group["n"]) == (0.0, 2)
+    assert "| bfd | 256 | 0.003 | 0 | 2 |" in format_table(repeats)

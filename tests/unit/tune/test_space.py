@@ -126,3 +126,48 @@ def test_lora_ranks_are_a_dimension_of_a_sweep_with_adapters():
 
     trial = trial_config(lora, {"strategy": "bfd", "budget": 512, "lr": 0.01, "lora_r": 4}, "/tmp/runs")
     assert trial.model.peft.r == 4 and trial.run.name == "bfd-b512-lr0.01-r4"
+
+
+def test_router_aux_loss_coefs_are_a_dimension_where_listed():
+    """The coefficient is swept only where listed (the base config's `auto` names no trial), and every
+    trial sets it; a negative one, and one > 0 beside sequence parallelism, are refused before Ray."""
+    from raypack.runs import trial_config
+
+    moe = ("model.name=tiny-qwen3_moe", "tune.strategies=[bfd]")
+    swept = cfg(*moe, "tune.router_aux_loss_coefs=[0, 0.001, 0.01]")
+    check(swept)
+    assert param_space(swept)["router_aux_loss_coef"] == {"grid_search": [0.0, 0.001, 0.01]}
+    assert planned_trials(swept) == 3
+    assert param_space(cfg(*moe, "tune.router_aux_loss_coefs=[0, 0.01]",
+                           "tune.router_aux_loss_coef_space=choice"))["router_aux_loss_coef"].categories == [0.0, 0.01]
+    assert param_space(cfg(*moe, "tune.router_aux_loss_coefs=[0.01]"))["router_aux_loss_coef"] == 0.01
+    assert "router_aux_loss_coef" not in param_space(cfg(*moe, "train.router_aux_loss_coef=0.01"))
+    params = {"strategy": "bfd", "budget": 512, "lr": 1e-3, "router_aux_loss_coef": 0.0}
+    trial = trial_config(swept, params, "/tmp/r", "t1")
+    assert trial.train.router_aux_loss_coef == 0.0 and trial.run.name == "bfd-b512-lr0.001-aux0-t1"
+    trial = trial_config(cfg("model.peft.method=lora", "train.objective=dpo"),
+                         {"strategy": "bfd", "budget": 512, "lr": 1e-3, "lora_r": 4, "beta": 0.1,
+                          "router_aux_loss_coef": 0.01}, "/tmp/r")
+    assert (trial.model.peft.r, trial.dpo.beta, trial.train.router_aux_loss_coef) == (4, 0.1, 0.01)
+    assert trial.run.name == "bfd-b512-lr0.001-r4-beta0.1-aux0.01"
+    with pytest.raises(ConfigError, match=r"tune.router_aux_loss_coefs: expected numbers >= 0, got \(0.0, -0.01\)"):
+        cfg(*moe, "tune.router_aux_loss_coefs=[0, -0.01]")
+    with pytest.raises(ConfigError, match=r"tune.router_aux_loss_coefs: \[0.0, 0.01\] with train.sequence_parallel=2"):
+        check(cfg(*moe, "train.sequence_parallel=2", "tune.router_aux_loss_coefs=[0, 0.01]"))
+    check(cfg(*moe, "train.sequence_parallel=2", "tune.router_aux_loss_coefs=[0]"))
+    with pytest.raises(ConfigError, match="tune.router_aux_loss_coef_space: expected choice"):
+        cfg(*moe, "tune.search_alg=optuna", "tune.strategy_space=choice", "tune.router_aux_loss_coefs=[0, 0.01]")
+
+
+def test_a_dense_model_refuses_a_swept_coefficient_before_ray(tmp_path):
+    """The driver's preflight checks the largest coefficient and keeps the base one for the trials."""
+    from raypack.model.routers import RouterNotFoundError
+    from raypack.tune.space import preflight_sweep
+
+    base = (f"run.storage_path={tmp_path}", "tune.router_aux_loss_coefs=[0, 0.01]")
+    with pytest.raises(RouterNotFoundError, match=r"tune.router_aux_loss_coefs: \[0.0, 0.01\], but model.name "
+                                                  r"'tiny-llama' is not a mixture-of-experts model"):
+        preflight_sweep(cfg(*base))
+    checked = preflight_sweep(cfg(*base, "model.name=tiny-qwen3_moe", "train.router_aux_loss_coef=0"))
+    assert checked.vocab_size == 768 and checked.cfg.train.router_aux_loss_coef == 0.0
+    assert preflight_sweep(cfg(f"run.storage_path={tmp_path}", "tune.router_aux_loss_coefs=[0]")).vocab_size == 768
