@@ -102,12 +102,9 @@ def lookup(name: str) -> FieldDoc:
     """The entry for `name` (a field or a section); an unknown name is a ConfigError that
     suggests the nearest names."""
     entries = {e.path: e for e in reference()}
-    sections = {p.split(".")[0] for p in entries}
     if name in entries:
         return entries[name]
-    if name in sections:
-        return FieldDoc(name, "a section", None, (), "", section=True)
-    close = difflib.get_close_matches(name, list(entries) + sorted(sections), n=3, cutoff=0.6)
+    close = difflib.get_close_matches(name, list(entries), n=3, cutoff=0.6)
     hint = f"; did you mean {' or '.join(close)}?" if close else "; `raypack config` with no field lists every one"
     raise ConfigError(f"{name}: no such config field{hint}")
 
