@@ -28,10 +28,14 @@ SETTINGS = (("off", 0.0, "example"), ("example", 0.001, "example"), ("micro_batc
 
 
 class OneRank:
-    """The engine calls train_step makes, on one process: backward divided by the micro-batches."""
+    """The engine calls train_step makes, on one process without an optimizer: backward divided by
+    the micro-batches (tests/unit/train/test_loop.py uses it too)."""
 
-    def __init__(self, model, micro_batches: int, device):
-        self.module, self.micro_batches, self.device = model, micro_batches, device
+    def __init__(self, model, micro_batches: int, device=None):
+        import torch
+
+        self.module, self.micro_batches = model, micro_batches
+        self.device = device if device is not None else torch.device("cpu")
 
     def __call__(self, **batch):
         return self.module(**batch)

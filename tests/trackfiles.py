@@ -53,6 +53,14 @@ def history(path: str | Path) -> list[dict]:
 
 def tensorboard_events(folder: str | Path):
     """(tag, step, value) of every scalar in `folder`'s event files, file by file in the order written."""
+    for event in _events(folder):
+        for value in event.summary.value:
+            if value.WhichOneof("value") == "simple_value":  # images: tensorboard_images
+                yield value.tag, event.step, value.simple_value
+
+
+def _events(folder: str | Path):
+    """Every event of `folder`'s TensorBoard files, file by file in the order written."""
     from tensorboardX.proto import event_pb2
 
     for file in sorted(Path(folder).glob("events.out.tfevents.*")):
@@ -62,9 +70,7 @@ def tensorboard_events(folder: str | Path):
             event = event_pb2.Event()
             event.ParseFromString(data[pos + 12:pos + 12 + length])
             pos += 12 + length + 4
-            for value in event.summary.value:
-                if value.WhichOneof("value") == "simple_value":  # images: tensorboard_images
-                    yield value.tag, event.step, value.simple_value
+            yield event
 
 
 def tensorboard_scalars(folder: str | Path) -> dict[str, dict[int, float]]:
@@ -87,19 +93,10 @@ def config(path: str | Path) -> dict:
 
 def tensorboard_images(folder: str | Path) -> dict[str, dict[int, tuple[int, int, bytes]]]:
     """{tag: {step: (height, width, PNG bytes)}} of every image in `folder`'s event files."""
-    from tensorboardX.proto import event_pb2
-
     images: dict[str, dict[int, tuple[int, int, bytes]]] = {}
-    for file in sorted(Path(folder).glob("events.out.tfevents.*")):
-        data, pos = file.read_bytes(), 0
-        while pos + 12 <= len(data):
-            (length,) = struct.unpack("<Q", data[pos:pos + 8])
-            event = event_pb2.Event()
-            event.ParseFromString(data[pos + 12:pos + 12 + length])
-            pos += 12 + length + 4
-            for value in event.summary.value:
-                if value.HasField("image"):
-                    image = value.image
-                    images.setdefault(value.tag, {})[event.step] = (image.height, image.width,
-                                                                    image.encoded_image_string)
+    for event in _events(folder):
+        for value in event.summary.value:
+            if value.HasField("image"):
+                image = value.image
+                images.setdefault(value.tag, {})[event.step] = (image.height, image.width, image.encoded_image_string)
     return images

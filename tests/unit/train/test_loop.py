@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from benchmarks.router_loss import OneRank
 
 from raypack.train.loop import train_step
 from raypack.train.loss import token_loss_sum
@@ -74,27 +75,6 @@ def test_a_step_with_label_tokens_trains(process_group):
     assert engine.calls == ["forward", "backward", "step", "forward", "backward", "step"]
     assert values["skipped_steps"] == 0.0 and values["label_tokens"] == 2.0
     assert values["loss"] == pytest.approx(math.log(8))  # uniform logits over 8 classes
-
-
-class OneRank:
-    """DeepSpeed's engine on one rank without an optimizer: its backward divided by the micro-batches."""
-
-    device = torch.device("cpu")
-
-    def __init__(self, model, micro_batches: int):
-        self.module, self.micro_batches = model, micro_batches
-
-    def __call__(self, **batch):
-        return self.module(**batch)
-
-    def backward(self, loss):
-        (loss / self.micro_batches).backward()
-
-    def step(self):
-        pass
-
-    def get_global_grad_norm(self):
-        return None
 
 
 def moe_step(model, groups, padded=False, scope="example"):
