@@ -43,7 +43,7 @@ from torch import nn
 
 from raypack.errors import UnsupportedModelError
 from raypack.model import ulysses
-from raypack.model.exact import LastCache
+from raypack.model.exact import LastCache, host_copy
 
 PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 """What a packed row adds to the forward's keyword arguments: the torch path runs each example
@@ -166,7 +166,9 @@ _per_batch = LastCache()
 def _segments(cu: torch.Tensor, total: int) -> list[int]:
     hit = _per_batch.get(cu, ("segments", total))
     if hit is None:
-        bounds = cu.tolist()
+        # the host copy collate built, where the step kept one (exact.keep_host_copy): no device read on CUDA
+        host = host_copy(cu)
+        bounds = (host if host is not None else cu).tolist()
         if bounds[0] != 0 or bounds[-1] != total:
             raise ValueError(f"cu_seq_lens_q must run from 0 to the row's {total} tokens, got {bounds[0]}..{bounds[-1]}")
         hit = _per_batch.put(cu, ("segments", total), [e - s for s, e in zip(bounds[:-1], bounds[1:]) if e > s])

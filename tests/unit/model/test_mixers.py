@@ -158,3 +158,14 @@ def test_lora_all_linear_reaches_the_mixers_projections(family, adapted):
     mixer = text.get_submodule(next(iter(mixers.find(text))))
     assert [p for p in adapted if is_adapted(getattr(mixer, p))] == adapted
     assert not any(p.requires_grad for n, p in mixer.named_parameters() if "lora_" not in n)
+
+
+def test_boundaries_come_from_the_host_copy_the_step_kept():
+    """A batch moved to the device by the step (prefetch.to_device) carries its host cu_seq_lens_q:
+    the mixers read that, never the device tensor (here a meta tensor, which has no values)."""
+    from raypack.model.exact import keep_host_copy
+
+    host = torch.tensor([0, 4, 7, 8], dtype=torch.int32)
+    moved = torch.empty(4, dtype=torch.int32, device="meta")
+    keep_host_copy(moved, host)
+    assert mixers._segments(moved, 8) == [4, 3, 1]
