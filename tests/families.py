@@ -30,6 +30,7 @@ MAMBA2 = dict(mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=2
 MAMBA2_BAMBA = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2, mamba_d_conv=4,
                     mamba_expand=1, mamba_chunk_size=8)  # fmt: skip
 MAMBA2_ZAMBA = dict(n_mamba_heads=4, mamba_d_state=8, mamba_ngroups=2, mamba_d_conv=4, mamba_expand=1, chunk_size=8)
+DSA = dict(index_n_heads=2, index_head_dim=16, index_topk=4, n_group=1, topk_group=1)
 INDEXER = dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=16, indexer_compress_ratio=4)
 """Mamba-2 layers, in each config's own names: 4 heads of 16, state 8, 2 groups, chunks of 8."""
 
@@ -182,6 +183,12 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v4": Family("DeepseekV4Config", {**MOE, "layer_types": ["heavily_compressed_attention",
                                                                       "compressed_sparse_attention"]},
                           refused=r"compressed", mixes=False),  # fmt: skip
+    # DeepSeek Sparse Attention: a lightning indexer picks each query's top-k keys over the row.
+    # mixes=False: the indexer scores against the 4D mask, which a packed row doesn't carry
+    "deepseek_v32": Family("DeepseekV32Config", {**MOE, **MLA, **DSA, "first_k_dense_replace": 1, "n_shared_experts": 1},
+                           refused=r"indexed_attention", mixes=False),  # fmt: skip
+    "glm_moe_dsa": Family("GlmMoeDsaConfig", {**MOE, **MLA, **DSA, "first_k_dense_replace": 1, "n_shared_experts": 1},
+                          refused=r"indexed_attention", mixes=False),  # fmt: skip
     "recurrent_gemma": Family("RecurrentGemmaConfig", refused=r"convolution over the sequence"),
     "bert": Family("BertConfig", {"is_decoder": False}, refused=r"bidirectional attention", mixes=False),
     # BERT as a decoder is causal
