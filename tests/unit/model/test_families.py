@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from exactness import packed_vs_alone, random_lora_b
-from families import FAMILIES
+from families import FAMILIES, HYBRID
 from transformers import AutoModelForCausalLM
 
 from raypack.config import PeftConfig
@@ -80,6 +80,9 @@ def test_the_docs_count_the_families_checked_here():
     refused = sum(1 for spec in FAMILIES.values() if spec.refused)
     claim = f"checks {len(FAMILIES)} families of the installed transformers ({len(FAMILIES) - refused} exact, {refused} refused)"
     assert claim in text
+    hybrids = sum(1 for spec in FAMILIES.values() if not spec.refused and spec.split_refused == HYBRID["split_refused"])
+    readme = (Path(__file__).parents[3] / "README.md").read_text()
+    assert f"| attention, dense and MoE | {len(FAMILIES) - refused - hybrids} families: " in readme
 
 
 LORA = PeftConfig(method="lora", r=4, alpha=8, target_modules=("all-linear",))
