@@ -179,5 +179,8 @@ def describe(hint: Any) -> str:
     if origin is Literal:
         return "one of " + ", ".join(map(repr, args))
     if origin is tuple:
-        return f"a list of {describe(args[0])}"
+        return f"a list of {_PLURAL.get(args[0], describe(args[0]))}"
     return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))
+
+
+_PLURAL = {bool: "true or false values", int: "integers", float: "numbers", str: "strings"}

@@ -46,7 +46,7 @@ def test_unknown_section(tmp_path):
         ("model", "trust_remote_code", "yes", "true or false"),
         ("data", "on_bad_rows", "ignore", "one of 'error', 'skip'"),
         ("tokenize", "max_length", "long", "an integer or null"),
-        ("data", "paths", {"a": 1}, "a list of a string"),
+        ("data", "paths", {"a": 1}, "a list of strings"),
     ],
 )
 def test_wrong_type_names_key_expected_form_and_file(tmp_path, section, key, value, expected):
