@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", parents=[common], help="chat in the terminal with a trained model (a run or model folder)")
     p.add_argument("target", metavar="RUN_OR_MODEL_DIR", help="a run folder, or a Hugging Face model folder")
     p.add_argument("--prompt", help="answer this one message, print the answer and exit")
+    p.add_argument("--image", action="append", metavar="PATH",
+                   help="an image (path, URI or base64) before the first message, for a vision-language model; "
+                        "repeat for several")  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest answer, in tokens (default: 256)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0 is greedy (default: 0.7)")
     return parser

@@ -3,9 +3,11 @@
     raypack chat RUN                        # a run folder: its final model/, or its last checkpoint exported
     raypack chat RUN/export/step_200/model  # any Hugging Face model folder with a chat template
     raypack chat MODEL_DIR --prompt "Hi" --temperature 0     # answer once, for scripts
+    raypack chat VLM_DIR --image cat.png --prompt "What is it?"   # a vision-language model
 
-In the conversation, `/reset` starts a new one and `/exit` (or Ctrl-D) ends it; Ctrl-C ends it
-too, with exit code 130. A run that has not finished (no final model/, or one with merge: false)
+In the conversation, `/reset` starts a new one, `/image PATH` puts an image before the next
+message (a vision-language model), and `/exit` (or Ctrl-D) ends it; Ctrl-C ends it too, with exit
+code 130; `--image` goes with the first message. A run that has not finished (no final model/, or one with merge: false)
 has its last checkpoint exported into a temporary folder first (raypack/train/export.py), which is
 removed on exit. No Ray: one process, on CUDA when there is one, else on the CPU. Status lines go
 to stderr, so `--prompt` prints the answer alone on stdout.
@@ -38,17 +40,20 @@ def run(args: argparse.Namespace) -> int:
             folder = model_folder(target)
             say(f"loading {folder}")
             chat = Chat.load(folder, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+            images = list(args.image or ())
+            chat.read_images(images)  # a bad --image is one line now, not after the first message
             if args.prompt is not None:
-                answer(chat, args.prompt, prefix="")
+                answer(chat, args.prompt, prefix="", images=images)
                 return 0
-            return converse(chat, folder)
+            return converse(chat, folder, images)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (raypack/train/stop.py)
         print(file=sys.stderr)
         return 128 + signal_of(e)
 
 
-def converse(chat: Chat, folder: str) -> int:
-    say(f"chatting with {folder} on {chat.device.type}: /reset starts a new conversation, /exit or Ctrl-D ends it")
+def converse(chat: Chat, folder: str, images: list[str]) -> int:
+    more = ", /image PATH adds an image to the next message" if chat.images is not None else ""
+    say(f"chatting with {folder} on {chat.device.type}: /reset starts a new conversation{more}, /exit or Ctrl-D ends it")
     while True:
         line = read_line(USER)
         if not line:  # EOF: Ctrl-D
@@ -61,11 +66,22 @@ def converse(chat: Chat, folder: str) -> int:
             return 0
         if text == "/reset":
             chat.reset()
+            images = []
             say("a new conversation")
+        elif text.split()[0] == "/image" and chat.images is not None:
+            path = text.removeprefix("/image").strip()
+            try:
+                chat.read_images([path])
+            except ChatError as e:
+                say(str(e))
+                continue
+            images.append(path)
+            say(f"{path} goes with your next message")
         elif text.startswith("/"):
-            say(f"unknown command {text.split()[0]}: /reset or /exit")
+            say(f"unknown command {text.split()[0]}: /reset{', /image PATH' if chat.images is not None else ''} or /exit")
         elif text:
-            answer(chat, text, prefix=ASSISTANT)
+            answer(chat, text, prefix=ASSISTANT, images=images)
+            images = []
 
 
 def read_line(prompt: str) -> str:
@@ -79,9 +95,9 @@ def read_line(prompt: str) -> str:
     return sys.stdin.readline()
 
 
-def answer(chat: Chat, text: str, prefix: str) -> None:
+def answer(chat: Chat, text: str, prefix: str, images: list[str] = ()) -> None:
     print(prefix, end="", flush=True)
-    for piece in chat.send(text):
+    for piece in chat.send(text, images):
         print(piece, end="", flush=True)
     print(flush=True)
 

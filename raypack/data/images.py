@@ -205,6 +205,21 @@ class ImageTokenizer:
             "image_grid_thw": pix["image_grid_thw"].tolist(), "vision_patches": int(pix["pixel_values"].shape[0]),
         }  # fmt: skip
 
+    def prompt(self, messages: list[dict], images: Sequence) -> dict[str, np.ndarray]:
+        """A generation prompt (`raypack chat`): the conversation's messages, content as parts
+        ({"type": "image"} where each of `images`, decoded, goes), then the template's generation
+        prompt; each image's pad expanded as `__call__` expands it. input_ids with a batch of one."""
+        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                                 return_dict=True)["input_ids"]  # fmt: skip
+        if sum(t == self.pad_id for t in ids) != len(images):
+            raise ValueError(f"the chat template rendered {sum(t == self.pad_id for t in ids)} image token(s) "
+                             f"for {len(images)} image(s)")
+        pix = self.pixels(images) if images else {}
+        merge = self.image_processor.merge_size**2
+        counts = iter([int(np.prod(g)) // merge for g in pix.get("image_grid_thw", ())])
+        expanded = [n for t in ids for n in [t] * (next(counts) if t == self.pad_id else 1)]
+        return {"input_ids": np.asarray([expanded], np.int64), **pix}
+
     def example_pixels(self, example: dict[str, Any], where: str = "example") -> dict[str, np.ndarray]:
         """The pixels of a prepared example, processed again from its stored bytes (collate)."""
         images = [decode_image(b, "stored image", where) for b in example["images"]]

@@ -4,11 +4,18 @@
     for piece in chat.send("What is packing?"):       # streamed; the answer joins the history
         print(piece, end="", flush=True)
     chat.reset()                                      # a new conversation
+    chat.send("What is in it?", images=["cat.png"])   # a vision-language model's folder: the image first
 
 A prompt is rendered as training rendered a conversation (the tokenizer's chat template, then
 tokenized without added special tokens, raypack/data/encode.py), with the generation prompt after
-the last user turn. Generation runs in a thread and `transformers.TextIteratorStreamer` hands the
-text over as it decodes. It stops at EOS or at the template's end-of-turn token: a model trained
+the last user turn. A vision-language model's folder (a config with a vision tower, as
+`raypack/model/vision.save_vlm` writes it: tokenizer, chat template and image processor) loads
+with AutoModelForImageTextToText; its images go where the user's message puts them (before the
+text), each expanded into its image tokens as training expanded them (raypack/data/images.py), and
+stay in the conversation until `reset`.
+
+Generation runs in a thread and `transformers.TextIteratorStreamer` hands the text over as it
+decodes. It stops at EOS or at the template's end-of-turn token: a model trained
 on multi-turn chats learned to close each turn with that token, and EOS only after the last one.
 `temperature` 0 is greedy decoding. The model runs on CUDA when there is one, else on the CPU.
 """
@@ -18,16 +25,19 @@ from __future__ import annotations
 import json
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from transformers import (
-    AutoModelForCausalLM, AutoTokenizer, GenerationConfig, StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer,
+    AutoConfig, AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer, GenerationConfig,
+    StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer,
 )
 
+from raypack.data.images import ImageTokenizer, decode_image, read_image_bytes
 from raypack.errors import InputError
+from raypack.model.vision import is_vlm
 
 
 class ChatError(InputError):
@@ -93,13 +103,16 @@ class _Stop(StoppingCriteria):
 class Chat:
     """One conversation with one model (see the module doc)."""
 
-    def __init__(self, model, tokenizer, max_new_tokens: int = 256, temperature: float = 0.7):
+    def __init__(self, model, tokenizer, max_new_tokens: int = 256, temperature: float = 0.7,
+                 images: ImageTokenizer | None = None):
         if max_new_tokens < 1:
             raise ChatError(f"--max-new-tokens: expected a positive int, got {max_new_tokens}")
         if temperature < 0:
             raise ChatError(f"--temperature: expected a float >= 0 (0: greedy), got {temperature}")
-        self.model, self.tokenizer = model, tokenizer
-        self.history: list[dict[str, str]] = []
+        self.model, self.tokenizer, self.images = model, tokenizer, images
+        self.history: list[dict] = []
+        self.pictures: list = []
+        """The conversation's images so far (decoded), in the order their messages place them."""
         stop = {tokenizer.eos_token_id, *end_of_turn_ids(tokenizer)} - {None}
         self.generation = GenerationConfig(
             max_new_tokens=max_new_tokens,
@@ -121,11 +134,19 @@ class Chat:
         if not tokenizer.chat_template:
             raise ChatError(f"{folder}: its tokenizer has no chat template (raypack saves the one training used)")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        images, auto = None, AutoModelForCausalLM
+        if is_vlm(AutoConfig.from_pretrained(folder)):
+            try:
+                images = ImageTokenizer(AutoImageProcessor.from_pretrained(folder), tokenizer)
+            except (OSError, ValueError) as e:
+                raise ChatError(f"{folder}: a vision-language model without an image processor it can load "
+                                f"({_first_line(e)}); {AGAIN}") from e
+            auto = AutoModelForImageTextToText
         try:
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto").to(device).eval()
+            model = auto.from_pretrained(folder, dtype="auto").to(device).eval()
         except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # a truncated or foreign weights file
             raise ChatError(f"{folder}: can't load its model ({_first_line(e)}); {AGAIN}") from e
-        return cls(model, tokenizer, **kwargs)
+        return cls(model, tokenizer, images=images, **kwargs)
 
     @property
     def device(self) -> torch.device:
@@ -136,17 +157,37 @@ class Chat:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
 
-    def send(self, text: str) -> Iterator[str]:
-        """The answer to `text`, piece by piece as it is generated; once done it joins the history
-        (an answer left unfinished, by an error or a closed iterator, does not)."""
-        messages = [*self.history, {"role": "user", "content": text}]
-        ids = self.prompt_ids(messages).to(self.device)
+    def inputs(self, messages: list[dict], pictures: list) -> dict[str, torch.Tensor]:
+        """What `generate` takes for the conversation: its tokens, and a VLM's pixels and grids."""
+        if self.images is None:
+            return {"input_ids": self.prompt_ids(messages)}
+        return {k: torch.from_numpy(v) for k, v in self.images.prompt(messages, pictures).items()}
+
+    def read_images(self, sources: Sequence[str]) -> list:
+        """Decoded images from paths, URIs or base64 (a ChatError naming the one that fails)."""
+        if sources and self.images is None:
+            raise ChatError(f"--image: {type(self.model).__name__} is a text-only model; images need a "
+                            "vision-language model's folder")
+        try:
+            return [decode_image(read_image_bytes(s, None, "--image"), s, "--image") for s in sources]
+        except InputError as e:
+            raise ChatError(str(e)) from None
+
+    def send(self, text: str, images: Sequence[str] = ()) -> Iterator[str]:
+        """The answer to `text` (with `images` before it, for a VLM), piece by piece as it is
+        generated; once done it joins the history (an answer left unfinished, by an error or a
+        closed iterator, does not)."""
+        pictures = self.read_images(images)
+        content = text if self.images is None else [*({"type": "image"} for _ in pictures), {"type": "text", "text": text}]
+        messages = [*self.history, {"role": "user", "content": content}]
+        inputs = {k: v.to(self.device) for k, v in self.inputs(messages, [*self.pictures, *pictures]).items()}
+        ids = inputs.pop("input_ids")
         streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True, timeout=0.1)
         stop, failed = threading.Event(), []
 
         def generate() -> None:
             try:
-                self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs,
                                     generation_config=self.generation, streamer=streamer,
                                     stopping_criteria=StoppingCriteriaList([_Stop(stop)]))
             except BaseException as e:  # raised in the reader's thread below, not lost in this one
@@ -175,6 +216,7 @@ class Chat:
         if failed:
             raise failed[0]
         self.history = [*messages, {"role": "assistant", "content": "".join(pieces)}]
+        self.pictures += pictures
 
     def reset(self) -> None:
-        self.history = []
+        self.history, self.pictures = [], []

@@ -215,3 +215,85 @@ def test_a_model_folder_chat_cannot_load_is_one_line_naming_it(model_dir, tmp_pa
         assert main(["chat", str(folder), "--prompt", "hi"]) == 2
         err = capsys.readouterr().err.splitlines()
         assert len(err) <= 2 and err[-1].startswith(f"raypack: error: {folder}") and said in err[-1], err
+
+
+IMAGE = REPO / "raypack/assets/vision_sample/images/000.png"
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    """A tiny random Qwen2.5-VL and the bundled processor, saved as raypack saves a trained VLM."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    from raypack.config import ASSETS
+    from raypack.model.vision import save_vlm, tiny_vlm_config
+
+    folder = tmp_path_factory.mktemp("vlm") / "model"
+    tokenizer = AutoTokenizer.from_pretrained(ASSETS / "vlm_processor")
+    image_processor = AutoImageProcessor.from_pretrained(ASSETS / "vlm_processor")
+    torch.manual_seed(0)
+    save_vlm(AutoModelForImageTextToText.from_config(tiny_vlm_config(image_processor, tokenizer)), folder,
+             image_processor, tokenizer)
+    return folder
+
+
+def greedy_about_image(folder, text: str) -> str:
+    """The greedy answer of `generate` to one message with the image before it, its prompt built
+    here from the chat template and the image processor's grid (each <|image_pad|> becomes
+    grid.prod() / merge_size² tokens, as Qwen2.5-VL's own processor expands it)."""
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    tok, proc = AutoTokenizer.from_pretrained(folder), AutoImageProcessor.from_pretrained(folder)
+    model = AutoModelForImageTextToText.from_pretrained(folder).eval()
+    pix = proc(images=[Image.open(IMAGE).convert("RGB")], return_tensors="pt")
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    n = int(pix["image_grid_thw"][0].prod()) // proc.merge_size**2
+    expanded = [t for i in ids for t in ([i] * n if i == pad else [i])]
+    x = torch.tensor([expanded])
+    with torch.no_grad():
+        out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), pixel_values=pix["pixel_values"],
+                             image_grid_thw=pix["image_grid_thw"], max_new_tokens=MAX_NEW, do_sample=False,
+                             eos_token_id=[tok.eos_token_id, tok.convert_tokens_to_ids("<|end|>")],
+                             pad_token_id=tok.pad_token_id)
+    return tok.decode(out[0, x.shape[1]:], skip_special_tokens=True)
+
+
+def test_image_prompt_answers_as_generate_does_with_the_image(vlm_dir, capsys):
+    from raypack.cli import main
+
+    assert main(["chat", str(vlm_dir), "--image", str(IMAGE), "--prompt", "What is it?", "--temperature", "0",
+                 "--max-new-tokens", str(MAX_NEW)]) == 0
+    assert capsys.readouterr().out == greedy_about_image(vlm_dir, "What is it?") + "\n"
+
+
+def test_an_image_in_the_conversation_stays_until_reset(vlm_dir):
+    from raypack.model.chat import Chat
+
+    chat = Chat.load(vlm_dir, max_new_tokens=4, temperature=0)
+    list(chat.send("What is it?", [str(IMAGE)]))
+    inputs = chat.inputs([*chat.history, {"role": "user", "content": "And now?"}], chat.pictures)
+    assert inputs["image_grid_thw"].shape[0] == 1  # the first message's image, still in the prompt
+    pad = chat.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    merge = chat.images.image_processor.merge_size**2
+    assert (inputs["input_ids"] == pad).sum() == inputs["image_grid_thw"][0].prod() // merge
+    chat.reset()
+    assert chat.pictures == [] and chat.history == []
+
+
+def test_a_bad_image_is_one_line_naming_it(vlm_dir, model_dir, tmp_path, capsys):
+    from raypack.cli import main
+
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"not a png")
+    cases = {
+        (str(vlm_dir), str(tmp_path / "missing.png")): "missing.png' can't be read",
+        (str(vlm_dir), str(broken)): "broken.png' is not a decodable image",
+        (str(model_dir), str(IMAGE)): "--image: LlamaForCausalLM is a text-only model",
+    }
+    for (folder, image), said in cases.items():
+        assert main(["chat", folder, "--image", image, "--prompt", "hi"]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert err[-1].startswith("raypack: error: ") and said in err[-1], err
