@@ -184,8 +184,8 @@ def _mixers_of(config: Any, trust_remote_code: bool) -> tuple[tuple[MixerLayers,
 
     try:
         model = meta_model(config, trust_remote_code)
-    except (ValueError, KeyError):  # not a causal LM transformers builds: sized as a Llama-like decoder
-        return None
+    except Exception:  # no causal LM transformers builds here (a VLM's config, remote code not at
+        return None  # hand): sized as a Llama-like decoder, as before hybrids were known
     found = mixer_layers(model)
     return (found, sum(p.numel() for p in model.parameters())) if found else None
 

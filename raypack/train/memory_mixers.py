@@ -36,7 +36,8 @@ Per layer, for `examples` rows of `longest` tokens (P = longest rounded up to th
   H x p x N, twice (the chunk's state and its decayed sum).
 
 What the CUDA kernels keep instead (flash-linear-attention, mamba-ssm) is not sized here: they run
-the row unpadded and recompute most of this in backward, so this is the larger of the two.
+the row unpadded and recompute most of this in backward, so they should keep less (not measured:
+no GPU run has checked it).
 """
 
 from __future__ import annotations

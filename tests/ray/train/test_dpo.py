@@ -33,7 +33,9 @@ from tests.ray.train.test_trainer import loop_killed_once, trained_ids, with_wor
 
 from paths import REPO
 
-pytestmark = pytest.mark.ray
+# one_thread: the references run here, in the driver, beside the Ray workers (up to 50x slower on
+# two threads on a shared 2-core host); the workers are processes of their own, one CPU each
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("one_thread")]
 
 DPO = DpoConfig(beta=0.2, sft_weight=0.5, label_smoothing=0.1)
 VOCAB = 768

@@ -20,7 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.ray
+# one_thread: the references run here, in the driver, beside the Ray workers (up to 50x slower on
+# two threads on a shared 2-core host); the workers are processes of their own, one CPU each
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("one_thread")]
 
 VOCAB = 97
 # Examples (token lists) per rank per micro-batch: deliberately unequal in count and length.
