@@ -88,10 +88,11 @@ def run(args: argparse.Namespace) -> int:
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
             lengths, ids = _from_config(cfg)
     ranks, split, accum = cfg.train.data_parallel, cfg.train.sequence_parallel, cfg.train.grad_accum
-    rows = []
+    rows, padded = [], None
     for i, name in enumerate(names):
         pack = cfg.pack if name == cfg.pack.strategy else _with_strategy(cfg, name)
         plan = make_plan(lengths, pack, ranks, accum, pairs=pairs)
+        padded = padded or plan.widest_padded()  # the first strategy's: the memory line's
         stats = plan.stats()
         optimizer_steps = plan.num_steps // accum
         stats["optimizer_steps"] = optimizer_steps
@@ -123,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
               f"{r['token_imbalance']:>8.4f}{r['attention_imbalance']:>9.4f}{worst:>15}{r['seconds']:>8.2f}")
     print("imbalance = wall-time overhead: sum over steps of the busiest rank / of the mean rank (1.0 = none)")
     if args.config:
-        line = memory_line(cfg, offline=bool(args.lengths))
+        line = memory_line(cfg, offline=bool(args.lengths), padded=padded)
         if line:
             print(line)
     if args.out:
@@ -136,10 +137,11 @@ def _with_strategy(cfg: Config, name: str):
     return replace(cfg.pack, strategy=name, repack_each_epoch=False)
 
 
-def memory_line(cfg: Config, offline: bool) -> str | None:
+def memory_line(cfg: Config, offline: bool, padded: tuple[int, int] | None = None) -> str | None:
     """"memory per GPU (estimate): ..." for `cfg`'s run. `offline`: only from a model config found
     without the network, and None (no line) where there is none; otherwise a model config that
-    can't be had makes an "n/a" line, never an error (the plan itself doesn't need the model)."""
+    can't be had makes an "n/a" line, never an error (the plan itself doesn't need the model).
+    `padded`: the plan's widest padded batch (Plan.widest_padded), which a hybrid's mixers run."""
     m, prefix = cfg.model, "memory per GPU (estimate): "
     name = _local_model(m.name)
     if name is None and offline:
@@ -148,8 +150,8 @@ def memory_line(cfg: Config, offline: bool) -> str | None:
     from raypack.train.memory import Arch, summary
 
     try:
-        arch = Arch.from_config(model_config(name or m.name, m.trust_remote_code))
-        return prefix + summary(cfg, arch)
+        arch = Arch.from_config(model_config(name or m.name, m.trust_remote_code), m.trust_remote_code)
+        return prefix + summary(cfg, arch, padded)
     except (InputError, ValueError, AttributeError) as e:  # no config, or a shape the arithmetic doesn't know
         return None if offline else f"{prefix}n/a ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
 

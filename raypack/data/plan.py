@@ -98,6 +98,14 @@ class Plan:
         np.maximum.at(out, self.pack, self.end - self.start)
         return out
 
+    def widest_padded(self) -> tuple[int, int]:
+        """(pieces, longest piece) of the pack whose pieces padded to its longest make the largest
+        batch: what a hybrid's mixers run on raypack's torch path (raypack/model/mixers.py)."""
+        counts = np.bincount(self.pack, minlength=self.num_packs)
+        longest = self.pack_max_piece()
+        worst = int(np.argmax(counts * longest)) if len(counts) else 0
+        return (int(counts[worst]), int(longest[worst])) if len(counts) else (0, 0)
+
     def stats(self) -> dict[str, Any]:
         return plan_stats(self)
 

@@ -114,7 +114,9 @@ def make_optimizer(groups: list[dict[str, Any]], cfg: TrainConfig) -> torch.opti
         # foreach on the CPU; its Triton kernel where CUDA and Triton are (optimi's own choice)
         return optimi.AdamW(groups, lr=cfg.lr, betas=BETAS, eps=EPS, weight_decay=cfg.weight_decay, kahan_sum=True,
                             triton=None if torch.cuda.is_available() else False)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=BETAS, eps=EPS, fused=torch.cuda.is_available())
+    # weight_decay: a group that doesn't say takes the config's, not torch's own default of 0.01
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=BETAS, eps=EPS, weight_decay=cfg.weight_decay,
+                             fused=torch.cuda.is_available())
 
 
 def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:

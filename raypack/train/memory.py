@@ -37,6 +37,14 @@ Per rank (= per GPU); P parameters, P_t of them trained, N ranks, T = tokens in 
   its mask (3 B per input feature). `model.tiled_mlp_tokens` keeps the MLP's 8i bytes a token for
   one tile only; `model.offload_checkpoints` moves the layers' inputs (2h x layers a token) to the
   host. With `train.sequence_parallel` N, T is a rank's 1/N of the row.
+- hybrids (Qwen3.5, Nemotron-H, LFM2, ...): a layer whose token mixer is a gated delta rule, Mamba-2
+  or a short convolution (raypack/model/mixers.py) keeps the layer less attention's q, k, v and
+  output, plus what its mixer keeps on the exact torch path (raypack/train/memory_mixers.py): the
+  row's examples as a padded batch, examples x longest tokens, with the scans' fp32 chunk products
+  and the recurrent state at every chunk (heads x k x v for the gated delta rule, heads x head_dim x
+  state for Mamba-2) per example. `raypack plan` sizes it for the plan's widest padded batch
+  (Plan.widest_padded); without a plan, one example of T tokens. Under `selective` the mixer's part
+  is counted whole. Parameters are the model's own count (its structure on the meta device).
 - loss: the logits at their peak, 12 B per element (bf16 logits 2 + fp32 upcast 4 + fp32 gradient
   4 + bf16 gradient 2), over all T tokens (`train.loss: full`) or one chunk (`chunked`), whose fp32
   sum of the head's gradient (4 B x vocab x hidden) is counted too where the head trains (not with
@@ -56,6 +64,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from raypack.config import Config, PeftConfig
+from raypack.train.memory_mixers import MixerLayers, mixer_layers
 
 GB = 1e9
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -109,11 +118,18 @@ class Arch:
     qkv_bias: bool = False
     head_dim: int = 0
     """0: hidden // heads."""
+    mixers: tuple[MixerLayers, ...] = ()
+    """A hybrid's token mixers other than attention (raypack/train/memory_mixers.py), each in
+    place of attention in its layers."""
+    counted_params: int = 0
+    """The model's own parameter count where its structure was read (hybrids); 0: the arithmetic's."""
 
     @classmethod
-    def from_config(cls, config: Any) -> Arch:
-        """From a transformers config (`raypack.model.build.model_config`: no weights needed)."""
+    def from_config(cls, config: Any, trust_remote_code: bool = False) -> Arch:
+        """From a transformers config (`raypack.model.build.model_config`: no weights needed). A
+        hybrid's mixers and parameter count come from its structure on the meta device."""
         c = config.get_text_config() if hasattr(config, "get_text_config") else config
+        hybrid = _mixers_of(config, trust_remote_code)
         heads = c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or 0
         # Qwen2 builds q/k/v with a bias that its config doesn't mention; Llama-likes say attention_bias.
@@ -121,7 +137,8 @@ class Arch:
         return cls(layers=c.num_hidden_layers, hidden=c.hidden_size, inter=c.intermediate_size or 4 * c.hidden_size,
                    heads=heads, kv_heads=getattr(c, "num_key_value_heads", None) or heads, vocab=c.vocab_size,
                    tied=bool(getattr(c, "tie_word_embeddings", False)), qkv_bias=bias,
-                   head_dim=0 if head_dim == c.hidden_size // heads else head_dim)  # fmt: skip
+                   head_dim=0 if head_dim == c.hidden_size // heads else head_dim,
+                   mixers=hybrid[0] if hybrid else (), counted_params=hybrid[1] if hybrid else 0)  # fmt: skip
 
     @property
     def q(self) -> int:
@@ -148,9 +165,29 @@ class Arch:
         return self.linear_params + bias + 2 * self.hidden  # + two RMSNorm weights
 
     @property
+    def mixer_layers(self) -> int:
+        """Layers whose token mixer is one of `mixers`, not attention."""
+        return sum(m.layers for m in self.mixers)
+
+    @property
     def params(self) -> int:
+        if self.counted_params:
+            return self.counted_params
         embed = self.vocab * self.hidden
         return self.layers * self.layer_params + embed * (1 if self.tied else 2) + self.hidden
+
+
+def _mixers_of(config: Any, trust_remote_code: bool) -> tuple[tuple[MixerLayers, ...], int] | None:
+    """(mixers, parameter count) of a hybrid model, read from its structure on the meta device;
+    None where it has no mixers but attention. Only a model transformers builds has mixers to find."""
+    from raypack.model.build import meta_model  # transformers: only where a config is sized
+
+    try:
+        model = meta_model(config, trust_remote_code)
+    except Exception:  # no causal LM transformers builds here (a VLM's config, remote code not at
+        return None  # hand): sized as a Llama-like decoder, as before hybrids were known
+    found = mixer_layers(model)
+    return (found, sum(p.numel() for p in model.parameters())) if found else None
 
 
 def adapted(peft: PeftConfig) -> tuple[str, ...]:
@@ -194,6 +231,8 @@ class Memory:
     trained: int
     checkpointing: str = "full"
     """The model.gradient_checkpointing mode the activations were sized for."""
+    mixers: str = ""
+    """A hybrid's mixer layers and the padded batch they were sized for ("" if none)."""
 
     @property
     def loss(self) -> float:
@@ -215,7 +254,7 @@ class Memory:
         zero = f"ZeRO-{t.zero_stage}" + (" + optimizer offload" if t.offload_optimizer else "")
         return (f"{self.total / scale:.1f} {unit} = {terms}{host} ({mode}: {_count(self.trained)} of {_count(arch.params)} "
                 f"params trained; {zero} over {t.num_workers} rank(s); {t.precision} precision; gradient checkpointing "
-                f"{self.checkpointing}; {_row(cfg, tokens)}; {t.loss} loss; "
+                f"{self.checkpointing}; {_row(cfg, tokens)}; {self.mixers + '; ' if self.mixers else ''}{t.loss} loss; "
                 f"{unit} = 1e{9 if unit == 'GB' else 6} B; ~3-5 GB of CUDA context and buffers not counted)")  # fmt: skip
 
 
@@ -249,12 +288,13 @@ def preset_zero(cfg: Config) -> dict[str, Any]:
 
 def estimate(cfg: Config, arch: Arch, *, tokens: int | None = None, loss: str | None = None,
              chunk: int | None = None, zero: Mapping[str, Any] | None = None,
-             checkpointing: str | None = None) -> Memory:
+             checkpointing: str | None = None, padded: tuple[int, int] | None = None) -> Memory:
     """Bytes per GPU of a run of `cfg` on a model of shape `arch`: `tokens` per micro-batch (default
     a rank's share of pack.budget), `loss` full or chunked (default train.loss) in chunks of `chunk` tokens (default
     the loss's own), `zero` the preset's ZeRO section (default read from train.deepspeed_preset),
     `checkpointing` one of CHECKPOINTING (default model.gradient_checkpointing; `auto` must be resolved
-    first, by choose_checkpointing)."""
+    first, by choose_checkpointing), `padded` the (examples, longest example) of the row a hybrid's
+    mixers run as a padded batch (default one example of all the tokens: no padding)."""
     t, peft = cfg.train, cfg.model.peft
     mode = checkpointing or cfg.model.gradient_checkpointing
     if mode not in CHECKPOINTING:
@@ -293,14 +333,25 @@ def estimate(cfg: Config, arch: Arch, *, tokens: int | None = None, loss: str | 
     # model.tiled_mlp_tokens: the MLP's gate/up/act/product exist for one tile at a time
     tile = min(m.tiled_mlp_tokens or tokens, tokens)
     layer = tokens * per_layer - (tokens - tile) * 8 * arch.inter
+    # A hybrid's mixer layers (memory_mixers.py): the layer less attention's q, k, v and output
+    # (and, kept by selective, its matmul outputs and log-sum-exp), plus what the mixer keeps over
+    # its padded batch. Selective keeps the mixers' matmul outputs, most of what their scans keep:
+    # counted whole.
+    examples, longest = padded or (1, tokens)
+    mixed = sum(x.activations(examples, longest, tokens) for x in arch.mixers)
+    n_mixed, n_attention = arch.mixer_layers, arch.layers - arch.mixer_layers
+    biggest = max((x.activations(examples, longest, tokens) / x.layers for x in arch.mixers), default=0.0)
+    attention = tokens * (4 * h + 4 * kv)
+    largest = max(layer, layer - attention + biggest) if arch.mixers else layer  # the layer recomputed
     if mode == "full":
         saved = tokens * 2 * arch.hidden * arch.layers  # each layer's input, kept for backward
-        activations = 2 * layer + (0 if m.offload_checkpoints else saved)
+        activations = 2 * largest + (0 if m.offload_checkpoints else saved)
         host += saved if m.offload_checkpoints else 0.0
     elif mode == "selective":
-        activations = 2 * layer + tokens * kept * arch.layers
+        kept_attention = 2 * (q + 2 * kv + h) + 2 * q + 4 * arch.heads
+        activations = 2 * largest + tokens * (kept * n_attention + (kept - kept_attention) * n_mixed) + mixed
     else:
-        activations = layer * arch.layers
+        activations = layer * arch.layers - attention * n_mixed + mixed
 
     kind = loss or t.loss
     if kind == "full":
@@ -309,8 +360,10 @@ def estimate(cfg: Config, arch: Arch, *, tokens: int | None = None, loss: str | 
         logits = LOGIT_BYTES * min(chunk or chunk_tokens(cfg, arch.vocab), tokens) * arch.vocab
         # With adapters the head is frozen: the chunked loss refuses one an adapter reaches.
         head_sum = 0.0 if peft.enabled else 4 * arch.vocab * arch.hidden
+    told = ", ".join(f"{x.layers} {x.kind}" for x in arch.mixers)
+    told = f"{told} layer(s) on the torch path over {examples} example(s) x {longest} tokens" if told else ""
     return Memory(weights=weights, grads=grads, optimizer=optimizer, activations=activations, logits=logits,
-                  head_sum=head_sum, host=host, trained=trained, checkpointing=mode)  # fmt: skip
+                  head_sum=head_sum, host=host, trained=trained, checkpointing=mode, mixers=told)  # fmt: skip
 
 
 def usable_bytes(capacity: float, device_type: str) -> float:
@@ -319,7 +372,7 @@ def usable_bytes(capacity: float, device_type: str) -> float:
 
 
 def choose_checkpointing(cfg: Config, arch: Arch, capacity: float, device_type: str = "cuda",
-                         selective: bool = True) -> tuple[str, str]:
+                         selective: bool = True, padded: tuple[int, int] | None = None) -> tuple[str, str]:
     """model.gradient_checkpointing as a worker with `capacity` bytes of device memory runs it:
     the configured mode, or for `auto` the fastest of CHECKPOINTING whose estimate fits
     `usable_bytes` (full where none does: the smallest, and the run may still fit). Returns the
@@ -331,7 +384,7 @@ def choose_checkpointing(cfg: Config, arch: Arch, capacity: float, device_type: 
     selective = selective and not (m.tiled_mlp_tokens or cfg.train.zero_stage == 3)
     modes = [c for c in CHECKPOINTING if selective or c != "selective"]
     usable, unit = usable_bytes(capacity, device_type), GB
-    sizes = {c: estimate(cfg, arch, checkpointing=c).total for c in modes}
+    sizes = {c: estimate(cfg, arch, checkpointing=c, padded=padded).total for c in modes}
     fits = [c for c in modes if sizes[c] <= usable]
     chosen = fits[0] if fits else "full"
     told = ", ".join(f"{c} {sizes[c] / unit:.1f} GB" for c in modes)
@@ -343,12 +396,12 @@ def choose_checkpointing(cfg: Config, arch: Arch, capacity: float, device_type: 
     return chosen, why
 
 
-def summary(cfg: Config, arch: Arch) -> str:
-    """`Memory.line` of cfg's run; under `auto`, which the worker's device decides, every mode's total
-    first, then full's line."""
+def summary(cfg: Config, arch: Arch, padded: tuple[int, int] | None = None) -> str:
+    """`Memory.line` of cfg's run (a hybrid's mixers sized for `padded`, as `estimate`); under
+    `auto`, which the worker's device decides, every mode's total first, then full's line."""
     if cfg.model.gradient_checkpointing != "auto":
-        return estimate(cfg, arch).line(cfg, arch)
-    sizes = {c: estimate(cfg, arch, checkpointing=c) for c in CHECKPOINTING}
+        return estimate(cfg, arch, padded=padded).line(cfg, arch)
+    sizes = {c: estimate(cfg, arch, checkpointing=c, padded=padded) for c in CHECKPOINTING}
     unit, scale = ("GB", GB) if sizes["full"].total >= 0.1 * GB else ("MB", 1e6)
     told = ", ".join(f"{c} {m.total / scale:.1f} {unit}" for c, m in sizes.items())
     return (f"{told} by gradient checkpointing mode (auto: each worker takes the fastest that fits its device); "
@@ -378,7 +431,7 @@ def resolve_checkpointing(cfg: Config, device_type: str, ranks_here: int = 1) ->
     if m.gradient_checkpointing != "auto":
         return m.gradient_checkpointing, "as configured"
     try:
-        arch = Arch.from_config(config)
+        arch = Arch.from_config(config, m.trust_remote_code)
         return choose_checkpointing(cfg, arch, device_bytes(device_type, ranks_here), device_type, selective)
     except (AttributeError, TypeError, ValueError) as e:  # a config without a Llama-like shape
         return "full", f"the memory estimate can't size this model ({e}); full needs least"

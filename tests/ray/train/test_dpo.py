@@ -3,7 +3,8 @@
 - One optimizer step of 2 ranks x 2 micro-batches of packed pairs (unequal pair counts) under
   ZeRO 0, 1, 2 (with gradient checkpointing) and 3 (Gemma 2: a tied, softcapped head whose
   weight is partitioned outside its module's forward), and LoRA under ZeRO-2 and ZeRO-3 with
-  the reference taken on the fly (the base, adapters off): the loss and every gradient equal
+  the reference taken on the fly (the base, adapters off), on Llama, Gemma 2 and two hybrids
+  (Qwen3.5 with full recompute, Nemotron-H with selective): the loss and every gradient equal
   the same pairs run one at a time through the model's own eager attention, the loss written
   from its formula (the mean over the step's pairs, with the NLL term and label smoothing).
 - `raypack train` on the DPO quickstart with a worker killed mid-run and then resumed: every
@@ -32,7 +33,9 @@ from tests.ray.train.test_trainer import loop_killed_once, trained_ids, with_wor
 
 from paths import REPO
 
-pytestmark = pytest.mark.ray
+# one_thread: the references run here, in the driver, beside the Ray workers (up to 50x slower on
+# two threads on a shared 2-core host); the workers are processes of their own, one CPU each
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("one_thread")]
 
 DPO = DpoConfig(beta=0.2, sft_weight=0.5, label_smoothing=0.1)
 VOCAB = 768
@@ -44,6 +47,10 @@ CASES = {  # zero stage, tiny family, config overrides, what else
     "zero2-lora-on-the-fly": (2, "llama", {}, {"lora": True}),
     "zero3-lora-checkpointing-on-the-fly": (3, "gemma2", {"final_logit_softcapping": 0.5},
                                             {"lora": True, "gradient_checkpointing": True}),
+    # hybrids (raypack/model/mixers.py): a gated delta rule and Mamba-2 beside attention
+    "zero3-lora-checkpointing-on-the-fly-qwen3_5": (3, "qwen3_5", {}, {"lora": True, "gradient_checkpointing": "full"}),
+    "zero2-lora-selective-on-the-fly-nemotron_h": (2, "nemotron_h", {},
+                                                   {"lora": True, "gradient_checkpointing": "selective"}),
 }
 """One fit runs them all, an engine each: a Ray Train run costs ~30 s here."""
 

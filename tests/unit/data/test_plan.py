@@ -91,3 +91,16 @@ def test_fold_accumulation_gives_each_rank_accum_microsteps_per_virtual_step():
     cells = set(zip(plan.rank.tolist(), plan.step.tolist()))
     assert len(cells) == len(set(plan.pack.tolist()))  # still one pack per (rank, step)
     assert max(plan.step) < plan.num_steps and set(plan.rank.tolist()) <= {0, 1}
+
+
+def test_widest_padded_is_the_pack_whose_pieces_padded_make_the_largest_batch():
+    """What a hybrid's mixers run on the torch path (raypack/train/memory.py sizes it): over every
+    pack, the most pieces x longest piece, read back from the plan's own table."""
+    lengths = sample_lengths("flan", 500, seed=3, max_length=512)
+    plan = make_plan(lengths, PackConfig(strategy="bfd", budget=512), 2)
+    table = plan.to_table().to_pandas()
+    table["n"] = table["end"] - table["start"]
+    per_pack = table.groupby("pack")["n"].agg(["count", "max"])
+    widest = (per_pack["count"] * per_pack["max"]).max()
+    examples, longest = plan.widest_padded()
+    assert examples * longest == widest and examples > 1 and longest <= 512

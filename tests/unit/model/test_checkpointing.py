@@ -72,7 +72,7 @@ def test_a_write_into_a_kept_output_really_breaks_selective():
     assert max(packed_vs_alone(model, ref).values()) > 1e-2
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_moe", "qwen3_5", "nemotron_h", "lfm2"])
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_checkpointing_with_lora_is_exact(family, mode):
     lora = PeftConfig(method="lora", r=4, alpha=8)

@@ -1,0 +1,122 @@
+"""What a hybrid model's token mixers (raypack/model/mixers.py) keep for backward, for the memory
+estimate (raypack/train/memory.py): the gated delta rule, Mamba-2 and the short convolution on
+the exact torch path, per layer. Arithmetic over the mixer's shape, read from the model's structure
+on the meta device (no weights), as mixers.find recognizes it.
+
+The torch path runs a packed row's examples as the rows of a right-padded batch (mixers.py):
+
+    row     [a a a a a a | b b | c c c]           9 tokens: what attention and the MLP keep
+    mixer   [a a a a a a]                          3 examples x longest 6 = 18 tokens, and the
+            [b b . . . .]                          scans pad each row up to their chunk (64):
+            [c c c . . .]                          3 x 64 here
+
+Per layer, for `examples` rows of `longest` tokens (P = longest rounded up to the chunk):
+
+- per token of the padded batch, `token_bytes`: what transformers' torch fallbacks save, counted
+  from their code and checked against what autograd saves on the tiny models
+  (tests/unit/train/test_memory_mixers.py). Inputs and projections in bf16, the scans in fp32 (as
+  transformers computes them):
+    gated delta rule (value heads Hv, key heads Hk, dims dk dv, chunk C, conv channels D = 2Hk dk + Hv dv):
+        5 fp32 C x C products a head (the decay matrix, k·k and q·k, the triangular system, the
+        intra-chunk attention) 20 Hv C; fp32 copies of q, k and their normed, decayed and solved
+        forms (8 Hv dk) and of v, the solved values, the gated norm (6 Hv dv), 4 B each; bf16 the
+        convolution's input and output (2D), the layer's input (h) and z, the norm's input and output
+        (3 Hv dv), 2 B each; gates and decays 40 Hv
+    Mamba-2 (heads H, head dim p, state N, chunk C, conv channels D, in_proj width W):
+        3 fp32 C x C products a head (segment sums and their decays) 12 H C; fp32 x and the
+        gated norm's copies (10 H p) and B, C broadcast to the heads (5 H N), 4 B each; bf16 the
+        projection (W), the convolution's input (D), the layer's input (h) and out_proj's (H p);
+        gates 28 H
+    short convolution (width h): bf16 the layer's input, B, C, x, B*x, the convolution's output
+        and out_proj's input: 14 h
+- per token of the row, `row_bytes`: its input (2h) and index (8) moving into and out of the
+  padded batch.
+- per example, `chunk_state_bytes` for every chunk: the fp32 recurrent state the scan carries
+  into it, kept for its backward (the "state in flight"): gated delta rule Hv x dk x dv; Mamba-2
+  H x p x N, twice (the chunk's state and its decayed sum).
+
+What the CUDA kernels keep instead (flash-linear-attention, mamba-ssm) is not sized here: they run
+the row unpadded and recompute most of this in backward, so they should keep less (not measured:
+no GPU run has checked it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the estimate's module imports this one; torch only where a model is read
+    from torch import nn
+
+TORCH_CHUNK = 64
+"""transformers' torch gated delta rule scans in chunks of 64 tokens (its chunk_size default)."""
+
+
+@dataclass(frozen=True)
+class MixerLayers:
+    """One kind of mixer in a model: its layers, parameters and what each keeps for backward."""
+
+    kind: str
+    """mixers.MixerKind.name."""
+    layers: int
+    params: int
+    """Parameters of all its layers' mixers."""
+    token_bytes: float
+    """Per token of the padded batch, per layer."""
+    chunk_state_bytes: float
+    """Per example per chunk, per layer (0: no recurrent state)."""
+    chunk: int
+    """The scan's chunk in tokens (1: none, a convolution)."""
+    row_bytes: float
+    """Per token of the packed row, per layer: what moving it into the padded batch and back keeps
+    (the row's bf16 input and the int64 index of its places, mixers._places)."""
+
+    def activations(self, examples: int, longest: int, tokens: int) -> float:
+        """Bytes all its layers keep for a row of `tokens` tokens: `examples` examples, the longest
+        `longest` tokens."""
+        chunks = -(-longest // self.chunk)
+        padded = examples * chunks * self.chunk
+        return self.layers * (padded * self.token_bytes + examples * chunks * self.chunk_state_bytes
+                              + tokens * self.row_bytes)  # fmt: skip
+
+
+def _gated_delta(m: nn.Module) -> tuple[float, float, int]:
+    hv, dk = m.A_log.numel(), m.head_k_dim
+    dv = m.out_proj.in_features // hv
+    conv, h, c = m.conv1d.out_channels, m.out_proj.out_features, TORCH_CHUNK
+    token = 20 * hv * c + 4 * (8 * hv * dk + 6 * hv * dv) + 2 * (2 * conv + h + 3 * hv * dv) + 40 * hv
+    return token, 4 * hv * dk * dv, c
+
+
+def _mamba2(m: nn.Module) -> tuple[float, float, int]:
+    heads, n, c = m.A_log.numel(), m.ssm_state_size, m.chunk_size
+    inner = m.out_proj.in_features  # heads x head dim
+    conv, width, h = m.conv1d.out_channels, m.in_proj.out_features, m.out_proj.out_features
+    token = 12 * heads * c + 4 * (10 * inner + 5 * heads * n) + 2 * (width + conv + h + inner) + 28 * heads
+    return token, 2 * 4 * inner * n, c
+
+
+def _short_conv(m: nn.Module) -> tuple[float, float, int]:
+    h = m.out_proj.out_features
+    return 14 * h, 0.0, 1
+
+
+SIZES = {"gated delta rule": _gated_delta, "Mamba-2": _mamba2, "short convolution": _short_conv}
+"""mixers.KINDS by name -> (token_bytes, chunk_state_bytes, chunk) of one such module."""
+
+
+def mixer_layers(model: nn.Module) -> tuple[MixerLayers, ...]:
+    """The known mixers of `model` (a meta-device model will do), by kind."""
+    from raypack.model import mixers
+
+    found: dict[str, list[nn.Module]] = {}
+    modules = dict(model.named_modules())
+    for name, kind in mixers.find(model).items():
+        found.setdefault(kind.name, []).append(modules[name])
+    out = []
+    for kind, ms in found.items():
+        token, state, chunk = SIZES[kind](ms[0])  # a model's layers of one kind share a shape
+        params = sum(p.numel() for m in ms for p in m.parameters())
+        row = 2 * ms[0].out_proj.out_features + 8
+        out.append(MixerLayers(kind, len(ms), params, float(token), float(state), chunk, float(row)))
+    return tuple(out)
