@@ -62,8 +62,15 @@ def hide_kernels_on_cpu(device: str) -> str:
     fla's Triton kernels whenever fla imports, and Triton has no CPU driver). Says what it did."""
     if device != "cpu" or "fla" in sys.modules or importlib.util.find_spec("fla") is None:
         return ""
+    from importlib.metadata import PackageNotFoundError, packages_distributions, version
+
+    try:
+        dist = packages_distributions().get("fla", ["fla-core"])[0]
+        found = f"{dist} {version(dist)}"
+    except PackageNotFoundError:
+        found = "a package"
     sys.modules["fla"] = None  # import fla raises ImportError; find_spec answers None
-    return "fla is installed but hidden on the CPU (its Triton kernels need a GPU)"
+    return f"fla ({found}) is installed but hidden on the CPU, so `fla not installed` above (its Triton kernels need a GPU)"
 
 
 def implementation(fn):
