@@ -27,11 +27,13 @@ NO_RAY = {  # script -> what its results file must show
     # gpu-check's hybrid and vlm steps (issues 42, 44): exact in fp32 and bf16, a control the check
     # catches, both modes timed, and which path the mixers took (main returns 1 on a failed check)
     "hybrid_throughput.py": ["| fp32 | float32 | sdpa_varlen |", "| bf16 | bfloat16 | auto |",
+                             "| noise | float32 vs bfloat16 | sdpa_varlen |",
                              "| control | float32 | sdpa_varlen |", "exceeds the bound: the check can fail",
                              "Mixer path on cpu: 1 gated delta rule layer (exact torch path",
                              "torch_chunk_gated_delta_rule -> transformers' torch reference", "| packed |", "| padded |",
                              "tokens/s packed / padded"],
     "vlm_throughput.py": ["| fp32 | float32 | sdpa_varlen |", "| bf16 | bfloat16 | auto |", "| control | float32 |",
+                          "| noise | float32 vs bfloat16 |",
                           "exceeds the bound: the check can fail", "the bundled sample (raypack/assets/vision_sample)",
                           "| packed |", "| padded |", "tokens/s packed / padded"],
     "fail_fast.py": ["| unknown pack.strategy | this checkout |", "| 2 | 1 | no |", "| train.lr=inf | this checkout |"],
