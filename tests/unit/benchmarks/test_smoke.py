@@ -125,7 +125,7 @@ def test_gpu_benchmarks_refuse_the_cpu_without_smoke():
 
     if torch.cuda.is_available():
         pytest.skip("has a GPU")
-    for script in ("loss_memory.py", "attention_throughput.py", "lora_throughput.py"):
+    for script in ("loss_memory.py", "attention_throughput.py", "lora_throughput.py", "hybrid_throughput.py", "vlm_throughput.py"):
         assert load(script).main([]) == 2
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "tools/bench_gpu.py"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
