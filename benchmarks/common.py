@@ -190,3 +190,39 @@ def cpu_header(title: str, script: str, argv: list[str] | None, smoke: bool, sta
 def smoke_banner(smoke: bool) -> list[str]:
     return ["**--smoke run: a tiny model or a few examples on the CPU, to prove the script works; these numbers "
             "are not results.**", ""] if smoke else []
+
+
+EXACT_BOUNDS = {
+    "bfloat16": (2e-2, 5e-2),
+    "float32": (1e-4, 1e-4),
+    "tf32": (2.5e-3, 6.25e-3),
+}
+"""Packed against each example alone on CUDA, relative (tests/exactness.py's measure): (logits and
+loss, every gradient). bfloat16 and float32 are tests/gpu/model/test_attention.py's bounds: bf16's
+unit roundoff is 2^-8 (3.9e-3), and the packed and the alone runs take other kernels and reduction
+orders, so values differ by a few ulps after a few layers and gradients, summed over ~1000
+tokens, by more; fp32 differs only in reduction order (torch uses no TF32 in matmuls unless
+asked). `tf32`: fp32 where a Triton kernel takes its matmul inputs as TF32 (flash-linear-
+attention's, whose tl.dot keeps its default precision): the bf16 bounds scaled by TF32's unit
+roundoff over bf16's (2^-11 / 2^-8 = 1/8), since inputs that differ in their last fp32 bits
+between the two runs can round to neighbouring TF32 values. The hybrid and vlm benchmarks widen
+the bf16 bound to twice bf16's own rounding of the examples alone where they measure it larger."""
+
+
+def timed_steps(step, batches: list, warmup: int, device: str) -> dict:
+    """`step(batch)` on every batch, the first `warmup` untimed (compilation, autotuning, the
+    allocator's first growth). Returns the seconds of the rest (CUDA synchronized), the peak GiB
+    allocated over them (CUDA; nan elsewhere) and every step's return value."""
+    import torch
+
+    cuda = device == "cuda"
+    values = [step(b) for b in batches[:warmup]]
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    values += [step(b) for b in batches[warmup:]]
+    if cuda:
+        torch.cuda.synchronize()
+    return {"seconds": time.perf_counter() - start, "values": values,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")}

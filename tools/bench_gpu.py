@@ -18,13 +18,17 @@ each requirement in requirements.json against what is installed and prints any t
     2. peers             benchmarks/peers.py: raypack against TRL, a row per configuration as it ends
     3. profile           benchmarks/step_profile.py: where a train step's time goes
     4. profile_compiled  the same with train.compile
+    5. hybrid            benchmarks/hybrid_throughput.py: a Qwen3.5-shaped hybrid exact on CUDA, packed over padded
+    6. vlm               benchmarks/vlm_throughput.py: a Qwen2.5-VL-shaped model the same, images and text
     -- as time allows --
-    5. train             benchmarks/train_throughput.py (ZeRO-2)
-    6. loss              benchmarks/loss_memory.py
-    7. attention         benchmarks/attention_throughput.py
-    8. lora              benchmarks/lora_throughput.py
-    9. long              benchmarks/long_context.py
-   10. gpu_tests_more    pytest -m "gpu and slow": the other Liger families and the DeepSeek diagnostic
+    7. syncs             benchmarks/step_syncs.py
+    8. train             benchmarks/train_throughput.py (ZeRO-2)
+    9. loss              benchmarks/loss_memory.py
+   10. attention         benchmarks/attention_throughput.py
+   11. lora              benchmarks/lora_throughput.py
+   12. moe               benchmarks/router_loss.py
+   13. long              benchmarks/long_context.py
+   14. gpu_tests_more    pytest -m "gpu and slow": the other Liger families and the DeepSeek diagnostic
 
 Each step runs in its own process group under its own time limit: its cap, cut so that the steps
 before the line keep at least their min_s; a step after the line starts only with its min_s left.
@@ -98,6 +102,13 @@ STEPS = [
     Step("profile", "step_profile", ["benchmarks/step_profile.py"], cap_s=60, min_s=30, smoke_args=["--smoke"]),
     Step("profile_compiled", "step_profile_compiled", ["benchmarks/step_profile.py", "--compile"], cap_s=75,
          min_s=30, smoke_args=["--smoke"]),
+    # Issues 42 and 44, not yet run on a GPU: exactness on CUDA (fp32, bf16, and a control that must
+    # fail) then tokens/s packed over padded, each results file written after the exactness part.
+    # Required, so that a 9-minute run reaches them: they reserve 80 s that peers could otherwise
+    # use. hybrid: the mixers' path is in its results (fla's kernels travel in .whl, causal-conv1d's
+    # and mamba-ssm's can't: tools/gpu_wheels.py); fla's Triton kernels compile in its warm-up.
+    Step("hybrid", "hybrid", ["benchmarks/hybrid_throughput.py"], cap_s=150, min_s=40, smoke_args=["--smoke"]),
+    Step("vlm", "vlm", ["benchmarks/vlm_throughput.py"], cap_s=90, min_s=40, smoke_args=["--smoke"]),
     # What a step waits for before and after issue 35's lean step, with both sides' tokens/s and
     # torch's sync debug mode: two ~1.2B ZeRO-2 engines, 13 steps of 16k tokens each (not yet run
     # on a GPU; ~1 min expected).

@@ -9,7 +9,7 @@ Run it with the venv `make setup` built (it holds exactly the lock, constraints.
 this reads). How the set is worked out:
 
 1. Roots: pyproject.toml's dependencies (Ray's `default` extra among them) with the `bench`, `peft`
-   and `liger` extras, and pytest (the GPU tests).
+   and `liger` extras, pytest (the GPU tests), and the hybrid kernels that fit (KERNELS).
 2. Their closure at the lock's versions, evaluated for CPython 3.12 on Linux x86_64. A package
    outside the lock (liger-kernel: its Triton is 1 GB, so the CPU lock leaves it out) is taken at
    the newest version its range allows.
@@ -57,6 +57,16 @@ CACHE = REPO / ".cache" / "gpu-wheels"
 EXTRAS = ("bench", "peft", "liger")
 KIT_TOOLS = ("pytest>=8",)
 """What the kit itself runs beside raypack's own requirements."""
+KERNELS = ("fla-core>=0.6,<0.7",)
+"""The hybrid mixers' CUDA kernels that fit the kit (`make gpu-check`'s hybrid step): fla-core is
+flash-linear-attention's ops and modules, the part transformers calls (fla.ops.gated_delta_rule),
+pure Python and Triton, 1.0 MiB; the flash-linear-attention package adds only its own model
+classes (0.4 MiB). Not carried: causal-conv1d and mamba-ssm, which publish no wheel on the
+package index, only sdists of CUDA code (causal-conv1d 1.7.0: 30 kB) whose setup either fetches a
+prebuilt wheel from the project's GitHub releases (outside the package index, unreachable from the
+GPU machine and from here) or compiles the kernels with nvcc, minutes of the GPU machine's time.
+Without causal-conv1d raypack's gated delta rule takes its exact torch path on CUDA, in which
+transformers still calls fla's chunked kernel, on the examples as a padded batch."""
 TARGET = {"python_version": "3.12", "python_full_version": "3.12.3", "implementation_name": "cpython",
           "implementation_version": "3.12.3", "platform_python_implementation": "CPython", "sys_platform": "linux",
           "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix", "platform_release": "",
@@ -105,7 +115,7 @@ def roots() -> list[Requirement]:
     reqs = list(project["dependencies"])
     for extra in EXTRAS:
         reqs += project["optional-dependencies"][extra]
-    return [Requirement(r) for r in [*reqs, *KIT_TOOLS]]
+    return [Requirement(r) for r in [*reqs, *KIT_TOOLS, *KERNELS]]
 
 
 def applies(req: Requirement, extras: set[str]) -> bool:

@@ -24,6 +24,18 @@ NO_RAY = {  # script -> what its results file must show
     # each case refused before Ray starts: exit code 2, Ray not started
     # both hybrid families of the smoke run, measured before and after
     "hybrid_exactness.py": ["| lfm2 | Lfm2Config | short convolution |", "| nemotron_h | NemotronHConfig | Mamba-2 |"],
+    # gpu-check's hybrid and vlm steps (issues 42, 44): exact in fp32 and bf16, a control the check
+    # catches, both modes timed, and which path the mixers took (main returns 1 on a failed check)
+    "hybrid_throughput.py": ["| fp32 | float32 | sdpa_varlen |", "| bf16 | bfloat16 | auto |",
+                             "| noise | float32 vs bfloat16 | sdpa_varlen |",
+                             "| control | float32 | sdpa_varlen |", "exceeds the bound: the check can fail",
+                             "Mixer path on cpu: 1 gated delta rule layer (exact torch path",
+                             "torch_chunk_gated_delta_rule -> transformers' torch reference", "| packed |", "| padded |",
+                             "tokens/s packed / padded"],
+    "vlm_throughput.py": ["| fp32 | float32 | sdpa_varlen |", "| bf16 | bfloat16 | auto |", "| control | float32 |",
+                          "| noise | float32 vs bfloat16 |",
+                          "exceeds the bound: the check can fail", "the bundled sample (raypack/assets/vision_sample)",
+                          "| packed |", "| padded |", "tokens/s packed / padded"],
     "fail_fast.py": ["| unknown pack.strategy | this checkout |", "| 2 | 1 | no |", "| train.lr=inf | this checkout |"],
     "loss_memory.py": ["| activations kept | chunked |", "| gradient checkpointing | full |"],
     # both sides, both settings, and LoRA's frozen base checked bit for bit before timing and after
@@ -101,6 +113,9 @@ def test_gpu_check_budget_keeps_time_for_every_required_step():
     assert STEPS[: len(required)] == required, "a step that runs as time allows comes before a required one"
     assert [s.name for s in required[:2]] == ["gpu_tests", "peers"], "exactness first, then raypack against TRL"
     assert 60 + sum(s.min_s for s in required) <= BUDGET <= 9 * 60
+    # the hybrid and vision-language checks (issues 42, 44) run in every GPU run, after the comparison and profiles
+    names = [s.name for s in required]
+    assert names.index("hybrid") > max(names.index(n) for n in PEERS) and "vlm" in names
     assert set(PEERS) <= {s.name for s in STEPS} and {"peers", "profile"} <= {s.name for s in required}
 
 
@@ -110,7 +125,7 @@ def test_gpu_benchmarks_refuse_the_cpu_without_smoke():
 
     if torch.cuda.is_available():
         pytest.skip("has a GPU")
-    for script in ("loss_memory.py", "attention_throughput.py", "lora_throughput.py"):
+    for script in ("loss_memory.py", "attention_throughput.py", "lora_throughput.py", "hybrid_throughput.py", "vlm_throughput.py"):
         assert load(script).main([]) == 2
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "tools/bench_gpu.py"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)

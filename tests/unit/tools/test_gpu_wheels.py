@@ -90,3 +90,14 @@ def test_requirements_the_image_must_meet_are_checked_on_the_machine(tmp_path, i
     assert [line.split()[0] for line in lines] == unmet
     if unmet:
         assert f"raypack needs {wanted}" in lines[0]
+
+
+def test_the_hybrid_kernels_that_fit_travel_as_roots():
+    """fla-core (flash-linear-attention's ops: the gated delta rule's Triton kernels, pure Python)
+    is a root of the kit beside raypack's own requirements, which don't name it."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert {Requirement(k).name for k in gpu_wheels.KERNELS} == {"fla-core"}
+    assert "fla-core" in {r.name for r in gpu_wheels.roots()}
+    assert not any(Requirement(r).name == "fla-core" for r in project["dependencies"])
