@@ -187,11 +187,12 @@ def check_model(
     if MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None) is None and not getattr(config, "auto_map", None):
         raise UnsupportedModelError(f"model.name {name!r}: {type(config).__name__} is not a causal language model here"
                                     f"{vision.training_refusal(config)}")  # fmt: skip
+    model = meta_model(config, trust_remote_code)
+    mixers.refuse_gpu_only_kernels(model, name, device_type)  # padded or packed: transformers' own call
     if not packed:
         return
     backends = () if attention in ("sdpa", "eager") else attn.candidate_backends(attention, device_type)
-    check_packable(meta_model(config, trust_remote_code), name, backends, max_row_tokens=max_row_tokens, split=split,
-                   compiled=compiled)
+    check_packable(model, name, backends, max_row_tokens=max_row_tokens, split=split, compiled=compiled)
 
 
 def meta_model(config: PretrainedConfig, trust_remote_code: bool = False):
@@ -257,6 +258,7 @@ def load_model(
         model = AutoModelForCausalLM.from_config(config, **common)
     if late:
         model.config._attn_implementation = impl  # sets the sub-configs' too; layers read it per call
+    mixers.refuse_gpu_only_kernels(model, name, _device_type())
     if packed and zero3:
         check_packable(model, name, attn.candidate_backends(attention, _device_type()))
     if packed:

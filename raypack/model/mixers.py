@@ -137,6 +137,27 @@ _PACKAGES = {name: importlib.util.find_spec(name) is not None for kind in KINDS 
 """Looked up once, as transformers resolves its kernels once, at import."""
 
 
+GPU_ONLY = {"fla": "flash-linear-attention (fla)"}
+"""Packages whose kernels transformers binds at import and then calls whatever the device, and
+which run only on a GPU (fla's are Triton kernels: on the CPU, "0 active drivers")."""
+
+
+def refuse_gpu_only_kernels(model: nn.Module, name: str, device_type: str) -> None:
+    """An UnsupportedModelError for a model whose mixers would call a GPU-only kernel on the CPU:
+    transformers' layer takes fla's kernel once fla imports, packed or padded, on any device."""
+    if device_type == "cuda":
+        return
+    found = find(model)
+    here = sorted({GPU_ONLY[p] for kind in found.values() for p in kind.packages if p in GPU_ONLY and _PACKAGES[p]})
+    if here:
+        kinds = ", ".join(sorted({kind.name for kind in found.values()}))
+        raise UnsupportedModelError(
+            f"{name}: its {kinds} layers would run on the CPU, and {', '.join(here)} is installed here: transformers "
+            "then calls its Triton kernels whatever the device, and they need a GPU. Run on CUDA (train.use_gpu=true), "
+            "or uninstall it for CPU runs (pip uninstall fla-core flash-linear-attention)"
+        )
+
+
 def path(kind: MixerKind, device_type: str) -> str:
     """`kernels` where `kind`'s CUDA kernels run here, else `torch`."""
     return "kernels" if device_type == "cuda" and all(_PACKAGES[p] for p in kind.packages) else "torch"

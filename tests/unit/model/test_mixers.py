@@ -169,3 +169,21 @@ def test_boundaries_come_from_the_host_copy_the_step_kept():
     moved = torch.empty(4, dtype=torch.int32, device="meta")
     keep_host_copy(moved, host)
     assert mixers._segments(moved, 8) == [4, 3, 1]
+
+
+def test_a_gpu_only_kernel_package_on_a_cpu_run_is_refused_before_training(monkeypatch):
+    """transformers binds Qwen3.5's gated delta rule to fla's Triton kernels once fla imports, on
+    any device; on the CPU they fail mid-forward ("0 active drivers"). Refused up front instead,
+    packed or padded; on CUDA, and without fla, the same model is accepted."""
+    from raypack.model.build import check_model
+
+    config = FAMILIES["qwen3_5"].build_config("qwen3_5")
+    monkeypatch.setitem(mixers._PACKAGES, "fla", True)
+    for packed in (True, False):
+        with pytest.raises(UnsupportedModelError, match=r"my-qwen: its gated delta rule layers would run on the CPU, "
+                                                        r"and flash-linear-attention \(fla\) is installed"):
+            check_model(config, device_type="cpu", name="my-qwen", packed=packed)
+    check_model(config, device_type="cuda", name="my-qwen")
+    check_model(FAMILIES["nemotron_h"].build_config("nemotron_h"), device_type="cpu")  # Mamba-2: no fla
+    monkeypatch.setitem(mixers._PACKAGES, "fla", False)
+    check_model(config, device_type="cpu", name="my-qwen")
