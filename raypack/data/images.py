@@ -34,6 +34,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -126,6 +127,8 @@ def read_image_bytes(source: str, base_dir: str | Path | None, where: str) -> by
             filesystem, path = fs.FileSystem.from_uri(source)
             with filesystem.open_input_file(path) as f:
                 return f.read()
+        if base_dir is not None and "://" in str(base_dir) and not source.startswith("/"):
+            return read_image_bytes(f"{str(base_dir).rstrip('/')}/{source}", None, where)  # beside a data URI
         path = Path(source)
         if not path.is_absolute() and base_dir is not None:
             path = Path(base_dir) / path
@@ -149,6 +152,31 @@ def decode_image(data: bytes, source: str, where: str):
     except (UnidentifiedImageError, OSError, ValueError) as e:
         short = source if len(source) < 80 else source[:60] + "..."
         raise ImageError(f"{where}: image {short!r} is not a decodable image: {e}") from None
+
+
+def has_images(record: Any) -> bool:
+    """Whether a chat record carries images, in either layout: what makes it a `vision` row."""
+    if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
+        return False
+    if record.get("images"):
+        return True
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list)
+               and any(isinstance(p, dict) and p.get("type") == "image" for p in m["content"])
+               for m in record["messages"])  # fmt: skip
+
+
+def read_record(record: dict[str, Any], base_dir: str | None, where: str) -> dict[str, Any]:
+    """A vision row for the source stage (raypack/data/sources.py), read where the text is read:
+    its messages in parts (as JSON) and its images' encoded bytes, each checked to decode, so a
+    missing or undecodable image, or placeholders that don't match, is a bad row naming `where`."""
+    messages, sources = image_messages(record, where)
+    for m in messages:
+        if m["role"] not in ("system", "user", "assistant"):
+            raise ImageError(f"{where}: unknown role {m['role']!r}; expected one of system, user, assistant")
+    blobs = [read_image_bytes(s, base_dir, where) for s in sources]
+    for blob, source in zip(blobs, sources):
+        decode_image(blob, source, where)
+    return {"vision_messages": json.dumps(messages), "images": blobs}
 
 
 class ImageTokenizer:
@@ -176,7 +204,13 @@ class ImageTokenizer:
     def __call__(self, record: dict[str, Any], where: str, base_dir: str | Path | None = None) -> dict[str, Any]:
         messages, sources = image_messages(record, where)
         blobs = [read_image_bytes(s, base_dir, where) for s in sources]
-        images = [decode_image(b, s, where) for b, s in zip(blobs, sources)]
+        return self.encode(messages, blobs, where, sources)
+
+    def encode(self, messages: list[dict], blobs: list[bytes], where: str,
+               sources: Sequence[str] | None = None) -> dict[str, Any]:
+        """`__call__` for messages in parts (`image_messages`) and their images' encoded bytes
+        (what the source stage read: `read_record`)."""
+        images = [decode_image(b, s, where) for b, s in zip(blobs, sources or ["image"] * len(blobs))]
         enc = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
                                                  return_assistant_tokens_mask=True)  # fmt: skip
         ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])

@@ -84,6 +84,10 @@ def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_s
         evals = (files, (held_ids, True)) if len(held_ids) else None
         train_lengths, train_ids = tok.lengths[~held_out], tok.ids[~held_out]
 
+        images_dir = None
+        if tok.stats.get("images"):
+            check_images_trainable(cfg, tok.stats)
+            images_dir = write_images(files, f"{out}/images")
         plan, stats, rank_labels = _pack(train, train_lengths, train_ids, cfg, num_ranks, f"{out}/train")
         _check_every_rank_trains(plan, rank_labels, cfg, num_ranks, len(train_ids))
         eval_dir = None
@@ -115,6 +119,7 @@ def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_s
         group_steps=group_steps_for(cfg.pack.budget, cfg.train.grad_accum),
         order_seed=cfg.pack.seed,
         epochs=epochs,
+        images_dir=images_dir,
         stats={**tok.stats, **stats, "tokenize_reused": tok.reused, "tokenize_s": tok.seconds,
                "prepare_s": time.perf_counter() - t0, "train_examples": len(train_ids),
                "eval_examples": int(held_out.sum())},
@@ -125,6 +130,44 @@ def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_s
     print(f"[raypack] packed {prepared.steps_per_rank} steps x {num_ranks} ranks with {cfg.pack.strategy} "
           f"(efficiency {stats['packing_efficiency']:.3f}) in {root} ({time.perf_counter() - t0:.1f} s)", flush=True)
     return prepared
+
+
+def check_images_trainable(cfg: Config, stats: dict[str, Any]) -> None:
+    """Refuse, before packing, image rows a run would train without their pictures or inexactly:
+    a model without a vision tower, a strategy that splits examples (a piece's positions count
+    images it wouldn't carry), sequence parallelism (its shards carry no images)."""
+    from raypack.data.strategies import STRATEGIES
+    from raypack.model.build import model_config
+    from raypack.model.vision import is_vlm
+
+    where = f"data.paths: {stats['images']} images in {stats.get('formats', {}).get('vision', 0)} vision rows"
+    if not is_vlm(model_config(cfg.model.name, cfg.model.trust_remote_code, int(stats["tokenizer_size"]))):
+        raise InputError(f"{where}, but model.name {cfg.model.name!r} is a text-only model: it would train without "
+                         "the pictures; use a vision-language model (e.g. tiny-qwen2_5_vl, docs/guides/vision.md)")
+    if STRATEGIES[cfg.pack.strategy].splits_examples:
+        raise InputError(f"{where}: pack.strategy={cfg.pack.strategy} splits examples across rows, which would cut "
+                         "images from the tokens their positions count; use a strategy that keeps examples whole")
+    if cfg.train.sequence_parallel > 1:
+        raise InputError(f"{where}: train.sequence_parallel={cfg.train.sequence_parallel} doesn't carry images "
+                         "to the shards of a row yet; set it to 1")
+
+
+def write_images(files: list[tuple[str, int]], out_dir: str) -> str:
+    """The vision rows' images (encoded bytes) and grids by example_id, beside the packed rows,
+    which name their examples (`example_ids`): the workers look their rows' images up here
+    (raypack/data/vision_collate.py). One file per tokenized file, vision rows only."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    fs, path = storage.resolve(out_dir)
+    fs.create_dir(path, recursive=True)
+    for k, (name, _) in enumerate(files):
+        f, p = storage.resolve(name)
+        table = pq.read_table(p, filesystem=f, columns=["example_id", "images", "image_grid_thw"])
+        table = table.filter(pc.is_valid(table["images"]))
+        if table.num_rows:
+            pq.write_table(table, f"{path}/part-{k:06d}.parquet", filesystem=fs)
+    return out_dir
 
 
 def _pack(rows, lengths, ids, cfg: Config, num_ranks: int, out_dir: str,

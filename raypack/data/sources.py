@@ -36,6 +36,7 @@ import ray
 
 from raypack.config import DataConfig
 from raypack.data.formats import ONE_FORMAT, FormatError, detect, tokenized_columns, validate
+from raypack.data.images import ImageError, has_images, read_record
 from raypack.data.listing import MAX_ROWS, Sources, read_units
 from raypack.errors import SourceError
 from raypack.storage import resolve  # local paths and s3://, gs:// URIs through one pyarrow filesystem
@@ -59,6 +60,8 @@ SCHEMA = pa.schema(
         ("rejected_messages", _MESSAGES),
         ("input_ids", pa.list_(pa.int32())),
         ("labels", pa.list_(pa.int32())),
+        ("vision_messages", pa.string()),
+        ("images", pa.list_(pa.binary())),
         ("error", pa.string()),
         ("fatal", pa.bool_()),
     ]
@@ -192,16 +195,27 @@ def read_unit(batch: dict[str, np.ndarray], declared: str, vocab_size: int | Non
             continue
         detected = "" if declared != "auto" else "first row" if unit["kind"] == "jsonl" else "columns"
         for row, at, rec in rows:
+            kind = fmt
             try:
                 if isinstance(rec, FormatError):
                     raise rec
-                fields, error = validate(rec, fmt, vocab_size, detected), None
+                if fmt == "chat" and has_images(rec):  # read here, beside their text (raypack/data/images.py)
+                    fields, error, kind = read_record(rec, _folder(unit["path"]), at), None, "vision"
+                else:
+                    fields, error = validate(rec, fmt, vocab_size, detected), None
             except FormatError as e:
                 fields, error = {}, f"{at}: {e}"
-            fields.update(example_id=example_id(int(unit["file_index"]), row), format=fmt, error=error, fatal=False)
+            except ImageError as e:  # names the row already
+                fields, error = {}, str(e)
+            fields.update(example_id=example_id(int(unit["file_index"]), row), format=kind, error=error, fatal=False)
             for name in SCHEMA.names:
                 out[name].append(fields.get(name))
     return pa.concat_tables([*tables, pa.Table.from_pydict(out, schema=SCHEMA)])
+
+
+def _folder(path: str) -> str:
+    """The folder of a data file (a path or URI): what an image path in it is relative to."""
+    return path.rsplit("/", 1)[0] if "/" in path else "."
 
 
 def _drop_bad(batch: pa.Table) -> pa.Table:
