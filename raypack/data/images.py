@@ -151,7 +151,8 @@ def decode_image(data: bytes, source: str, where: str):
             return im.convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError) as e:
         short = source if len(source) < 80 else source[:60] + "..."
-        raise ImageError(f"{where}: image {short!r} is not a decodable image: {e}") from None
+        why = f"{len(data)} bytes in no image format PIL reads" if isinstance(e, UnidentifiedImageError) else str(e)
+        raise ImageError(f"{where}: image {short!r} is not a decodable image: {why}") from None
 
 
 def has_images(record: Any) -> bool:
