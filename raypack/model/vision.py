@@ -260,6 +260,18 @@ def freeze(model: torch.nn.Module, what: tuple[str, ...]) -> list[str]:
     return sorted(names)
 
 
+class ProcessorParts:
+    """A VLM's tokenizer and image processor, saved together where a trained model's folder is
+    written (the training loop's final `model/`), so AutoTokenizer and AutoImageProcessor load it."""
+
+    def __init__(self, tokenizer, image_processor):
+        self.tokenizer, self.image_processor = tokenizer, image_processor
+
+    def save_pretrained(self, folder) -> None:
+        self.tokenizer.save_pretrained(folder)
+        self.image_processor.save_pretrained(folder)
+
+
 def save_vlm(model: torch.nn.Module, folder, image_processor, tokenizer) -> None:
     """Write a trained VLM where transformers loads it back: the weights (LoRA merged into them;
     transformers doesn't save the attention choice, so raypack's never leaks into the folder) and

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from transformers.integrations import HfDeepSpeedConfig
 
 from raypack.config import Config
-from raypack.data.encode import load_tokenizer
+from raypack.data.encode import load_image_processor, load_tokenizer
 from raypack.data.shards import Prepared, iter_epoch_packs, iter_rank_packs, rank_images
 from raypack.data.vision_collate import VisionRows
 from raypack.model.adapters import apply_adapters, frozen_digest, quantization_config, trainable_summary
@@ -57,7 +57,7 @@ from raypack.model.kernels import (apply_kernels, check_compiled, checkpoint_off
 from raypack.model.ulysses import SequenceGroup, sequence_parallel
 from raypack.model import mixers
 from raypack.model.traits import decoder
-from raypack.model.vision import is_vlm
+from raypack.model.vision import ProcessorParts, is_vlm
 from raypack.train.engine import deepspeed_config, model_dtype, setup_engine, skip_shm_build
 from raypack.train.handoff import receive
 from raypack.train.checkpoint import TrainState, report_and_checkpoint, restore
@@ -348,6 +348,8 @@ def setup_worker(config: dict) -> Worker:
               f"{counts['total_params']:,} ({counts['trainable_params'] / counts['total_params']:.2%}); the base is frozen",
               flush=True)
     tokenizer = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template) if rank == 0 else None
+    if tokenizer is not None and is_vlm(engine.module.config):  # the final model/ gets its image processor too
+        tokenizer = ProcessorParts(tokenizer, load_image_processor(cfg.tokenize.tokenizer))
     group = make_groups(t.sequence_parallel)
     if router is not None and rank == 0:
         print(f"[raypack] router load-balancing loss: {router.describe()}", flush=True)
