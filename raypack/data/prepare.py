@@ -90,9 +90,15 @@ def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_s
             images_dir = write_images(files, f"{out}/images")
         plan, stats, rank_labels = _pack(train, train_lengths, train_ids, cfg, num_ranks, f"{out}/train")
         _check_every_rank_trains(plan, rank_labels, cfg, num_ranks, len(train_ids))
+        with_images = _image_ids(images_dir) if images_dir and cfg.train.zero_stage == 3 else None
+        if with_images is not None:
+            check_every_pack_sees_images(plan, train_ids, with_images, "train")
         eval_dir = None
         if evals is not None:
-            _pack_eval(evals, tok.lengths[held_out], tok.ids[held_out], cfg, num_ranks, f"{out}/eval", plan.padded)
+            eval_plan = _pack_eval(evals, tok.lengths[held_out], tok.ids[held_out], cfg, num_ranks, f"{out}/eval",
+                                   plan.padded)  # fmt: skip
+            if with_images is not None:
+                check_every_pack_sees_images(eval_plan, tok.ids[held_out], with_images, "eval")
             eval_dir = f"{out}/eval"
         epochs = (_repacked_epochs(train, train_lengths, train_ids, cfg, num_ranks, out, plan, stats)
                   if cfg.pack.repack_each_epoch else [])
@@ -152,6 +158,33 @@ def check_images_trainable(cfg: Config, stats: dict[str, Any]) -> None:
                          "to the shards of a row yet; set it to 1")
 
 
+def _image_ids(images_dir: str) -> np.ndarray:
+    import pyarrow.parquet as pq
+
+    parts = []
+    for f in storage.list_files(images_dir, ".parquet"):
+        fs, p = storage.resolve(f)
+        parts.append(pq.read_table(p, filesystem=fs, columns=["example_id"])["example_id"].to_numpy())
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def check_every_pack_sees_images(plan: Plan, ids: np.ndarray, with_images: np.ndarray, what: str) -> None:
+    """Under ZeRO-3 every rank's forward must run the same modules, since each gathers its
+    partitioned weights with the others: a micro-batch without an image skips the vision tower
+    and its rank would wait forever in the gathers of the ranks that run it. Refused before
+    training, naming the first such micro-batch."""
+    has = np.isin(ids[plan.example], with_images)
+    seen = np.zeros(plan.num_ranks * plan.num_steps, bool)
+    seen[plan.pack[has]] = True
+    if not seen.all():
+        pack = int(np.flatnonzero(~seen)[0])
+        raise InputError(
+            f"train.zero_stage=3: the {what} micro-batch of rank {pack % plan.num_ranks} at step "
+            f"{pack // plan.num_ranks} holds no image, so its forward would skip the vision tower whose weights "
+            "ZeRO-3 gathers from every rank together (a hang); use train.zero_stage 2, or data with an image in "
+            "every micro-batch (docs/guides/vision.md)")
+
+
 def write_images(files: list[tuple[str, int]], out_dir: str) -> str:
     """The vision rows' images (encoded bytes) and grids by example_id, beside the packed rows,
     which name their examples (`example_ids`): the workers look their rows' images up here
@@ -200,13 +233,13 @@ def _check_every_rank_trains(plan: Plan, rank_labels: list[int], cfg: Config, nu
         )
 
 
-def _pack_eval(rows, lengths, ids, cfg: Config, num_ranks: int, out_dir: str, padded: bool) -> None:
+def _pack_eval(rows, lengths, ids, cfg: Config, num_ranks: int, out_dir: str, padded: bool) -> Plan:
     """Eval packs with one exact strategy whatever trains: whole examples, positions reset (pad
     for padded runs, whose model attends with a padding mask), so eval loss compares across the
     strategies of a sweep."""
     pack = dataclasses.replace(cfg.pack, strategy="pad" if padded else "bfd", repack_each_epoch=False)
     eval_cfg = dataclasses.replace(cfg, pack=pack, train=dataclasses.replace(cfg.train, grad_accum=1))
-    _pack(rows, lengths, ids, eval_cfg, num_ranks, out_dir)
+    return _pack(rows, lengths, ids, eval_cfg, num_ranks, out_dir)[0]
 
 
 def _repacked_epochs(rows, lengths, ids, cfg: Config, num_ranks: int, root: str, first: Plan,

@@ -57,7 +57,7 @@ from raypack.model.kernels import (apply_kernels, check_compiled, checkpoint_off
 from raypack.model.ulysses import SequenceGroup, sequence_parallel
 from raypack.model import mixers
 from raypack.model.traits import decoder
-from raypack.model.vision import ProcessorParts, is_vlm
+from raypack.model.vision import ProcessorParts, freeze, is_vlm
 from raypack.train.engine import deepspeed_config, model_dtype, setup_engine, skip_shm_build
 from raypack.train.handoff import receive
 from raypack.train.checkpoint import TrainState, report_and_checkpoint, restore
@@ -108,6 +108,10 @@ def setup(cfg: Config, data: Prepared, world_size: int, clock: Startup | None = 
     if rank == 0 and not data.padded and (found := mixers.find(decoder(model))):
         device_type = "cuda" if cfg.train.use_gpu else "cpu"
         print(f"[raypack] token mixers besides attention: {mixers.describe(found, device_type)}", flush=True)
+    if m.freeze:  # a VLM's tower and/or projector (preflight refused it for a model without them)
+        frozen = freeze(model, m.freeze)
+        if rank == 0:
+            print(f"[raypack] model.freeze: {', '.join(m.freeze)} ({len(frozen)} weights) frozen", flush=True)
     # before adapters wrap its modules
     apply_kernels(model, m.kernels, "cuda" if cfg.train.use_gpu else "cpu", compiled=cfg.train.compile)
     if m.peft.enabled:

@@ -44,7 +44,7 @@ from raypack.data.listing import Sources
 from raypack.data.shards import Prepared
 from raypack.data.sources import check_rows_here
 from raypack.data.strategies import STRATEGIES, check_strategies
-from raypack.errors import SourceError
+from raypack.errors import ConfigError, SourceError
 from raypack.runs import absolute_paths, run_dir
 
 ROW_CHECK_BYTES = 16 << 20
@@ -144,6 +144,7 @@ def check_model_and_tokenizer(cfg: Config, tok) -> int:
     check_packed_model(cfg, config)
     check_kernels(cfg, config)
     check_adapters(cfg, config)
+    check_freeze(cfg, config)
     check_router_setting(cfg.train, config, m.name)
     vocab = model_vocab_size(config)
     if len(tok) > vocab:
@@ -208,6 +209,19 @@ def check_adapters(cfg: Config, config) -> None:
         raise AdapterError("model.peft.method=qlora: needs the bitsandbytes package (pip install bitsandbytes)")
     model = apply_adapters(meta_model(config, cfg.model.trust_remote_code), p, cfg.model.name)
     CausalLMLoss(model, cfg.train.loss)
+
+
+def check_freeze(cfg: Config, config) -> None:
+    """model.freeze names parts the model has: a vision tower and/or a projector (on the meta device)."""
+    if not cfg.model.freeze:
+        return
+    from raypack.model.build import meta_model
+    from raypack.model.vision import is_vlm, parts
+
+    if not is_vlm(config):
+        raise ConfigError(f"model.freeze={list(cfg.model.freeze)}: model.name {cfg.model.name!r} is not a "
+                          "vision-language model; there is no vision tower or projector to freeze")
+    parts(meta_model(config, cfg.model.trust_remote_code))
 
 
 def source_formats(cfg: Config, sources: Sources) -> dict[str, str]:
