@@ -408,3 +408,8 @@ def test_bad_image_rows_name_the_file_and_line(tmp_path, capsys, no_ray, command
     assert {"missing image": f"image 'nowhere.png' can't be read: no such file '{tmp_path / 'nowhere.png'}'",
             "placeholders": "1 <image> placeholder(s) in messages but 2 image(s) in 'images'",
             "undecodable": "image 'bad.png' is not a decodable image"}[case] in err  # fmt: skip
+
+
+def test_freezing_a_vision_tower_a_text_model_lacks(tmp_path, capsys, no_ray):
+    err = train(tmp_path, capsys, "model.freeze=[vision]", "--config", str(REPO / "jobs" / "configs" / "tiny_cpu.yaml"))
+    assert "model.freeze=['vision']: model.name 'tiny-llama' is not a vision-language model" in err
