@@ -18,7 +18,10 @@ row as its reader would look for it (`row_name`): `chat.jsonl line 4` (from 1, a
 and `data.parquet row 3 (0-based)` (as pyarrow and pandas index rows).
 
 Output rows share one schema (`SCHEMA`): `example_id`, `format` and the fields of that format
-(raypack/data/formats.py says what each format holds), the others null. Bad rows (malformed JSON, a missing field, an empty conversation, an unknown role,
+(raypack/data/formats.py says what each format holds), the others null. A chat row with images
+(image parts, or `images` with <image> placeholders) becomes a `vision` row: its messages in parts
+(`vision_messages`, JSON) and its images' encoded bytes (`images`), read and decoded here, so a
+missing or undecodable image is a bad row like any other (raypack/data/images.py). Bad rows (malformed JSON, a missing field, an empty conversation, an unknown role,
 non-string content) stop the read under `on_bad_rows: error`, naming the first one in file order;
 under `skip` they are counted and reported. An empty or unreadable file is always an error.
 """

@@ -241,8 +241,10 @@ def tokenize_dataset(cfg: Config, sources: Sources, vocab_size: int | None = Non
         _, report = read_sources_with_report(cfg.data, sources, vocab_size)
         if report.formats.get("chat") or report.formats.get("vision"):
             check_chat_template(tok, t.tokenizer)
-        if report.formats.get("vision"):
-            load_image_processor(t.tokenizer)
+        if report.formats.get("vision"):  # no image processor there, or one raypack has no data path for
+            from raypack.data.images import ImageTokenizer
+
+            ImageTokenizer(load_image_processor(t.tokenizer), tok)
         raise
     finally:
         ray.kill(counter)
