@@ -51,12 +51,13 @@ def training_examples(tok: Tokenized, cfg: Config) -> tuple[np.ndarray, np.ndarr
 
 
 def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_size: int | None = None,
-            reprepare: bool = False, tok: Tokenized | None = None) -> Prepared:
+            reprepare: bool = False, tok: Tokenized | None = None, vision_model: bool = False) -> Prepared:
     """Tokenize, split, plan and pack `cfg`'s data (`sources`: its listing) into `root` (a folder
     or URI every node can read; `cache.packed_root` says which), or reuse what is already there
     (see `cache.reusable`). `vocab_size`: the model's, which bounds the ids of pre-tokenized rows.
     `tok`: `cfg`'s tokenized examples, when the caller already has them (a sweep packs several
-    configs from one)."""
+    configs from one). `vision_model`: the caller found `cfg.model` a vision-language model;
+    image rows are refused otherwise (they would train without their pictures)."""
     root = storage.absolute(root)
     found = reusable(cfg, num_ranks, root, sources, reprepare)
     if found is not None:
@@ -86,7 +87,7 @@ def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_s
 
         images_dir = None
         if tok.stats.get("images"):
-            check_images_trainable(cfg, tok.stats)
+            check_images_trainable(cfg, tok.stats, vision_model)
             images_dir = write_images(files, f"{out}/images")
         plan, stats, rank_labels = _pack(train, train_lengths, train_ids, cfg, num_ranks, f"{out}/train")
         _check_every_rank_trains(plan, rank_labels, cfg, num_ranks, len(train_ids))
@@ -138,16 +139,14 @@ def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_s
     return prepared
 
 
-def check_images_trainable(cfg: Config, stats: dict[str, Any]) -> None:
+def check_images_trainable(cfg: Config, stats: dict[str, Any], vision_model: bool) -> None:
     """Refuse, before packing, image rows a run would train without their pictures or inexactly:
     a model without a vision tower, a strategy that splits examples (a piece's positions count
     images it wouldn't carry), sequence parallelism (its shards carry no images)."""
     from raypack.data.strategies import STRATEGIES
-    from raypack.model.build import model_config
-    from raypack.model.vision import is_vlm
 
     where = f"data.paths: {stats['images']} images in {stats.get('formats', {}).get('vision', 0)} vision rows"
-    if not is_vlm(model_config(cfg.model.name, cfg.model.trust_remote_code, int(stats["tokenizer_size"]))):
+    if not vision_model:
         raise InputError(f"{where}, but model.name {cfg.model.name!r} is a text-only model: it would train without "
                          "the pictures; use a vision-language model (e.g. tiny-qwen2_5_vl, docs/guides/vision.md)")
     if STRATEGIES[cfg.pack.strategy].splits_examples:
@@ -188,7 +187,7 @@ def check_every_pack_sees_images(plan: Plan, ids: np.ndarray, with_images: np.nd
 def write_images(files: list[tuple[str, int]], out_dir: str) -> str:
     """The vision rows' images (encoded bytes) and grids by example_id, beside the packed rows,
     which name their examples (`example_ids`): the workers look their rows' images up here
-    (raypack/data/vision_collate.py). One file per tokenized file, vision rows only."""
+    (raypack/train/vision_rows.py). One file per tokenized file, vision rows only."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 

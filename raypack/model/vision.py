@@ -167,12 +167,15 @@ def uses_mrope(model: torch.nn.Module) -> bool:
     return found
 
 
+def image_token_id(config: PretrainedConfig) -> int:
+    """The id of the token each image's features replace."""
+    image = getattr(config, "image_token_id", None)
+    return config.image_token_index if image is None else image
+
+
 def token_types(config: PretrainedConfig, input_ids: torch.Tensor) -> torch.Tensor:
     """0 for text, 1 for image tokens (what `get_rope_index` reads as mm_token_type_ids)."""
-    image = getattr(config, "image_token_id", None)
-    if image is None:
-        image = config.image_token_index
-    return (input_ids == image).to(torch.int32)
+    return (input_ids == image_token_id(config)).to(torch.int32)
 
 
 def example_positions(model: torch.nn.Module, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None):

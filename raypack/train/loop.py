@@ -48,7 +48,6 @@ from transformers.integrations import HfDeepSpeedConfig
 from raypack.config import Config
 from raypack.data.encode import load_image_processor, load_tokenizer
 from raypack.data.shards import Prepared, iter_epoch_packs, iter_rank_packs, rank_images
-from raypack.data.vision_collate import VisionRows
 from raypack.model.adapters import apply_adapters, frozen_digest, quantization_config, trainable_summary
 from raypack.model.build import load_model
 from raypack.model.checkpointing import check_selective
@@ -74,6 +73,7 @@ from raypack.train.startup import Startup
 from raypack.train.stepvalues import HostCounts, Pending, StepTimer
 from raypack.train.stop import StopWatch
 from raypack.train.tracking import Trackers, TrackingTargets
+from raypack.train.vision_rows import VisionRows
 
 # --- setup --------------------------------------------------------------------------------------
 
@@ -370,7 +370,7 @@ def setup_worker(config: dict) -> Worker:
 
 def vision_step(model, cfg: Config, data: Prepared, rank: int):
     """prepare_step for a VLM's rows: each example's images (this rank's, looked up by example
-    id) and positions beside its tokens (raypack/data/vision_collate.py); prepare_step itself
+    id) and positions beside its tokens (raypack/train/vision_rows.py); prepare_step itself
     for a text model."""
     if not is_vlm(model.config):
         return prepare_step

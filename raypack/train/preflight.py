@@ -67,6 +67,8 @@ class Checked:
     """The model's vocabulary size: every token id must be below it (None: no model checked)."""
     prepared: Prepared | None = None
     """The run's packed data, if it was already made from this config and these sources."""
+    vision_model: bool = False
+    """model.name is a vision-language model (image rows train with their pictures)."""
 
 
 def preflight(cfg: Config, *, reprepare: bool = False) -> Checked:
@@ -77,14 +79,15 @@ def preflight(cfg: Config, *, reprepare: bool = False) -> Checked:
     bound = any(f in ("tokenized", "auto") for f in formats.values())
     if not bound:
         _check_rows(checked, None)
-    vocab = check_model_and_tokenizer(cfg, _tokenizer(cfg, checked.sources, formats))
+    vocab, vision_model = check_model_and_tokenizer(cfg, _tokenizer(cfg, checked.sources, formats))
     if bound:
         _check_rows(checked, vocab)
     from raypack.data.cache import packed_root, reusable  # Ray Data: imported once the cheap checks passed
 
     n = cfg.train.data_parallel
     prepared = reusable(cfg, n, packed_root(cfg, n, run_dir(cfg)), checked.sources, reprepare)
-    return Checked(cfg=cfg, sources=checked.sources, formats=formats, vocab_size=vocab, prepared=prepared)
+    return Checked(cfg=cfg, sources=checked.sources, formats=formats, vocab_size=vocab, prepared=prepared,
+                   vision_model=vision_model)
 
 
 def check_data(cfg: Config, *, rows: bool = True) -> Checked:
@@ -132,8 +135,9 @@ def _check_rows(checked: Checked, vocab_size: int | None) -> None:
         check_rows_here(checked.cfg.data, checked.sources, vocab_size)
 
 
-def check_model_and_tokenizer(cfg: Config, tok) -> int:
-    """The model's vocabulary size, once its config resolves and the tokenizer fits it."""
+def check_model_and_tokenizer(cfg: Config, tok) -> tuple[int, bool]:
+    """The model's vocabulary size, once its config resolves and the tokenizer fits it, and
+    whether it is a vision-language model."""
     from raypack.data.encode import TokenizeError
     from raypack.model.build import model_config, model_vocab_size  # torch: seconds
     from raypack.train.router_loss import check_router_setting
@@ -152,7 +156,7 @@ def check_model_and_tokenizer(cfg: Config, tok) -> int:
             f"tokenize.tokenizer {cfg.tokenize.tokenizer!r} has {len(tok)} tokens but model.name {m.name!r} "
             f"embeds {vocab}: ids {vocab} and up would index past the embedding; use the model's own tokenizer"
         )
-    return vocab
+    return vocab, getattr(config, "vision_config", None) is not None
 
 
 def check_packed_model(cfg: Config, config=None) -> None:

@@ -1,4 +1,4 @@
-"""A VLM run's optimizer steps (raypack/train/loop.py with raypack/data/vision_collate.py's
+"""A VLM run's optimizer steps (raypack/train/loop.py with raypack/train/vision_rows.py's
 VisionRows) on packed rows equal `pad`, one example a micro-batch, through the model's own forward.
 
 jobs/configs/vlm_quickstart.yaml's data, tokenizer, model, strategy and budget: the bundled image
@@ -74,12 +74,12 @@ def loop(config):
     import deepspeed
     import ray.train
 
-    from raypack.data.vision_collate import VisionRows
     from raypack.model.build import load_model
     from raypack.train.engine import setup_engine
     from raypack.train.loop import forward_backward, global_count
     from raypack.train.loss import make_loss
     from raypack.train.prefetch import prepare_step
+    from raypack.train.vision_rows import VisionRows
 
     rank = ray.train.get_context().get_world_rank()
     with open(config["data"], "rb") as f:
@@ -107,10 +107,11 @@ def loop(config):
 def test_packed_vlm_steps_equal_pad_one_example_a_micro_batch_on_two_ranks(ray_local, tmp_path):
     from tests.ray.train.test_loop import fit_on_gloo
 
-    from raypack.data.vision_collate import VisionRows, collate_vision_padded
+    from raypack.data.vision_collate import collate_vision_padded
     from raypack.model.build import load_model
     from raypack.train.engine import make_optimizer
     from raypack.train.loss import token_loss_sum
+    from raypack.train.vision_rows import VisionRows
 
     rows, images, processor = _prepared_rows()
     data = tmp_path / "rows.pkl"
@@ -126,7 +127,7 @@ def test_packed_vlm_steps_equal_pad_one_example_a_micro_batch_on_two_ranks(ray_l
     for k in range(STEPS):
         examples = unpack.examples([rows[rank][k] for rank in range(2)])
         assert sum(e["pixel_values"] is not None for e in examples) > 2
-        batches = [collate_vision_padded([e], model.config) for e in examples]  # one example a micro-batch
+        batches = [collate_vision_padded([e], model.config.image_token_id) for e in examples]  # one example a micro-batch
         n = sum(int((b["labels"][0, 1:] != -100).sum()) for b in batches)
         total = 0.0
         for b in batches:
