@@ -20,3 +20,21 @@ def test_zero3_needs_an_image_in_every_micro_batch():
     text_only = ids[plan.example[plan.pack == 3]]  # rank 1's micro-batch at step 1
     with pytest.raises(InputError, match=r"zero_stage=3: the train micro-batch of rank 1 at step 1 holds no image"):
         check_every_pack_sees_images(plan, ids, np.setdiff1d(ids, text_only), "train")
+
+
+@pytest.mark.parametrize("overrides, vision_model, match", [
+    (["model.name=tiny-llama"], False, r"model.name 'tiny-llama' is a text-only model: it would train without"),
+    (["pack.strategy=wrapped"], True, r"pack.strategy=wrapped splits examples across rows"),
+    (["train.num_workers=4", "train.sequence_parallel=2"], True, r"train.sequence_parallel=2 doesn't carry images"),
+])  # fmt: skip
+def test_image_rows_that_would_not_train_with_their_pictures_are_refused(overrides, vision_model, match):
+    from paths import REPO
+
+    from raypack.config import load
+    from raypack.data.prepare import check_images_trainable
+
+    config = str(REPO / "jobs" / "configs" / "vlm_quickstart.yaml")
+    stats = {"images": 3, "formats": {"vision": 3}}
+    with pytest.raises(InputError, match=match):
+        check_images_trainable(load(config, overrides), stats, vision_model=vision_model)
+    check_images_trainable(load(config), stats, vision_model=True)  # the quickstart itself passes
