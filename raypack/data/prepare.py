@@ -155,6 +155,9 @@ def check_images_trainable(cfg: Config, stats: dict[str, Any], vision_model: boo
     if cfg.train.sequence_parallel > 1:
         raise InputError(f"{where}: train.sequence_parallel={cfg.train.sequence_parallel} doesn't carry images "
                          "to the shards of a row yet; set it to 1")
+    if cfg.train.zero_stage == 3 and cfg.pack.repack_each_epoch:  # check_every_pack_sees_images covers epoch 1's
+        raise InputError(f"{where}: train.zero_stage=3 with pack.repack_each_epoch: each epoch's plan would need "
+                         "an image in every micro-batch, which raypack checks for one plan only; repack once")
 
 
 def _image_ids(images_dir: str) -> np.ndarray:
