@@ -16,6 +16,9 @@ Per example (labels are NOT shifted: labels[i] is the target of token i, the mod
                  + output; loss on the output (`completion`/`assistant`) or everywhere (`all`)
     completion   prompt + completion, tokenized apart so masking is exact at the seam
     tokenized    passed through; labels default to input_ids (stored as null, see labels_list)
+    vision       a chat with images (the source stage's `vision` row): the model's processor, found
+                 beside the tokenizer, expands each image into its tokens; labels as chat's
+                 `assistant`; kept whole or dropped, never cut (raypack/data/images.py)
     preference   two rows a pair, prompt + chosen and prompt + rejected, tokenized as TRL's
                  DPOTrainer does; loss on the completions (raypack/data/pairs.py says how, and
                  how the over-length policy treats a pair)
@@ -46,6 +49,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from raypack import storage
 from raypack.data.formats import IGNORE_INDEX
+from raypack.data.images import ImageTokenizer, Vision
 from raypack.data.pairs import CHOSEN, REJECTED, Pair, fit_pair, tokenize_pairs
 from raypack.data.turns import TurnError, TurnLocator
 from raypack.errors import InputError
@@ -75,17 +79,6 @@ OUT_SCHEMA = pa.schema(
 the label tokens the loss sees (labels[1:] != -100), on an example's first row those of the whole
 example before any cut (0 on its other pieces), and a vision row's image tokens and the vision
 tower's patches, kept until tokenize has counted them."""
-
-
-class Vision:
-    """One encoded vision row (raypack/data/images.py): tokens with each image's tokens in
-    place, labels, the images' encoded bytes and their grids."""
-
-    def __init__(self, example: dict, image_tokens: int):
-        self.ids = np.asarray(example["input_ids"], np.int32)
-        self.labels = np.asarray(example["labels"], np.int32)
-        self.images, self.grid = example["images"], np.asarray(example["image_grid_thw"], np.int32).reshape(-1)
-        self.image_tokens, self.patches = image_tokens, int(example["vision_patches"])
 
 
 class TokenizeError(InputError):
@@ -192,18 +185,9 @@ class Encoder:
     def encode_vision(self, messages: list[str], images: list[list[bytes]], eids: list[int]) -> list[Vision]:
         """Vision rows (messages in parts as JSON, images' bytes) with the model's image processor,
         found beside the tokenizer (tokenize.tokenizer: the model's processor folder)."""
-        import json
-
-        from raypack.data.images import ImageTokenizer
-
         if self.images is None:
             self.images = ImageTokenizer(load_image_processor(self.name), self.tok)
-        merge = self.images.image_processor.merge_size ** 2
-        out = []
-        for m, blobs, eid in zip(messages, images, eids):
-            example = self.images.encode(json.loads(m), list(blobs), f"example {eid}")
-            out.append(Vision(example, sum(int(np.prod(g)) // merge for g in example["image_grid_thw"])))
-        return out
+        return self.images.rows(messages, images, eids)
 
     def encode_pairs(self, prompts: list[str], completions: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
         p_ids = self.tok(prompts, add_special_tokens=False)["input_ids"]

@@ -180,6 +180,18 @@ def read_record(record: dict[str, Any], base_dir: str | None, where: str) -> dic
     return {"vision_messages": json.dumps(messages), "images": blobs}
 
 
+class Vision:
+    """One encoded vision row, as the tokenize stage keeps it (raypack/data/encode.py): tokens with
+    each image's tokens in place, labels, the images' encoded bytes, their grids (flat, 3 an
+    image), its image tokens and the vision tower's patches."""
+
+    def __init__(self, example: dict[str, Any], image_tokens: int):
+        self.ids = np.asarray(example["input_ids"], np.int32)
+        self.labels = np.asarray(example["labels"], np.int32)
+        self.images, self.grid = example["images"], np.asarray(example["image_grid_thw"], np.int32).reshape(-1)
+        self.image_tokens, self.patches = image_tokens, int(example["vision_patches"])
+
+
 class ImageTokenizer:
     """Image+text examples -> input_ids, labels, length, images (encoded bytes), image_grid_thw,
     vision_patches, with the model's image processor and tokenizer (see the module doc)."""
@@ -239,6 +251,15 @@ class ImageTokenizer:
             "input_ids": out_ids, "labels": labels, "length": len(out_ids), "images": blobs,
             "image_grid_thw": pix["image_grid_thw"].tolist(), "vision_patches": int(pix["pixel_values"].shape[0]),
         }  # fmt: skip
+
+    def rows(self, messages: list[str], images: list[list[bytes]], eids: list[int]) -> list[Vision]:
+        """The source stage's vision rows (`read_record`: messages in parts as JSON, images' bytes) encoded."""
+        merge = self.image_processor.merge_size**2
+        out = []
+        for m, blobs, eid in zip(messages, images, eids):
+            example = self.encode(json.loads(m), list(blobs), f"example {eid}")
+            out.append(Vision(example, sum(int(np.prod(g)) // merge for g in example["image_grid_thw"])))
+        return out
 
     def example_pixels(self, example: dict[str, Any], where: str = "example") -> dict[str, np.ndarray]:
         """The pixels of a prepared example, processed again from its stored bytes (collate)."""
