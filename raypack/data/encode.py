@@ -116,6 +116,14 @@ def load_image_processor(name: str):
                             f"there ({reason}); point tokenize.tokenizer at the model's processor folder") from e
 
 
+def check_vision_label_mask(label_mask: str) -> None:
+    """Vision rows train on the assistant's tokens (`auto`, `assistant`); the other masks have no
+    vision path yet."""
+    if label_mask not in ("auto", "assistant"):
+        raise TokenizeError(f"tokenize.label_mask={label_mask}: image rows train on the assistant's tokens only "
+                            "(auto or assistant) so far")
+
+
 def check_chat_template(tok, name: str) -> None:
     if not tok.chat_template:
         raise TokenizeError(
@@ -185,6 +193,7 @@ class Encoder:
     def encode_vision(self, messages: list[str], images: list[list[bytes]], eids: list[int]) -> list[Vision]:
         """Vision rows (messages in parts as JSON, images' bytes) with the model's image processor,
         found beside the tokenizer (tokenize.tokenizer: the model's processor folder)."""
+        check_vision_label_mask(self.label_mask)
         if self.images is None:
             self.images = ImageTokenizer(load_image_processor(self.name), self.tok)
         return self.images.rows(messages, images, eids)

@@ -302,3 +302,12 @@ def test_vision_rows_count_their_image_tokens_and_stay_whole(overlength):
         assert r["input_ids"] == whole[r["example_id"]]["input_ids"] and r["images"] == whole[r["example_id"]]["images"]
     assert c["image_tokens"] == sum(ids.count(pad) for ids in kept["input_ids"].to_pylist()) > 0
     assert c["images"] == 4 and c["vision_patches"] == 4 * c["image_tokens"]  # merge_size 2: 4 patches a token
+
+
+def test_vision_rows_refuse_label_masks_they_have_no_path_for():
+    from raypack.data.listing import list_sources, read_units
+
+    units = read_units(list_sources((str(ASSETS / "vision_sample" / "vision.jsonl"),)))
+    rows = sources.read_unit({k: [units[0][k]] for k in units[0]}, "auto").slice(0, 2).drop_columns(["error", "fatal"])
+    with pytest.raises(TokenizeError, match=r"tokenize.label_mask=all: image rows train on the assistant's tokens"):
+        Encoder(str(ASSETS / "vlm_processor"), None, "all", "drop", 512).encode_table(rows)
