@@ -45,8 +45,9 @@ COLUMNS = ("strategy", "packs", "steps", "optimizer_steps", "tokens_per_optimize
 """split_padding: the share of a row's tokens that pads it to a multiple of train.sequence_parallel."""
 
 
-def _from_config(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
-    """Lengths and example ids of the examples a training run plans over (eval held out)."""
+def _from_config(cfg: Config) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Lengths and example ids of the examples a training run plans over (eval held out), and
+    the tokenize counts of all of them."""
     # Imported here, not at the top: these take 3 s to import on 2 cores (Ray Data and the
     # tokenizer stack), which a dry run over a --lengths file, 0.2 s in all, never needs.
     from raypack.data.cache import tokenized
@@ -56,7 +57,8 @@ def _from_config(cfg: Config) -> tuple[np.ndarray, np.ndarray]:
 
     checked = check_data(cfg)  # before Ray starts
     init_ray()
-    return training_examples(tokenized(checked.cfg, checked.sources), checked.cfg)
+    tok = tokenized(checked.cfg, checked.sources)
+    return (*training_examples(tok, checked.cfg), tok.stats)
 
 
 def _load_lengths(path: str) -> np.ndarray:
@@ -80,13 +82,14 @@ def run(args: argparse.Namespace) -> int:
         if "=" in name:  # --strategy takes every word after it
             raise ConfigError(f"--strategy {name}: looks like a dotted override; put overrides before --strategy")
         check_strategy_name(name, "--strategy")
+    counts: dict = {}
     if args.lengths:
         lengths = _load_lengths(args.lengths)
         ids = np.arange(len(lengths), dtype=np.int64)
     else:
         # With --json, stdout holds the JSON alone: the progress lines of preparing go to stderr.
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-            lengths, ids = _from_config(cfg)
+            lengths, ids, counts = _from_config(cfg)
     ranks, split, accum = cfg.train.data_parallel, cfg.train.sequence_parallel, cfg.train.grad_accum
     rows, padded = [], None
     for i, name in enumerate(names):
@@ -100,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
         stats["tokens_per_optimizer_step"] = float(tokens.sum()) / max(optimizer_steps, 1)
         stats["split_padding"] = float((-tokens % split).sum() / max((tokens + -tokens % split).sum(), 1))
         rows.append({k: stats[k] for k in COLUMNS})
+        if counts.get("images"):
+            rows[-1].update({k: counts[k] for k in IMAGE_COLUMNS})
         if i == 0 and args.out:
             table = plan.to_table()
             pq.write_table(table.set_column(0, "example_id", [ids[plan.example]]), args.out)
@@ -110,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{counted}, {int(np.sum(lengths))} tokens, budget {cfg.pack.budget}, {ranks} ranks x "
           f"{accum} micro-steps per optimizer step, {cfg.train.epochs} epoch(s)"
           + (", a new plan per epoch" if cfg.pack.repack_each_epoch else ", a new step order per epoch"))
+    if counts.get("images"):
+        print(image_line(counts))
     if split > 1:
         print(f"sequence parallel: {ranks} groups of {split} workers ({cfg.train.num_workers} in all), each row's "
               f"tokens split {split} ways: at most {-(-cfg.pack.budget // split)} tokens a worker; rows padded to a "
@@ -132,6 +139,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+IMAGE_COLUMNS = ("images", "image_tokens", "vision_patches")
+"""With image data, in every --json row: the data's (eval included) images, their tokens and the
+vision tower's patches (tokenize's counts, raypack/data/tokenize.py)."""
+
+
+def image_line(counts: dict) -> str:
+    """What images the plan's lengths hold: their tokens are in every example's length, so in the
+    tokens, the efficiency and both imbalance figures (Σ tokens and Σ len² per rank)."""
+    share = counts["image_tokens"] / max(counts["tokens"], 1)
+    return (f"images: {counts['images']} in the data (eval included), {counts['image_tokens']} image tokens "
+            f"({share:.1%} of its {counts['tokens']} tokens), counted in each example's length and so in every "
+            f"figure below; the vision tower's {counts['vision_patches']} patches are not balanced separately")
+
+
 def _with_strategy(cfg: Config, name: str):
     # repack_each_epoch is a per-strategy choice; the comparison shows each strategy's epoch-1 plan.
     return replace(cfg.pack, strategy=name, repack_each_epoch=False)
@@ -150,8 +171,9 @@ def memory_line(cfg: Config, offline: bool, padded: tuple[int, int] | None = Non
     from raypack.train.memory import Arch, summary
 
     try:
-        arch = Arch.from_config(model_config(name or m.name, m.trust_remote_code), m.trust_remote_code)
-        return prefix + summary(cfg, arch, padded)
+        config = model_config(name or m.name, m.trust_remote_code)
+        tower = "; a VLM's vision tower not counted" if getattr(config, "vision_config", None) is not None else ""
+        return prefix + summary(cfg, Arch.from_config(config, m.trust_remote_code), padded) + tower
     except (InputError, ValueError, AttributeError) as e:  # no config, or a shape the arithmetic doesn't know
         return None if offline else f"{prefix}n/a ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
 

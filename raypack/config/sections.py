@@ -173,6 +173,10 @@ class ModelConfig:
     Inductor to fuse the same work), `none` never."""
     peft: PeftConfig = field(default_factory=PeftConfig)
     """Parameter-efficient fine-tuning: LoRA or QLoRA adapters instead of every weight."""
+    freeze: tuple[Literal["vision", "projector"], ...] = ()
+    """A vision-language model's parts that don't train (raypack/model/vision.py): `vision`, the
+    vision tower, and/or `projector`, what maps its features into the language model. A frozen
+    part still runs and passes gradients back to what is before it; its weights get none."""
 
     def __post_init__(self) -> None:
         if isinstance(self.gradient_checkpointing, bool):  # the former boolean: one canonical value

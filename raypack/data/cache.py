@@ -44,7 +44,7 @@ from raypack.data.shards import Prepared
 from raypack.data.tokenize import TokenizeStats, lengths_and_ids, ordered, require_supervised, tokenize_dataset
 from raypack.errors import InputError
 
-FORMAT_VERSION = 6  # 4: rows without a label token are dropped; the manifest records the sources
+FORMAT_VERSION = 7  # 7: vision rows (images, image_grid_thw columns); 4: rows without a label token are dropped; the manifest records the sources
 # 5: row groups of whole optimizer steps; epoch orders; per-epoch plans
 # 6: keys hash canonical typed values; tokenize counts carry the pad id and tokenizer size
 TOKENIZE_SPEED_KNOBS = ("batch_size", "num_actors", "num_cpus")
@@ -168,7 +168,9 @@ def tokenized(cfg: Config, sources: Sources, vocab_size: int | None = None, scra
     print(f"[raypack] {tok_stats.examples_in} examples: {tok_stats.examples_out} rows, {tok_stats.tokens} tokens "
           f"({tok_stats.label_tokens} with loss); dropped {tok_stats.dropped} over {tok_stats.max_length} tokens and "
           f"{tok_stats.no_labels} without a label token, truncated {tok_stats.truncated}, split {tok_stats.split}, "
-          f"{tok_stats.bad_rows} bad rows skipped; lost {tok_stats.losses()} ({time.perf_counter() - t0:.1f} s)",
+          f"{tok_stats.bad_rows} bad rows skipped; lost {tok_stats.losses()}"
+          + (f"; {tok_stats.images} images, {tok_stats.image_tokens} image tokens in the lengths" if tok_stats.images
+             else "") + f" ({time.perf_counter() - t0:.1f} s)",
           flush=True)
     if folder:
         commit(folder, {"key": key, "data_dir": data_dir, "stats": stats, "sources": recorded(sources.fingerprint),

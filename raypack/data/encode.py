@@ -16,6 +16,9 @@ Per example (labels are NOT shifted: labels[i] is the target of token i, the mod
                  + output; loss on the output (`completion`/`assistant`) or everywhere (`all`)
     completion   prompt + completion, tokenized apart so masking is exact at the seam
     tokenized    passed through; labels default to input_ids (stored as null, see labels_list)
+    vision       a chat with images (the source stage's `vision` row): the model's processor, found
+                 beside the tokenizer, expands each image into its tokens; labels as chat's
+                 `assistant`; kept whole or dropped, never cut (raypack/data/images.py)
     preference   two rows a pair, prompt + chosen and prompt + rejected, tokenized as TRL's
                  DPOTrainer does; loss on the completions (raypack/data/pairs.py says how, and
                  how the over-length policy treats a pair)
@@ -46,6 +49,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from raypack import storage
 from raypack.data.formats import IGNORE_INDEX
+from raypack.data.images import ImageTokenizer, Vision
 from raypack.data.pairs import CHOSEN, REJECTED, Pair, fit_pair, tokenize_pairs
 from raypack.data.turns import TurnError, TurnLocator
 from raypack.errors import InputError
@@ -53,7 +57,7 @@ from raypack.errors import InputError
 MAX_PIECES = 1 << 10
 # Row flags, kept in a column until tokenize's stats pass has counted them.
 OK, TRUNCATED, SPLIT, DROPPED = 0, 1, 2, 3
-COLUMNS = ["example_id", "input_ids", "labels", "length"]
+COLUMNS = ["example_id", "input_ids", "labels", "length", "images", "image_grid_thw"]
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 OUT_SCHEMA = pa.schema(
     [
@@ -61,14 +65,20 @@ OUT_SCHEMA = pa.schema(
         ("input_ids", pa.list_(pa.int32())),
         ("labels", pa.list_(pa.int32())),
         ("length", pa.int32()),
+        ("images", pa.list_(pa.binary())),
+        ("image_grid_thw", pa.list_(pa.int32())),
         ("_flag", pa.int8()),
         ("_label_tokens", pa.int32()),
         ("_source_label_tokens", pa.int32()),
+        ("_image_tokens", pa.int32()),
+        ("_vision_patches", pa.int32()),
     ]
 )
-"""Rows of `Encoder.encode_table`: the output columns, the over-length flag, the label tokens
-the loss sees (labels[1:] != -100), and on an example's first row those of the whole example
-before any cut (0 on its other pieces), kept until tokenize has counted them."""
+"""Rows of `Encoder.encode_table`: the output columns (`images`: a vision row's encoded images,
+`image_grid_thw` their grids flattened, 3 per image; null for text rows), the over-length flag,
+the label tokens the loss sees (labels[1:] != -100), on an example's first row those of the whole
+example before any cut (0 on its other pieces), and a vision row's image tokens and the vision
+tower's patches, kept until tokenize has counted them."""
 
 
 class TokenizeError(InputError):
@@ -92,6 +102,26 @@ def load_tokenizer(name: str, chat_template: str | None = None):
     if not getattr(tok, "is_fast", False):
         raise TokenizeError(f"tokenize.tokenizer {name!r} is not a fast tokenizer; label masking needs character offsets")
     return tok
+
+
+def load_image_processor(name: str):
+    """The image processor in the tokenizer's folder (a VLM's processor folder), for vision rows."""
+    from transformers import AutoImageProcessor
+
+    try:
+        return AutoImageProcessor.from_pretrained(os.path.expanduser(name))
+    except (OSError, ValueError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TokenizeError(f"tokenize.tokenizer {name!r}: the data has images, but no image processor loads from "
+                            f"there ({reason}); point tokenize.tokenizer at the model's processor folder") from e
+
+
+def check_vision_label_mask(label_mask: str) -> None:
+    """Vision rows train on the assistant's tokens (`auto`, `assistant`); the other masks have no
+    vision path yet."""
+    if label_mask not in ("auto", "assistant"):
+        raise TokenizeError(f"tokenize.label_mask={label_mask}: image rows train on the assistant's tokens only "
+                            "(auto or assistant) so far")
 
 
 def check_chat_template(tok, name: str) -> None:
@@ -120,6 +150,7 @@ class Encoder:
         self.eos = self.tok.eos_token_id
         # Whatever the tokenizer puts before a text (BOS, for most causal LMs), minus a trailing EOS.
         self.prefix = [t for t in self.tok("")["input_ids"] if t != self.eos]
+        self.images = None  # the image tokenizer, loaded at the first vision row
 
     # --- per format: lists of (ids, labels) as int lists / arrays ---------------------------------
 
@@ -159,6 +190,14 @@ class Encoder:
             out.append(self._finish(ids, keep, eos_loss=mode == "all" or conv[-1]["role"] == "assistant"))
         return out
 
+    def encode_vision(self, messages: list[str], images: list[list[bytes]], eids: list[int]) -> list[Vision]:
+        """Vision rows (messages in parts as JSON, images' bytes) with the model's image processor,
+        found beside the tokenizer (tokenize.tokenizer: the model's processor folder)."""
+        check_vision_label_mask(self.label_mask)
+        if self.images is None:
+            self.images = ImageTokenizer(load_image_processor(self.name), self.tok)
+        return self.images.rows(messages, images, eids)
+
     def encode_pairs(self, prompts: list[str], completions: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
         p_ids = self.tok(prompts, add_special_tokens=False)["input_ids"]
         c_ids = self.tok(completions, add_special_tokens=False)["input_ids"]
@@ -192,6 +231,9 @@ class Encoder:
                 encoded = self.encode_chat(sub["messages"].to_pylist())
             elif fmt == "completion":
                 encoded = self.encode_pairs(sub["prompt"].to_pylist(), sub["completion"].to_pylist())
+            elif fmt == "vision":
+                encoded = self.encode_vision(sub["vision_messages"].to_pylist(), sub["images"].to_pylist(),
+                                             sub["example_id"].to_pylist())
             elif fmt == "preference":
                 columns = sub.select(["prompt", "chosen", "rejected", "prompt_messages", "chosen_messages",
                                       "rejected_messages"]).to_pydict()
@@ -227,9 +269,20 @@ class Encoder:
         if batch.num_rows and pc.all(pc.equal(batch["format"], "tokenized")).as_py():
             if (table := self._tokenized_table(batch)) is not None:
                 return table
-        ids_out, labels_out, eids, flags, source = [], [], [], [], []
+        ids_out, labels_out, eids, flags, source, vision = [], [], [], [], [], {}
         L = self.max_length
         for eid, encoded in zip(batch["example_id"].to_pylist(), self.encode(batch)):
+            if isinstance(encoded, Vision):
+                # Whole or not at all: a cut through an image's tokens, or a piece without the
+                # images its positions count, would not be the example (docs/guides/vision.md).
+                fits = len(encoded.ids) <= L
+                vision[len(ids_out)] = encoded
+                ids_out.append(encoded.ids if fits else encoded.ids[:0])
+                labels_out.append(encoded.labels if fits else encoded.labels[:0])
+                eids.append(eid)
+                flags.append(OK if fits else DROPPED)
+                source.append(int((encoded.labels[1:] != IGNORE_INDEX).sum()))
+                continue
             if isinstance(encoded, Pair):
                 for i, lab, piece, flag, whole in self._pair_rows(encoded):
                     ids_out.append(i)
@@ -258,7 +311,7 @@ class Encoder:
                 eids.append(eid + k)
                 flags.append(flag)
                 source.append(whole if k == 0 else 0)
-        return _table(eids, ids_out, labels_out, flags, source)
+        return _table(eids, ids_out, labels_out, flags, source, vision)
 
     def _pair_rows(self, pair: Pair):
         """(ids, labels, piece, flag, source label tokens) of a pair's rows: chosen and rejected,
@@ -346,16 +399,31 @@ def counts(table: pa.Table) -> dict:
         "label_tokens": int(label_tokens[kept].sum()),
         "source_label_tokens": int(whole.sum()),
         "label_tokens_lost": lost,
+        "images": int(pc.sum(pc.list_value_length(table["images"].filter(pa.array(kept)))).as_py() or 0),
+        "image_tokens": int(table["_image_tokens"].to_numpy()[kept].sum()),
+        "vision_patches": int(table["_vision_patches"].to_numpy()[kept].sum()),
         "lengths": table["length"].to_numpy()[kept],
         "ids": eid[kept],
     }
 
 
-def _table(eids, ids_out, labels_out, flags, source) -> pa.Table:
+def _table(eids, ids_out, labels_out, flags, source, vision: dict[int, Vision] | None = None) -> pa.Table:
     lengths = np.fromiter((len(x) for x in ids_out), dtype=np.int32, count=len(ids_out))
     cat = (lambda xs: np.concatenate(xs).astype(np.int32, copy=False)) if ids_out else (lambda xs: np.zeros(0, np.int32))
-    return _columns(np.asarray(eids, dtype=np.int64), lengths, cat(ids_out), cat(labels_out), np.asarray(flags),
-                    np.asarray(source, dtype=np.int32))
+    table = _columns(np.asarray(eids, dtype=np.int64), lengths, cat(ids_out), cat(labels_out), np.asarray(flags),
+                     np.asarray(source, dtype=np.int32))
+    if not vision:
+        return table
+    n = len(ids_out)
+    columns = {
+        "images": pa.array([vision[i].images if i in vision else None for i in range(n)], pa.list_(pa.binary())),
+        "image_grid_thw": pa.array([vision[i].grid if i in vision else None for i in range(n)], pa.list_(pa.int32())),
+        "_image_tokens": pa.array([vision[i].image_tokens if i in vision else 0 for i in range(n)], pa.int32()),
+        "_vision_patches": pa.array([vision[i].patches if i in vision else 0 for i in range(n)], pa.int32()),
+    }
+    for name, column in columns.items():
+        table = table.set_column(table.schema.get_field_index(name), name, column)
+    return table
 
 
 def labels_list(offsets: np.ndarray, ids: np.ndarray, labels: np.ndarray, same: np.ndarray | None = None) -> pa.ListArray:
@@ -400,9 +468,13 @@ def _columns(eids: np.ndarray, lengths: np.ndarray, ids: np.ndarray, labels: np.
             pa.ListArray.from_arrays(pa.array(offsets), pa.array(ids.astype(np.int32, copy=False))),
             labels_list(offsets, ids, labels, same),
             pa.array(lengths.astype(np.int32, copy=False)),
+            pa.nulls(len(lengths), pa.list_(pa.binary())),
+            pa.nulls(len(lengths), pa.list_(pa.int32())),
             pa.array(flags.astype(np.int8)),
             pa.array(label_tokens.astype(np.int32)),
             pa.array(source.astype(np.int32, copy=False)),
+            pa.array(np.zeros(len(lengths), np.int32)),
+            pa.array(np.zeros(len(lengths), np.int32)),
         ],
         schema=OUT_SCHEMA,
     )

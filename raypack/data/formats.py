@@ -126,8 +126,9 @@ def _messages(messages: Any, key: str) -> list[dict[str, str]]:
 
 
 IMAGES_NOT_TRAINED = (
-    "image data: raypack's training pipeline doesn't feed images to a model yet (raypack/data/images.py reads "
-    "and tokenizes them; docs/guides/vision.md says what is done), so this row would train without its pictures"
+    "image data outside chat rows: raypack trains images in chat `messages` (image parts, or `images` with "
+    "<image> placeholders: raypack/data/images.py), not in preference pairs yet (docs/guides/vision.md), so this "
+    "row would train without its pictures"
 )
 
 

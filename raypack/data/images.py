@@ -34,6 +34,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -126,6 +127,8 @@ def read_image_bytes(source: str, base_dir: str | Path | None, where: str) -> by
             filesystem, path = fs.FileSystem.from_uri(source)
             with filesystem.open_input_file(path) as f:
                 return f.read()
+        if base_dir is not None and "://" in str(base_dir) and not source.startswith("/"):
+            return read_image_bytes(f"{str(base_dir).rstrip('/')}/{source}", None, where)  # beside a data URI
         path = Path(source)
         if not path.is_absolute() and base_dir is not None:
             path = Path(base_dir) / path
@@ -148,7 +151,45 @@ def decode_image(data: bytes, source: str, where: str):
             return im.convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError) as e:
         short = source if len(source) < 80 else source[:60] + "..."
-        raise ImageError(f"{where}: image {short!r} is not a decodable image: {e}") from None
+        why = f"{len(data)} bytes in no image format PIL reads" if isinstance(e, UnidentifiedImageError) else str(e)
+        raise ImageError(f"{where}: image {short!r} is not a decodable image: {why}") from None
+
+
+def has_images(record: Any) -> bool:
+    """Whether a chat record carries images, in either layout: what makes it a `vision` row."""
+    if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
+        return False
+    if record.get("images"):
+        return True
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list)
+               and any(isinstance(p, dict) and p.get("type") == "image" for p in m["content"])
+               for m in record["messages"])  # fmt: skip
+
+
+def read_record(record: dict[str, Any], base_dir: str | None, where: str) -> dict[str, Any]:
+    """A vision row for the source stage (raypack/data/sources.py), read where the text is read:
+    its messages in parts (as JSON) and its images' encoded bytes, each checked to decode, so a
+    missing or undecodable image, or placeholders that don't match, is a bad row naming `where`."""
+    messages, sources = image_messages(record, where)
+    for m in messages:
+        if m["role"] not in ("system", "user", "assistant"):
+            raise ImageError(f"{where}: unknown role {m['role']!r}; expected one of system, user, assistant")
+    blobs = [read_image_bytes(s, base_dir, where) for s in sources]
+    for blob, source in zip(blobs, sources):
+        decode_image(blob, source, where)
+    return {"vision_messages": json.dumps(messages), "images": blobs}
+
+
+class Vision:
+    """One encoded vision row, as the tokenize stage keeps it (raypack/data/encode.py): tokens with
+    each image's tokens in place, labels, the images' encoded bytes, their grids (flat, 3 an
+    image), its image tokens and the vision tower's patches."""
+
+    def __init__(self, example: dict[str, Any], image_tokens: int):
+        self.ids = np.asarray(example["input_ids"], np.int32)
+        self.labels = np.asarray(example["labels"], np.int32)
+        self.images, self.grid = example["images"], np.asarray(example["image_grid_thw"], np.int32).reshape(-1)
+        self.image_tokens, self.patches = image_tokens, int(example["vision_patches"])
 
 
 class ImageTokenizer:
@@ -167,6 +208,11 @@ class ImageTokenizer:
         if self.pad_id is None or self.pad_id == tokenizer.unk_token_id:
             raise InputError(f"the tokenizer has no {IMAGE_PAD} token for images")
 
+    def token_counts(self, grids) -> list[int]:
+        """Each image's tokens in the text: its patches (t * h * w of its grid) merged merge_size²
+        to one, as the model's own processor expands its placeholder."""
+        return [int(np.prod(g)) // self.image_processor.merge_size**2 for g in grids]
+
     def pixels(self, images: Sequence) -> dict[str, np.ndarray]:
         """pixel_values (patches, D) float32 and image_grid_thw (n, 3) for decoded images."""
         out = self.image_processor(images=list(images), return_tensors="np")
@@ -176,7 +222,13 @@ class ImageTokenizer:
     def __call__(self, record: dict[str, Any], where: str, base_dir: str | Path | None = None) -> dict[str, Any]:
         messages, sources = image_messages(record, where)
         blobs = [read_image_bytes(s, base_dir, where) for s in sources]
-        images = [decode_image(b, s, where) for b, s in zip(blobs, sources)]
+        return self.encode(messages, blobs, where, sources)
+
+    def encode(self, messages: list[dict], blobs: list[bytes], where: str,
+               sources: Sequence[str] | None = None) -> dict[str, Any]:
+        """`__call__` for messages in parts (`image_messages`) and their images' encoded bytes
+        (what the source stage read: `read_record`)."""
+        images = [decode_image(b, s, where) for b, s in zip(blobs, sources or ["image"] * len(blobs))]
         enc = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
                                                  return_assistant_tokens_mask=True)  # fmt: skip
         ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])
@@ -185,8 +237,7 @@ class ImageTokenizer:
             raise ImageError(f"{where}: the chat template rendered {len(pads)} image token(s) for {len(images)} image(s)")
         pix = self.pixels(images) if images else {"pixel_values": np.zeros((0, 0), np.float32),
                                                   "image_grid_thw": np.zeros((0, 3), np.int64)}  # fmt: skip
-        merge = self.image_processor.merge_size**2
-        counts = [int(np.prod(g)) // merge for g in pix["image_grid_thw"]]
+        counts = self.token_counts(pix["image_grid_thw"])
         out_ids, labels = [], []
         for i, (t, m) in enumerate(zip(ids, mask)):
             if t == self.pad_id:
@@ -215,10 +266,17 @@ class ImageTokenizer:
             raise ValueError(f"the chat template rendered {sum(t == self.pad_id for t in ids)} image token(s) "
                              f"for {len(images)} image(s)")
         pix = self.pixels(images) if images else {}
-        merge = self.image_processor.merge_size**2
-        counts = iter([int(np.prod(g)) // merge for g in pix.get("image_grid_thw", ())])
+        counts = iter(self.token_counts(pix.get("image_grid_thw", ())))
         expanded = [n for t in ids for n in [t] * (next(counts) if t == self.pad_id else 1)]
         return {"input_ids": np.asarray([expanded], np.int64), **pix}
+
+    def rows(self, messages: list[str], images: list[list[bytes]], eids: list[int]) -> list[Vision]:
+        """The source stage's vision rows (`read_record`: messages in parts as JSON, images' bytes) encoded."""
+        out = []
+        for m, blobs, eid in zip(messages, images, eids):
+            example = self.encode(json.loads(m), list(blobs), f"example {eid}")
+            out.append(Vision(example, sum(self.token_counts(example["image_grid_thw"]))))
+        return out
 
     def example_pixels(self, example: dict[str, Any], where: str = "example") -> dict[str, np.ndarray]:
         """The pixels of a prepared example, processed again from its stored bytes (collate)."""

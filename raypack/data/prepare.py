@@ -51,12 +51,13 @@ def training_examples(tok: Tokenized, cfg: Config) -> tuple[np.ndarray, np.ndarr
 
 
 def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_size: int | None = None,
-            reprepare: bool = False, tok: Tokenized | None = None) -> Prepared:
+            reprepare: bool = False, tok: Tokenized | None = None, vision_model: bool = False) -> Prepared:
     """Tokenize, split, plan and pack `cfg`'s data (`sources`: its listing) into `root` (a folder
     or URI every node can read; `cache.packed_root` says which), or reuse what is already there
     (see `cache.reusable`). `vocab_size`: the model's, which bounds the ids of pre-tokenized rows.
     `tok`: `cfg`'s tokenized examples, when the caller already has them (a sweep packs several
-    configs from one)."""
+    configs from one). `vision_model`: the caller found `cfg.model` a vision-language model;
+    image rows are refused otherwise (they would train without their pictures)."""
     root = storage.absolute(root)
     found = reusable(cfg, num_ranks, root, sources, reprepare)
     if found is not None:
@@ -84,11 +85,21 @@ def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_s
         evals = (files, (held_ids, True)) if len(held_ids) else None
         train_lengths, train_ids = tok.lengths[~held_out], tok.ids[~held_out]
 
+        images_dir = None
+        if tok.stats.get("images"):
+            check_images_trainable(cfg, tok.stats, vision_model)
+            images_dir = write_images(files, f"{out}/images")
         plan, stats, rank_labels = _pack(train, train_lengths, train_ids, cfg, num_ranks, f"{out}/train")
         _check_every_rank_trains(plan, rank_labels, cfg, num_ranks, len(train_ids))
+        with_images = _image_ids(images_dir) if images_dir and cfg.train.zero_stage == 3 else None
+        if with_images is not None:
+            check_every_pack_sees_images(plan, train_ids, with_images, "train")
         eval_dir = None
         if evals is not None:
-            _pack_eval(evals, tok.lengths[held_out], tok.ids[held_out], cfg, num_ranks, f"{out}/eval", plan.padded)
+            eval_plan = _pack_eval(evals, tok.lengths[held_out], tok.ids[held_out], cfg, num_ranks, f"{out}/eval",
+                                   plan.padded)  # fmt: skip
+            if with_images is not None:
+                check_every_pack_sees_images(eval_plan, tok.ids[held_out], with_images, "eval")
             eval_dir = f"{out}/eval"
         epochs = (_repacked_epochs(train, train_lengths, train_ids, cfg, num_ranks, out, plan, stats)
                   if cfg.pack.repack_each_epoch else [])
@@ -115,6 +126,7 @@ def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_s
         group_steps=group_steps_for(cfg.pack.budget, cfg.train.grad_accum),
         order_seed=cfg.pack.seed,
         epochs=epochs,
+        images_dir=images_dir,
         stats={**tok.stats, **stats, "tokenize_reused": tok.reused, "tokenize_s": tok.seconds,
                "prepare_s": time.perf_counter() - t0, "train_examples": len(train_ids),
                "eval_examples": int(held_out.sum())},
@@ -125,6 +137,72 @@ def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_s
     print(f"[raypack] packed {prepared.steps_per_rank} steps x {num_ranks} ranks with {cfg.pack.strategy} "
           f"(efficiency {stats['packing_efficiency']:.3f}) in {root} ({time.perf_counter() - t0:.1f} s)", flush=True)
     return prepared
+
+
+def check_images_trainable(cfg: Config, stats: dict[str, Any], vision_model: bool) -> None:
+    """Refuse, before packing, image rows a run would train without their pictures or inexactly:
+    a model without a vision tower, a strategy that splits examples (a piece's positions count
+    images it wouldn't carry), sequence parallelism (its shards carry no images)."""
+    from raypack.data.strategies import STRATEGIES
+
+    where = f"data.paths: {stats['images']} images in {stats.get('formats', {}).get('vision', 0)} vision rows"
+    if not vision_model:
+        raise InputError(f"{where}, but model.name {cfg.model.name!r} is a text-only model: it would train without "
+                         "the pictures; use a vision-language model (e.g. tiny-qwen2_5_vl, docs/guides/vision.md)")
+    if STRATEGIES[cfg.pack.strategy].splits_examples:
+        raise InputError(f"{where}: pack.strategy={cfg.pack.strategy} splits examples across rows, which would cut "
+                         "images from the tokens their positions count; use a strategy that keeps examples whole")
+    if cfg.train.sequence_parallel > 1:
+        raise InputError(f"{where}: train.sequence_parallel={cfg.train.sequence_parallel} doesn't carry images "
+                         "to the shards of a row yet; set it to 1")
+    if cfg.train.zero_stage == 3 and cfg.pack.repack_each_epoch:  # check_every_pack_sees_images covers epoch 1's
+        raise InputError(f"{where}: train.zero_stage=3 with pack.repack_each_epoch: each epoch's plan would need "
+                         "an image in every micro-batch, which raypack checks for one plan only; repack once")
+
+
+def _image_ids(images_dir: str) -> np.ndarray:
+    import pyarrow.parquet as pq
+
+    parts = []
+    for f in storage.list_files(images_dir, ".parquet"):
+        fs, p = storage.resolve(f)
+        parts.append(pq.read_table(p, filesystem=fs, columns=["example_id"])["example_id"].to_numpy())
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+def check_every_pack_sees_images(plan: Plan, ids: np.ndarray, with_images: np.ndarray, what: str) -> None:
+    """Under ZeRO-3 every rank's forward must run the same modules, since each gathers its
+    partitioned weights with the others: a micro-batch without an image skips the vision tower
+    and its rank would wait forever in the gathers of the ranks that run it. Refused before
+    training, naming the first such micro-batch."""
+    has = np.isin(ids[plan.example], with_images)
+    seen = np.zeros(plan.num_ranks * plan.num_steps, bool)
+    seen[plan.pack[has]] = True
+    if not seen.all():
+        pack = int(np.flatnonzero(~seen)[0])
+        raise InputError(
+            f"train.zero_stage=3: the {what} micro-batch of rank {pack % plan.num_ranks} at step "
+            f"{pack // plan.num_ranks} holds no image, so its forward would skip the vision tower whose weights "
+            "ZeRO-3 gathers from every rank together (a hang); use train.zero_stage 2, or data with an image in "
+            "every micro-batch (docs/guides/vision.md)")
+
+
+def write_images(files: list[tuple[str, int]], out_dir: str) -> str:
+    """The vision rows' images (encoded bytes) and grids by example_id, beside the packed rows,
+    which name their examples (`example_ids`): the workers look their rows' images up here
+    (raypack/train/vision_rows.py). One file per tokenized file, vision rows only."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    fs, path = storage.resolve(out_dir)
+    fs.create_dir(path, recursive=True)
+    for k, (name, _) in enumerate(files):
+        f, p = storage.resolve(name)
+        table = pq.read_table(p, filesystem=f, columns=["example_id", "images", "image_grid_thw"])
+        table = table.filter(pc.is_valid(table["images"]))
+        if table.num_rows:
+            pq.write_table(table, f"{path}/part-{k:06d}.parquet", filesystem=fs)
+    return out_dir
 
 
 def _pack(rows, lengths, ids, cfg: Config, num_ranks: int, out_dir: str,
@@ -157,13 +235,13 @@ def _check_every_rank_trains(plan: Plan, rank_labels: list[int], cfg: Config, nu
         )
 
 
-def _pack_eval(rows, lengths, ids, cfg: Config, num_ranks: int, out_dir: str, padded: bool) -> None:
+def _pack_eval(rows, lengths, ids, cfg: Config, num_ranks: int, out_dir: str, padded: bool) -> Plan:
     """Eval packs with one exact strategy whatever trains: whole examples, positions reset (pad
     for padded runs, whose model attends with a padding mask), so eval loss compares across the
     strategies of a sweep."""
     pack = dataclasses.replace(cfg.pack, strategy="pad" if padded else "bfd", repack_each_epoch=False)
     eval_cfg = dataclasses.replace(cfg, pack=pack, train=dataclasses.replace(cfg.train, grad_accum=1))
-    _pack(rows, lengths, ids, eval_cfg, num_ranks, out_dir)
+    return _pack(rows, lengths, ids, eval_cfg, num_ranks, out_dir)[0]
 
 
 def _repacked_epochs(rows, lengths, ids, cfg: Config, num_ranks: int, root: str, first: Plan,

@@ -71,6 +71,8 @@ class Prepared:
     epochs: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """One entry per epoch under pack.repack_each_epoch ({"dir", "steps_per_rank", "stats"}), in
     epoch order; empty when every epoch reads `train_dir`."""
+    images_dir: str | None = None
+    """Vision rows' images and grids by example_id (`prepare.write_images`); None: text only."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -122,6 +124,28 @@ def iter_rank_packs(out_dir: str, rank: int, start_step: int = 0, batch_rows: in
                 if "rank" not in batch.schema.names:
                     batch = batch.append_column("rank", pa.array(np.full(batch.num_rows, rank), pa.int32()))
                 yield from batch.filter(pa.array(steps >= start_step)).to_pylist()
+
+
+def rank_images(data: Prepared, rank: int) -> dict[int, tuple[list[bytes], list[int]]]:
+    """{example_id: (encoded images, flat grids)} of the vision examples `rank` trains or
+    evaluates on (every epoch's rows), read from `data.images_dir`: only its own, not the dataset's."""
+    if not data.images_dir:
+        return {}
+    folders = {data.epoch_rows(e)[0] for e in range(max(len(data.epochs), 1))} | ({data.eval_dir} - {None})
+    mine = []
+    for folder in folders:
+        for f in storage.list_files(f"{folder.rstrip('/')}/rank={rank}", ".parquet"):
+            fs, p = storage.resolve(f)
+            mine.append(pq.read_table(p, filesystem=fs, columns=["example_ids"])["example_ids"].combine_chunks().flatten())
+    wanted = np.unique(np.concatenate([m.to_numpy() for m in mine])) if mine else np.zeros(0, np.int64)
+    out = {}
+    for f in storage.list_files(data.images_dir, ".parquet"):
+        fs, p = storage.resolve(f)
+        table = pq.read_table(p, filesystem=fs)
+        table = table.filter(pa.array(np.isin(table["example_id"].to_numpy(), wanted)))
+        for eid, images, grid in zip(*(table[c].to_pylist() for c in ("example_id", "images", "image_grid_thw"))):
+            out[eid] = (images, grid)
+    return out
 
 
 # --- epochs ----------------------------------------------------------------------------------------

@@ -18,7 +18,10 @@ row as its reader would look for it (`row_name`): `chat.jsonl line 4` (from 1, a
 and `data.parquet row 3 (0-based)` (as pyarrow and pandas index rows).
 
 Output rows share one schema (`SCHEMA`): `example_id`, `format` and the fields of that format
-(raypack/data/formats.py says what each format holds), the others null. Bad rows (malformed JSON, a missing field, an empty conversation, an unknown role,
+(raypack/data/formats.py says what each format holds), the others null. A chat row with images
+(image parts, or `images` with <image> placeholders) becomes a `vision` row: its messages in parts
+(`vision_messages`, JSON) and its images' encoded bytes (`images`), read and decoded here, so a
+missing or undecodable image is a bad row like any other (raypack/data/images.py). Bad rows (malformed JSON, a missing field, an empty conversation, an unknown role,
 non-string content) stop the read under `on_bad_rows: error`, naming the first one in file order;
 under `skip` they are counted and reported. An empty or unreadable file is always an error.
 """
@@ -36,6 +39,7 @@ import ray
 
 from raypack.config import DataConfig
 from raypack.data.formats import ONE_FORMAT, FormatError, detect, tokenized_columns, validate
+from raypack.data.images import ImageError, has_images, read_record
 from raypack.data.listing import MAX_ROWS, Sources, read_units
 from raypack.errors import SourceError
 from raypack.storage import resolve  # local paths and s3://, gs:// URIs through one pyarrow filesystem
@@ -59,6 +63,8 @@ SCHEMA = pa.schema(
         ("rejected_messages", _MESSAGES),
         ("input_ids", pa.list_(pa.int32())),
         ("labels", pa.list_(pa.int32())),
+        ("vision_messages", pa.string()),
+        ("images", pa.list_(pa.binary())),
         ("error", pa.string()),
         ("fatal", pa.bool_()),
     ]
@@ -192,16 +198,27 @@ def read_unit(batch: dict[str, np.ndarray], declared: str, vocab_size: int | Non
             continue
         detected = "" if declared != "auto" else "first row" if unit["kind"] == "jsonl" else "columns"
         for row, at, rec in rows:
+            kind = fmt
             try:
                 if isinstance(rec, FormatError):
                     raise rec
-                fields, error = validate(rec, fmt, vocab_size, detected), None
+                if fmt == "chat" and has_images(rec):  # read here, beside their text (raypack/data/images.py)
+                    fields, error, kind = read_record(rec, _folder(unit["path"]), at), None, "vision"
+                else:
+                    fields, error = validate(rec, fmt, vocab_size, detected), None
             except FormatError as e:
                 fields, error = {}, f"{at}: {e}"
-            fields.update(example_id=example_id(int(unit["file_index"]), row), format=fmt, error=error, fatal=False)
+            except ImageError as e:  # names the row already
+                fields, error = {}, str(e)
+            fields.update(example_id=example_id(int(unit["file_index"]), row), format=kind, error=error, fatal=False)
             for name in SCHEMA.names:
                 out[name].append(fields.get(name))
     return pa.concat_tables([*tables, pa.Table.from_pydict(out, schema=SCHEMA)])
+
+
+def _folder(path: str) -> str:
+    """The folder of a data file (a path or URI): what an image path in it is relative to."""
+    return path.rsplit("/", 1)[0] if "/" in path else "."
 
 
 def _drop_bad(batch: pa.Table) -> pa.Table:

@@ -32,7 +32,8 @@ import ray
 
 from raypack import storage
 from raypack.config import Config
-from raypack.data.encode import Encoder, TokenizeError, check_chat_template, counts, kept_rows, load_tokenizer
+from raypack.data.encode import (Encoder, TokenizeError, check_chat_template, check_vision_label_mask, counts,
+                                 kept_rows, load_image_processor, load_tokenizer)
 from raypack.data.listing import Sources, known_rows
 from raypack.data.progress import Progress, on_driver_node
 from raypack.data.sources import read_rows, read_sources_with_report, row_location
@@ -82,6 +83,12 @@ class TokenizeStats:
     tokenizer_size: int = 0
     """len(tokenizer): a tiny model is built with this vocabulary."""
     formats: dict[str, int] = field(default_factory=dict)
+    images: int = 0
+    """Images in the rows out (vision rows: raypack/data/images.py)."""
+    image_tokens: int = 0
+    """Their tokens, counted in `tokens` and in each row's length (what the plan packs)."""
+    vision_patches: int = 0
+    """The vision tower's patches for them (its work, before the merge into image tokens)."""
     lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), repr=False)
     """Every output row's length, in no particular order (what the planner needs)."""
     ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
@@ -99,6 +106,8 @@ class TokenizeStats:
             + (f", and {self.no_label_pieces} split pieces" if self.no_label_pieces else "")
             + (f"; first: {', '.join(self.no_label_examples[:3])}" if self.no_label_examples else ""),
             f"bad rows   {self.bad_rows} skipped",
+            *([f"images     {self.images} ({self.image_tokens} image tokens in the lengths, "
+               f"{self.vision_patches} vision-tower patches)"] if self.images else []),
             f"lost       {self.losses()}",
         ]
         lines += [f"           {msg}" for msg in self.bad_examples]
@@ -230,8 +239,13 @@ def tokenize_dataset(cfg: Config, sources: Sources, vocab_size: int | None = Non
         # A bad row or chat data without a template stopped the pipeline inside an actor, where
         # Ray wraps the error. Raise ours instead, in the order the checks used to run.
         _, report = read_sources_with_report(cfg.data, sources, vocab_size)
-        if report.formats.get("chat"):
+        if report.formats.get("chat") or report.formats.get("vision"):
             check_chat_template(tok, t.tokenizer)
+        if report.formats.get("vision"):  # no image processor there, or one raypack has no data path for
+            from raypack.data.images import ImageTokenizer
+
+            check_vision_label_mask(t.label_mask)
+            ImageTokenizer(load_image_processor(t.tokenizer), tok)
         raise
     finally:
         ray.kill(counter)
@@ -239,7 +253,7 @@ def tokenize_dataset(cfg: Config, sources: Sources, vocab_size: int | None = Non
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     stats = TokenizeStats(max_length=max_length, pad_token_id=int(pad), tokenizer_size=len(tok))
     for key in ("dropped", "truncated", "split", "pieces", "no_labels", "no_label_pieces", "label_tokens", "bad_rows",
-                "source_label_tokens"):
+                "source_label_tokens", "images", "image_tokens", "vision_patches"):
         setattr(stats, key, sum(b[key] for b in batches))
     for b in batches:
         for cause, n in b["label_tokens_lost"].items():

@@ -211,8 +211,11 @@ def save_adapted(model: nn.Module, state: dict[str, torch.Tensor], folder, *, me
 
     folder = Path(folder)
     base_config = model.get_base_model().config
+    from raypack.model.vision import vlm_class
+
+    auto = vlm_class(base_config) or AutoModelForCausalLM  # a VLM rebuilds as what it trained as
     with torch.device("meta"):
-        base = AutoModelForCausalLM.from_config(base_config, trust_remote_code=trust_remote_code)
+        base = auto.from_config(base_config, trust_remote_code=trust_remote_code)
         rebuilt = get_peft_model(base, model.peft_config["default"])
     rebuilt.load_state_dict({k: v.detach().to("cpu", copy=True) for k, v in state.items()}, strict=False, assign=True)
     if missing := [n for n, p in rebuilt.named_parameters() if p.is_meta]:

@@ -103,6 +103,8 @@ def _device_type() -> str:
 def model_config(name: str, trust_remote_code: bool = False, vocab_size: int = 1024) -> PretrainedConfig:
     """The config `load_model(name)` builds from, without the weights: `tiny-<family>`'s, or a
     local folder's or hub model's config.json. What the driver checks before training starts."""
+    if name in vision.TINY_VLMS:  # sized by the bundled processor, not `vocab_size`
+        return vision.tiny_config(name)
     if name.startswith("tiny-"):
         try:
             return tiny_config(name.removeprefix("tiny-"), vocab_size=vocab_size)
@@ -184,6 +186,11 @@ def check_model(
     train.sequence_parallel its heads must divide by; `compiled`: train.compile."""
     config, default_name, _ = _config(name_or_config, trust_remote_code, vocab_size)
     name = name or default_name
+    if vision.is_vlm(config) and vision.vlm_class(config) is not None:
+        if packed:
+            backends = () if attention in ("sdpa", "eager") else attn.candidate_backends(attention, device_type)
+            vision.check_vlm_packable(meta_model(config, trust_remote_code), name, backends=backends)
+        return
     if MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None) is None and not getattr(config, "auto_map", None):
         raise UnsupportedModelError(f"model.name {name!r}: {type(config).__name__} is not a causal language model here"
                                     f"{vision.training_refusal(config)}")  # fmt: skip
@@ -201,8 +208,9 @@ def meta_model(config: PretrainedConfig, trust_remote_code: bool = False):
     config.use_cache = False
     # The attention name only has to be one transformers accepts for any class: the structure is
     # what the checks read, and raypack's names change no model's structure.
+    auto = vision.vlm_class(config) or AutoModelForCausalLM
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, attn_implementation="eager", trust_remote_code=trust_remote_code)
+        return auto.from_config(config, attn_implementation="eager", trust_remote_code=trust_remote_code)
 
 
 def load_model(
@@ -232,6 +240,12 @@ def load_model(
 
     packed = impl in attn.BACKEND_OF
     zero3 = is_deepspeed_zero3_enabled()
+    if vision.is_vlm(config) and vision.vlm_class(config) is not None:
+        if quantization is not None:
+            raise InputError(f"model.name {name!r}: QLoRA on a vision-language model is not supported yet")
+        model = vision.load_vlm(source if pretrained else config, attention, torch_dtype, trust_remote_code,
+                                name=name, check=packed)  # fmt: skip
+        return _ready(model, gradient_checkpointing)
     if packed and not zero3:
         # refuse before building or reading a checkpoint; under ZeRO-3 a meta build would fight
         # zero.Init, so the built model is checked instead (the driver's check_model ran already)
@@ -268,6 +282,11 @@ def load_model(
     # output_router_logits changes nothing here: the training loop reads the routers' scores with
     # its own hooks and adds their load-balancing loss itself, exact per example
     # (train.router_aux_loss_coef, raypack/train/router_loss.py).
+    return _ready(model, gradient_checkpointing)
+
+
+def _ready(model, gradient_checkpointing: str | bool):
+    """Cache off, train mode, checkpointing as asked: how every loaded model leaves load_model."""
     model.config.use_cache = False
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.use_cache = False

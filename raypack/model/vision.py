@@ -35,7 +35,7 @@ import copy
 import inspect
 
 import torch
-from transformers import AutoModelForImageTextToText, PretrainedConfig
+from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConfig
 
 from raypack.model import attention as attn
 from raypack.model.traits import PADDED, UnsupportedModelError, check_packable
@@ -49,13 +49,62 @@ def is_vlm(config: PretrainedConfig) -> bool:
     return getattr(config, "vision_config", None) is not None and getattr(config, "text_config", None) is not None
 
 
+def vlm_class(config: PretrainedConfig):
+    """AutoModelForImageTextToText where transformers has an image-text-to-text class for `config`
+    (what raypack trains a VLM as), else None."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    return AutoModelForImageTextToText if type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING else None
+
+
 def training_refusal(config: PretrainedConfig) -> str:
-    """What to add to the refusal of a model raypack train can't load, where it is a VLM: the
-    packed path is exact here, but the training pipeline doesn't carry images to it yet."""
+    """What to add to the refusal of a model raypack train can't load, where it is a VLM that
+    transformers has no image-text-to-text class for (those raypack trains: `vlm_class`)."""
     if not is_vlm(config):
         return ""
-    return (": it is a vision-language model, which raypack packs exactly at the model level "
-            "(raypack/model/vision.py) but whose images `raypack train` doesn't carry yet (docs/guides/vision.md)")
+    return (": it is a vision-language model without an AutoModelForImageTextToText class, the kind raypack "
+            "trains images with (docs/guides/vision.md)")
+
+
+TINY_VLMS = ("tiny-qwen2_5_vl",)
+"""`model.name`s of tiny VLMs built from a config (random init), sized by the bundled processor
+(raypack/assets/vlm_processor, which `tokenize.tokenizer` must then name)."""
+
+
+def tiny_config(name: str) -> PretrainedConfig:
+    """The config of a TINY_VLMS name: `tiny_vlm_config` over the bundled processor."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    from raypack.config import ASSETS
+
+    if name not in TINY_VLMS:
+        raise ValueError(f"unknown tiny VLM {name!r}; expected one of {', '.join(TINY_VLMS)}")
+    folder = ASSETS / "vlm_processor"
+    return tiny_vlm_config(AutoImageProcessor.from_pretrained(folder), AutoTokenizer.from_pretrained(folder))
+
+
+def load_vlm(source, attention: str, dtype: torch.dtype, trust_remote_code: bool = False, name: str = "",
+             check: bool = True):
+    """A VLM for training (`build.load_model`'s VLM branch): built from a config (`source` a
+    PretrainedConfig) or loaded from a checkpoint (a name or folder), raypack's attention in the
+    language model unless `attention` is sdpa/eager (padded batches), refused where packing it
+    isn't exact (`check`), with padding masks refused and token mixers kept exact as for text models."""
+    from raypack.model import mixers
+    from raypack.model.traits import decoder
+
+    packed = attention not in ("sdpa", "eager")
+    if isinstance(source, PretrainedConfig):
+        model = build_vlm(source, attention, dtype, check=False)
+    else:
+        model = AutoModelForImageTextToText.from_pretrained(
+            source, attn_implementation=attn_implementation(AutoConfig.from_pretrained(source), attention),
+            dtype=dtype, trust_remote_code=trust_remote_code)  # fmt: skip
+    if packed and check:
+        check_vlm_packable(model, name or type(model.config).__name__, attention)
+    if packed:
+        attn.refuse_padding_masks(model)
+        mixers.install(decoder(model))
+    return model
 
 
 def attn_implementation(config: PretrainedConfig, attention: str) -> dict[str, str]:
@@ -81,9 +130,11 @@ def build_vlm(config: PretrainedConfig, attention: str = "sdpa_varlen", dtype: t
     return model
 
 
-def check_vlm_packable(model: torch.nn.Module, name: str, attention: str = "sdpa_varlen") -> None:
+def check_vlm_packable(model: torch.nn.Module, name: str, attention: str = "sdpa_varlen",
+                       backends: tuple[str, ...] | None = None) -> None:
     """Raise UnsupportedModelError unless a packed row of image+text examples trains `model`
-    exactly: no bidirectional image-token mask, and a language model `check_packable` accepts."""
+    exactly: no bidirectional image-token mask, and a language model `check_packable` accepts
+    (with `backends`, the attention backends it may run; default: `attention`'s on the CPU)."""
     params = inspect.signature(type(model).forward).parameters
     if "token_type_ids" in params:
         raise UnsupportedModelError(
@@ -91,7 +142,7 @@ def check_vlm_packable(model: torch.nn.Module, name: str, attention: str = "sdpa
             "uses to let an image's tokens attend to each other bidirectionally, a mask raypack's causal varlen "
             f"attention can't apply. Use a padded strategy instead ({PADDED}), which trains it with its own mask."
         )
-    check_packable(model, name, attn.candidate_backends(attention, "cpu"))
+    check_packable(model, name, attn.candidate_backends(attention, "cpu") if backends is None else backends)
 
 
 def _inner(model: torch.nn.Module) -> torch.nn.Module:
@@ -116,12 +167,15 @@ def uses_mrope(model: torch.nn.Module) -> bool:
     return found
 
 
+def image_token_id(config: PretrainedConfig) -> int:
+    """The id of the token each image's features replace."""
+    image = getattr(config, "image_token_id", None)
+    return config.image_token_index if image is None else image
+
+
 def token_types(config: PretrainedConfig, input_ids: torch.Tensor) -> torch.Tensor:
     """0 for text, 1 for image tokens (what `get_rope_index` reads as mm_token_type_ids)."""
-    image = getattr(config, "image_token_id", None)
-    if image is None:
-        image = config.image_token_index
-    return (input_ids == image).to(torch.int32)
+    return (input_ids == image_token_id(config)).to(torch.int32)
 
 
 def example_positions(model: torch.nn.Module, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None):
@@ -207,6 +261,18 @@ def freeze(model: torch.nn.Module, what: tuple[str, ...]) -> list[str]:
         if name in names:
             p.requires_grad_(False)
     return sorted(names)
+
+
+class ProcessorParts:
+    """A VLM's tokenizer and image processor, saved together where a trained model's folder is
+    written (the training loop's final `model/`), so AutoTokenizer and AutoImageProcessor load it."""
+
+    def __init__(self, tokenizer, image_processor):
+        self.tokenizer, self.image_processor = tokenizer, image_processor
+
+    def save_pretrained(self, folder) -> None:
+        self.tokenizer.save_pretrained(folder)
+        self.image_processor.save_pretrained(folder)
 
 
 def save_vlm(model: torch.nn.Module, folder, image_processor, tokenizer) -> None:

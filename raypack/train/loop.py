@@ -46,8 +46,8 @@ import torch.distributed as dist
 from transformers.integrations import HfDeepSpeedConfig
 
 from raypack.config import Config
-from raypack.data.encode import load_tokenizer
-from raypack.data.shards import Prepared, iter_epoch_packs, iter_rank_packs
+from raypack.data.encode import load_image_processor, load_tokenizer
+from raypack.data.shards import Prepared, iter_epoch_packs, iter_rank_packs, rank_images
 from raypack.model.adapters import apply_adapters, frozen_digest, quantization_config, trainable_summary
 from raypack.model.build import load_model
 from raypack.model.checkpointing import check_selective
@@ -56,6 +56,7 @@ from raypack.model.kernels import (apply_kernels, check_compiled, checkpoint_off
 from raypack.model.ulysses import SequenceGroup, sequence_parallel
 from raypack.model import mixers
 from raypack.model.traits import decoder
+from raypack.model.vision import ProcessorParts, freeze, is_vlm
 from raypack.train.engine import deepspeed_config, model_dtype, setup_engine, skip_shm_build
 from raypack.train.handoff import receive
 from raypack.train.checkpoint import TrainState, report_and_checkpoint, restore
@@ -72,6 +73,7 @@ from raypack.train.startup import Startup
 from raypack.train.stepvalues import HostCounts, Pending, StepTimer
 from raypack.train.stop import StopWatch
 from raypack.train.tracking import Trackers, TrackingTargets
+from raypack.train.vision_rows import VisionRows
 
 # --- setup --------------------------------------------------------------------------------------
 
@@ -106,6 +108,10 @@ def setup(cfg: Config, data: Prepared, world_size: int, clock: Startup | None = 
     if rank == 0 and not data.padded and (found := mixers.find(decoder(model))):
         device_type = "cuda" if cfg.train.use_gpu else "cpu"
         print(f"[raypack] token mixers besides attention: {mixers.describe(found, device_type)}", flush=True)
+    if m.freeze:  # a VLM's tower and/or projector (preflight refused it for a model without them)
+        frozen = freeze(model, m.freeze)
+        if rank == 0:
+            print(f"[raypack] model.freeze: {', '.join(m.freeze)} ({len(frozen)} weights) frozen", flush=True)
     # before adapters wrap its modules
     apply_kernels(model, m.kernels, "cuda" if cfg.train.use_gpu else "cpu", compiled=cfg.train.compile)
     if m.peft.enabled:
@@ -215,14 +221,15 @@ def train_step(engine, step: StepBatch, loss: CausalLMLoss, counts: HostCounts, 
 
 
 @torch.no_grad()
-def evaluate(engine, data: Prepared, group: SequenceGroup, loss: CausalLMLoss) -> float | None:
-    """Token-mean loss over the held-out packs of every rank (of every group's shards)."""
+def evaluate(engine, data: Prepared, group: SequenceGroup, loss: CausalLMLoss, collate=prepare_step) -> float | None:
+    """Token-mean loss over the held-out packs of every rank (of every group's shards). `collate`:
+    prefetch.prepare_step, or a VLM run's (the worker's `collate`)."""
     if not data.eval_dir:
         return None
     engine.eval()
     total, labels = torch.zeros((), dtype=torch.float64, device=engine.device), 0
     rows = functools.partial(iter_rank_packs, data.eval_dir, data_rank(dist.get_rank(), group.size))
-    with _steps(data, engine.device, group, rows, 1) as steps:
+    with _steps(data, engine.device, group, rows, 1, collate) as steps:
         for step in steps:
             labels += step.label_tokens
             total += loss(engine, to_device(step.batches[0], engine.device))  # no sync per batch
@@ -275,6 +282,8 @@ class Worker:
     """This start-up's marks, the driver's and this worker's (raypack/train/startup.py)."""
     stop: StopWatch = field(default_factory=StopWatch)
     """Whether the run stops early (a signal to the driver, a node's preemption): raypack/train/stop.py."""
+    collate: Any = prepare_step
+    """Rows -> a step's micro-batches: prefetch.prepare_step, with a VLM run's images (`vision_step`)."""
 
     @property
     def data_rank(self) -> int:
@@ -343,6 +352,8 @@ def setup_worker(config: dict) -> Worker:
               f"{counts['total_params']:,} ({counts['trainable_params'] / counts['total_params']:.2%}); the base is frozen",
               flush=True)
     tokenizer = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template) if rank == 0 else None
+    if tokenizer is not None and is_vlm(engine.module.config):  # the final model/ gets its image processor too
+        tokenizer = ProcessorParts(tokenizer, load_image_processor(cfg.tokenize.tokenizer))
     group = make_groups(t.sequence_parallel)
     if router is not None and rank == 0:
         print(f"[raypack] router load-balancing loss: {router.describe()}", flush=True)
@@ -350,10 +361,21 @@ def setup_worker(config: dict) -> Worker:
     if rank == 0 and group.size > 1:
         print(f"[raypack] sequence parallel: {world} workers in {world // group.size} groups of {group.size}; each "
               f"row's tokens split {group.size} ways, at most {-(-cfg.pack.budget // group.size)} a worker", flush=True)
+    collate = vision_step(engine.module, cfg, data, data_rank(rank, group.size))
     clock.mark("setup")
     return Worker(cfg, data, rank, engine, scheduler, loss, state, reporter, total_steps, config, group, router,
                   tokenizer, host_counts, clock=clock, stop=StopWatch(config.get("stop_key"), rank, t.stop_checkpoint_after_s,
-                                                           checkpoint_step=state.step))
+                                                           checkpoint_step=state.step), collate=collate)
+
+
+def vision_step(model, cfg: Config, data: Prepared, rank: int):
+    """prepare_step for a VLM's rows: each example's images (this rank's, looked up by example
+    id) and positions beside its tokens (raypack/train/vision_rows.py); prepare_step itself
+    for a text model."""
+    if not is_vlm(model.config):
+        return prepare_step
+    rows = VisionRows(model, rank_images(data, rank), cfg.tokenize.tokenizer)
+    return functools.partial(prepare_step, collate=rows)
 
 
 def setup_router(engine, cfg: Config, probe: dict[str, Any]) -> RouterLoss | None:
@@ -376,7 +398,7 @@ def train_epoch(w: Worker, epoch: int) -> None:
     # The plan gives every rank the same multiple of `accum` steps, so a short group is the epoch end.
     dpo = isinstance(w.loss, DPOLoss)
     collate = w.loss.prepare_step if dpo else functools.partial(
-        prepare_step, router_scope=w.router.scope if w.router is not None else None)
+        w.collate, router_scope=w.router.scope if w.router is not None else None)
     with _steps(w.data, w.engine.device, w.group, rows, accum, collate) as steps:
         while state.step < w.total_steps:
             t0 = time.perf_counter()
@@ -458,7 +480,7 @@ def after_step(w: Worker, epoch: int) -> None:
         if isinstance(w.loss, DPOLoss):  # eval_loss and TRL's eval_rewards/...
             extra.update(w.loss.evaluate(w.engine, w.data, w.data_rank))
         else:
-            extra["eval_loss"] = evaluate(w.engine, w.data, w.group, w.loss)
+            extra["eval_loss"] = evaluate(w.engine, w.data, w.group, w.loss, w.collate)
         w.reporter.exclude(time.perf_counter() - t_eval)
     metrics = w.reporter.summary(step, epoch, extra)
     if final:  # after the trackers had theirs: a dict of phases, not a scalar

@@ -98,9 +98,10 @@ def model_flops_per_token(model_config: Any, seq_len_sq_mean: float, seq_len_mea
     `seq_len_mean` when you have it; without it ctx = sqrt(seq_len_sq_mean) / 2, exact for equal
     lengths. Windowed layers are not discounted (an upper bound for sliding-window models).
     Frozen weights do their forward (2N) and pass gradients back through activations (2N), but
-    compute no weight gradient (the other 2N); the adapters train in full (6A).
+    compute no weight gradient (the other 2N); the adapters train in full (6A). A VLM counts its
+    language model's (the vision tower's work is left out: MFU counts text tokens' FLOPs).
     """
-    c = model_config
+    c = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     hidden, layers = c.hidden_size, c.num_hidden_layers
     heads = c.num_attention_heads
     kv_heads = getattr(c, "num_key_value_heads", None) or heads

@@ -49,13 +49,14 @@ class StepBatch:
 
 
 def prepare_step(group: list[dict[str, Any]], padded: bool = False, pad_token_id: int = 0, pin: bool = False,
-                 router_scope: str | None = None) -> StepBatch:
+                 router_scope: str | None = None, collate: Callable[..., dict[str, Any]] | None = None) -> StepBatch:
     """Collate each packed row of `group` into a micro-batch; pin its tensors when `pin`.
     `router_scope` (train.router_aux_loss, when the router loss is on): each token's unit too
-    (raypack/train/router_loss.py)."""
+    (raypack/train/router_loss.py). `collate`: collate_packed's stand-in (a VLM run's
+    `vision_collate.VisionRows`, which adds each row's images)."""
     batches = []
     for row in group:
-        batch = collate_packed([row], padded=padded, pad_token_id=pad_token_id)
+        batch = (collate or collate_packed)([row], padded=padded, pad_token_id=pad_token_id)
         batch.update(label_targets(batch["labels"]))
         if router_scope is not None:
             batch.update(batch_units(batch, router_scope))

@@ -44,7 +44,7 @@ from raypack.data.listing import Sources
 from raypack.data.shards import Prepared
 from raypack.data.sources import check_rows_here
 from raypack.data.strategies import STRATEGIES, check_strategies
-from raypack.errors import SourceError
+from raypack.errors import ConfigError, SourceError
 from raypack.runs import absolute_paths, run_dir
 
 ROW_CHECK_BYTES = 16 << 20
@@ -67,6 +67,8 @@ class Checked:
     """The model's vocabulary size: every token id must be below it (None: no model checked)."""
     prepared: Prepared | None = None
     """The run's packed data, if it was already made from this config and these sources."""
+    vision_model: bool = False
+    """model.name is a vision-language model (image rows train with their pictures)."""
 
 
 def preflight(cfg: Config, *, reprepare: bool = False) -> Checked:
@@ -77,14 +79,15 @@ def preflight(cfg: Config, *, reprepare: bool = False) -> Checked:
     bound = any(f in ("tokenized", "auto") for f in formats.values())
     if not bound:
         _check_rows(checked, None)
-    vocab = check_model_and_tokenizer(cfg, _tokenizer(cfg, checked.sources, formats))
+    vocab, vision_model = check_model_and_tokenizer(cfg, _tokenizer(cfg, checked.sources, formats))
     if bound:
         _check_rows(checked, vocab)
     from raypack.data.cache import packed_root, reusable  # Ray Data: imported once the cheap checks passed
 
     n = cfg.train.data_parallel
     prepared = reusable(cfg, n, packed_root(cfg, n, run_dir(cfg)), checked.sources, reprepare)
-    return Checked(cfg=cfg, sources=checked.sources, formats=formats, vocab_size=vocab, prepared=prepared)
+    return Checked(cfg=cfg, sources=checked.sources, formats=formats, vocab_size=vocab, prepared=prepared,
+                   vision_model=vision_model)
 
 
 def check_data(cfg: Config, *, rows: bool = True) -> Checked:
@@ -132,8 +135,9 @@ def _check_rows(checked: Checked, vocab_size: int | None) -> None:
         check_rows_here(checked.cfg.data, checked.sources, vocab_size)
 
 
-def check_model_and_tokenizer(cfg: Config, tok) -> int:
-    """The model's vocabulary size, once its config resolves and the tokenizer fits it."""
+def check_model_and_tokenizer(cfg: Config, tok) -> tuple[int, bool]:
+    """The model's vocabulary size, once its config resolves and the tokenizer fits it, and
+    whether it is a vision-language model."""
     from raypack.data.encode import TokenizeError
     from raypack.model.build import model_config, model_vocab_size  # torch: seconds
     from raypack.train.router_loss import check_router_setting
@@ -144,6 +148,7 @@ def check_model_and_tokenizer(cfg: Config, tok) -> int:
     check_packed_model(cfg, config)
     check_kernels(cfg, config)
     check_adapters(cfg, config)
+    check_freeze(cfg, config)
     check_router_setting(cfg.train, config, m.name)
     vocab = model_vocab_size(config)
     if len(tok) > vocab:
@@ -151,7 +156,7 @@ def check_model_and_tokenizer(cfg: Config, tok) -> int:
             f"tokenize.tokenizer {cfg.tokenize.tokenizer!r} has {len(tok)} tokens but model.name {m.name!r} "
             f"embeds {vocab}: ids {vocab} and up would index past the embedding; use the model's own tokenizer"
         )
-    return vocab
+    return vocab, getattr(config, "vision_config", None) is not None
 
 
 def check_packed_model(cfg: Config, config=None) -> None:
@@ -208,6 +213,19 @@ def check_adapters(cfg: Config, config) -> None:
         raise AdapterError("model.peft.method=qlora: needs the bitsandbytes package (pip install bitsandbytes)")
     model = apply_adapters(meta_model(config, cfg.model.trust_remote_code), p, cfg.model.name)
     CausalLMLoss(model, cfg.train.loss)
+
+
+def check_freeze(cfg: Config, config) -> None:
+    """model.freeze names parts the model has: a vision tower and/or a projector (on the meta device)."""
+    if not cfg.model.freeze:
+        return
+    from raypack.model.build import meta_model
+    from raypack.model.vision import is_vlm, parts
+
+    if not is_vlm(config):
+        raise ConfigError(f"model.freeze={list(cfg.model.freeze)}: model.name {cfg.model.name!r} is not a "
+                          "vision-language model; there is no vision tower or projector to freeze")
+    parts(meta_model(config, cfg.model.trust_remote_code))
 
 
 def source_formats(cfg: Config, sources: Sources) -> dict[str, str]:

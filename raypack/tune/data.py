@@ -73,8 +73,12 @@ def prepare_sweep_data(base: Config, sources: Sources, cache: str) -> SweepData:
     """Tokenize once per distinct tokenization, then plan and pack every (strategy, budget) the
     sweep can draw, into `cache`. Returns the equal-work batch sizes and what it cost. `sources`:
     the listing of `base.data.paths` (preflight's)."""
+    from raypack.model.build import model_config
+    from raypack.model.vision import is_vlm
+
     out = SweepData(cache=cache)
     ranks, accum = base.train.data_parallel, base.train.grad_accum
+    vision_model = is_vlm(model_config(base.model.name, base.model.trust_remote_code))
     tokenizations: dict[str, Any] = {}
     for strategy, budget in pack_configs(base):
         cfg = with_pack(base, cache, strategy, budget)
@@ -94,7 +98,7 @@ def prepare_sweep_data(base: Config, sources: Sources, cache: str) -> SweepData:
             out.batch_sizes[name] = equal_work_batch_size(budget, out.mean_length[budget])
             cfg = with_pack(base, cache, strategy, budget, out.batch_sizes[name])
         t0 = time.perf_counter()
-        prepared = prepare(cfg, ranks, packed_root(cfg, ranks, ""), sources, tok=tok)
+        prepared = prepare(cfg, ranks, packed_root(cfg, ranks, ""), sources, tok=tok, vision_model=vision_model)
         out.pack_s += time.perf_counter() - t0
         out.packed_configs += 1
         per_epoch = prepared.steps_per_rank // accum

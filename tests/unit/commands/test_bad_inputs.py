@@ -382,3 +382,34 @@ def test_a_tracker_that_cannot_work_here(tmp_path, capsys, no_ray, monkeypatch, 
     with pytest.raises(AssertionError, match="Ray was started"):  # a server that answers: on to Ray
         main(["train", f"run.storage_path={tmp_path / 'runs'}", "run.name=r", "train.mlflow=true"])
     assert server["paths"] == ["/health"]
+
+
+VLM_CONFIG = REPO / "jobs" / "configs" / "vlm_quickstart.yaml"
+
+
+@pytest.mark.parametrize("command", ["train", "data"])
+@pytest.mark.parametrize("case", ["missing image", "placeholders", "undecodable"])
+def test_bad_image_rows_name_the_file_and_line(tmp_path, capsys, no_ray, command, case):
+    """The three ways an image row goes bad, each one line naming the file and line, through
+    `raypack train` and `raypack data` on the VLM quickstart's config, before Ray starts."""
+    picture = (ASSETS / "vision_sample" / "images" / "000.png").read_bytes()
+    (tmp_path / "ok.png").write_bytes(picture)
+    (tmp_path / "bad.png").write_bytes(picture[:40])  # a PNG header and then nothing
+    good = {"messages": [{"role": "user", "content": "<image>What is it?"}, {"role": "assistant", "content": "A shape."}],
+            "images": ["ok.png"]}  # fmt: skip
+    bad = {
+        "missing image": {**good, "images": ["nowhere.png"]},
+        "placeholders": {**good, "images": ["ok.png", "ok.png"]},
+        "undecodable": {**good, "images": ["bad.png"]},
+    }[case]
+    path = jsonl(tmp_path / "vision.jsonl", good, good, bad, good)
+    err = train(tmp_path, capsys, f"data.paths=[{path}]", "--config", str(VLM_CONFIG), command=command)
+    assert f"{path} line 3: " in err
+    assert {"missing image": f"image 'nowhere.png' can't be read: no such file '{tmp_path / 'nowhere.png'}'",
+            "placeholders": "1 <image> placeholder(s) in messages but 2 image(s) in 'images'",
+            "undecodable": "image 'bad.png' is not a decodable image"}[case] in err  # fmt: skip
+
+
+def test_freezing_a_vision_tower_a_text_model_lacks(tmp_path, capsys, no_ray):
+    err = train(tmp_path, capsys, "model.freeze=[vision]", "--config", str(REPO / "jobs" / "configs" / "tiny_cpu.yaml"))
+    assert "model.freeze=['vision']: model.name 'tiny-llama' is not a vision-language model" in err

@@ -220,7 +220,8 @@ def test_call_drops_internal_columns_and_reports_counts():
     enc = Encoder(TOK, None, "auto", "drop", 32, report=lambda key, c: seen.update({key: c}))
     recs = [{"prompt": "a " * n, "completion": "b " * n} for n in (3, 40, 5)]
     out = enc(batch(recs, "completion"))
-    assert out.schema.names == ["example_id", "input_ids", "labels", "length"] and out.num_rows == 2
+    assert out.schema.names == ["example_id", "input_ids", "labels", "length", "images", "image_grid_thw"]
+    assert out.num_rows == 2 and out["images"].null_count == 2  # text rows: no images
     ((key, c),) = seen.items()
     assert key == (0, 3) and c["dropped"] == 1 and c["lengths"].tolist() == out["length"].to_pylist()
     assert c["label_tokens"] == sum(x != IGNORE for l in out["labels"].to_pylist() for x in l[1:])
@@ -276,3 +277,37 @@ def test_label_tokens_lost_are_counted_by_cause(overlength):
     cause = {"drop": "over_length", "truncate": "truncated", "split": "split"}[overlength]
     assert c["label_tokens_lost"] == {"over_length": 0, "truncated": 0, "split": 0, cause: lost}
     assert c["label_tokens"] == 9 + 49 - lost
+
+
+@pytest.mark.parametrize("overlength", ["truncate", "split", "drop"])
+def test_vision_rows_count_their_image_tokens_and_stay_whole(overlength):
+    """A vision row (the source stage's, raypack/data/images.py) encodes with the processor found
+    beside the tokenizer: its length and the counts include its image tokens, its images travel
+    with it; one over the length limit is dropped whole under every policy (a cut would separate
+    images from the positions that count them)."""
+    from raypack.data.encode import counts, kept_rows
+    from raypack.data.listing import list_sources, read_units
+
+    processor = ASSETS / "vlm_processor"
+    units = read_units(list_sources((str(ASSETS / "vision_sample" / "vision.jsonl"),)))
+    rows = sources.read_unit({k: [units[0][k]] for k in units[0]}, "auto").slice(0, 6).drop_columns(["error", "fatal"])
+    pad = AutoTokenizer.from_pretrained(processor).convert_tokens_to_ids("<|image_pad|>")
+    full = Encoder(str(processor), None, "auto", overlength, 4096).encode_table(rows)
+    limit = sorted(full["length"].to_pylist())[3]  # the two longest are over it
+    table = Encoder(str(processor), None, "auto", overlength, limit).encode_table(rows)
+    c, kept = counts(table), kept_rows(table)
+    assert kept.num_rows == 4 and c["dropped"] == 2 and c["truncated"] == c["split"] == 0
+    whole = {r["example_id"]: r for r in full.to_pylist()}
+    for r in kept.to_pylist():
+        assert r["input_ids"] == whole[r["example_id"]]["input_ids"] and r["images"] == whole[r["example_id"]]["images"]
+    assert c["image_tokens"] == sum(ids.count(pad) for ids in kept["input_ids"].to_pylist()) > 0
+    assert c["images"] == 4 and c["vision_patches"] == 4 * c["image_tokens"]  # merge_size 2: 4 patches a token
+
+
+def test_vision_rows_refuse_label_masks_they_have_no_path_for():
+    from raypack.data.listing import list_sources, read_units
+
+    units = read_units(list_sources((str(ASSETS / "vision_sample" / "vision.jsonl"),)))
+    rows = sources.read_unit({k: [units[0][k]] for k in units[0]}, "auto").slice(0, 2).drop_columns(["error", "fatal"])
+    with pytest.raises(TokenizeError, match=r"tokenize.label_mask=all: image rows train on the assistant's tokens"):
+        Encoder(str(ASSETS / "vlm_processor"), None, "all", "drop", 512).encode_table(rows)

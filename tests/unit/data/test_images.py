@@ -108,15 +108,23 @@ def test_an_image_processor_without_grids_is_refused(parts):
         ImageTokenizer(Pictures(), tokenizer)
 
 
-@pytest.mark.parametrize("name", ["vision.jsonl", "vision_pairs.jsonl"])
-def test_the_text_pipeline_refuses_image_rows_naming_file_and_line(name):
-    """Until training feeds images, an image row is a bad row of the text pipeline (which stops at
-    the first, data.on_bad_rows=error) rather than training as text without its pictures."""
+def test_the_source_stage_reads_both_layouts_into_the_same_vision_rows():
+    """Read where Ray Data reads the text (sources.read_unit): each image row becomes a `vision`
+    row holding its messages in parts and its images' bytes as in the files, the same from
+    either layout; a text chat row beside them stays a chat row."""
     from raypack.data import sources
     from raypack.data.listing import list_sources, read_units
 
-    units = read_units(list_sources((str(SAMPLE / name),)))
-    rows = [r for u in units for r in sources.read_unit({k: [u[k]] for k in u}, "auto").to_pylist()]
-    assert len(rows) == 36
-    assert all("image data: raypack's training pipeline doesn't feed images" in r["error"] for r in rows)
-    assert f"{name} line 1: " in rows[0]["error"], rows[0]["error"]
+    read = {}
+    for name in ("vision.jsonl", "vision_pairs.jsonl"):
+        units = read_units(list_sources((str(SAMPLE / name),)))
+        read[name] = [r for u in units for r in sources.read_unit({k: [u[k]] for k in u}, "auto").to_pylist()]
+    rows, pairs = read["vision.jsonl"], read["vision_pairs.jsonl"]
+    assert len(rows) == 36 and all(r["format"] == "vision" and r["error"] is None for r in rows)
+    for row, pair, rec in zip(rows, pairs, _records("vision.jsonl")):
+        assert (row["vision_messages"], row["images"]) == (pair["vision_messages"], pair["images"])
+        _, paths = image_messages(rec, "")
+        assert row["images"] == [(SAMPLE / p).read_bytes() for p in paths]
+        assert json.loads(row["vision_messages"])[0]["content"][0] == {"type": "image"}
+    text = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    assert sources.validate(text, "chat")["messages"][0]["content"] == "hi"

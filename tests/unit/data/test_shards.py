@@ -113,3 +113,30 @@ def test_unexpected_layout_or_missing_rows_are_errors(tmp_path):
 def test_group_steps_aim_at_a_few_megabytes():
     assert group_steps_for(4096, 1) == 64 and group_steps_for(32768, 1) == 8 and group_steps_for(131072, 4) == 1
     assert group_steps_for(512, 2) == 64
+
+
+def test_each_rank_reads_the_images_of_its_own_examples_only(tmp_path):
+    """prepare.write_images keeps the vision rows' images by example_id beside the packed rows;
+    rank_images gives a rank those of the examples its train and eval rows name, none else."""
+    import pyarrow.parquet as pq
+
+    from raypack.data.prepare import write_images
+    from raypack.data.shards import rank_images
+
+    images = [[b"a"], None, [b"c1", b"c2"], [b"d"]]  # example 1 is a text row
+    grids = [[1, 2, 2], None, [1, 2, 2, 1, 4, 4], [1, 2, 2]]
+    tokenized = tmp_path / "tokenized.parquet"
+    pq.write_table(pa.table({"example_id": pa.array([0, 1024, 2048, 3072], pa.int64()),
+                             "images": pa.array(images, pa.list_(pa.binary())),
+                             "image_grid_thw": pa.array(grids, pa.list_(pa.int32()))}), tokenized)  # fmt: skip
+    folder = write_images([(str(tokenized), 0)], str(tmp_path / "images"))
+    named = {("train", 0): [[0, 1024]], ("train", 1): [[2048]], ("eval", 0): [[3072]], ("eval", 1): [[]]}
+    for (split, rank), rows in named.items():
+        (tmp_path / split / f"rank={rank}").mkdir(parents=True)
+        pq.write_table(pa.table({"example_ids": pa.array(rows, pa.list_(pa.int64()))}),
+                       tmp_path / split / f"rank={rank}" / "part-000000.parquet")  # fmt: skip
+    data = dataclasses.replace(_prepared(tmp_path / "train", 1, 1, 1), eval_dir=str(tmp_path / "eval"),
+                               images_dir=folder)  # fmt: skip
+    assert rank_images(data, 0) == {0: ([b"a"], [1, 2, 2]), 3072: ([b"d"], [1, 2, 2])}
+    assert rank_images(data, 1) == {2048: ([b"c1", b"c2"], [1, 2, 2, 1, 4, 4])}
+    assert rank_images(dataclasses.replace(data, images_dir=None), 0) == {}

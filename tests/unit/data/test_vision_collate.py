@@ -4,8 +4,8 @@ collated with each example's own positions, train a tiny Qwen2.5-VL for three Ad
 same losses and weights as every example run alone through the model's own forward (pad: one
 example a micro-batch), the loss in both the sum of token losses over the step's label tokens.
 
-The two ranks are simulated in one process (each step sums both ranks' packs); Ray Train does not
-run VLMs yet (docs/guides/vision.md).
+The two ranks are simulated in one process (each step sums both ranks' packs); the same on two
+Ray Train workers, through the loop's collate (VisionRows): tests/ray/train/test_loop_vision.py.
 """
 
 from __future__ import annotations

@@ -185,13 +185,17 @@ def test_mrope_without_get_rope_index_is_refused():
         example_positions(Wrapper(model), torch.arange(5), torch.tensor([[1, 4, 4]]))
 
 
-def test_raypack_train_refuses_a_vlm_before_training():
-    """`raypack train` can't carry images yet: its model check (preflight) refuses a VLM config,
-    saying what is done and where."""
+def test_the_drivers_model_check_takes_packable_vlms_and_refuses_the_rest():
+    """`raypack train`'s model check (preflight, meta device) takes a VLM that packs exactly and
+    refuses one that doesn't for packed strategies, before any data or worker work; `pad` (its
+    own mask) takes both."""
     from raypack.model.build import check_model
 
-    with pytest.raises(UnsupportedModelError, match=r"is not a causal language model here: it is a vision-language"):
-        check_model(VLM_FAMILIES["qwen2_5_vl"].build_config(), attention="auto", device_type="cpu")
+    check_model(VLM_FAMILIES["qwen2_5_vl"].build_config(), attention="auto", device_type="cpu")
+    gemma = VLM_FAMILIES["gemma3"].build_config()
+    with pytest.raises(UnsupportedModelError, match=r"token_type_ids.*bidirectionally"):
+        check_model(gemma, attention="auto", device_type="cpu", name="gemma3")
+    check_model(gemma, attention="sdpa", device_type="cpu", packed=False)
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava_siglip", "idefics3"])

@@ -1,0 +1,61 @@
+"""A VLM run's micro-batches on the worker: packed rows and their examples' images -> model kwargs.
+
+The packed rows are the text pipeline's (raypack/data/pack.py), naming their examples in
+`example_ids`; the images wait beside them by example id (`shards.rank_images`). `VisionRows`
+is the collate `prefetch.prepare_step` runs for a VLM (raypack/train/loop.py: `vision_step`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from raypack.data.collate import example_starts
+from raypack.data.encode import load_image_processor, load_tokenizer
+from raypack.data.formats import row_labels
+from raypack.data.images import ImageTokenizer
+from raypack.data.vision_collate import collate_vision_packed, collate_vision_padded
+from raypack.model.vision import example_positions, image_token_id
+
+
+class VisionRows:
+    """The worker's collate for a VLM run: packed rows (their `example_ids`) -> one micro-batch,
+    each example's images looked up by id (`shards.rank_images`) and processed again from their
+    encoded bytes, its positions the model's own for it alone (`vision.example_positions`):
+
+        packed   collate_vision_packed: one [1, T] row, 4-row mRoPE positions, cu_seq_lens
+        padded   one example a row, right-padded, with an attention_mask and no position_ids:
+                 the model builds its own positions (get_rope_index) as for any padded batch
+
+    Examples are found as `collate.collate_packed` finds them (positions restart at 0), one per
+    id in `example_ids`: vision rows are never split (prepare refuses strategies that split)."""
+
+    def __init__(self, model, images: Mapping[int, tuple[list[bytes], list[int]]], processor: str):
+        self.model, self.images = model, images
+        self.tokenize = ImageTokenizer(load_image_processor(processor), load_tokenizer(processor))
+
+    def examples(self, rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        out = []
+        for row in rows:
+            ids, labels = torch.as_tensor(row["input_ids"]).long(), torch.as_tensor(row_labels(row)).long()
+            bounds = [*example_starts(row["position_ids"]).tolist(), len(ids)]
+            names = list(row["example_ids"]) or [None]  # an empty pack: one pad token, no example
+            if len(names) != len(bounds) - 1:
+                raise ValueError(f"a packed row holds {len(names)} example ids but {len(bounds) - 1} examples")
+            for eid, lo, hi in zip(names, bounds[:-1], bounds[1:]):
+                blobs, grid = self.images.get(eid, ([], []))
+                pixels = self.tokenize.example_pixels(
+                    {"images": blobs, "image_grid_thw": torch.tensor(grid).reshape(-1, 3).tolist()}, f"example {eid}")
+                grid_t = torch.as_tensor(pixels["image_grid_thw"]) if pixels else None
+                out.append({"input_ids": ids[lo:hi], "labels": labels[lo:hi], "image_grid_thw": grid_t,
+                            "pixel_values": torch.as_tensor(pixels["pixel_values"]) if pixels else None,
+                            "position_ids": example_positions(self.model, ids[lo:hi], grid_t)})  # fmt: skip
+        return out
+
+    def __call__(self, rows: Sequence[Mapping[str, Any]], padded: bool = False, pad_token_id: int = 0) -> dict[str, Any]:
+        examples = self.examples(rows)
+        if not padded:
+            return collate_vision_packed(examples)
+        return collate_vision_padded(examples, image_token_id(self.model.config), pad_token_id)
