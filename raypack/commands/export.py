@@ -15,6 +15,7 @@ raypack/train/export.py.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from raypack.train.export import Exported, export
 
@@ -33,8 +34,13 @@ def how_to_load(done: Exported) -> list[str]:
     lines = []
     if "model" in done.folders:
         m = f"{done.out}/model"
-        lines += [f'transformers: AutoModelForCausalLM.from_pretrained("{m}"), AutoTokenizer.from_pretrained("{m}")',
-                  f"chat:         raypack chat {m}"]
+        if Path(m, "preprocessor_config.json").exists():  # a vision-language model, its image processor beside it
+            lines += [f'transformers: AutoModelForImageTextToText.from_pretrained("{m}"), '
+                      f'AutoTokenizer.from_pretrained("{m}"), AutoImageProcessor.from_pretrained("{m}")',
+                      f"chat:         raypack chat {m} --image PICTURE"]
+        else:
+            lines += [f'transformers: AutoModelForCausalLM.from_pretrained("{m}"), AutoTokenizer.from_pretrained("{m}")',
+                      f"chat:         raypack chat {m}"]
     if "adapter" in done.folders:
         base = f'AutoModelForCausalLM.from_pretrained("{done.base}")' if done.base else "<the base model>"
         lines.append(f'peft:         PeftModel.from_pretrained({base}, "{done.out}/adapter")')

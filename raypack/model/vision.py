@@ -270,6 +270,9 @@ class ProcessorParts:
     def __init__(self, tokenizer, image_processor):
         self.tokenizer, self.image_processor = tokenizer, image_processor
 
+    def __len__(self) -> int:  # the vocabulary, as a tokenizer's (what sizes the embeddings)
+        return len(self.tokenizer)
+
     def save_pretrained(self, folder) -> None:
         self.tokenizer.save_pretrained(folder)
         self.image_processor.save_pretrained(folder)

@@ -244,3 +244,29 @@ def test_chat_on_an_unfinished_run_exports_its_last_checkpoint_first(full_run, t
     finished = capsys.readouterr()
     assert f"[raypack] loading {checkpoints(full_run)[4]}/model" in finished.err
     assert unfinished.out == finished.out and unfinished.out.strip()
+
+
+def test_a_vlm_run_exports_with_its_image_processor_and_chats_about_a_picture(ray_local, runs_dir, tmp_path, capsys):
+    """The tiny VLM quickstart, two steps: its last checkpoint's export is the final model/ bit for
+    bit, with the image processor beside the tokenizer, and loads with AutoModelForImageTextToText."""
+    from safetensors.torch import load_file
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    from raypack.train import trainer
+
+    cfg = load(REPO / "jobs" / "configs" / "vlm_quickstart.yaml", [
+        f"run.storage_path={runs_dir}", f"run.name=vlm-{uuid.uuid4().hex[:6]}", "train.max_steps=2",
+        "train.checkpoint_every_steps=2", "data.eval_fraction=0",
+    ])  # fmt: skip
+    run = Path(trainer.start(cfg).root)
+    code, out, err = export(capsys, run, "--out", tmp_path / "vlm")
+    assert code == 0, err
+    model = tmp_path / "vlm" / "model"
+    assert f'AutoModelForImageTextToText.from_pretrained("{model}")' in out and "--image" in out
+    ours, final = load_file(model / "model.safetensors"), load_file(checkpoints(run)[2] / "model" / "model.safetensors")
+    assert ours.keys() == final.keys() and all(torch.equal(ours[k], final[k]) for k in ours)
+    assert type(AutoModelForImageTextToText.from_pretrained(model)).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert AutoImageProcessor.from_pretrained(model).merge_size == 2
+    picture = REPO / "raypack" / "assets" / "vision_sample" / "images" / "000.png"
+    assert main(["chat", str(model), "--image", str(picture), "--prompt", "Describe the picture.",
+                 "--temperature", "0", "--max-new-tokens", "4"]) == 0
