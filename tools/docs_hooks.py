@@ -119,7 +119,7 @@ ACTIVITIES = [
     ("Sweeping", ("raypack/tune/", "raypack/commands/sweep.py")),
     ("Other commands", ("raypack/",)),
 ]
-EXPORT_MODULES = ("raypack/train/export.py", "raypack/model/chat.py")
+EXPORT_MODULES = ("raypack/train/export.py", "raypack/train/chat.py")
 
 
 def collect_errors() -> list[tuple[str, int, str]]:

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from raypack import runs, storage
-from raypack.model.chat import Chat, ChatError, model_folder
+from raypack.train.chat import Chat, ChatError, model_folder
 from raypack.train.stop import signal_of
 
 USER, ASSISTANT = "user> ", "assistant> "

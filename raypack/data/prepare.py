@@ -147,8 +147,10 @@ def check_images_trainable(cfg: Config, stats: dict[str, Any], vision_model: boo
 
     where = f"data.paths: {stats['images']} images in {stats.get('formats', {}).get('vision', 0)} vision rows"
     if not vision_model:
-        raise InputError(f"{where}, but model.name {cfg.model.name!r} is a text-only model: it would train without "
-                         "the pictures; use a vision-language model (e.g. tiny-qwen2_5_vl, docs/guides/vision.md)")
+        raise InputError(f"{where}, but model.name {cfg.model.name!r} trains as a text-only model (no vision tower, "
+                         "or a checkpoint transformers loads as its causal LM, as Qwen3.5's and Gemma 3's): it would "
+                         "train without the pictures; use a vision-language model raypack trains on images (e.g. "
+                         "tiny-qwen2_5_vl, docs/guides/vision.md)")
     if STRATEGIES[cfg.pack.strategy].splits_examples:
         raise InputError(f"{where}: pack.strategy={cfg.pack.strategy} splits examples across rows, which would cut "
                          "images from the tokens their positions count; use a strategy that keeps examples whole")

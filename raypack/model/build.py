@@ -186,7 +186,7 @@ def check_model(
     train.sequence_parallel its heads must divide by; `compiled`: train.compile."""
     config, default_name, _ = _config(name_or_config, trust_remote_code, vocab_size)
     name = name or default_name
-    if vision.is_vlm(config) and vision.vlm_class(config) is not None:
+    if vision.trains_as_vlm(config):
         if packed:
             backends = () if attention in ("sdpa", "eager") else attn.candidate_backends(attention, device_type)
             vision.check_vlm_packable(meta_model(config, trust_remote_code), name, backends=backends)
@@ -240,7 +240,7 @@ def load_model(
 
     packed = impl in attn.BACKEND_OF
     zero3 = is_deepspeed_zero3_enabled()
-    if vision.is_vlm(config) and vision.vlm_class(config) is not None:
+    if vision.trains_as_vlm(config):
         if quantization is not None:
             raise InputError(f"model.name {name!r}: QLoRA on a vision-language model is not supported yet")
         model = vision.load_vlm(source if pretrained else config, attention, torch_dtype, trust_remote_code,

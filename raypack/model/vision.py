@@ -50,11 +50,22 @@ def is_vlm(config: PretrainedConfig) -> bool:
 
 
 def vlm_class(config: PretrainedConfig):
-    """AutoModelForImageTextToText where transformers has an image-text-to-text class for `config`
-    (what raypack trains a VLM as), else None."""
+    """AutoModelForImageTextToText where raypack trains `config` as a VLM, else None: where
+    transformers has an image-text-to-text class for it and no causal-LM class. A config with both
+    (Qwen3.5, Gemma 3 and 4, published as multimodal checkpoints) trains as transformers' causal LM
+    for it loads it: its text model, on text data, exact as the text families are (a Gemma 3
+    checkpoint's bidirectional image mask never meets a packed row)."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
-    return AutoModelForImageTextToText if type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING else None
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING or type(config) not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        return None
+    return AutoModelForImageTextToText
+
+
+def trains_as_vlm(config: PretrainedConfig) -> bool:
+    """Whether a run of `config` trains a VLM, images and all (`vlm_class`)."""
+    return is_vlm(config) and vlm_class(config) is not None
 
 
 def training_refusal(config: PretrainedConfig) -> str:

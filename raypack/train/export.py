@@ -43,7 +43,7 @@ from raypack.data.encode import load_image_processor, load_tokenizer
 from raypack.errors import ConfigError, InputError
 from raypack.model.adapters import apply_adapters, expected_digests, save_adapted
 from raypack.model.build import load_model, meta_model, model_config, resolve_dtype
-from raypack.model.vision import ProcessorParts, is_vlm
+from raypack.model.vision import ProcessorParts, trains_as_vlm
 from raypack.train.checkpoint import CKPT_TAG, Saved, read_saved
 
 EXPORT_INFO = "raypack_export.json"
@@ -172,7 +172,7 @@ def export(
     # a failed or interrupted export leaves nothing a second try would refuse.
     with staged(out) as staging:
         tokenizer = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template)
-        if is_vlm(model_config(cfg.model.name, cfg.model.trust_remote_code, vocab_size=len(tokenizer))):
+        if trains_as_vlm(model_config(cfg.model.name, cfg.model.trust_remote_code, vocab_size=len(tokenizer))):
             # the image processor beside the tokenizer, as the run's final model/ has it
             tokenizer = ProcessorParts(tokenizer, load_image_processor(cfg.tokenize.tokenizer))
         with local_checkpoint(root, chosen.name) as folder:

@@ -56,7 +56,7 @@ from raypack.model.kernels import (apply_kernels, check_compiled, checkpoint_off
 from raypack.model.ulysses import SequenceGroup, sequence_parallel
 from raypack.model import mixers
 from raypack.model.traits import decoder
-from raypack.model.vision import ProcessorParts, freeze, is_vlm
+from raypack.model.vision import ProcessorParts, freeze, trains_as_vlm
 from raypack.train.engine import deepspeed_config, model_dtype, setup_engine, skip_shm_build
 from raypack.train.handoff import receive
 from raypack.train.checkpoint import TrainState, report_and_checkpoint, restore
@@ -352,7 +352,7 @@ def setup_worker(config: dict) -> Worker:
               f"{counts['total_params']:,} ({counts['trainable_params'] / counts['total_params']:.2%}); the base is frozen",
               flush=True)
     tokenizer = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template) if rank == 0 else None
-    if tokenizer is not None and is_vlm(engine.module.config):  # the final model/ gets its image processor too
+    if tokenizer is not None and trains_as_vlm(engine.module.config):  # the final model/ gets its image processor too
         tokenizer = ProcessorParts(tokenizer, load_image_processor(cfg.tokenize.tokenizer))
     group = make_groups(t.sequence_parallel)
     if router is not None and rank == 0:
@@ -372,7 +372,7 @@ def vision_step(model, cfg: Config, data: Prepared, rank: int):
     """prepare_step for a VLM's rows: each example's images (this rank's, looked up by example
     id) and positions beside its tokens (raypack/train/vision_rows.py); prepare_step itself
     for a text model."""
-    if not is_vlm(model.config):
+    if not trains_as_vlm(model.config):
         return prepare_step
     rows = VisionRows(model, rank_images(data, rank), cfg.tokenize.tokenizer)
     return functools.partial(prepare_step, collate=rows)

@@ -137,9 +137,10 @@ def _check_rows(checked: Checked, vocab_size: int | None) -> None:
 
 def check_model_and_tokenizer(cfg: Config, tok) -> tuple[int, bool]:
     """The model's vocabulary size, once its config resolves and the tokenizer fits it, and
-    whether it is a vision-language model."""
+    whether it trains as a vision-language model (images: `vision.trains_as_vlm`)."""
     from raypack.data.encode import TokenizeError
     from raypack.model.build import model_config, model_vocab_size  # torch: seconds
+    from raypack.model.vision import trains_as_vlm
     from raypack.train.router_loss import check_router_setting
 
     m = cfg.model
@@ -156,7 +157,7 @@ def check_model_and_tokenizer(cfg: Config, tok) -> tuple[int, bool]:
             f"tokenize.tokenizer {cfg.tokenize.tokenizer!r} has {len(tok)} tokens but model.name {m.name!r} "
             f"embeds {vocab}: ids {vocab} and up would index past the embedding; use the model's own tokenizer"
         )
-    return vocab, getattr(config, "vision_config", None) is not None
+    return vocab, trains_as_vlm(config)
 
 
 def check_packed_model(cfg: Config, config=None) -> None:
@@ -220,9 +221,9 @@ def check_freeze(cfg: Config, config) -> None:
     if not cfg.model.freeze:
         return
     from raypack.model.build import meta_model
-    from raypack.model.vision import is_vlm, parts
+    from raypack.model.vision import parts, trains_as_vlm
 
-    if not is_vlm(config):
+    if not trains_as_vlm(config):
         raise ConfigError(f"model.freeze={list(cfg.model.freeze)}: model.name {cfg.model.name!r} is not a "
                           "vision-language model; there is no vision tower or projector to freeze")
     parts(meta_model(config, cfg.model.trust_remote_code))

@@ -74,11 +74,11 @@ def prepare_sweep_data(base: Config, sources: Sources, cache: str) -> SweepData:
     sweep can draw, into `cache`. Returns the equal-work batch sizes and what it cost. `sources`:
     the listing of `base.data.paths` (preflight's)."""
     from raypack.model.build import model_config
-    from raypack.model.vision import is_vlm
+    from raypack.model.vision import trains_as_vlm
 
     out = SweepData(cache=cache)
     ranks, accum = base.train.data_parallel, base.train.grad_accum
-    vision_model = is_vlm(model_config(base.model.name, base.model.trust_remote_code))
+    vision_model = trains_as_vlm(model_config(base.model.name, base.model.trust_remote_code))
     tokenizations: dict[str, Any] = {}
     for strategy, budget in pack_configs(base):
         cfg = with_pack(base, cache, strategy, budget)

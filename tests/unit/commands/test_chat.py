@@ -181,7 +181,7 @@ def test_a_folder_without_a_model_is_one_line(tmp_path, capsys):
 
 def test_an_empty_prompt_is_one_line_not_an_answer(model_dir, capsys, monkeypatch):
     from raypack.cli import main
-    from raypack.model.chat import Chat
+    from raypack.train.chat import Chat
 
     monkeypatch.setattr(Chat, "load", lambda *a, **k: pytest.fail("the model was loaded for an empty prompt"))
     for prompt in ("", "  \n"):
@@ -270,7 +270,7 @@ def test_image_prompt_answers_as_generate_does_with_the_image(vlm_dir, capsys):
 
 
 def test_an_image_in_the_conversation_stays_until_reset(vlm_dir):
-    from raypack.model.chat import Chat
+    from raypack.train.chat import Chat
 
     chat = Chat.load(vlm_dir, max_new_tokens=4, temperature=0)
     list(chat.send("What is it?", [str(IMAGE)]))
