@@ -164,7 +164,8 @@ def revisions_section(revs: list[str], runs: dict[str, list], rounds: int) -> li
            "| phase | " + " | ".join(f"`{r}`" for r in revs) + " |", "|---|" + "---|" * len(revs),
            *[f"| {k} | " + " | ".join(f"{med[r][k]:.1f}" for r in revs) + " |" for k in keys], ""]
     for i, r in enumerate(revs[1:], 1):
-        for base, what in ((revs[0], "the first"), (revs[i - 1], "the one before")) if i > 1 else ((revs[0], "the first"),):
+        bases = [(revs[0], "the first")] + ([(revs[i - 1], "the one before")] if i > 1 else [])
+        for base, what in bases:
             for k in (TOTAL, cpu):
                 per = ", ".join(f"{a[k] / b[k]:.2f}" for a, b in zip(runs[r], runs[base]))
                 out.append(f"- `{r}` over {what} (`{base}`), {k}: **{med[r][k] / med[base][k]:.2f}x** (rounds: {per})")
@@ -249,8 +250,8 @@ def compare_revisions(args, argv, rounds: int, started) -> int:
         for r in range(rounds):
             for rev in (args.revs if r % 2 == 0 else args.revs[::-1]):
                 runs[rev].append(raypack_train_at(rev, trees[rev], work, args))
-    lines = [*cpu_header(f"raypack train's start-up at {len(args.revs)} commits, {device_name()}, "
-                         f"{time.strftime('%Y-%m-%d')}", __file__, argv, args.smoke, started, ("ray", "deepspeed", "torch")),
+    title = f"raypack train's start-up at {len(args.revs)} commits, {device_name()}, {time.strftime('%Y-%m-%d')}"
+    lines = [*cpu_header(title, __file__, argv, args.smoke, started, ("ray", "deepspeed", "torch")),
              "", *revisions_section(args.revs, runs, rounds)]
     write_results("startup_revs", args.smoke, args.out, lines)
     return 0
