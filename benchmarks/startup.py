@@ -14,7 +14,16 @@
    beside it), each a fresh process with its own local Ray instance and data prepared from
    scratch; the phases come from its raypack_result.json (raypack/train/startup.py).
 
-Each round runs every side once, alternating which goes first. Reported: medians, and each
+3. With --revs A B ...: `raypack train` as in 2 (its defaults), at each of the given commits
+   (`.`: this working tree), each a fresh process, a fresh local Ray instance and data prepared
+   from scratch; with the commits of successive start-up cuts, each cut's part in the whole
+   (issue 40). Each commit's tree is exported (`git archive`) to a temporary folder and run from
+   there. Its own phases, and the CPU seconds of every process of the run (the command and the
+   local Ray instance's processes, summed: on a few cores, what the start-up waits for).
+
+       PYTHONPATH=. python benchmarks/startup.py --revs 9fe0b3e HEAD~1 . --rounds 3
+
+Each round runs every side once, alternating which goes first (with --revs, reversing the order). Reported: medians, and each
 round's ratio. On a shared machine the times are upper bounds; the ratios, measured in the same
 rounds, are what to read. Results: benchmarks/results/startup_<device>_<date>.md.
 """
@@ -88,6 +97,81 @@ def raypack_train(overlap: str, work: Path, args) -> dict[str, float]:
     return phases
 
 
+CPU_PROBE = """
+import os, runpy, sys, threading, time, psutil
+me, seen = psutil.Process(), {}
+def sample():  # every process of the run: the command's and its local Ray instance's
+    while True:
+        for p in [me, *me.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+                seen[p.pid] = t.user + t.system
+            except psutil.Error:
+                pass
+        time.sleep(0.25)
+threading.Thread(target=sample, daemon=True).start()
+sys.argv = ["raypack", *sys.argv[1:]]
+try:
+    runpy.run_module("raypack.cli", run_name="__main__")
+finally:
+    print("CPU_S", sum(seen.values()), flush=True)
+"""
+
+
+def export_tree(rev: str, work: Path) -> Path:
+    """`rev`'s files in a folder of their own (`.`: this working tree as it is)."""
+    if rev == ".":
+        return REPO
+    folder = work / f"tree-{rev.replace('/', '_').replace('~', '-')}"
+    if not folder.exists():
+        folder.mkdir()
+        archive = subprocess.run(["git", "archive", rev], cwd=REPO, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    return folder
+
+
+def raypack_train_at(rev: str, tree: Path, work: Path, args) -> dict[str, float]:
+    """One `raypack train` (the quickstart, one step) run from `tree`: its start-up phases, and the
+    CPU seconds of all its processes until it exited (sampled every 0.25 s: a lower bound)."""
+    name = f"startup-rev-{uuid.uuid4().hex[:6]}"
+    cmd = [sys.executable, "-c", CPU_PROBE, "train", "--config", str(tree / "jobs/configs/quickstart.yaml"),
+           f"run.storage_path={work}", f"run.name={name}", "train.max_steps=1", "data.eval_fraction=0"]
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=args.timeout, env=env)
+    if proc.returncode:
+        raise SystemExit(f"{rev} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    phases = json.loads((work / name / "raypack_result.json").read_text())["startup_s"]
+    phases["CPU seconds, all processes"] = float(proc.stdout.rsplit("CPU_S", 1)[1].split()[0])
+    print(f"{rev}: {phases}", flush=True)
+    return phases
+
+
+def revisions_section(revs: list[str], runs: dict[str, list], rounds: int) -> list[str]:
+    """The --revs table: median phases per commit, then each commit's total over the first's and
+    over the one before it, per round."""
+    cpu = "CPU seconds, all processes"
+    keys = [k for k in runs[revs[0]][0] if k not in (TOTAL, cpu)] + [TOTAL, cpu]
+    med = {r: {k: statistics.median(run.get(k, 0.0) for run in runs[r]) for k in keys} for r in revs}
+    names = {r: (subprocess.run(["git", "log", "-1", "--format=%h %s", r], cwd=REPO, capture_output=True,
+                                text=True).stdout.strip()[:90] if r != "." else "this working tree") for r in revs}
+    out = [f"## Start-up at each commit, {rounds} round(s)", "",
+           "`raypack train --config jobs/configs/quickstart.yaml train.max_steps=1 data.eval_fraction=0` at each "
+           "commit, each run a fresh process with its own local Ray instance and data prepared from scratch. Median "
+           "seconds per phase (raypack/train/startup.py), and the CPU seconds of the command's and its Ray "
+           "instance's processes (sampled every 0.25 s).", "",
+           *[f"- `{r}`: {names[r]}" for r in revs], "",
+           "| phase | " + " | ".join(f"`{r}`" for r in revs) + " |", "|---|" + "---|" * len(revs),
+           *[f"| {k} | " + " | ".join(f"{med[r][k]:.1f}" for r in revs) + " |" for k in keys], ""]
+    for i, r in enumerate(revs[1:], 1):
+        bases = [(revs[0], "the first")] + ([(revs[i - 1], "the one before")] if i > 1 else [])
+        for base, what in bases:
+            for k in (TOTAL, cpu):
+                per = ", ".join(f"{a[k] / b[k]:.2f}" for a, b in zip(runs[r], runs[base]))
+                out.append(f"- `{r}` over {what} (`{base}`), {k}: **{med[r][k] / med[base][k]:.2f}x** (rounds: {per})")
+    return out + [""]
+
+
 def alternate(sides: tuple[str, ...], rounds: int, fn) -> dict[str, list]:
     out: dict[str, list] = {side: [] for side in sides}
     for r in range(rounds):
@@ -101,10 +185,14 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="one round of each: proves the script runs")
     p.add_argument("--rounds", type=int, default=None, help="rounds of each comparison (default 3; smoke 1)")
     p.add_argument("--timeout", type=int, default=900, help="seconds one run may take")
+    p.add_argument("--revs", nargs="+", default=None, metavar="REV",
+                   help="compare the start-up at these commits (`.`: this working tree) instead of 1 and 2")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     rounds = args.rounds or (1 if args.smoke else 3)
     started = host_now()
+    if args.revs:
+        return compare_revisions(args, argv, rounds, started)
     with tempfile.TemporaryDirectory(prefix="startup_") as tmp:
         work = Path(tmp)
         ds = {}
@@ -151,6 +239,21 @@ def main(argv=None) -> int:
         "",
     ]
     write_results("startup", args.smoke, args.out, lines)
+    return 0
+
+
+def compare_revisions(args, argv, rounds: int, started) -> int:
+    with tempfile.TemporaryDirectory(prefix="startup_") as tmp:
+        work = Path(tmp)
+        trees = {rev: export_tree(rev, work) for rev in args.revs}
+        runs = {rev: [] for rev in args.revs}
+        for r in range(rounds):
+            for rev in (args.revs if r % 2 == 0 else args.revs[::-1]):
+                runs[rev].append(raypack_train_at(rev, trees[rev], work, args))
+    title = f"raypack train's start-up at {len(args.revs)} commits, {device_name()}, {time.strftime('%Y-%m-%d')}"
+    lines = [*cpu_header(title, __file__, argv, args.smoke, started, ("ray", "deepspeed", "torch")),
+             "", *revisions_section(args.revs, runs, rounds)]
+    write_results("startup_revs", args.smoke, args.out, lines)
     return 0
 
 

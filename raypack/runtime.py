@@ -1,15 +1,19 @@
 """Process set-up shared by every command: start or join Ray.
 
     init_ray()                      # join RAY_ADDRESS's cluster, else start a local instance
-    init_ray(RaySettings(num_cpus=8, dashboard=False))   # the same path, other settings (tests)
+    init_ray(RaySettings(num_cpus=8, log_to_driver=False))   # the same path, other settings (tests)
 
 One policy for every command, so `raypack data`, `plan`, `train` and `sweep` start Ray alike
 (where a run's files live is raypack/runs.py's):
 
-- a local instance listens on 127.0.0.1 only (GCS, raylet, dashboard, the Prometheus metrics
-  endpoints; a run's torch.distributed store and gloo / NCCL: raypack/train/placement.py), with the
-  dashboard on, which Ray Train's State API queries need; `is_local_instance()` tells it from a
-  cluster that was joined, whose nodes and autoscaler node types `cluster_view()` reads;
+- a local instance listens on 127.0.0.1 only (GCS, raylet, its agents, the Prometheus metrics
+  endpoints; a run's torch.distributed store and gloo / NCCL: raypack/train/placement.py), and
+  starts without the dashboard: its web server and nine module processes cost ~3 CPU-seconds of a
+  start-up that waits on 2 cores for every one (docs/guides/speed.md, start-up), and nothing a run
+  does needs the State API it serves (raypack/train/trainer.py, RunTrainer). For a dashboard, start
+  Ray with one (`ray start --head`) and set RAY_ADDRESS: raypack joins it.
+  `is_local_instance()` tells a local instance from a cluster that was joined, whose nodes and
+  autoscaler node types `cluster_view()` reads;
 - a local instance's processes run in a session of their own, so a signal to the command's
   process group (`timeout`) reaches the command, which stops a run gracefully, and not them;
   SIGTERM's handler stays the command's (raypack/train/stop.py), not the one ray.init installs;
@@ -53,8 +57,8 @@ class RaySettings:
     num_cpus: int | None = None
     """Logical CPUs; None: max(8, 2 x cores). More than the cores: workers and Ray Data actors
     that took every CPU would leave the read tasks none, and a job would hang on a small machine."""
-    dashboard: bool = True
-    """Ray Train's placement-group cleaner queries the State API, which the dashboard serves."""
+    dashboard: bool = False
+    """Start the dashboard too (listening on 127.0.0.1; its URL printed). Off: a faster start."""
     log_to_driver: bool = True
     """Workers' output on this process's screen (tests read it from Ray's log files instead)."""
     runtime_env: dict[str, Any] = field(default_factory=dict)
@@ -148,9 +152,9 @@ def _init_local(settings: RaySettings) -> None:
     # Set for the processes ray.init starts, which pass them on to every worker, then put back so
     # that nothing started later by this process (a test's multi-node cluster) inherits them:
     # - the loopback switch, which Ray also read when it was imported, hence the module attribute;
-    # - where this instance's State API answers. Ray Train's placement-group cleaner queries it,
-    #   and without an address looks for Ray instances on the machine and fails when it finds
-    #   more than one (another user's, another test's).
+    # - with a dashboard, where this instance's State API answers: without an address, a State
+    #   API query looks for Ray instances on the machine and fails when it finds more than one
+    #   (another user's, another test's).
     env = {LOOPBACK_ONLY: "0", **({"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"} if settings.dashboard else {})}
     saved_env = {k: os.environ.get(k) for k in env}
     saved_flag = ray_constants.ENABLE_RAY_CLUSTER

@@ -356,10 +356,12 @@ def build_trainer(checked: Checked, tracking: TrackingTargets, data: dict | Any,
         **({} if t.use_gpu else {"DS_ACCELERATOR": "cpu"}),
     }
     env.update({k: os.environ.get(k, v) for k, v in quiet.items()})  # the user's own settings win
-    torch_config, listen_env = process_group(t.use_gpu, is_local_instance())
+    local = is_local_instance()
+    torch_config, listen_env = process_group(t.use_gpu, local)
     env.update(listen_env)
-    return TorchTrainer(
+    return RunTrainer(
         worker_loop,
+        local=local,
         train_loop_config=loop_config,
         torch_config=torch_config,
         scaling_config=ray.train.ScalingConfig(
@@ -380,6 +382,55 @@ def build_trainer(checked: Checked, tracking: TrackingTargets, data: dict | Any,
             logging_config=ray.train.LoggingConfig(log_level="WARNING"),
         ),
     )
+
+
+class RunTrainer(TorchTrainer):
+    """Ray Train's TorchTrainer, less the helper actors a raypack run has no use for. Each is a
+    Python process of its own that imports Ray Train (1-2 s of CPU each, measured: see
+    docs/guides/speed.md, start-up), spawned while the worker group starts:
+
+    - the DatasetManager, which serves Ray Data shards to the workers: raypack hands them no Ray
+      Dataset (they read their packed rows themselves, raypack/data/shards.py), so it serves none;
+    - on a local instance (`local`), the PlacementGroupCleaner, a detached actor that removes the
+      workers' placement group should the controller die while the cluster lives on: a local
+      instance ends with this process, its placement groups with it (and the cleaner asks the
+      State API, which only a dashboard serves); and the PreemptionWatcher, which watches for nodes
+      a cloud is about to take away: a local instance has one node, this machine.
+
+    On a cluster the cleaner and the watcher run as Ray Train starts them. Another Ray version
+    without these classes (private to Ray Train) gets Ray Train's defaults."""
+
+    def __init__(self, *args, local: bool, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._local = local
+
+    def _create_default_callbacks(self) -> list:
+        callbacks = super()._create_default_callbacks()
+        unused = _unused_callbacks(self._local)
+        return [c for c in callbacks if not isinstance(c, unused)]
+
+    def fit(self):
+        if not self._local or os.environ.get(_PREEMPTION_WATCHER) is not None:
+            return super().fit()
+        # Ray Train hands the variable on to its controller when it is set here as `fit` starts
+        os.environ[_PREEMPTION_WATCHER] = "0"
+        try:
+            return super().fit()
+        finally:
+            os.environ.pop(_PREEMPTION_WATCHER, None)
+
+
+_PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+"""Ray Train's switch for its PreemptionWatcher actor (on by default)."""
+
+
+def _unused_callbacks(local: bool) -> tuple[type, ...]:
+    try:
+        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+        from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+    except ImportError:
+        return ()
+    return (DatasetsCallback, PlacementGroupCleanerCallback) if local else (DatasetsCallback,)
 
 
 def fit_trainer(trainer: TorchTrainer, stop: DriverStop):

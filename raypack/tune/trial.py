@@ -25,8 +25,9 @@ run is never more than one report interval past the result a scheduler stops it 
 callback sends along with the first report) and waits for it: the controller shuts the workers
 down and removes their placement group. Then the actor exits. Killing the run instead would leave
 the placement group to Train's PlacementGroupCleaner, which asks the State API whether the
-controller is alive and so never acts without a dashboard (raypack's local Ray has none): a
-stopped trial's workers' CPUs would stay reserved until the sweep ends (ray-project/ray#54305).
+controller is alive and so never acts without a dashboard (raypack's local Ray has none, and
+starts no cleaner: raypack/train/trainer.py, RunTrainer): a stopped trial's workers' CPUs would
+stay reserved until the sweep ends (ray-project/ray#54305).
 """
 
 from __future__ import annotations

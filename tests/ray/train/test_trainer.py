@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -217,16 +218,40 @@ def loop_with_bad_input(config: dict, attempts: str) -> None:
 
 
 def test_input_error_in_a_worker_is_not_retried(ray_local, tmp_path, monkeypatch):
+    from ray._private.state import actors
+
     from raypack.model.build import UnsupportedModelError
 
     cfg = tiny_cfg(tmp_path, "train.max_failures=2")
     attempts = tmp_path / "attempts"
     attempts.mkdir()
     with_worker_loop(monkeypatch, loop_with_bad_input, attempts=str(attempts))
+    began = time.time() * 1000
     with pytest.raises(UnsupportedModelError, match="can't train on packed rows"):
         trainer.start(cfg)
     # one attempt per rank: no restart of the worker group (max_failures=2 would make it 3 each)
     assert sorted(p.name[:5] for p in attempts.iterdir()) == ["rank0", "rank1"]
+    # On the local instance, the run started the controller and its workers, none of the helper
+    # actors RunTrainer leaves out (the GCS's actor table: the tests' instance has no dashboard)
+    started = {a["ActorClassName"] for a in actors().values() if a["StartTime"] >= began}
+    assert {"TrainController", "RayTrainWorker"} <= started, started
+    assert not started & {"PlacementGroupCleaner", "DatasetManager", "PreemptionWatcher"}, started
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_run_trainer_leaves_out_only_what_a_run_has_no_use_for(ray_local, tmp_path, local):
+    """Ray Train's own trainer has both callbacks (so the check below can fail); RunTrainer drops
+    the DatasetManager's everywhere and the placement-group cleaner's on a local instance only."""
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    kwargs = dict(scaling_config=ray.train.ScalingConfig(num_workers=1),
+                  run_config=ray.train.RunConfig(storage_path=str(tmp_path)))
+    ray_default = {type(c) for c in TorchTrainer(lambda: None, **kwargs)._create_default_callbacks()}
+    ours = {type(c) for c in trainer.RunTrainer(lambda: None, local=local, **kwargs)._create_default_callbacks()}
+    assert {DatasetsCallback, PlacementGroupCleanerCallback} <= ray_default
+    assert ours == ray_default - {DatasetsCallback, *([PlacementGroupCleanerCallback] if local else [])}
 
 
 LOAD_AND_COMPARE = """
