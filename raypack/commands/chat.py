@@ -97,9 +97,13 @@ def read_line(prompt: str) -> str:
 
 def answer(chat: Chat, text: str, prefix: str, images: list[str] = ()) -> None:
     print(prefix, end="", flush=True)
+    said = False
     for piece in chat.send(text, images):
         print(piece, end="", flush=True)
+        said = said or bool(piece.strip())
     print(flush=True)
+    if not said:  # an empty line alone reads like a hang or a bug
+        say("the answer is empty: the model ended its turn without text")
 
 
 def say(line: str) -> None:

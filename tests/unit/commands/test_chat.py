@@ -297,3 +297,17 @@ def test_a_bad_image_is_one_line_naming_it(vlm_dir, model_dir, tmp_path, capsys)
         assert main(["chat", folder, "--image", image, "--prompt", "hi"]) == 2
         err = capsys.readouterr().err.splitlines()
         assert err[-1].startswith("raypack: error: ") and said in err[-1], err
+
+
+def test_an_empty_answer_says_so_on_stderr(capsys):
+    """A model whose first token ends its turn (a briefly trained one) prints an empty answer:
+    a status line says why, so it doesn't read like a hang."""
+    from raypack.commands.chat import answer
+
+    class Quiet:
+        def send(self, text, images):
+            yield from ("", " ")
+
+    answer(Quiet(), "hi", prefix="")
+    out = capsys.readouterr()
+    assert out.out == " \n" and "the answer is empty: the model ended its turn without text" in out.err
