@@ -262,3 +262,22 @@ def test_pictures_of_different_sizes_are_refused_not_padded():
     b = {**a, "pixel_values": torch.zeros(1, 3, 8, 8)}
     with pytest.raises(ValueError, match=r"pixel_values of different shapes"):
         collate_vision_packed([a, b])
+
+
+def test_a_gemma3_checkpoint_trains_its_text_packed_exactly():
+    """Gemma 3's config maps to a causal LM (its multimodal class): raypack trains it on text, not
+    as an image VLM (`trains_as_vlm`), and its packed text rows are exact against each example
+    alone, loss and every gradient; the bidirectional image mask never meets a packed row."""
+    from exactness import packed_vs_alone
+
+    from raypack.model.build import load_model
+
+    config = VLM_FAMILIES["gemma3"].build_config()
+    torch.manual_seed(0)
+    model = load_model(config, attention="sdpa_varlen", dtype="float32").eval()
+    ref = load_model(config, attention="eager", dtype="float32").eval()
+    ref.load_state_dict(model.state_dict())
+    errors = packed_vs_alone(model, ref)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < 1e-5, f"{worst} off by {errors[worst]:.2e}"
+    assert any(k.startswith("grad:model.language_model.") for k in errors)
