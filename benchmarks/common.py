@@ -209,6 +209,30 @@ between the two runs can round to neighbouring TF32 values. The hybrid and vlm b
 the bf16 bound to twice bf16's own rounding of the examples alone where they measure it larger."""
 
 
+def packed_over_padded(models: dict, host: dict, real: int, warmup: int, device: str) -> dict:
+    """Training steps (forward, backward, no optimizer) of each mode's model ("packed", "padded")
+    on its batches (`host[mode]`, host tensors with `labels`), side by side: tokens/s of the `real`
+    tokens the timed batches hold, peak GiB, the first loss and the share of padding, per mode."""
+    from raypack.data.collate import move_batch
+
+    out = {}
+    for mode, model in models.items():
+
+        def step(batch, model=model):
+            loss = model(**move_batch(batch, device)).loss
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        got = timed_steps(step, host[mode], warmup, device)
+        out[mode] = {"tokens_per_s": real / got["seconds"], "peak_gib": got["peak_gib"],
+                     "first_loss": got["values"][0].float().item(),
+                     "padding": 1 - real / sum(b["input_ids"].numel() for b in host[mode][warmup:])}  # fmt: skip
+        print(f"{mode:7s} {out[mode]['tokens_per_s']:10.0f} tok/s  peak {out[mode]['peak_gib']:.2f} GiB  "
+              f"first loss {out[mode]['first_loss']:.4f}", flush=True)  # fmt: skip
+    return out
+
+
 def timed_steps(step, batches: list, warmup: int, device: str) -> dict:
     """`step(batch)` on every batch, the first `warmup` untimed (compilation, autotuning, the
     allocator's first growth). Returns the seconds of the rest (CUDA synchronized), the peak GiB

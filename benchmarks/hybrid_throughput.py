@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from benchmarks.common import (EXACT_BOUNDS, command_line, device_name, gpu_or_smoke, machine, results_path,  # noqa: E402
-                               smoke_banner, timed_steps, versions, write_results)  # fmt: skip
+                               smoke_banner, packed_over_padded, versions, write_results)  # fmt: skip
 
 EXACT_SIZES = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32, intermediate_size=512,
                    layer_types=["linear_attention"] * 3 + ["full_attention"])  # fmt: skip
@@ -197,7 +197,6 @@ def throughput(config, device: str, steps: int, warmup: int, per_step: int, max_
     import torch
 
     from benchmarks.attention_throughput import batch_for, make_steps
-    from raypack.data.collate import move_batch
     from raypack.model.build import load_model
 
     dtype = "bfloat16" if device == "cuda" else "float32"
@@ -208,21 +207,9 @@ def throughput(config, device: str, steps: int, warmup: int, per_step: int, max_
     batches = make_steps("flan", warmup + steps, per_step, 0, max_length, config.vocab_size)
     real = sum(len(r["input_ids"]) for rows in batches[warmup:] for r in rows)
     out = {"params": sum(p.numel() for p in packed.parameters()), "real_tokens": real, "model": packed}
-    for mode, model in (("packed", packed), ("padded", padded)):
-        host = [batch_for("pad" if mode == "padded" else "packed_varlen", rows) for rows in batches]
-
-        def step(batch, model=model):
-            loss = model(**move_batch(batch, device)).loss
-            loss.backward()
-            model.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        got = timed_steps(step, host, warmup, device)
-        out[mode] = {"tokens_per_s": real / got["seconds"], "peak_gib": got["peak_gib"],
-                     "first_loss": got["values"][0].float().item(),
-                     "padding": 1 - real / sum(b["input_ids"].numel() for b in host[warmup:])}  # fmt: skip
-        print(f"{mode:7s} {out[mode]['tokens_per_s']:10.0f} tok/s  peak {out[mode]['peak_gib']:.2f} GiB  "
-              f"first loss {out[mode]['first_loss']:.4f}", flush=True)  # fmt: skip
+    host = {mode: [batch_for("pad" if mode == "padded" else "packed_varlen", rows) for rows in batches]
+            for mode in ("packed", "padded")}  # fmt: skip
+    out.update(packed_over_padded({"packed": packed, "padded": padded}, host, real, warmup, device))
     return out
 
 

@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from benchmarks.common import (EXACT_BOUNDS, command_line, device_name, gpu_or_smoke, machine, results_path,  # noqa: E402
-                               smoke_banner, timed_steps, versions, write_results)  # fmt: skip
+                               smoke_banner, packed_over_padded, versions, write_results)  # fmt: skip
 from benchmarks.hybrid_throughput import bound_cell, verdict  # noqa: E402
 
 SAMPLE = ROOT / "raypack" / "assets" / "vision_sample"
@@ -226,7 +226,6 @@ def exactness(device: str) -> list[dict]:
 def throughput(config, examples: list[dict], device: str, steps: int, warmup: int, per_step: int) -> dict:
     import torch
 
-    from raypack.data.collate import move_batch
     from raypack.data.vision_collate import collate_vision_packed
     from raypack.model.vision import build_vlm, example_positions
 
@@ -248,20 +247,7 @@ def throughput(config, examples: list[dict], device: str, steps: int, warmup: in
                                           for e in g]) for g in groups],  # fmt: skip
         "padded": [collate_padded(g, config) for g in groups],
     }
-    for mode, model in (("packed", packed), ("padded", padded)):
-
-        def step(batch, model=model):
-            loss = model(**move_batch(batch, device)).loss
-            loss.backward()
-            model.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        got = timed_steps(step, host[mode], warmup, device)
-        out[mode] = {"tokens_per_s": real / got["seconds"], "peak_gib": got["peak_gib"],
-                     "first_loss": got["values"][0].float().item(),
-                     "padding": 1 - real / sum(b["input_ids"].numel() for b in host[mode][warmup:])}  # fmt: skip
-        print(f"{mode:7s} {out[mode]['tokens_per_s']:10.0f} tok/s  peak {out[mode]['peak_gib']:.2f} GiB  "
-              f"first loss {out[mode]['first_loss']:.4f}", flush=True)  # fmt: skip
+    out.update(packed_over_padded({"packed": packed, "padded": padded}, host, real, warmup, device))
     return out
 
 
