@@ -81,19 +81,25 @@ def deepspeed_init(side: str, extensions: str, cache: str, args) -> float:
     return seconds
 
 
+def quickstart_once(launcher: list[str], tree: Path, work: Path, label: str, args, *overrides: str):
+    """One `raypack train` of `tree`'s quickstart, one step, in a fresh process (`launcher`: the
+    Python arguments that run the CLI): its start-up phases, and the process's stdout."""
+    name = f"startup-{uuid.uuid4().hex[:6]}"
+    cmd = [sys.executable, *launcher, "train", "--config", str(tree / "jobs/configs/quickstart.yaml"),
+           f"run.storage_path={work}", f"run.name={name}", "train.max_steps=1", "data.eval_fraction=0", *overrides]
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=args.timeout, env=env)
+    if proc.returncode:
+        raise SystemExit(f"{label} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads((work / name / "raypack_result.json").read_text())["startup_s"], proc.stdout
+
+
 def raypack_train(overlap: str, work: Path, args) -> dict[str, float]:
     """One `raypack train` in a fresh process; its start-up phases."""
-    name = f"startup-{overlap}-{uuid.uuid4().hex[:6]}"
-    cmd = [sys.executable, "-m", "raypack.cli", "train", "--config", str(REPO / "jobs/configs/quickstart.yaml"),
-           f"run.storage_path={work}", f"run.name={name}", "train.max_steps=1", f"train.overlap_start={overlap}",
-           "data.eval_fraction=0"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout, env=env)
-    if proc.returncode:
-        raise SystemExit(f"overlap_start={overlap} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    phases = json.loads((work / name / "raypack_result.json").read_text())["startup_s"]
-    print(f"overlap_start={overlap}: {phases}", flush=True)
+    label = f"overlap_start={overlap}"
+    phases, _ = quickstart_once(["-m", "raypack.cli"], REPO, work, label, args, f"train.overlap_start={overlap}")
+    print(f"{label}: {phases}", flush=True)
     return phases
 
 
@@ -133,16 +139,8 @@ def export_tree(rev: str, work: Path) -> Path:
 def raypack_train_at(rev: str, tree: Path, work: Path, args) -> dict[str, float]:
     """One `raypack train` (the quickstart, one step) run from `tree`: its start-up phases, and the
     CPU seconds of all its processes until it exited (sampled every 0.25 s: a lower bound)."""
-    name = f"startup-rev-{uuid.uuid4().hex[:6]}"
-    cmd = [sys.executable, "-c", CPU_PROBE, "train", "--config", str(tree / "jobs/configs/quickstart.yaml"),
-           f"run.storage_path={work}", f"run.name={name}", "train.max_steps=1", "data.eval_fraction=0"]
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
-    proc = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, timeout=args.timeout, env=env)
-    if proc.returncode:
-        raise SystemExit(f"{rev} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    phases = json.loads((work / name / "raypack_result.json").read_text())["startup_s"]
-    phases["CPU seconds, all processes"] = float(proc.stdout.rsplit("CPU_S", 1)[1].split()[0])
+    phases, stdout = quickstart_once(["-c", CPU_PROBE], tree, work, rev, args)
+    phases["CPU seconds, all processes"] = float(stdout.rsplit("CPU_S", 1)[1].split()[0])
     print(f"{rev}: {phases}", flush=True)
     return phases
 
