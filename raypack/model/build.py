@@ -194,6 +194,8 @@ def check_model(
     if MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None) is None and not getattr(config, "auto_map", None):
         raise UnsupportedModelError(f"model.name {name!r}: {type(config).__name__} is not a causal language model here"
                                     f"{vision.training_refusal(config)}")  # fmt: skip
+    if not packed and (device_type == "cuda" or not mixers.gpu_only_installed()):
+        return
     model = meta_model(config, trust_remote_code)
     mixers.refuse_gpu_only_kernels(model, name, device_type)  # padded or packed: transformers' own call
     if not packed:

@@ -142,10 +142,15 @@ GPU_ONLY = {"fla": "flash-linear-attention (fla)"}
 which run only on a GPU (fla's are Triton kernels: on the CPU, "0 active drivers")."""
 
 
+def gpu_only_installed() -> bool:
+    """Whether any GPU_ONLY package imports here (else no model needs `refuse_gpu_only_kernels`)."""
+    return any(_PACKAGES[p] for p in GPU_ONLY)
+
+
 def refuse_gpu_only_kernels(model: nn.Module, name: str, device_type: str) -> None:
     """An UnsupportedModelError for a model whose mixers would call a GPU-only kernel on the CPU:
     transformers' layer takes fla's kernel once fla imports, packed or padded, on any device."""
-    if device_type == "cuda":
+    if device_type == "cuda" or not gpu_only_installed():
         return
     found = find(model)
     here = sorted({GPU_ONLY[p] for kind in found.values() for p in kind.packages if p in GPU_ONLY and _PACKAGES[p]})
