@@ -46,9 +46,15 @@ class DataConfig:
     everything that shaped it, so runs and sweep trials with the same data and tokenize config
     tokenize once (and with the same pack config, pack once). None: tokenize in memory and pack
     under the run dir. `raypack sweep` sets it to `<experiment>/cache` for its trials."""
+    driver_max_mb: float = 16.0
+    """Data of at most this many MiB (the source files, then the tokenized rows) is tokenized and
+    packed in the driver's own process, by the same code that Ray Data's tokenizer actors and
+    Ray's pack tasks run, without the seconds those take to start (docs/guides/speed.md,
+    start-up). Larger data, or any with 0 here, goes through Ray, in parallel across the cluster."""
 
     def __post_init__(self) -> None:
         _check(len(self.paths) > 0, "data.paths", "at least one path", self.paths)
+        _check(self.driver_max_mb >= 0, "data.driver_max_mb", "a float >= 0", self.driver_max_mb)
         _check(0.0 <= self.eval_fraction < 1.0, "data.eval_fraction", "a float in [0, 1)", self.eval_fraction)
         _check(self.eval_max_examples is None or self.eval_max_examples > 0, "data.eval_max_examples",
                "a positive int or null", self.eval_max_examples)

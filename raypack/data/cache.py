@@ -39,9 +39,10 @@ import ray
 from raypack import storage
 from raypack.config import Config
 from raypack.data.fingerprint import changed_sources, recorded
-from raypack.data.listing import Sources
+from raypack.data.listing import Sources, source_bytes
 from raypack.data.shards import Prepared
-from raypack.data.tokenize import TokenizeStats, lengths_and_ids, ordered, require_supervised, tokenize_dataset
+from raypack.data.tokenize import (TokenizeStats, lengths_and_ids, on_driver, ordered, require_supervised, tokenize_dataset,
+                                   tokenize_here)
 from raypack.errors import InputError
 
 FORMAT_VERSION = 7  # 7: vision rows (images, image_grid_thw columns); 4: rows without a label token are dropped; the manifest records the sources
@@ -49,7 +50,7 @@ FORMAT_VERSION = 7  # 7: vision rows (images, image_grid_thw columns); 4: rows w
 # 6: keys hash canonical typed values; tokenize counts carry the pad id and tokenizer size
 TOKENIZE_SPEED_KNOBS = ("batch_size", "num_actors", "num_cpus")
 """tokenize fields that change how fast, never what: left out of the keys."""
-DATA_NOT_SHAPING = ("eval_fraction", "eval_max_examples", "cache_path", "max_dropped_fraction")
+DATA_NOT_SHAPING = ("eval_fraction", "eval_max_examples", "cache_path", "max_dropped_fraction", "driver_max_mb")
 """data fields that shape no tokenized row (the split is the packed key's, the rest are where and
 whether): left out of the tokenized key, so that setting them never re-tokenizes or blocks a resume."""
 MANIFEST = "manifest.json"
@@ -152,12 +153,16 @@ def tokenized(cfg: Config, sources: Sources, vocab_size: int | None = None, scra
             return Tokenized(saved["key"], saved["data_dir"], lengths, ids, saved["stats"], True, time.perf_counter() - t0)
         print(f"[raypack] the sources changed since {folder} was tokenized ({changes[0]}): tokenizing again", flush=True)
 
-    print(f"[raypack] reading and tokenizing {len(sources.files)} source file(s)", flush=True)
+    where = " in this process (data.driver_max_mb)" if on_driver(cfg, source_bytes(sources)) else ""
+    print(f"[raypack] reading and tokenizing {len(sources.files)} source file(s){where}", flush=True)
     data_dir = fresh_folder(folder) if folder else scratch
     if scratch and not folder:
         storage.remove_dir(scratch)  # write_parquet appends: a stopped run's files would join
     try:
-        _, tok_stats = tokenize_dataset(cfg, sources, vocab_size, out_dir=data_dir or "")
+        if where:
+            tok_stats = tokenize_here(cfg, sources, data_dir or "", vocab_size)
+        else:
+            _, tok_stats = tokenize_dataset(cfg, sources, vocab_size, out_dir=data_dir or "")
         require_supervised(tok_stats, cfg)
     except BaseException:  # Ctrl-C included: rows written for nothing (a cache entry is committed below)
         if data_dir:

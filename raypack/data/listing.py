@@ -122,6 +122,15 @@ def read_units(files: tuple[tuple[str, str], ...]) -> list[dict]:
     return units
 
 
+def source_bytes(sources: Sources) -> int | None:
+    """The bytes of every source file together; None where a store reports no size."""
+    sizes = []
+    for path, _ in sources.files:
+        fs, p = resolve(path)
+        sizes.append(fs.get_file_info(p).size)
+    return None if any(size is None for size in sizes) else sum(sizes)
+
+
 @functools.cache
 def known_rows(files: tuple[tuple[str, str], ...]) -> int | None:
     """Rows in `files` (a `Sources.files`) when their footers say so (every file Parquet), else

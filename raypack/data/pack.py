@@ -403,17 +403,27 @@ def finish_memory(plan: Plan, group_rows: int = ROWS_PER_FILE) -> np.ndarray:
 
 
 def materialize(source: ray.data.Dataset | list[tuple[str, int]], plan: Plan, example_ids: np.ndarray, out_dir: str,
-                group_rows: int = ROWS_PER_FILE, stage: str = "pack", select=None) -> dict[str, Any]:
+                group_rows: int = ROWS_PER_FILE, stage: str = "pack", select=None, here: bool = False) -> dict[str, Any]:
     """Write the packed rows of `plan` under `out_dir/rank=<r>/` (replacing what was there), in
     Parquet row groups of `group_rows` rows (prepare passes whole optimizer steps; the default,
     one group per file, suits a reader that only streams). `source`: the tokenized rows, as a
     Ray Dataset or as (path, bytes) of Parquet files (`storage.file_sizes`), which the routing
     tasks read themselves, filtered by `select` (see `route_file`). Returns counts (rows; label
     tokens per rank, which the driver checks before training) and seconds. Prints `stage`'s
-    progress (raypack/data/progress.py): examples routed, then rows written."""
+    progress (raypack/data/progress.py): examples routed, then rows written. `here`: files small
+    enough to route and finish in this process, one after the other, rather than in Ray tasks,
+    whose start costs more than such data's work (`tokenize.on_driver`)."""
     t0 = time.perf_counter()
     out = out_dir.rstrip("/")
     storage.remove_dir(out)  # write_parquet appends by default; a stale shard would corrupt a rank
+    if here and isinstance(source, list):
+        routing = plan_routing(plan, example_ids)
+        parts = [route_file(path, select, routing, plan.num_ranks) for path, _ in source]
+        parts = [[p] for p in parts] if plan.num_ranks == 1 else parts
+        done = [finish_rank(f"{out}/rank={r}", r, plan.num_steps, plan.num_ranks, plan.reset_positions,
+                            [p[r] for p in parts], group_rows) for r in range(plan.num_ranks)]
+        return {"rows": sum(n for n, _ in done), "rank_label_tokens": [t for _, t in done], "method": "here",
+                "seconds": time.perf_counter() - t0}
     routing = ray.put(plan_routing(plan, example_ids))
     args = (plan.num_steps, plan.num_ranks, plan.reset_positions)
     tally = on_driver_node(Tally).remote()

@@ -40,6 +40,7 @@ from raypack.data.pairs import check_pair_ids
 from raypack.data.plan import Plan
 from raypack.data.shards import Prepared, group_steps_for
 from raypack.data.strategies import make_plan
+from raypack.data.tokenize import on_driver
 from raypack.errors import InputError
 
 
@@ -220,7 +221,8 @@ def _pack(rows, lengths, ids, cfg: Config, num_ranks: int, out_dir: str,
     stats["packing_efficiency"] = stats.pop("efficiency")
     files, select = rows
     info = materialize(files, plan, ids, out_dir, group_rows=group_steps_for(cfg.pack.budget, accum) * accum,
-                       stage=f"pack {out_dir.rsplit('/', 1)[-1]}", select=select)
+                       stage=f"pack {out_dir.rsplit('/', 1)[-1]}", select=select,
+                       here=on_driver(cfg, sum(size for _, size in files)))
     return plan, stats, info["rank_label_tokens"]
 
 

@@ -234,21 +234,26 @@ def read_rows(cfg: DataConfig, sources: Sources, vocab_size: int | None = None) 
     )
 
 
-def check_rows_here(cfg: DataConfig, sources: Sources, vocab_size: int | None = None) -> int:
-    """Validate every row on this process, without Ray, raising the SourceError that reading
-    them with Ray would (the first bad row in file order). For small local data, so that a bad
-    row fails in a second instead of after Ray starts; returns the number of good rows."""
-    units = read_units(sources.files)
+def rows_here(cfg: DataConfig, sources: Sources, vocab_size: int | None = None) -> list[pa.Table]:
+    """Every row of `sources` read in this process, without Ray: one table per read unit, in
+    SCHEMA, bad rows flagged as `read_rows` flags them. Raises the SourceError that reading them
+    with Ray would (the first bad row in file order), unless data.on_bad_rows=skip lets them by."""
+    tables = [read_unit({k: [v] for k, v in unit.items()}, cfg.format, vocab_size) for unit in read_units(sources.files)]
     rows, errors, fatal = 0, [], []
-    for unit in units:
-        table = read_unit({k: [v] for k, v in unit.items()}, cfg.format, vocab_size)
+    for table in tables:
         bad = pc.is_valid(table["error"])
         rows += table.num_rows - pc.sum(bad.cast(pa.int64())).as_py()
         b = table.filter(bad)
         for eid, msg, is_fatal in zip(b["example_id"].to_pylist(), b["error"].to_pylist(), b["fatal"].to_pylist()):
             (fatal if is_fatal else errors).append((eid, msg))
     _raise_bad_rows(errors, fatal, cfg.on_bad_rows, rows)
-    return rows
+    return tables
+
+
+def check_rows_here(cfg: DataConfig, sources: Sources, vocab_size: int | None = None) -> int:
+    """`rows_here`, for small local data, so that a bad row fails in a second instead of after
+    Ray starts; returns the number of good rows."""
+    return sum(pc.sum(pc.is_null(t["error"]).cast(pa.int64())).as_py() or 0 for t in rows_here(cfg, sources, vocab_size))
 
 
 def _raise_bad_rows(errors: list[tuple[int, str]], fatal: list[tuple[int, str]], on_bad_rows: str, good: int) -> None:

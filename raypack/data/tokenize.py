@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import ray
 
 from raypack import storage
@@ -36,7 +37,7 @@ from raypack.data.encode import (Encoder, TokenizeError, check_chat_template, ch
                                  kept_rows, load_image_processor, load_tokenizer)
 from raypack.data.listing import Sources, known_rows
 from raypack.data.progress import Progress, on_driver_node
-from raypack.data.sources import read_rows, read_sources_with_report, row_location
+from raypack.data.sources import read_rows, read_sources_with_report, row_location, rows_here
 from raypack.errors import SourceError
 
 
@@ -171,17 +172,24 @@ class _SourceEncoder(Encoder):
         bad = pc.is_valid(batch["error"])
         if pc.any(bad).as_py() and (self.on_bad_rows == "error" or pc.any(batch["fatal"]).as_py()):
             raise SourceError("bad source rows")  # the driver re-reads to say which (module doc)
-        good = batch.filter(pc.invert(bad)).drop_columns(["error", "fatal"])
-        table = self.encode_table(good)
-        c = counts(table)
-        c["formats"] = {v["values"]: v["counts"] for v in pc.value_counts(good["format"]).to_pylist()}
-        b = batch.filter(bad)
-        c["bad_rows"] = b.num_rows
-        c["bad_examples"] = sorted(zip(b["example_id"].to_pylist(), b["error"].to_pylist()))[:5]
+        rows, c = encode_source_batch(self, batch)
         # Keyed by the batch's first id, so a retried batch is counted once.
         if batch.num_rows:
             self.report((batch["example_id"][0].as_py(), batch.num_rows), c)
-        return kept_rows(table)
+        return rows
+
+
+def encode_source_batch(encoder: Encoder, batch: pa.Table) -> tuple[pa.Table, dict]:
+    """Stage 1's rows (bad ones flagged, skipped here) -> (the rows that train, the batch's counts)."""
+    bad = pc.is_valid(batch["error"])
+    good = batch.filter(pc.invert(bad)).drop_columns(["error", "fatal"])
+    table = encoder.encode_table(good)
+    c = counts(table)
+    c["formats"] = {v["values"]: v["counts"] for v in pc.value_counts(good["format"]).to_pylist()}
+    b = batch.filter(bad)
+    c["bad_rows"] = b.num_rows
+    c["bad_examples"] = sorted(zip(b["example_id"].to_pylist(), b["error"].to_pylist()))[:5]
+    return kept_rows(table), c
 
 
 def tokenize_dataset(cfg: Config, sources: Sources, vocab_size: int | None = None,
@@ -239,17 +247,70 @@ def tokenize_dataset(cfg: Config, sources: Sources, vocab_size: int | None = Non
         # A bad row or chat data without a template stopped the pipeline inside an actor, where
         # Ray wraps the error. Raise ours instead, in the order the checks used to run.
         _, report = read_sources_with_report(cfg.data, sources, vocab_size)
-        if report.formats.get("chat") or report.formats.get("vision"):
-            check_chat_template(tok, t.tokenizer)
-        if report.formats.get("vision"):  # no image processor there, or one raypack has no data path for
-            from raypack.data.images import ImageTokenizer
-
-            check_vision_label_mask(t.label_mask)
-            ImageTokenizer(load_image_processor(t.tokenizer), tok)
+        check_encodable(cfg, tok, report.formats)
         raise
     finally:
         ray.kill(counter)
+    stats = gather_stats(batches, tok, max_length, sources)
+    if out is not None and stats.examples_out != out.count():  # cheap: the block or file metadata
+        raise RuntimeError(f"tokenize counted {stats.examples_out} rows but produced {out.count()}")
+    return out, stats
 
+
+def on_driver(cfg: Config, nbytes: int | None) -> bool:
+    """Whether data of `nbytes` (None: not known) is small enough to tokenize or pack in the
+    driver's own process (`data.driver_max_mb`)."""
+    return nbytes is not None and nbytes <= cfg.data.driver_max_mb * 2**20
+
+
+def tokenize_here(cfg: Config, sources: Sources, out_dir: str, vocab_size: int | None = None) -> TokenizeStats:
+    """`tokenize_dataset(cfg, sources, vocab_size, out_dir)` for data small enough to tokenize
+    in this process (`on_driver`): the same reading (`rows_here`), the same encoder and
+    counts, the same rows written (one Parquet file, none for `out_dir=""`), without the seconds
+    that Ray Data's read tasks and tokenizer actors take to start."""
+    t = cfg.tokenize
+    tok = load_tokenizer(t.tokenizer, t.chat_template)
+    tables = rows_here(cfg.data, sources, vocab_size)  # raises on bad rows as the Ray read does
+    formats = {}
+    for table in tables:
+        good = table.filter(pc.is_null(table["error"]))
+        for v in pc.value_counts(good["format"]).to_pylist():
+            formats[v["values"]] = formats.get(v["values"], 0) + v["counts"]
+    check_encodable(cfg, tok, formats)
+    encoder = Encoder(t.tokenizer, t.chat_template, t.label_mask, t.overlength, cfg.max_length)
+    batch_size = max(t.batch_size, TOKENIZED_BATCH) if cfg.data.format == "tokenized" else t.batch_size
+    batches, kept = [], []
+    with Progress("tokenize", lambda: ("examples read", sum(b["bad_rows"] + sum(b["formats"].values()) for b in batches),
+                                       known_rows(sources.files))):
+        for table in tables:
+            for start in range(0, table.num_rows, batch_size):
+                rows, c = encode_source_batch(encoder, table.slice(start, batch_size))
+                batches.append(c)
+                kept.append(rows)
+    stats = gather_stats(batches, encoder.tok, cfg.max_length, sources)
+    if out_dir and stats.examples_out:  # as Ray's write: no file where no row is kept
+        fs, path = storage.resolve(out_dir)
+        fs.create_dir(path, recursive=True)
+        pq.write_table(pa.concat_tables(kept), f"{path}/part-000000.parquet", filesystem=fs, compression="none")
+    return stats
+
+
+def check_encodable(cfg: Config, tok, formats: dict[str, int]) -> None:
+    """What the encoder would fail on for rows of `formats`, as a config-level error: chat rows
+    without a chat template; vision rows with a label mask, or an image processor, raypack has
+    no data path for."""
+    t = cfg.tokenize
+    if formats.get("chat") or formats.get("vision"):
+        check_chat_template(tok, t.tokenizer)
+    if formats.get("vision"):
+        from raypack.data.images import ImageTokenizer
+
+        check_vision_label_mask(t.label_mask)
+        ImageTokenizer(load_image_processor(t.tokenizer), tok)
+
+
+def gather_stats(batches: list[dict], tok, max_length: int, sources: Sources) -> TokenizeStats:
+    """The whole run's TokenizeStats from each batch's counts (`encode_source_batch`)."""
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     stats = TokenizeStats(max_length=max_length, pad_token_id=int(pad), tokenizer_size=len(tok))
     for key in ("dropped", "truncated", "split", "pieces", "no_labels", "no_label_pieces", "label_tokens", "bad_rows",
@@ -267,9 +328,7 @@ def tokenize_dataset(cfg: Config, sources: Sources, vocab_size: int | None = Non
     stats.lengths = np.concatenate([b["lengths"] for b in batches]) if batches else np.zeros(0, np.int32)
     stats.ids = np.concatenate([b["ids"] for b in batches]) if batches else np.zeros(0, np.int64)
     stats.examples_out, stats.tokens = len(stats.lengths), int(stats.lengths.sum())
-    if out is not None and stats.examples_out != out.count():  # cheap: the block or file metadata
-        raise RuntimeError(f"tokenize counted {stats.examples_out} rows but produced {out.count()}")
-    return out, stats
+    return stats
 
 
 def require_supervised(stats: TokenizeStats, cfg: Config) -> None:

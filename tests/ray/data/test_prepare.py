@@ -139,7 +139,8 @@ def test_prepare_prints_progress_and_what_it_held_out(ray_local, tmp_path, capsy
     from raypack.data import progress
 
     monkeypatch.setattr(progress, "INTERVAL_S", 0.05)
-    cfg = absolute_paths(load(CONFIG, [f"run.storage_path={tmp_path}", "pack.budget=256", "data.eval_fraction=0.2"]))
+    cfg = absolute_paths(load(CONFIG, [f"run.storage_path={tmp_path}", "pack.budget=256", "data.eval_fraction=0.2",
+                                       "data.driver_max_mb=0"]))  # through Ray, whose stages report progress
     pack(cfg, 2, str(tmp_path / "packed"))
     out = capsys.readouterr().out.splitlines()
     assert ray.data.DataContext.get_current().enable_progress_bars is False
@@ -148,3 +149,37 @@ def test_prepare_prints_progress_and_what_it_held_out(ray_local, tmp_path, capsy
                             r"(, [\d,]+/s(, about \w+ left)?)?", s) for s in out), out
     held = [s for s in out if s.startswith("[raypack] held out ")]
     assert len(held) == 1 and held[0].endswith(" examples for eval (data.eval_fraction=0.2)"), held
+
+
+def _written(folder) -> dict[str, list]:
+    """Every Parquet file under `folder`, by its path there: its rows."""
+    return {str(f.relative_to(folder)): pq.read_table(f).to_pylist() for f in sorted(folder.rglob("*.parquet"))}
+
+
+@pytest.mark.parametrize("data, overrides", [
+    # every text format in one run, a long example split, a bad row skipped, eval held out
+    (["sample/chat.jsonl", "sample/instruction.jsonl", "sample/completion.jsonl", "sample/tokenized.parquet"],
+     ["pack.budget=256", "tokenize.overlength=split", "pack.strategy=wrapped", "data.on_bad_rows=skip"]),
+    (["sample/preference.jsonl"], ["train.objective=dpo"]),
+    (["vision_sample/vision.jsonl"], ["tokenize.tokenizer=raypack/assets/vlm_processor", "model.name=tiny-qwen2_5_vl",
+                                      "pack.budget=256"]),
+], ids=["text", "dpo", "vision"])
+def test_small_data_prepared_in_the_driver_is_what_ray_prepares(ray_local, tmp_path, data, overrides):
+    """data.driver_max_mb: data under it is tokenized and packed in the driver's process. Both
+    ways write the same files with the same rows, and record the same counts."""
+    bad = tmp_path / "bad.jsonl"  # a bad row among good ones, skipped both ways
+    bad.write_text('{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}\n'
+                   "{not json\n")
+    paths = [str(ASSETS / p) for p in data] + ([str(bad)] if "data.on_bad_rows=skip" in overrides else [])
+    made = {}
+    for limit in (0, 16):
+        cfg = absolute_paths(load(CONFIG, [f"data.paths={json.dumps(paths)}", f"run.storage_path={tmp_path}",
+                                           "data.eval_fraction=0.2", f"data.driver_max_mb={limit}", *overrides]))
+        root = tmp_path / f"packed{limit}"
+        prepared = pack(cfg, 2, str(root), vision_model="vision" in data[0])
+        timing = ("tokenize_s", "prepare_s", "tokenize_reused", "seconds")
+        made[limit] = (_written(root / "train"), _written(root / "eval"), _written(root / "images") if
+                       (root / "images").exists() else {},
+                       {k: v for k, v in prepared.stats.items() if k not in timing}, prepared.steps_per_rank)
+    assert made[0][0], "nothing packed"
+    assert made[16] == made[0]
