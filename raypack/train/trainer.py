@@ -395,10 +395,13 @@ class RunTrainer(TorchTrainer):
       workers' placement group should the controller die while the cluster lives on: a local
       instance ends with this process, its placement groups with it (and the cleaner asks the
       State API, which only a dashboard serves); and the PreemptionWatcher, which watches for nodes
-      a cloud is about to take away: a local instance has one node, this machine.
+      a cloud is about to take away: a local instance has one node, this machine;
+    - on a local instance, the AutoscalingCoordinator, which Ray Train's fixed-size scaling policy
+      starts and waits for (its first request blocks the controller) to tell an autoscaler what
+      the workers need: a local instance has none (`LocalScalingPolicy`).
 
-    On a cluster the cleaner and the watcher run as Ray Train starts them. Another Ray version
-    without these classes (private to Ray Train) gets Ray Train's defaults."""
+    On a cluster the cleaner, the watcher and the coordinator run as Ray Train starts them. Another
+    Ray version without these classes (private to Ray Train) gets Ray Train's defaults."""
 
     def __init__(self, *args, local: bool, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -409,6 +412,11 @@ class RunTrainer(TorchTrainer):
         unused = _unused_callbacks(self._local)
         return [c for c in callbacks if not isinstance(c, unused)]
 
+    def _initialize_and_run_controller(self, **kwargs):
+        if self._local and LocalScalingPolicy is not None:
+            kwargs["scaling_policy"] = LocalScalingPolicy(self.scaling_config)
+        return super()._initialize_and_run_controller(**kwargs)
+
     def fit(self):
         if not self._local or os.environ.get(_PREEMPTION_WATCHER) is not None:
             return super().fit()
@@ -418,6 +426,23 @@ class RunTrainer(TorchTrainer):
             return super().fit()
         finally:
             os.environ.pop(_PREEMPTION_WATCHER, None)
+
+
+try:
+    from ray.train.v2._internal.execution.scaling_policy.fixed import FixedScalingPolicy
+except ImportError:  # another Ray version: its own policy
+    LocalScalingPolicy = None
+else:
+    class LocalScalingPolicy(FixedScalingPolicy):
+        """Ray Train's fixed-size policy without its AutoscalingCoordinator requests, for a local
+        instance, which no autoscaler grows. The workers' placement group is what holds their
+        resources either way; the coordinator only tells an autoscaler what to add."""
+
+        def after_controller_start(self, train_run_context) -> None:
+            pass
+
+        def _maybe_send_resource_request(self) -> None:
+            pass
 
 
 _PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"

@@ -235,7 +235,8 @@ def test_input_error_in_a_worker_is_not_retried(ray_local, tmp_path, monkeypatch
     # actors RunTrainer leaves out (the GCS's actor table: the tests' instance has no dashboard)
     started = {a["ActorClassName"] for a in actors().values() if a["StartTime"] >= began}
     assert {"TrainController", "RayTrainWorker"} <= started, started
-    assert not started & {"PlacementGroupCleaner", "DatasetManager", "PreemptionWatcher"}, started
+    assert not started & {"PlacementGroupCleaner", "DatasetManager", "PreemptionWatcher",
+                          "_AutoscalingCoordinatorActor"}, started
 
 
 @pytest.mark.parametrize("local", [True, False])
@@ -252,6 +253,27 @@ def test_run_trainer_leaves_out_only_what_a_run_has_no_use_for(ray_local, tmp_pa
     ours = {type(c) for c in trainer.RunTrainer(lambda: None, local=local, **kwargs)._create_default_callbacks()}
     assert {DatasetsCallback, PlacementGroupCleanerCallback} <= ray_default
     assert ours == ray_default - {DatasetsCallback, *([PlacementGroupCleanerCallback] if local else [])}
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_run_trainer_asks_no_autoscaler_on_a_local_instance(tmp_path, monkeypatch, local):
+    """The scaling policy the controller gets: Ray Train's own on a cluster (it tells the
+    autoscaler what the workers need), one that sends no request on a local instance."""
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.execution.scaling_policy.fixed import FixedScalingPolicy
+
+    given = {}
+    monkeypatch.setattr(TorchTrainer, "_initialize_and_run_controller", lambda self, **kw: given.update(kw))
+    run = trainer.RunTrainer(lambda: None, local=local, scaling_config=ray.train.ScalingConfig(num_workers=2),
+                             run_config=ray.train.RunConfig(storage_path=str(tmp_path)))
+    run._initialize_and_run_controller(scaling_policy=FixedScalingPolicy(run.scaling_config))
+    policy = given["scaling_policy"]
+    assert isinstance(policy, FixedScalingPolicy)
+    assert isinstance(policy, trainer.LocalScalingPolicy) == local
+    if local:  # no coordinator is made, and the decision is Ray Train's fixed size
+        policy.after_controller_start(None)
+        assert policy._coordinator_client is None
+        assert policy.make_decision_for_non_running_worker_group().num_workers == 2
 
 
 LOAD_AND_COMPARE = """
