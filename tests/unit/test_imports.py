@@ -148,3 +148,12 @@ def test_gpu_side_modules_import_without_ray():
         "bad = [m for m in ('ray', 'deepspeed') if m in sys.modules]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_what_ray_ships_to_the_controller_imports_no_data_or_model_code():
+    """The Train controller unpickles the run's callback and scaling policy by importing their
+    module before it starts a worker: raypack.train.remote keeps that to Ray Train's own imports."""
+    code = ("import sys, raypack.train.remote; "
+            "bad = [m for m in sys.modules if m.startswith(('raypack.data', 'raypack.model', 'transformers', "
+            "'raypack.train.')) and m != 'raypack.train.remote']; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -74,7 +74,7 @@ def test_an_error_about_the_input_or_the_environment_stops_the_run_and_its_trace
 
     from raypack.errors import InputError
     from raypack.train.tracking import TrackingError
-    from raypack.train.trainer import _CONTROLLER_LOGGER, StopOnInputError, as_input_error
+    from raypack.train.remote import _CONTROLLER_LOGGER, StopOnInputError, as_input_error
 
     callback = StopOnInputError()
     callback.after_exception(None, {0: RuntimeError("a crash"), 1: MemoryError()})  # retried: nothing raised

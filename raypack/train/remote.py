@@ -1,0 +1,106 @@
+"""What Ray ships from a run to its Train controller and workers, by reference: the workers'
+function, the controller's callback and (on a local instance) its scaling policy.
+
+Ray unpickles each by importing its module in that process. Here they import only Ray Train and
+raypack.errors, not raypack.train.trainer (the driver's data preparation: transformers, Ray Data,
+the trackers), which the controller would otherwise import before it starts a worker: measured
+with `python -X importtime`, seconds of CPU on start-up's critical path (docs/guides/speed.md).
+The workers import the training loop's modules themselves, in `worker_loop`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import ray.train
+
+from raypack.errors import InputError
+
+
+def worker_loop(config: dict) -> None:
+    """The workers' function. Imported here, in the worker, so that the driver never loads
+    DeepSpeed (seconds of imports, and a warning on machines without a GPU)."""
+    try:
+        from ray.train.v2._internal.execution import context as train_context
+
+        # Ray Train names this module's logger by its file path, outside `ray.train`, so its
+        # LoggingConfig misses the "Reporting training result ... TrainingReport(...)" INFO dump
+        # that every report prints.
+        logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
+    except ImportError:  # moved in another Ray version: a noisier screen, nothing worse
+        pass
+    config.setdefault("startup", {})["worker"] = time.time()  # the worker group phase ends (startup.py)
+    from raypack.train.loop import train_loop_per_worker
+
+    config["startup"]["imports"] = time.time()
+    try:
+        train_loop_per_worker(config)
+    except Exception as e:
+        if as_input_error(e) is not None:
+            # The command prints it as one line; Ray Train would print its traceback first.
+            _drop_logs(_TRAIN_FN_LOGGER, lambda record: record.getMessage().startswith("Error in training function"))
+        raise
+
+
+def as_input_error(error: BaseException) -> InputError | None:
+    """What a worker's exception says about the run's input or environment, if anything: an
+    InputError, or an ImportError (a package missing on a worker's node), which every try would
+    meet again. None for a crash, which a restart may get past."""
+    cause = getattr(error, "_base_exc", error)  # Train wraps it with its traceback text
+    if isinstance(cause, InputError):
+        return cause
+    if isinstance(cause, ImportError):
+        return InputError(f"a worker can't import {cause.name or 'a module'} ({cause}): install it on every node "
+                          "that runs workers (the cluster image, or the job's runtime_env pip)")
+    return None
+
+
+_TRAIN_FN_LOGGER = "ray.train.v2._internal.util"
+"""Ray Train's logger of "Error in training function" (with the traceback), in each worker."""
+_CONTROLLER_LOGGER = "ray.train.v2._internal.execution.controller.controller"
+"""Ray Train's logger of "Error in control loop iteration" (with the traceback), in the controller."""
+
+
+def _drop_logs(name: str, drop) -> None:
+    """Leave out the records of Ray's logger `name` that `drop` picks, in this process."""
+    logger = logging.getLogger(name)
+    if not any(getattr(f, "raypack", False) for f in logger.filters):
+        filt = logging.Filter()
+        filt.filter = lambda record: not drop(record)
+        filt.raypack = True
+        logger.addFilter(filt)
+
+
+class StopOnInputError(ray.train.UserCallback):
+    """Ends the run when a worker raised an error about the input or the environment
+    (`as_input_error`), instead of restarting the worker group. Ray Train's default failure policy
+    retries every worker error (there is no public way to give it another policy), but an error
+    raised in a controller callback becomes a ControllerError, which it does not retry: raising
+    the InputError here stops the run at once, and `fit_trainer` unwraps it (see the module doc).
+    Runs in the controller, whose log of the error's traceback it leaves out: the command prints
+    the cause as its one line."""
+
+    def after_exception(self, run_context, worker_exceptions: dict) -> None:
+        for error in worker_exceptions.values():
+            if (cause := as_input_error(error)) is not None:
+                _drop_logs(_CONTROLLER_LOGGER, lambda record: record.exc_info is not None
+                           and isinstance(record.exc_info[1], InputError))
+                raise cause
+
+
+try:
+    from ray.train.v2._internal.execution.scaling_policy.fixed import FixedScalingPolicy
+except ImportError:  # another Ray version: its own policy
+    LocalScalingPolicy = None
+else:
+    class LocalScalingPolicy(FixedScalingPolicy):
+        """Ray Train's fixed-size policy without its AutoscalingCoordinator requests, for a local
+        instance, which no autoscaler grows. The workers' placement group is what holds their
+        resources either way; the coordinator only tells an autoscaler what to add."""
+
+        def after_controller_start(self, train_run_context) -> None:
+            pass
+
+        def _maybe_send_resource_request(self) -> None:
+            pass
