@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 
+from benchmarks.common import cpu_header, host_now, write_results
 from raypack.config import ASSETS, PackConfig
 from raypack.data.strategies import make_plan
 from raypack.data.tower import TowerCost, tower_stats
@@ -104,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--examples", type=int, default=50_000)
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    started = host_now()
     sets = [("synthetic", *synthetic_data(2000 if args.smoke else args.examples), 8192, (8, 64))]
     if not args.smoke:
         sets.insert(0, ("sample", *sample_data(), 256, (2, 4)))
@@ -120,11 +120,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"**{b['tower']:.4f} / {a['tower']:.4f}** | {b['tower_worst']:.2f} / {a['tower_worst']:.2f} | "
                     f"{b['total']:.4f} / {a['total']:.4f} |")  # fmt: skip
                 print(lines[-1], flush=True)
-    if args.out:
-        head = ("# The vision tower in balanced's plan: before / after weighing patches\n\n"
-                f"`python benchmarks/{Path(__file__).name} {' '.join(argv if argv is not None else sys.argv[1:])}`; "
-                "each cell is before / after (see the script's docstring).\n\n")  # fmt: skip
-        Path(args.out).write_text(head + "\n".join(lines) + "\n")
+    header = cpu_header("The vision tower in balanced's plan: before / after weighing patches", __file__, argv,
+                        args.smoke, started, ("numpy", "transformers"),
+                        "Each cell is before / after: `balanced` without and with the tower weighed (the script's docstring).")
+    write_results("tower_balance", args.smoke, args.out, [*header, "", *lines, ""])
     return 0
 
 

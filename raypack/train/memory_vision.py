@@ -58,6 +58,9 @@ class Tower:
     """The tower's parameters, projector included."""
     projector: int
     """The projector's (the patch merger's) parameters."""
+    patch_weights: float = 0.0
+    """Matrix weights (linears, the patch embedding's convolution) a patch meets once: the tower's
+    outside the projector, and the projector's over the `merge` patches it takes at a time."""
 
     @property
     def head_dim(self) -> int:
@@ -97,10 +100,8 @@ class Tower:
         weighs a patch against a token with (raypack/data/tower.py)."""
         from raypack.data.tower import TowerCost
 
-        # Every weight but the projector's meets each patch once; the projector's, each merged
-        # group of `merge` patches. Windowed blocks attend over `window` patches a patch.
-        per_patch = 6 * (self.params - self.projector + self.projector / self.merge)
-        per_patch += 12 * self.hidden * self.window * (self.blocks - self.full_blocks)
+        # Windowed blocks attend over `window` patches a patch: linear in patches too.
+        per_patch = 6 * self.patch_weights + 12 * self.hidden * self.window * (self.blocks - self.full_blocks)
         lm_token = 6 * (arch.layers * arch.linear_params + arch.vocab * arch.hidden)
         return TowerCost(patch_flops=per_patch, image_flops=12 * self.hidden * self.full_blocks,
                          token_flops=lm_token, length_flops=6 * arch.layers * arch.q)  # fmt: skip
@@ -127,8 +128,10 @@ def vision_tower(model: nn.Module, config: Any) -> Tower | None:
     first = blocks[0]
     inter, gated = _mlp(first)
     found = parts(model)
-    sizes = dict((n, p.numel()) for n, p in model.named_parameters())
-    vision, projector = sum(sizes[n] for n in found["vision"]), sum(sizes[n] for n in found["projector"])
+    params = dict(model.named_parameters())
+    vision, projector = (sum(params[n].numel() for n in found[part]) for part in ("vision", "projector"))
+    # what matmuls multiply (not biases and norms' weights, added elementwise)
+    matrices = {part: sum(params[n].numel() for n in found[part] if params[n].dim() >= 2) for part in found}
     full = getattr(vc, "fullatt_block_indexes", None)
     merge_side = vc.spatial_merge_size
     window = 0
@@ -142,4 +145,5 @@ def vision_tower(model: nn.Module, config: Any) -> Tower | None:
         patch_in=embed.in_channels * int(embed.weight.shape[2:].numel()), merge=merge_side**2,
         full_blocks=len(blocks) if full is None else len([b for b in full if b < len(blocks)]),
         window=window, params=vision + projector, projector=projector,
+        patch_weights=matrices["vision"] + matrices["projector"] / merge_side**2,
     )  # fmt: skip
