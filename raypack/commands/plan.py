@@ -18,6 +18,12 @@ and attention (Σ busiest rank / Σ mean rank over steps) with the worst single 
 raypack/data/stats.py. `--out` writes the first strategy's assignment as Parquet, one row per
 example (per piece for wrapped): example_id, pack, rank, step, start, end.
 
+Image data on a VLM: a line says how `balanced` weighs each example's vision-tower work (its
+patches and patches², by the tower's FLOPs over the language model's: raypack/data/tower.py), and
+one more gives, per strategy, the tower's imbalance, that of all the step's FLOPs and the widest
+micro-batch in patches (also in --json, with the image counts), which the memory line sizes the
+tower's activations for.
+
 With --config, a last line estimates the memory per GPU of the configured run (full fine-tuning,
 LoRA or QLoRA; ZeRO stage, gradient checkpointing, budget): raypack/train/memory.py's arithmetic
 on the model's config, no weights loaded. With --lengths only a model config found without the
@@ -152,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
 
 IMAGE_COLUMNS = ("images", "image_tokens", "vision_patches")
 """With image data, in every --json row: the data's (eval included) images, their tokens and the
-vision tower's patches (tokenize's counts, raypack/data/tokenize.py)."""
+vision tower's patches (tokenize's counts, raypack/data/tokenize.py); where the model's tower is
+known, data.tower.tower_stats' figures too."""
 
 
 def image_line(counts: dict, tower=None) -> str:

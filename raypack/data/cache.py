@@ -155,7 +155,7 @@ def tokenized(cfg: Config, sources: Sources, vocab_size: int | None = None, scra
         if not changes:
             lengths, ids = lengths_and_ids(ray.data.read_parquet(saved["data_dir"], columns=["example_id", "length"]))
             print(f"[raypack] reusing tokenized data in {saved['data_dir']}", flush=True)
-            tower = _tower_of(saved["data_dir"], ids) if saved["stats"].get("images") else None
+            tower = _tower_of(saved["data_dir"]) if saved["stats"].get("images") else None
             return Tokenized(saved["key"], saved["data_dir"], lengths, ids, saved["stats"], True, time.perf_counter() - t0,
                              tower)
         print(f"[raypack] the sources changed since {folder} was tokenized ({changes[0]}): tokenizing again", flush=True)
@@ -188,8 +188,8 @@ def tokenized(cfg: Config, sources: Sources, vocab_size: int | None = None, scra
     return Tokenized(key, data_dir, lengths, ids, stats, False, time.perf_counter() - t0, tower)
 
 
-def _tower_of(data_dir: str, ids: np.ndarray) -> np.ndarray:
-    """Tokenized.tower of a cached entry's rows (`ids`: theirs, sorted), from their image grids."""
+def _tower_of(data_dir: str) -> np.ndarray:
+    """Tokenized.tower of a cached entry's rows, in example_id order, from their image grids."""
     import pyarrow as pa
 
     from raypack.data.tower import grid_work
@@ -198,7 +198,7 @@ def _tower_of(data_dir: str, ids: np.ndarray) -> np.ndarray:
                  .iter_batches(batch_size=65536, batch_format="pyarrow"))  # fmt: skip
     table = pa.concat_tables(parts)
     work = grid_work(table["image_grid_thw"])
-    return work[np.argsort(table["example_id"].to_numpy(), kind="stable")] if len(ids) else work
+    return work[np.argsort(table["example_id"].to_numpy(), kind="stable")]
 
 def supervised(tok: Tokenized, cfg: Config) -> None:
     """`require_supervised` on a Tokenized record's counts (a reused one included)."""

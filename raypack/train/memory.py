@@ -45,6 +45,12 @@ Per rank (= per GPU); P parameters, P_t of them trained, N ranks, T = tokens in 
   state for Mamba-2) per example. `raypack plan` sizes it for the plan's widest padded batch
   (Plan.widest_padded); without a plan, one example of T tokens. Under `selective` the mixer's part
   is counted whole. Parameters are the model's own count (its structure on the meta device).
+- vision-language models (Qwen2/2.5/3-VL): the vision tower and projector are parameters like
+  the rest (less what `model.freeze` freezes), and the tower keeps, per patch of the micro-batch,
+  what raypack/train/memory_vision.py counts (checked against autograd on the tiny Qwen2.5-VL),
+  for the plan's widest micro-batch in patches (`raypack plan`, and the workers from the prepared
+  data's stats); without a plan, every token an image token. Its recomputed block and the language
+  model's recomputed layer never coexist: the larger counts.
 - loss: the logits at their peak, 12 B per element (bf16 logits 2 + fp32 upcast 4 + fp32 gradient
   4 + bf16 gradient 2), over all T tokens (`train.loss: full`) or one chunk (`chunked`), whose fp32
   sum of the head's gradient (4 B x vocab x hidden) is counted too where the head trains (not with
