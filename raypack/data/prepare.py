@@ -148,7 +148,9 @@ def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_s
     commit(root, {"fingerprint": prepared.fingerprint, "sources": recorded(sources.fingerprint),
                   "prepared": prepared.to_dict()})
     print(f"[raypack] packed {prepared.steps_per_rank} steps x {num_ranks} ranks with {cfg.pack.strategy} "
-          f"(efficiency {stats['packing_efficiency']:.3f}) in {root} ({time.perf_counter() - t0:.1f} s)", flush=True)
+          f"(efficiency {stats['packing_efficiency']:.3f}"
+          + (f", vision tower imbalance {stats['tower_imbalance']:.3f}" if "tower_imbalance" in stats else "")
+          + f") in {root} ({time.perf_counter() - t0:.1f} s)", flush=True)
     return prepared
 
 
