@@ -18,6 +18,12 @@ and attention (Σ busiest rank / Σ mean rank over steps) with the worst single 
 raypack/data/stats.py. `--out` writes the first strategy's assignment as Parquet, one row per
 example (per piece for wrapped): example_id, pack, rank, step, start, end.
 
+Image data on a VLM: a line says how `balanced` weighs each example's vision-tower work (its
+patches and patches², by the tower's FLOPs over the language model's: raypack/data/tower.py), and
+one more gives, per strategy, the tower's imbalance, that of all the step's FLOPs and the widest
+micro-batch in patches (also in --json, with the image counts), which the memory line sizes the
+tower's activations for.
+
 With --config, a last line estimates the memory per GPU of the configured run (full fine-tuning,
 LoRA or QLoRA; ZeRO stage, gradient checkpointing, budget): raypack/train/memory.py's arithmetic
 on the model's config, no weights loaded. With --lengths only a model config found without the
@@ -37,6 +43,7 @@ import pyarrow.parquet as pq
 
 from raypack.config import Config, load
 from raypack.data.strategies import STRATEGIES, check_strategy_name, make_plan
+from raypack.data.tower import tower_extra, tower_stats
 from raypack.errors import ConfigError, InputError
 
 COLUMNS = ("strategy", "packs", "steps", "optimizer_steps", "tokens_per_optimizer_step", "efficiency",
@@ -45,20 +52,20 @@ COLUMNS = ("strategy", "packs", "steps", "optimizer_steps", "tokens_per_optimize
 """split_padding: the share of a row's tokens that pads it to a multiple of train.sequence_parallel."""
 
 
-def _from_config(cfg: Config) -> tuple[np.ndarray, np.ndarray, dict]:
-    """Lengths and example ids of the examples a training run plans over (eval held out), and
-    the tokenize counts of all of them."""
+def _from_config(cfg: Config) -> tuple[np.ndarray, np.ndarray, dict, np.ndarray | None]:
+    """Lengths and example ids of the examples a training run plans over (eval held out), the
+    tokenize counts of all of them, and for image data their vision-tower work (patches, Σ patches²)."""
     # Imported here, not at the top: these take 3 s to import on 2 cores (Ray Data and the
     # tokenizer stack), which a dry run over a --lengths file, 0.2 s in all, never needs.
     from raypack.data.cache import tokenized
-    from raypack.data.prepare import training_examples
+    from raypack.data.prepare import training_examples, training_tower
     from raypack.runtime import init_ray
     from raypack.train.preflight import check_data
 
     checked = check_data(cfg)  # before Ray starts
     init_ray()
     tok = tokenized(checked.cfg, checked.sources)
-    return (*training_examples(tok, checked.cfg), tok.stats)
+    return (*training_examples(tok, checked.cfg), tok.stats, training_tower(tok, checked.cfg))
 
 
 def _load_lengths(path: str) -> np.ndarray:
@@ -83,18 +90,21 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--strategy {name}: looks like a dotted override; put overrides before --strategy")
         check_strategy_name(name, "--strategy")
     counts: dict = {}
+    work = None
     if args.lengths:
         lengths = _load_lengths(args.lengths)
         ids = np.arange(len(lengths), dtype=np.int64)
     else:
         # With --json, stdout holds the JSON alone: the progress lines of preparing go to stderr.
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-            lengths, ids, counts = _from_config(cfg)
+            lengths, ids, counts, work = _from_config(cfg)
     ranks, split, accum = cfg.train.data_parallel, cfg.train.sequence_parallel, cfg.train.grad_accum
-    rows, padded = [], None
+    tower = _tower_cost(cfg) if work is not None else None
+    extra = tower_extra(work, tower)
+    rows, padded, patches = [], None, None
     for i, name in enumerate(names):
         pack = cfg.pack if name == cfg.pack.strategy else _with_strategy(cfg, name)
-        plan = make_plan(lengths, pack, ranks, accum, pairs=pairs)
+        plan = make_plan(lengths, pack, ranks, accum, pairs=pairs, extra=extra)
         padded = padded or plan.widest_padded()  # the first strategy's: the memory line's
         stats = plan.stats()
         optimizer_steps = plan.num_steps // accum
@@ -105,6 +115,9 @@ def run(args: argparse.Namespace) -> int:
         rows.append({k: stats[k] for k in COLUMNS})
         if counts.get("images"):
             rows[-1].update({k: counts[k] for k in IMAGE_COLUMNS})
+            if tower is not None:
+                rows[-1].update(tower_stats(plan, tower, work, lengths))
+                patches = patches if patches is not None else rows[-1]["widest_patches"]
         if i == 0 and args.out:
             table = plan.to_table()
             pq.write_table(table.set_column(0, "example_id", [ids[plan.example]]), args.out)
@@ -116,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
           f"{accum} micro-steps per optimizer step, {cfg.train.epochs} epoch(s)"
           + (", a new plan per epoch" if cfg.pack.repack_each_epoch else ", a new step order per epoch"))
     if counts.get("images"):
-        print(image_line(counts))
+        print(image_line(counts, tower))
     if split > 1:
         print(f"sequence parallel: {ranks} groups of {split} workers ({cfg.train.num_workers} in all), each row's "
               f"tokens split {split} ways: at most {-(-cfg.pack.budget // split)} tokens a worker; rows padded to a "
@@ -129,9 +142,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r['strategy']:<16}{r['packs']:>9}{r['steps']:>8}{r['optimizer_steps']:>10}"
               f"{r['tokens_per_optimizer_step']:>13,.0f}{r['efficiency']:>8.4f}{r['padding_fraction']:>8.4f}"
               f"{r['token_imbalance']:>8.4f}{r['attention_imbalance']:>9.4f}{worst:>15}{r['seconds']:>8.2f}")
+    if tower is not None:
+        print("vision tower (its FLOPs; all = the language model's and the tower's together): " + ", ".join(
+            f"{r['strategy']} tower.imb {r['tower_imbalance']:.4f} (worst step {r['tower_imbalance_worst']:.2f}), "
+            f"all.imb {r['work_imbalance']:.4f}, widest micro-batch {r['widest_patches']} patches" for r in rows))
     print("imbalance = wall-time overhead: sum over steps of the busiest rank / of the mean rank (1.0 = none)")
     if args.config:
-        line = memory_line(cfg, offline=bool(args.lengths), padded=padded)
+        line = memory_line(cfg, offline=bool(args.lengths), padded=padded, patches=patches)
         if line:
             print(line)
     if args.out:
@@ -141,16 +158,33 @@ def run(args: argparse.Namespace) -> int:
 
 IMAGE_COLUMNS = ("images", "image_tokens", "vision_patches")
 """With image data, in every --json row: the data's (eval included) images, their tokens and the
-vision tower's patches (tokenize's counts, raypack/data/tokenize.py)."""
+vision tower's patches (tokenize's counts, raypack/data/tokenize.py); where the model's tower is
+known, data.tower.tower_stats' figures too."""
 
 
-def image_line(counts: dict) -> str:
+def image_line(counts: dict, tower=None) -> str:
     """What images the plan's lengths hold: their tokens are in every example's length, so in the
-    tokens, the efficiency and both imbalance figures (Σ tokens and Σ len² per rank)."""
+    tokens, the efficiency and both imbalance figures (Σ tokens and Σ len² per rank); and how
+    `balanced` weighs the vision tower's patches (data/tower.py), where the model's tower is known."""
     share = counts["image_tokens"] / max(counts["tokens"], 1)
+    weighed = (f"balanced weighs each patch as {tower.linear_weight:.3g} token(s) and each image's patches² as "
+               f"{tower.attention_weight:.3g} length², the tower's FLOPs against the language model's"
+               if tower is not None else "the model's vision tower is not known here, so its patches are not weighed")
     return (f"images: {counts['images']} in the data (eval included), {counts['image_tokens']} image tokens "
             f"({share:.1%} of its {counts['tokens']} tokens), counted in each example's length and so in every "
-            f"figure below; the vision tower's {counts['vision_patches']} patches are not balanced separately")
+            f"figure below; the vision tower's {counts['vision_patches']} patches: {weighed}")
+
+
+def _tower_cost(cfg: Config):
+    """The configured model's vision tower cost (memory.tower_cost), or None where its config
+    can't be had or it has no tower the arithmetic knows (the plan then weighs no patches)."""
+    from raypack.model.build import model_config  # torch and transformers: seconds, so only now
+    from raypack.train.memory import tower_cost
+
+    try:
+        return tower_cost(model_config(cfg.model.name, cfg.model.trust_remote_code), cfg.model.trust_remote_code)
+    except (InputError, ValueError, AttributeError, OSError):
+        return None
 
 
 def _with_strategy(cfg: Config, name: str):
@@ -158,11 +192,13 @@ def _with_strategy(cfg: Config, name: str):
     return replace(cfg.pack, strategy=name, repack_each_epoch=False)
 
 
-def memory_line(cfg: Config, offline: bool, padded: tuple[int, int] | None = None) -> str | None:
+def memory_line(cfg: Config, offline: bool, padded: tuple[int, int] | None = None,
+                patches: int | None = None) -> str | None:
     """"memory per GPU (estimate): ..." for `cfg`'s run. `offline`: only from a model config found
     without the network, and None (no line) where there is none; otherwise a model config that
     can't be had makes an "n/a" line, never an error (the plan itself doesn't need the model).
-    `padded`: the plan's widest padded batch (Plan.widest_padded), which a hybrid's mixers run."""
+    `padded`: the plan's widest padded batch (Plan.widest_padded), which a hybrid's mixers run;
+    `patches`: the most patches a micro-batch of the plan runs through a VLM's vision tower."""
     m, prefix = cfg.model, "memory per GPU (estimate): "
     name = _local_model(m.name)
     if name is None and offline:
@@ -172,8 +208,10 @@ def memory_line(cfg: Config, offline: bool, padded: tuple[int, int] | None = Non
 
     try:
         config = model_config(name or m.name, m.trust_remote_code)
-        tower = "; a VLM's vision tower not counted" if getattr(config, "vision_config", None) is not None else ""
-        return prefix + summary(cfg, Arch.from_config(config, m.trust_remote_code), padded) + tower
+        arch = Arch.from_config(config, m.trust_remote_code)
+        tower = ("; a VLM's vision tower not counted" if getattr(config, "vision_config", None) is not None
+                 and arch.tower is None else "")  # fmt: skip
+        return prefix + summary(cfg, arch, padded, patches) + tower
     except (InputError, ValueError, AttributeError) as e:  # no config, or a shape the arithmetic doesn't know
         return None if offline else f"{prefix}n/a ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
 

@@ -40,19 +40,23 @@ WINDOW_STEPS = 64
 
 
 def balanced_layout(packing: Packing, num_ranks: int, budget: int, seed: int,
-                    cost: np.ndarray | None = None) -> tuple[Packing, np.ndarray]:
+                    cost: np.ndarray | None = None, work: np.ndarray | None = None) -> tuple[Packing, np.ndarray]:
     """The packing with its remainder dissolved into one even step, and the cell
     (step * num_ranks + rank) of every pack. `cost`: each piece's attention cost, where it is
-    not its length squared (a preference pair's two sequences, raypack/data/pairs.py)."""
+    not its length squared (a preference pair's two sequences, raypack/data/pairs.py; an image
+    example, whose vision tower attends within each image: raypack/data/tower.py). `work`: each
+    piece's linear work, where it is not its length (an image example's patches in tokens' worth
+    of FLOPs). The packs' work and cost are what the grid evens out; the remainder is still dealt
+    by real tokens, which the budget bounds."""
     packing, tail = dissolve_remainder(packing, num_ranks, budget)
     n = packing.num_packs
     size = (packing.end - packing.start).astype(np.float64)
-    tokens = np.bincount(packing.pack, weights=size, minlength=n)
+    tokens = np.bincount(packing.pack, weights=size if work is None else work, minlength=n)
     attention = np.bincount(packing.pack, weights=size * size if cost is None else cost, minlength=n)
     rest = np.ones(n, dtype=bool)
     rest[tail] = False
     ids = np.flatnonzero(rest)
-    ids = ids[_grid_order(tokens[ids].astype(np.int64), attention[ids], num_ranks)]
+    ids = ids[_grid_order(np.rint(tokens[ids]).astype(np.int64), attention[ids], num_ranks)]
     grid = ids.reshape(-1, num_ranks)
     if len(tail):
         grid = np.vstack([grid, tail[None, :]])

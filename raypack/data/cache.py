@@ -73,8 +73,9 @@ def tokenized_key(cfg: Config) -> str:
     return _digest({"version": FORMAT_VERSION, "data": data, "tokenize": tokenize})
 
 
-def packed_key(cfg: Config, num_ranks: int) -> str:
-    """Hash of everything that shapes the packed rows: the tokenized examples, the eval split and the plan."""
+def packed_key(cfg: Config, num_ranks: int, tower=None) -> str:
+    """Hash of everything that shapes the packed rows: the tokenized examples, the eval split and the
+    plan, whose balance weighs a VLM's patches by `tower` (a data.tower.TowerCost) where given."""
     plain = cfg.to_dict()
     # No cap (what every run before data.eval_max_examples had) keys as it did then.
     capped = {"eval_max_examples": cfg.data.eval_max_examples} if cfg.data.eval_max_examples is not None else {}
@@ -88,6 +89,8 @@ def packed_key(cfg: Config, num_ranks: int) -> str:
         "accum": cfg.train.grad_accum,
         # how many per-epoch plans exist; without repacking every epoch reads the same rows
         "epochs": [cfg.train.epochs, cfg.train.max_steps] if cfg.pack.repack_each_epoch else None,
+        # only for a VLM's run: other runs key as they did before the tower was weighed
+        **({"tower": tower.key()} if tower is not None else {}),
     })
 
 
@@ -133,6 +136,9 @@ class Tokenized:
     reused: bool
     """True when read back from `data.cache_path` instead of tokenized now."""
     seconds: float
+    tower: np.ndarray | None = None
+    """Image data only: every example's vision-tower patches and Σ patches² (rows of 2, in the
+    order of `ids`), what the plan's balance counts (raypack/data/tower.py)."""
 
 
 def tokenized(cfg: Config, sources: Sources, vocab_size: int | None = None, scratch: str | None = None) -> Tokenized:
@@ -150,7 +156,9 @@ def tokenized(cfg: Config, sources: Sources, vocab_size: int | None = None, scra
         if not changes:
             lengths, ids = lengths_and_ids(ray.data.read_parquet(saved["data_dir"], columns=["example_id", "length"]))
             print(f"[raypack] reusing tokenized data in {saved['data_dir']}", flush=True)
-            return Tokenized(saved["key"], saved["data_dir"], lengths, ids, saved["stats"], True, time.perf_counter() - t0)
+            tower = _tower_of(saved["data_dir"]) if saved["stats"].get("images") else None
+            return Tokenized(saved["key"], saved["data_dir"], lengths, ids, saved["stats"], True, time.perf_counter() - t0,
+                             tower)
         print(f"[raypack] the sources changed since {folder} was tokenized ({changes[0]}): tokenizing again", flush=True)
 
     where = " in this process (data.driver_max_mb)" if on_driver(cfg, source_bytes(sources)) else ""
@@ -168,8 +176,9 @@ def tokenized(cfg: Config, sources: Sources, vocab_size: int | None = None, scra
         if data_dir:
             storage.remove_dir(data_dir)
         raise
-    stats = {k: v for k, v in dataclasses.asdict(tok_stats).items() if k not in ("lengths", "ids")}
+    stats = {k: v for k, v in dataclasses.asdict(tok_stats).items() if k not in ("lengths", "ids", "tower")}
     lengths, ids = ordered(tok_stats.lengths, tok_stats.ids)
+    tower = None if tok_stats.tower is None else tok_stats.tower[np.argsort(tok_stats.ids, kind="stable")]
     print(f"[raypack] {tok_stats.examples_in} examples: {tok_stats.examples_out} rows, {tok_stats.tokens} tokens "
           f"({tok_stats.label_tokens} with loss); dropped {tok_stats.dropped} over {tok_stats.max_length} tokens and "
           f"{tok_stats.no_labels} without a label token, truncated {tok_stats.truncated}, split {tok_stats.split}, "
@@ -181,7 +190,20 @@ def tokenized(cfg: Config, sources: Sources, vocab_size: int | None = None, scra
         commit(folder, {"key": key, "data_dir": data_dir, "stats": stats, "sources": recorded(sources.fingerprint),
                         "seconds": time.perf_counter() - t0})
         print(f"[raypack] tokenized {len(ids)} examples into {data_dir}", flush=True)
-    return Tokenized(key, data_dir, lengths, ids, stats, False, time.perf_counter() - t0)
+    return Tokenized(key, data_dir, lengths, ids, stats, False, time.perf_counter() - t0, tower)
+
+
+def _tower_of(data_dir: str) -> np.ndarray:
+    """Tokenized.tower of a cached entry's rows, in example_id order, from their image grids."""
+    import pyarrow as pa
+
+    from raypack.data.tower import grid_work
+
+    parts = list(ray.data.read_parquet(data_dir, columns=["example_id", "image_grid_thw"])
+                 .iter_batches(batch_size=65536, batch_format="pyarrow"))  # fmt: skip
+    table = pa.concat_tables(parts)
+    work = grid_work(table["image_grid_thw"])
+    return work[np.argsort(table["example_id"].to_numpy(), kind="stable")]
 
 
 def supervised(tok: Tokenized, cfg: Config) -> None:
@@ -192,13 +214,14 @@ def supervised(tok: Tokenized, cfg: Config) -> None:
 # --- packed rows ---------------------------------------------------------------------------------
 
 
-def reusable(cfg: Config, num_ranks: int, root: str, sources: Sources, reprepare: bool = False) -> Prepared | None:
+def reusable(cfg: Config, num_ranks: int, root: str, sources: Sources, reprepare: bool = False,
+             tower=None) -> Prepared | None:
     """The packed data already in `root` if it was made from this config and these sources;
     None if there is none, or it was made from another config (it is then made again), or
     `reprepare` is set. Same config but changed sources raises SourcesChangedError. Starts no
     Ray work and reads no rows: the manifest, against the command's listing of the sources."""
     saved = read_manifest(storage.absolute(root))
-    if saved is None or saved.get("fingerprint") != packed_key(cfg, num_ranks):
+    if saved is None or saved.get("fingerprint") != packed_key(cfg, num_ranks, tower):
         return None
     changes = changed_sources(saved["sources"], sources.fingerprint)
     if not changes:

@@ -51,6 +51,7 @@ from raypack import storage
 from raypack.data.formats import IGNORE_INDEX
 from raypack.data.images import ImageTokenizer, Vision
 from raypack.data.pairs import CHOSEN, REJECTED, Pair, fit_pair, tokenize_pairs
+from raypack.data.tower import grid_work
 from raypack.data.turns import TurnError, TurnLocator
 from raypack.errors import InputError
 
@@ -404,6 +405,8 @@ def counts(table: pa.Table) -> dict:
         "vision_patches": int(table["_vision_patches"].to_numpy()[kept].sum()),
         "lengths": table["length"].to_numpy()[kept],
         "ids": eid[kept],
+        # per kept row, the vision tower's patches and Σ patches² (data/tower.py): image data only
+        **({"tower": grid_work(table["image_grid_thw"])[kept]} if table["images"].null_count < table.num_rows else {}),
     }
 
 

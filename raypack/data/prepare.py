@@ -41,6 +41,7 @@ from raypack.data.plan import Plan
 from raypack.data.shards import Prepared, group_steps_for
 from raypack.data.strategies import make_plan
 from raypack.data.tokenize import on_driver
+from raypack.data.tower import TowerCost, tower_extra, tower_stats
 from raypack.errors import InputError
 
 
@@ -51,16 +52,24 @@ def training_examples(tok: Tokenized, cfg: Config) -> tuple[np.ndarray, np.ndarr
     return tok.lengths[train], tok.ids[train]
 
 
+def training_tower(tok: Tokenized, cfg: Config) -> np.ndarray | None:
+    """The vision tower's work (patches, Σ patches²) of the examples `training_examples` gives, in
+    its order; None for data without images."""
+    return None if tok.tower is None else tok.tower[~held_out_mask(tok.ids, cfg)]
+
+
 def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_size: int | None = None,
-            reprepare: bool = False, tok: Tokenized | None = None, vision_model: bool = False) -> Prepared:
+            reprepare: bool = False, tok: Tokenized | None = None, vision_model: bool = False,
+            tower: TowerCost | None = None) -> Prepared:
     """Tokenize, split, plan and pack `cfg`'s data (`sources`: its listing) into `root` (a folder
     or URI every node can read; `cache.packed_root` says which), or reuse what is already there
     (see `cache.reusable`). `vocab_size`: the model's, which bounds the ids of pre-tokenized rows.
     `tok`: `cfg`'s tokenized examples, when the caller already has them (a sweep packs several
     configs from one). `vision_model`: the caller found `cfg.model` a vision-language model;
-    image rows are refused otherwise (they would train without their pictures)."""
+    image rows are refused otherwise (they would train without their pictures). `tower`: its vision
+    tower's cost (train/memory_vision.py: Tower.cost), which the plan's balance weighs patches by."""
     root = storage.absolute(root)
-    found = reusable(cfg, num_ranks, root, sources, reprepare)
+    found = reusable(cfg, num_ranks, root, sources, reprepare, tower)
     if found is not None:
         print(f"[raypack] reusing packed data in {root}", flush=True)
         return found
@@ -85,12 +94,16 @@ def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_s
         train = (files, (held_ids, False) if len(held_ids) else None)
         evals = (files, (held_ids, True)) if len(held_ids) else None
         train_lengths, train_ids = tok.lengths[~held_out], tok.ids[~held_out]
+        train_tower = training_tower(tok, cfg)
+        extra = tower_extra(train_tower, tower)
 
         images_dir = None
         if tok.stats.get("images"):
             check_images_trainable(cfg, tok.stats, vision_model)
             images_dir = write_images(files, f"{out}/images")
-        plan, stats, rank_labels = _pack(train, train_lengths, train_ids, cfg, num_ranks, f"{out}/train")
+        plan, stats, rank_labels = _pack(train, train_lengths, train_ids, cfg, num_ranks, f"{out}/train", extra=extra)
+        if train_tower is not None and tower is not None:
+            stats.update(tower_stats(plan, tower, train_tower, train_lengths))
         _check_every_rank_trains(plan, rank_labels, cfg, num_ranks, len(train_ids))
         with_images = _image_ids(images_dir) if images_dir and cfg.train.zero_stage == 3 else None
         if with_images is not None:
@@ -102,7 +115,7 @@ def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_s
             if with_images is not None:
                 check_every_pack_sees_images(eval_plan, tok.ids[held_out], with_images, "eval")
             eval_dir = f"{out}/eval"
-        epochs = (_repacked_epochs(train, train_lengths, train_ids, cfg, num_ranks, out, plan, stats)
+        epochs = (_repacked_epochs(train, train_lengths, train_ids, cfg, num_ranks, out, plan, stats, extra)
                   if cfg.pack.repack_each_epoch else [])
     except BaseException:
         if new:  # a folder this call made and could not fill: nothing half-made stays behind
@@ -114,7 +127,7 @@ def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_s
     trained = train_lengths.astype(np.float64)
     prepared = Prepared(
         root=root,
-        fingerprint=packed_key(cfg, num_ranks),
+        fingerprint=packed_key(cfg, num_ranks, tower),
         train_dir=f"{out}/train",
         eval_dir=eval_dir,
         steps_per_rank=int(plan.num_steps),
@@ -136,7 +149,9 @@ def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_s
     commit(root, {"fingerprint": prepared.fingerprint, "sources": recorded(sources.fingerprint),
                   "prepared": prepared.to_dict()})
     print(f"[raypack] packed {prepared.steps_per_rank} steps x {num_ranks} ranks with {cfg.pack.strategy} "
-          f"(efficiency {stats['packing_efficiency']:.3f}) in {root} ({time.perf_counter() - t0:.1f} s)", flush=True)
+          f"(efficiency {stats['packing_efficiency']:.3f}"
+          + (f", vision tower imbalance {stats['tower_imbalance']:.3f}" if "tower_imbalance" in stats else "")
+          + f") in {root} ({time.perf_counter() - t0:.1f} s)", flush=True)
     return prepared
 
 
@@ -209,14 +224,15 @@ def write_images(files: list[tuple[str, int]], out_dir: str) -> str:
 
 
 def _pack(rows, lengths, ids, cfg: Config, num_ranks: int, out_dir: str,
-          epoch: int = 0) -> tuple[Plan, dict[str, Any], list[int]]:
+          epoch: int = 0, extra=None) -> tuple[Plan, dict[str, Any], list[int]]:
     """Plan `lengths` and write the rows under `out_dir`: (plan, its stats, label tokens per rank).
-    `rows`: (the tokenized Parquet files, which of their examples: see `pack.route_file`)."""
+    `rows`: (the tokenized Parquet files, which of their examples: see `pack.route_file`);
+    `extra`: make_plan's (the vision tower's work)."""
     accum = cfg.train.grad_accum
     pairs = cfg.train.objective == "dpo"
     if pairs:
         check_pair_ids(ids)
-    plan = make_plan(lengths, cfg.pack, num_ranks, accum, epoch=epoch, pairs=pairs)
+    plan = make_plan(lengths, cfg.pack, num_ranks, accum, epoch=epoch, pairs=pairs, extra=extra)
     stats = plan.stats()
     stats["packing_efficiency"] = stats.pop("efficiency")
     files, select = rows
@@ -249,7 +265,7 @@ def _pack_eval(rows, lengths, ids, cfg: Config, num_ranks: int, out_dir: str, pa
 
 
 def _repacked_epochs(rows, lengths, ids, cfg: Config, num_ranks: int, root: str, first: Plan,
-                     first_stats: dict[str, Any]) -> list[dict[str, Any]]:
+                     first_stats: dict[str, Any], extra=None) -> list[dict[str, Any]]:
     """pack.repack_each_epoch: a plan and rows per epoch (epoch 0's are `first`), as many as the
     run's epochs or max_steps can use."""
     accum, t = cfg.train.grad_accum, cfg.train
@@ -259,7 +275,7 @@ def _repacked_epochs(rows, lengths, ids, cfg: Config, num_ranks: int, root: str,
         if t.max_steps and steps >= t.max_steps:
             break
         print(f"[raypack] packing epoch {e + 1}/{t.epochs} (pack.repack_each_epoch)", flush=True)
-        plan, stats, _ = _pack(rows, lengths, ids, cfg, num_ranks, f"{root}/train_epoch={e}", epoch=e)
+        plan, stats, _ = _pack(rows, lengths, ids, cfg, num_ranks, f"{root}/train_epoch={e}", epoch=e, extra=extra)
         epochs.append({"dir": f"{root}/train_epoch={e}", "steps_per_rank": int(plan.num_steps), "stats": stats})
         steps += plan.num_steps // accum
     return epochs

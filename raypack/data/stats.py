@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 
-def _imbalance(per_pack: np.ndarray, num_ranks: int) -> tuple[float, float]:
+def imbalance(per_pack: np.ndarray, num_ranks: int) -> tuple[float, float]:
     """(Σ_steps max / Σ_steps mean, worst step's max / mean) of per-pack costs in grid order."""
     grid = per_pack.reshape(-1, num_ranks)
     busiest, mean = grid.max(axis=1), grid.mean(axis=1)
@@ -47,8 +47,8 @@ def plan_stats(plan) -> dict[str, Any]:
     else:
         capacity = int(np.maximum(tokens, plan.budget).sum())
         materialized = real + empty
-    tok, tok_worst = _imbalance(tokens.astype(np.float64), plan.num_ranks)
-    att, att_worst = _imbalance(plan.pack_attention(), plan.num_ranks)
+    tok, tok_worst = imbalance(tokens.astype(np.float64), plan.num_ranks)
+    att, att_worst = imbalance(plan.pack_attention(), plan.num_ranks)
     return {
         "strategy": plan.strategy,
         "packs": plan.num_packs,

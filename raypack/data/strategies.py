@@ -80,20 +80,31 @@ class Strategy:
         """The generator of one random choice (`stream`), seeded by (seed, stream[, epoch])."""
         return np.random.default_rng([self.seed, stream] + ([self.epoch] if self.epoch else []))
 
-    def layout(self, packing: Packing, num_ranks: int, attention: np.ndarray | None = None) -> tuple[Packing, np.ndarray]:
+    def layout(self, packing: Packing, num_ranks: int, attention: np.ndarray | None = None,
+               tokens: np.ndarray | None = None) -> tuple[Packing, np.ndarray]:
         """Even the pack count out over the ranks (plan.even_out) and give every pack its cell
         (step * num_ranks + rank); the default cell order is a seeded shuffle. `attention`: each
-        piece's attention cost, where it is not its length squared (a pair: raypack/data/pairs.py)."""
+        piece's attention cost, where it is not its length squared (a pair: raypack/data/pairs.py,
+        an image example: raypack/data/tower.py); `tokens`: its linear work, where it is not its
+        length (an image example's patches count too)."""
         packing = even_out(packing, num_ranks)
         return packing, self.rng(1).permutation(packing.num_packs)
 
-    def plan(self, lengths: np.ndarray, num_ranks: int) -> Plan:
-        """Pack `lengths`, even the packs out over `num_ranks` and place them (see plan.py)."""
+    def plan(self, lengths: np.ndarray, num_ranks: int, extra: tuple[np.ndarray, np.ndarray] | None = None) -> Plan:
+        """Pack `lengths`, even the packs out over `num_ranks` and place them (see plan.py).
+        `extra`: per example, the linear work and attention cost its vision tower adds
+        (raypack/data/tower.py), which the layout weighs beside its length and length²."""
         t0 = time.perf_counter()
         lengths = check_lengths(lengths, self.budget, self.splits_examples, self.name)
         if num_ranks <= 0:
             raise ValueError(f"num_ranks must be positive, got {num_ranks}")
-        packing, cell = self.layout(self.pack(lengths), num_ranks)
+        packing = self.pack(lengths)
+        attention = tokens = None
+        if extra is not None and not self.splits_examples:  # image rows are refused for splitting strategies
+            size = (packing.end - packing.start).astype(np.float64)
+            tokens = size + extra[0][packing.example]
+            attention = size * size + extra[1][packing.example]
+        packing, cell = self.layout(packing, num_ranks, attention, tokens)
         plan = place(packing, cell, num_ranks, strategy=self.name,
                      budget=self.budget, padded=self.padded, reset_positions=self.reset_positions)
         return dataclasses.replace(plan, seconds=time.perf_counter() - t0)
@@ -229,8 +240,9 @@ class Balanced(BFD):
 
     name: ClassVar[str] = "balanced"
 
-    def layout(self, packing: Packing, num_ranks: int, attention: np.ndarray | None = None) -> tuple[Packing, np.ndarray]:
-        return balanced_layout(packing, num_ranks, self.budget, self.seed, attention)
+    def layout(self, packing: Packing, num_ranks: int, attention: np.ndarray | None = None,
+               tokens: np.ndarray | None = None) -> tuple[Packing, np.ndarray]:
+        return balanced_layout(packing, num_ranks, self.budget, self.seed, attention, tokens)
 
 
 STRATEGIES: dict[str, type[Strategy]] = {
@@ -313,12 +325,13 @@ def from_config(cfg: PackConfig, name: str | None = None, epoch: int = 0) -> Str
 
 
 def make_plan(lengths: np.ndarray, cfg: PackConfig, num_ranks: int, accum: int = 1, epoch: int = 0,
-              pairs: bool = False) -> Plan:
+              pairs: bool = False, extra: tuple[np.ndarray, np.ndarray] | None = None) -> Plan:
     """The plan training uses for `cfg` over `lengths` on `num_ranks` ranks with `accum` micro-steps
     per optimizer step: planned over num_ranks x accum virtual ranks, so every optimizer step's
     packs are balanced together, then folded (plan.fold_accumulation). `epoch` as in from_config.
     `pairs`: `lengths` are preference pairs' (chosen, rejected) lengths, each pair one item whose
-    two sequences share a pack (raypack/data/pairs.py)."""
+    two sequences share a pack (raypack/data/pairs.py). `extra`: per example, what its vision
+    tower adds to its linear work and attention cost (`tower.TowerCost.extra`), for `balanced`."""
     if accum <= 0:
         raise ValueError(f"accum must be positive, got {accum}")
     t0 = time.perf_counter()
@@ -327,6 +340,6 @@ def make_plan(lengths: np.ndarray, cfg: PackConfig, num_ranks: int, accum: int =
         check_pairs(strategy.name)
         plan = plan_pairs(strategy, np.asarray(lengths), num_ranks * accum)
     else:
-        plan = strategy.plan(np.asarray(lengths), num_ranks * accum)
+        plan = strategy.plan(np.asarray(lengths), num_ranks * accum, extra)
     plan = fold_accumulation(plan, num_ranks, accum)
     return dataclasses.replace(plan, seconds=time.perf_counter() - t0)

@@ -91,7 +91,8 @@ def setup(cfg: Config, data: Prepared, world_size: int, clock: Startup | None = 
         skip_shm_build()  # before DeepSpeed's backend starts (engine.py)
         deepspeed.init_distributed()  # joins Ray Train's process group; the config checks world size
         zero3 = HfDeepSpeedConfig(deepspeed_config(cfg.train, dtype=dtype, world_size=world_size))
-    mode, why = resolve_checkpointing(cfg, "cuda" if cfg.train.use_gpu else "cpu", local_ranks)
+    mode, why = resolve_checkpointing(cfg, "cuda" if cfg.train.use_gpu else "cpu", local_ranks,
+                                      patches=data.stats.get("widest_patches"))
     if rank == 0:
         print(f"[raypack] gradient checkpointing: {mode} ({why})", flush=True)
     model = load_model(

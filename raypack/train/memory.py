@@ -45,6 +45,12 @@ Per rank (= per GPU); P parameters, P_t of them trained, N ranks, T = tokens in 
   state for Mamba-2) per example. `raypack plan` sizes it for the plan's widest padded batch
   (Plan.widest_padded); without a plan, one example of T tokens. Under `selective` the mixer's part
   is counted whole. Parameters are the model's own count (its structure on the meta device).
+- vision-language models (Qwen2/2.5/3-VL): the vision tower and projector are parameters like
+  the rest (less what `model.freeze` freezes), and the tower keeps, per patch of the micro-batch,
+  what raypack/train/memory_vision.py counts (checked against autograd on the tiny Qwen2.5-VL),
+  for the plan's widest micro-batch in patches (`raypack plan`, and the workers from the prepared
+  data's stats); without a plan, every token an image token. Its recomputed block and the language
+  model's recomputed layer never coexist: the larger counts.
 - loss: the logits at their peak, 12 B per element (bf16 logits 2 + fp32 upcast 4 + fp32 gradient
   4 + bf16 gradient 2), over all T tokens (`train.loss: full`) or one chunk (`chunked`), whose fp32
   sum of the head's gradient (4 B x vocab x hidden) is counted too where the head trains (not with
@@ -65,6 +71,7 @@ from typing import Any, Mapping
 
 from raypack.config import Config, PeftConfig
 from raypack.train.memory_mixers import MixerLayers, mixer_layers
+from raypack.train.memory_vision import Tower, vision_tower
 
 GB = 1e9
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -123,13 +130,18 @@ class Arch:
     place of attention in its layers."""
     counted_params: int = 0
     """The model's own parameter count where its structure was read (hybrids); 0: the arithmetic's."""
+    tower: Tower | None = None
+    """A VLM's vision tower and projector (raypack/train/memory_vision.py): in the parameters, and
+    its activations over a micro-batch's patches."""
 
     @classmethod
     def from_config(cls, config: Any, trust_remote_code: bool = False) -> Arch:
         """From a transformers config (`raypack.model.build.model_config`: no weights needed). A
         hybrid's mixers and parameter count come from its structure on the meta device."""
         c = config.get_text_config() if hasattr(config, "get_text_config") else config
-        hybrid = _mixers_of(config, trust_remote_code)
+        model = _meta(config, trust_remote_code)
+        hybrid = _mixers_of(model)
+        tower = vision_tower(model, config) if model is not None and _is_vlm(config) else None
         heads = c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or 0
         # Qwen2 builds q/k/v with a bias that its config doesn't mention; Llama-likes say attention_bias.
@@ -138,7 +150,8 @@ class Arch:
                    heads=heads, kv_heads=getattr(c, "num_key_value_heads", None) or heads, vocab=c.vocab_size,
                    tied=bool(getattr(c, "tie_word_embeddings", False)), qkv_bias=bias,
                    head_dim=0 if head_dim == c.hidden_size // heads else head_dim,
-                   mixers=hybrid[0] if hybrid else (), counted_params=hybrid[1] if hybrid else 0)  # fmt: skip
+                   mixers=hybrid[0] if hybrid else (), counted_params=hybrid[1] if hybrid else 0,
+                   tower=tower)  # fmt: skip
 
     @property
     def q(self) -> int:
@@ -174,19 +187,31 @@ class Arch:
         if self.counted_params:
             return self.counted_params
         embed = self.vocab * self.hidden
-        return self.layers * self.layer_params + embed * (1 if self.tied else 2) + self.hidden
+        tower = self.tower.params if self.tower else 0
+        return self.layers * self.layer_params + embed * (1 if self.tied else 2) + self.hidden + tower
 
 
-def _mixers_of(config: Any, trust_remote_code: bool) -> tuple[tuple[MixerLayers, ...], int] | None:
-    """(mixers, parameter count) of a hybrid model, read from its structure on the meta device;
-    None where it has no mixers but attention. Only a model transformers builds has mixers to find."""
+def _meta(config: Any, trust_remote_code: bool):
+    """The model on the meta device, or None where transformers builds none here (remote code not
+    at hand): then sized as a Llama-like decoder, as before hybrids and towers were known."""
     from raypack.model.build import meta_model  # transformers: only where a config is sized
 
     try:
-        model = meta_model(config, trust_remote_code)
-    except Exception:  # no causal LM transformers builds here (a VLM's config, remote code not at
-        return None  # hand): sized as a Llama-like decoder, as before hybrids were known
-    found = mixer_layers(model)
+        return meta_model(config, trust_remote_code)
+    except Exception:
+        return None
+
+
+def _is_vlm(config: Any) -> bool:
+    from raypack.model.vision import trains_as_vlm
+
+    return trains_as_vlm(config)
+
+
+def _mixers_of(model) -> tuple[tuple[MixerLayers, ...], int] | None:
+    """(mixers, parameter count) of a hybrid model, read from its structure on the meta device;
+    None where it has no mixers but attention (or no model was built)."""
+    found = mixer_layers(model) if model is not None else ()
     return (found, sum(p.numel() for p in model.parameters())) if found else None
 
 
@@ -203,11 +228,16 @@ def adapted(peft: PeftConfig) -> tuple[str, ...]:
     return tuple(p for p in PROJECTIONS if p in names)
 
 
-def trained_params(arch: Arch, peft: PeftConfig) -> int:
-    """Parameters that get gradients and optimizer state: all of them, or the adapters (+ DoRA's
-    magnitudes) and the `modules_to_save` copies."""
+def trained_params(arch: Arch, peft: PeftConfig, freeze: tuple[str, ...] = ()) -> int:
+    """Parameters that get gradients and optimizer state: all of them less a VLM's frozen parts
+    (`model.freeze`), or the adapters (+ DoRA's magnitudes) and the `modules_to_save` copies (the
+    adapters peft puts in a vision tower are not counted)."""
     if not peft.enabled:
-        return arch.params
+        tower = arch.tower
+        if tower is None:
+            return arch.params
+        return (arch.params - ("vision" in freeze) * (tower.params - tower.projector)
+                - ("projector" in freeze) * tower.projector)
     shapes = arch.linears()
     per_layer = sum(peft.r * (a + b) + (b if peft.use_dora else 0) for a, b in (shapes[p] for p in adapted(peft)))
     saved = {m.rsplit(".", 1)[-1] for m in peft.modules_to_save}
@@ -288,13 +318,16 @@ def preset_zero(cfg: Config) -> dict[str, Any]:
 
 def estimate(cfg: Config, arch: Arch, *, tokens: int | None = None, loss: str | None = None,
              chunk: int | None = None, zero: Mapping[str, Any] | None = None,
-             checkpointing: str | None = None, padded: tuple[int, int] | None = None) -> Memory:
+             checkpointing: str | None = None, padded: tuple[int, int] | None = None,
+             patches: int | None = None) -> Memory:
     """Bytes per GPU of a run of `cfg` on a model of shape `arch`: `tokens` per micro-batch (default
     a rank's share of pack.budget), `loss` full or chunked (default train.loss) in chunks of `chunk` tokens (default
     the loss's own), `zero` the preset's ZeRO section (default read from train.deepspeed_preset),
     `checkpointing` one of CHECKPOINTING (default model.gradient_checkpointing; `auto` must be resolved
     first, by choose_checkpointing), `padded` the (examples, longest example) of the row a hybrid's
-    mixers run as a padded batch (default one example of all the tokens: no padding)."""
+    mixers run as a padded batch (default one example of all the tokens: no padding), `patches` the
+    most patches a micro-batch runs through a VLM's vision tower (the plan's widest; default every
+    token an image token, the most a row of `tokens` can carry)."""
     t, peft = cfg.train, cfg.model.peft
     mode = checkpointing or cfg.model.gradient_checkpointing
     if mode not in CHECKPOINTING:
@@ -302,7 +335,7 @@ def estimate(cfg: Config, arch: Arch, *, tokens: int | None = None, loss: str | 
     zero = preset_zero(cfg) if zero is None else zero
     tokens = tokens or rank_tokens(cfg)
     n, p = t.num_workers, arch.params
-    trained = trained_params(arch, peft)
+    trained = trained_params(arch, peft, cfg.model.freeze)
 
     if peft.method == "qlora":  # ZeRO 0-2 (the config refuses 3): whole on every GPU
         quantized = arch.layers * arch.linear_params
@@ -352,7 +385,12 @@ def estimate(cfg: Config, arch: Arch, *, tokens: int | None = None, loss: str | 
         activations = 2 * largest + tokens * (kept * n_attention + (kept - kept_attention) * n_mixed) + mixed
     else:
         activations = layer * arch.layers - attention * n_mixed + mixed
-
+    tower = arch.tower
+    if tower is not None:  # memory_vision.py: its blocks over the micro-batch's patches
+        patches = tokens * tower.merge if patches is None else patches
+        recomputed = 2 * largest if mode != "none" else 0.0
+        # the tower's block recomputed in backward and the language model's layer never coexist
+        activations += tower.activations(patches, mode) + max(0.0, 2 * tower.recomputed(patches, mode) - recomputed)
     kind = loss or t.loss
     if kind == "full":
         logits, head_sum = LOGIT_BYTES * tokens * arch.vocab, 0.0
@@ -362,6 +400,8 @@ def estimate(cfg: Config, arch: Arch, *, tokens: int | None = None, loss: str | 
         head_sum = 0.0 if peft.enabled else 4 * arch.vocab * arch.hidden
     told = ", ".join(f"{x.layers} {x.kind}" for x in arch.mixers)
     told = f"{told} layer(s) on the torch path over {examples} example(s) x {longest} tokens" if told else ""
+    if tower is not None:
+        told = (told + "; " if told else "") + f"vision tower over {patches} patches a micro-batch"
     return Memory(weights=weights, grads=grads, optimizer=optimizer, activations=activations, logits=logits,
                   head_sum=head_sum, host=host, trained=trained, checkpointing=mode, mixers=told)  # fmt: skip
 
@@ -372,7 +412,8 @@ def usable_bytes(capacity: float, device_type: str) -> float:
 
 
 def choose_checkpointing(cfg: Config, arch: Arch, capacity: float, device_type: str = "cuda",
-                         selective: bool = True, padded: tuple[int, int] | None = None) -> tuple[str, str]:
+                         selective: bool = True, padded: tuple[int, int] | None = None,
+                         patches: int | None = None) -> tuple[str, str]:
     """model.gradient_checkpointing as a worker with `capacity` bytes of device memory runs it:
     the configured mode, or for `auto` the fastest of CHECKPOINTING whose estimate fits
     `usable_bytes` (full where none does: the smallest, and the run may still fit). Returns the
@@ -384,7 +425,7 @@ def choose_checkpointing(cfg: Config, arch: Arch, capacity: float, device_type: 
     selective = selective and not (m.tiled_mlp_tokens or cfg.train.zero_stage == 3)
     modes = [c for c in CHECKPOINTING if selective or c != "selective"]
     usable, unit = usable_bytes(capacity, device_type), GB
-    sizes = {c: estimate(cfg, arch, checkpointing=c, padded=padded).total for c in modes}
+    sizes = {c: estimate(cfg, arch, checkpointing=c, padded=padded, patches=patches).total for c in modes}
     fits = [c for c in modes if sizes[c] <= usable]
     chosen = fits[0] if fits else "full"
     told = ", ".join(f"{c} {sizes[c] / unit:.1f} GB" for c in modes)
@@ -396,12 +437,12 @@ def choose_checkpointing(cfg: Config, arch: Arch, capacity: float, device_type: 
     return chosen, why
 
 
-def summary(cfg: Config, arch: Arch, padded: tuple[int, int] | None = None) -> str:
+def summary(cfg: Config, arch: Arch, padded: tuple[int, int] | None = None, patches: int | None = None) -> str:
     """`Memory.line` of cfg's run (a hybrid's mixers sized for `padded`, as `estimate`); under
     `auto`, which the worker's device decides, every mode's total first, then full's line."""
     if cfg.model.gradient_checkpointing != "auto":
-        return estimate(cfg, arch, padded=padded).line(cfg, arch)
-    sizes = {c: estimate(cfg, arch, checkpointing=c, padded=padded) for c in CHECKPOINTING}
+        return estimate(cfg, arch, padded=padded, patches=patches).line(cfg, arch)
+    sizes = {c: estimate(cfg, arch, checkpointing=c, padded=padded, patches=patches) for c in CHECKPOINTING}
     unit, scale = ("GB", GB) if sizes["full"].total >= 0.1 * GB else ("MB", 1e6)
     told = ", ".join(f"{c} {m.total / scale:.1f} {unit}" for c, m in sizes.items())
     return (f"{told} by gradient checkpointing mode (auto: each worker takes the fastest that fits its device); "
@@ -417,7 +458,8 @@ def device_bytes(device_type: str, ranks_here: int = 1) -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(ranks_here, 1)
 
 
-def resolve_checkpointing(cfg: Config, device_type: str, ranks_here: int = 1) -> tuple[str, str]:
+def resolve_checkpointing(cfg: Config, device_type: str, ranks_here: int = 1,
+                          patches: int | None = None) -> tuple[str, str]:
     """`choose_checkpointing` on this worker: its device's memory, its model's shape from the model's
     config (no weights). A shape the arithmetic can't size leaves auto at full, saying why. Where
     the kernels rule selective out (kernels.check_selective_with), it is refused or left out."""
@@ -432,6 +474,16 @@ def resolve_checkpointing(cfg: Config, device_type: str, ranks_here: int = 1) ->
         return m.gradient_checkpointing, "as configured"
     try:
         arch = Arch.from_config(config, m.trust_remote_code)
-        return choose_checkpointing(cfg, arch, device_bytes(device_type, ranks_here), device_type, selective)
+        return choose_checkpointing(cfg, arch, device_bytes(device_type, ranks_here), device_type, selective,
+                                    patches=patches)
     except (AttributeError, TypeError, ValueError) as e:  # a config without a Llama-like shape
         return "full", f"the memory estimate can't size this model ({e}); full needs least"
+
+
+def tower_cost(config: Any, trust_remote_code: bool = False):
+    """A VLM's vision tower's cost against its language model's (memory_vision.Tower.cost), which
+    the plan's balance weighs patches by; None for a model without a tower the arithmetic knows."""
+    if not _is_vlm(config):
+        return None
+    arch = Arch.from_config(config, trust_remote_code)
+    return arch.tower.cost(arch) if arch.tower is not None else None

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -69,6 +70,8 @@ class Checked:
     """The run's packed data, if it was already made from this config and these sources."""
     vision_model: bool = False
     """model.name is a vision-language model (image rows train with their pictures)."""
+    tower: Any = None
+    """Its vision tower's cost (a data.tower.TowerCost), which the plan's balance weighs patches by."""
 
 
 def preflight(cfg: Config, *, reprepare: bool = False) -> Checked:
@@ -79,15 +82,15 @@ def preflight(cfg: Config, *, reprepare: bool = False) -> Checked:
     bound = any(f in ("tokenized", "auto") for f in formats.values())
     if not bound:
         _check_rows(checked, None)
-    vocab, vision_model = check_model_and_tokenizer(cfg, _tokenizer(cfg, checked.sources, formats))
+    vocab, vision_model, tower = check_model_and_tokenizer(cfg, _tokenizer(cfg, checked.sources, formats))
     if bound:
         _check_rows(checked, vocab)
     from raypack.data.cache import packed_root, reusable  # Ray Data: imported once the cheap checks passed
 
     n = cfg.train.data_parallel
-    prepared = reusable(cfg, n, packed_root(cfg, n, run_dir(cfg)), checked.sources, reprepare)
+    prepared = reusable(cfg, n, packed_root(cfg, n, run_dir(cfg)), checked.sources, reprepare, tower)
     return Checked(cfg=cfg, sources=checked.sources, formats=formats, vocab_size=vocab, prepared=prepared,
-                   vision_model=vision_model)
+                   vision_model=vision_model, tower=tower)
 
 
 def check_data(cfg: Config, *, rows: bool = True) -> Checked:
@@ -135,12 +138,14 @@ def _check_rows(checked: Checked, vocab_size: int | None) -> None:
         check_rows_here(checked.cfg.data, checked.sources, vocab_size)
 
 
-def check_model_and_tokenizer(cfg: Config, tok) -> tuple[int, bool]:
-    """The model's vocabulary size, once its config resolves and the tokenizer fits it, and
-    whether it trains as a vision-language model (images: `vision.trains_as_vlm`)."""
+def check_model_and_tokenizer(cfg: Config, tok) -> tuple[int, bool, Any]:
+    """The model's vocabulary size, once its config resolves and the tokenizer fits it, whether it
+    trains as a vision-language model (images: `vision.trains_as_vlm`), and then its vision
+    tower's cost (memory.tower_cost, for the plan's balance; None otherwise)."""
     from raypack.data.encode import TokenizeError
     from raypack.model.build import model_config, model_vocab_size  # torch: seconds
     from raypack.model.vision import trains_as_vlm
+    from raypack.train.memory import tower_cost
     from raypack.train.router_loss import check_router_setting
 
     m = cfg.model
@@ -157,7 +162,8 @@ def check_model_and_tokenizer(cfg: Config, tok) -> tuple[int, bool]:
             f"tokenize.tokenizer {cfg.tokenize.tokenizer!r} has {len(tok)} tokens but model.name {m.name!r} "
             f"embeds {vocab}: ids {vocab} and up would index past the embedding; use the model's own tokenizer"
         )
-    return vocab, trains_as_vlm(config)
+    vlm = trains_as_vlm(config)
+    return vocab, vlm, tower_cost(config, m.trust_remote_code) if vlm else None
 
 
 def check_packed_model(cfg: Config, config=None) -> None:

@@ -210,7 +210,7 @@ def prepare_data(checked: Checked, reprepare: bool, clock: Startup | None = None
     cfg = checked.cfg
     n = cfg.train.data_parallel  # packed rows per data-parallel rank: a sequence-parallel group shares them
     prepared = prepare(cfg, n, packed_root(cfg, n, runs.run_dir(cfg)), checked.sources, vocab_size=checked.vocab_size,
-                       reprepare=reprepare, vision_model=checked.vision_model)
+                       reprepare=reprepare, vision_model=checked.vision_model, tower=checked.tower)
     clock.mark("data")
     return prepared
 

@@ -75,10 +75,13 @@ def prepare_sweep_data(base: Config, sources: Sources, cache: str) -> SweepData:
     the listing of `base.data.paths` (preflight's)."""
     from raypack.model.build import model_config
     from raypack.model.vision import trains_as_vlm
+    from raypack.train.memory import tower_cost
 
     out = SweepData(cache=cache)
     ranks, accum = base.train.data_parallel, base.train.grad_accum
-    vision_model = trains_as_vlm(model_config(base.model.name, base.model.trust_remote_code))
+    config = model_config(base.model.name, base.model.trust_remote_code)
+    vision_model = trains_as_vlm(config)
+    tower = tower_cost(config, base.model.trust_remote_code) if vision_model else None
     tokenizations: dict[str, Any] = {}
     for strategy, budget in pack_configs(base):
         cfg = with_pack(base, cache, strategy, budget)
@@ -98,7 +101,8 @@ def prepare_sweep_data(base: Config, sources: Sources, cache: str) -> SweepData:
             out.batch_sizes[name] = equal_work_batch_size(budget, out.mean_length[budget])
             cfg = with_pack(base, cache, strategy, budget, out.batch_sizes[name])
         t0 = time.perf_counter()
-        prepared = prepare(cfg, ranks, packed_root(cfg, ranks, ""), sources, tok=tok, vision_model=vision_model)
+        prepared = prepare(cfg, ranks, packed_root(cfg, ranks, ""), sources, tok=tok, vision_model=vision_model,
+                           tower=tower)
         out.pack_s += time.perf_counter() - t0
         out.packed_configs += 1
         per_epoch = prepared.steps_per_rank // accum

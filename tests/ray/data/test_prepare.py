@@ -67,6 +67,33 @@ def test_plan_command_shows_the_plan_prepare_trains(ray_local, tmp_path, capsys)
     assert len({row["example_id"] for row in table}) == prepared.stats["train_examples"]
 
 
+def test_the_vlm_plan_shown_weighs_the_tower_as_prepare_does(ray_local, tmp_path, capsys):
+    """Image data on a VLM: `raypack plan` tokenizes into the cache and weighs each example's patches
+    (data/tower.py); prepare reads the tokenized rows back from the cache (the tower's work from
+    their grids) and packs the same cells, with the same tower figures."""
+    from raypack.model.build import model_config
+    from raypack.train.memory import tower_cost
+
+    config = str(REPO / "jobs" / "configs" / "vlm_quickstart.yaml")
+    overrides = [f"run.storage_path={tmp_path}", "run.name=vlm-plan", f"data.cache_path={tmp_path / 'cache'}",
+                 "train.num_workers=4"]
+    out = tmp_path / "plan.parquet"
+    assert main(["plan", "--config", config, *overrides, "--json", "--out", str(out)]) == 0
+    shown = json.loads(capsys.readouterr().out)[0]
+    assert shown["widest_patches"] > 0 and shown["tower_imbalance"] >= 1.0
+
+    cfg = absolute_paths(load(config, overrides))
+    prepared = pack(cfg, 4, str(tmp_path / "packed"), vision_model=True, tower=tower_cost(model_config(cfg.model.name)))
+    assert prepared.stats["tokenize_reused"]
+    for key in ("packs", "token_imbalance", "attention_imbalance", "tower_imbalance", "work_imbalance", "widest_patches"):
+        assert shown[key] == prepared.stats[key], key
+    planned = defaultdict(list)
+    for row in pq.read_table(out).to_pylist():
+        planned[(row["rank"], row["step"])].append(row["example_id"])
+    written = _cells({r: list(iter_rank_packs(prepared.train_dir, r)) for r in range(4)})
+    assert {k: v for k, v in written.items() if v} == dict(planned)
+
+
 def test_repack_each_epoch_writes_new_packs_per_epoch(ray_local, tmp_path):
     overrides = ["pack.strategy=random", "pack.repack_each_epoch=true", "pack.budget=256", "train.epochs=3",
                  "train.num_workers=2", "train.grad_accum=1"]

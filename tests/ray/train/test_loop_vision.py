@@ -36,7 +36,10 @@ def _prepared_rows() -> tuple[dict[int, list[dict]], dict[int, tuple[list[bytes]
     from raypack.data.pack import Router, assemble_rows, plan_routing
     from raypack.data.sources import read_unit
     from raypack.data.strategies import make_plan
+    from raypack.data.tower import grid_work
+    from raypack.model.build import model_config
     from raypack.runs import absolute_paths
+    from raypack.train.memory import tower_cost
 
     cfg = absolute_paths(load(str(CONFIG)))
     t = cfg.tokenize
@@ -45,7 +48,9 @@ def _prepared_rows() -> tuple[dict[int, list[dict]], dict[int, tuple[list[bytes]
     table = kept_rows(Encoder(t.tokenizer, t.chat_template, t.label_mask, t.overlength, cfg.max_length)
                       .encode_table(table)).sort_by("example_id")  # fmt: skip
     ids, lengths = table["example_id"].to_numpy(), table["length"].to_numpy()
-    plan = make_plan(lengths, cfg.pack, 2, 1)
+    # planned as a run plans it: each example's vision-tower work weighed by the model's tower (data/tower.py)
+    cost = tower_cost(model_config(cfg.model.name))
+    plan = make_plan(lengths, cfg.pack, 2, 1, extra=cost.extra(grid_work(table["image_grid_thw"])))
     assert plan.num_steps >= STEPS and np.bincount(plan.pack).max() > 1, "no pack holds two examples"
     pieces = Router(plan_routing(plan, ids))(table)
     rows = {}

@@ -51,6 +51,8 @@ NO_RAY = {  # script -> what its results file must show
     # host gather of N and tokens, the loss's all_reduce
     "step_syncs.py": ["## 1 rank", "## 2 ranks", "| collective: raypack (stepvalues.gather) | 0.0 | 1.0 |",
                       "| sync: deepspeed (timer.start) |"],
+    # the synthetic image set, both models, before / after weighing the tower (issue 44)
+    "tower_balance.py": ["| synthetic (2000,", "| tiny-qwen2_5_vl |", "| qwen2_5_vl-7b-shape |"],
     "vision_bytes.py": ["| bundled sample, tiny processor | 16-32 px PNG | 137 |", "| Qwen2.5-VL default | 640x480 JPEG q90 |"],
     # every model x option set reached its longest smoke row
     "long_context.py": ["| 1b-full | none | 256 |", "| 8b-lora | both | 256 |", "| 1b-full | tiled | 256 |"],

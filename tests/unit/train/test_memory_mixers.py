@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from saved import saved_bytes
 
 from raypack.config import load
 from raypack.model import mixers
@@ -17,22 +18,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 ROWS = ([128], [64, 64, 64], [100, 30, 7, 7], [300, 20])
 """Packed rows (example lengths): one example, equal ones, one long among short ones (the padded
 batch 4 x 100 for 144 tokens), lengths off the scans' 64-token chunks."""
-
-
-def saved_bytes(model, fn) -> int:
-    """Bytes of the tensors autograd saves while `fn` runs, each storage once, the weights aside."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in weights:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
 
 
 def packed_kwargs(lengths):
