@@ -176,6 +176,10 @@ def _init_local(settings: RaySettings) -> None:
                 log_to_driver=settings.log_to_driver,
                 runtime_env=settings.runtime_env or None,
                 logging_level=logging.WARNING,
+                # Ray starts idle workers for the first driver's plain tasks (two here, ~0.5 CPU-s
+                # each, as a run starts): a run's actors all ask for workers of their own (a
+                # runtime env), and small data is prepared in this process (data.driver_max_mb).
+                _system_config={"prestart_worker_first_driver": False},
             )
     finally:
         auth_log.setLevel(auth_level)
