@@ -84,7 +84,8 @@ def make_input(folder: Path, n: int, budget: int, files: int, kind: str, seed: i
 def config(args, data: str):
     return load(None, [f"data.paths=[{data}]", "data.format=tokenized", "data.eval_fraction=0",
                        f"pack.budget={args.budget}", "pack.strategy=balanced", f"train.num_workers={args.ranks}",
-                       f"tokenize.num_actors={args.actors}"])
+                       f"tokenize.num_actors={args.actors}",
+                       "data.driver_max_mb=0"])  # Ray's distributed stages, what this measures, even at --smoke
 
 
 def rss_mib() -> float:

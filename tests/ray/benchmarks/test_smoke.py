@@ -18,6 +18,7 @@ from paths import REPO
 COMMANDS = {  # script -> what its results file must show
     "pack_materialize.py": ["| routed |", "| shuffle |", "Rows identical between methods: True."],
     "tokenize_throughput.py": ["| raypack tokenize_dataset, run 1 |", "| datasets map only, run 1 |"],
+    "prepare_driver.py": ["| 0.33 MiB | 300 |", "driver / Ray"],
     "prepare_scale.py": ["| 2,000 | ", " | raypack | ", " | floor | ", "| every process <= 4 GiB |", " | True |"],
     "sweep_prepare.py": ["| 1 | per trial |", "| 2 | once |", "Time saved per sweep"],
     "sweep_spread.py": ["Per strategy, median [min, max]", "Median ratio bfd / balanced"],
