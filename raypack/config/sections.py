@@ -46,11 +46,13 @@ class DataConfig:
     everything that shaped it, so runs and sweep trials with the same data and tokenize config
     tokenize once (and with the same pack config, pack once). None: tokenize in memory and pack
     under the run dir. `raypack sweep` sets it to `<experiment>/cache` for its trials."""
-    driver_max_mb: float = 16.0
+    driver_max_mb: float = 8.0
     """Data of at most this many MiB (the source files, then the tokenized rows) is tokenized and
     packed in the driver's own process, by the same code that Ray Data's tokenizer actors and
-    Ray's pack tasks run, without the seconds those take to start (docs/guides/speed.md,
-    start-up). Larger data, or any with 0 here, goes through Ray, in parallel across the cluster."""
+    Ray's pack tasks run, without the seconds those take to start: 0.03x Ray's time for the
+    quickstart's data, 0.31x at 4 MiB of chats, even at 16 MiB on 2 cores
+    (benchmarks/prepare_driver.py). Larger data, or any with 0 here, goes through Ray, in
+    parallel across the cluster."""
 
     def __post_init__(self) -> None:
         _check(len(self.paths) > 0, "data.paths", "at least one path", self.paths)
