@@ -64,7 +64,8 @@ SCRIPT = textwrap.dedent(
 
     def config(cache=None):
         return load(None, [f"data.paths=['{data}']", "pack.budget=256", "train.num_workers=4",
-                           "tokenize.batch_size=32", "tokenize.num_actors=2", "data.eval_fraction=0.1"]
+                           "tokenize.batch_size=32", "tokenize.num_actors=2", "data.eval_fraction=0.1",
+                           "data.driver_max_mb=0"]  # Ray's tasks, spread over the nodes, however small
                     + ([f"data.cache_path={cache}"] if cache else []))
 
     def files(root):
