@@ -34,15 +34,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import ray
+import pyarrow as pa
+import pyarrow.dataset as pads
 
 from raypack import storage
 from raypack.config import Config
 from raypack.data.fingerprint import changed_sources, recorded
 from raypack.data.listing import Sources, source_bytes
 from raypack.data.shards import Prepared
-from raypack.data.tokenize import (TokenizeStats, lengths_and_ids, on_driver, ordered, require_supervised, tokenize_dataset,
+from raypack.data.tokenize import (TokenizeStats, on_driver, ordered, require_supervised, tokenize_dataset,
                                    tokenize_here)
+from raypack.data.tower import grid_work
 from raypack.errors import InputError
 
 FORMAT_VERSION = 7  # 7: vision rows (images, image_grid_thw columns); 4: rows without a label token are dropped; the manifest records the sources
@@ -154,9 +156,12 @@ def tokenized(cfg: Config, sources: Sources, vocab_size: int | None = None, scra
     if saved is not None:
         changes = changed_sources(saved.get("sources", {}), sources.fingerprint)
         if not changes:
-            lengths, ids = lengths_and_ids(ray.data.read_parquet(saved["data_dir"], columns=["example_id", "length"]))
+            images = bool(saved["stats"].get("images"))
+            table = _columns_of(saved["data_dir"], ["example_id", "length", *(["image_grid_thw"] if images else [])])
+            order = np.argsort(table["example_id"].to_numpy(), kind="stable")
+            lengths, ids = ordered(table["length"].to_numpy(), table["example_id"].to_numpy())
+            tower = grid_work(table["image_grid_thw"])[order] if images else None
             print(f"[raypack] reusing tokenized data in {saved['data_dir']}", flush=True)
-            tower = _tower_of(saved["data_dir"]) if saved["stats"].get("images") else None
             return Tokenized(saved["key"], saved["data_dir"], lengths, ids, saved["stats"], True, time.perf_counter() - t0,
                              tower)
         print(f"[raypack] the sources changed since {folder} was tokenized ({changes[0]}): tokenizing again", flush=True)
@@ -193,17 +198,15 @@ def tokenized(cfg: Config, sources: Sources, vocab_size: int | None = None, scra
     return Tokenized(key, data_dir, lengths, ids, stats, False, time.perf_counter() - t0, tower)
 
 
-def _tower_of(data_dir: str) -> np.ndarray:
-    """Tokenized.tower of a cached entry's rows, in example_id order, from their image grids."""
-    import pyarrow as pa
-
-    from raypack.data.tower import grid_work
-
-    parts = list(ray.data.read_parquet(data_dir, columns=["example_id", "image_grid_thw"])
-                 .iter_batches(batch_size=65536, batch_format="pyarrow"))  # fmt: skip
-    table = pa.concat_tables(parts)
-    work = grid_work(table["image_grid_thw"])
-    return work[np.argsort(table["example_id"].to_numpy(), kind="stable")]
+def _columns_of(data_dir: str, columns: list[str]) -> pa.Table:
+    """`columns` of a cached entry's rows, read here by pyarrow's threads: the planner's input,
+    which the driver holds anyway, without the seconds a Ray Data read takes to start."""
+    fs, path = storage.resolve(data_dir)
+    files = storage.list_files(data_dir, ".parquet")  # fs paths: the folder's other files left out
+    if not files:
+        raise InputError(f"data.cache_path: {data_dir} holds no tokenized rows, though the cache's manifest names it; "
+                         "delete that cache entry to tokenize again")
+    return pads.dataset(files, filesystem=fs, format="parquet").to_table(columns=columns)
 
 
 def supervised(tok: Tokenized, cfg: Config) -> None:
