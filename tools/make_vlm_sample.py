@@ -1,10 +1,13 @@
 """Make the bundled vision-language assets: a tiny processor and a small image sample.
 
-    python tools/make_vlm_sample.py       # rewrites raypack/assets/vlm_processor/ and raypack/assets/vision_sample/
+    python tools/make_vlm_sample.py       # rewrites raypack/assets/{vlm_processor,llava_processor,vision_sample}/
 
 Nothing may come from a model hub, so the processor is the bundled tokenizer (tools/make_tokenizer.py)
 plus Qwen's image tokens and a chat template that renders image parts, and a Qwen2-VL image
-processor sized for a tiny tower (4-pixel patches, 2x2 merge, at most 32x32 pixels). The sample is
+processor sized for a tiny tower (4-pixel patches, 2x2 merge, at most 32x32 pixels). The LLaVA
+processor is the same tokenizer (its files linked, not copied: the GPU kit's size is tight) and a
+LlavaProcessor's settings with a CLIP image processor of 16x16 pictures (4-pixel patches, CLS
+dropped: 16 image tokens a picture, rendered as <|image_pad|>), all in processor_config.json. The sample is
 a few dozen generated pictures (a coloured shape on a background, 16 to 32 pixels a side, PNG)
 with a question and its answer each, in both layouts raypack reads (raypack/data/images.py), in
 a folder of its own: the text sample's folder (raypack/assets/sample/) is read whole as text data.
@@ -24,6 +27,8 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 from transformers import AutoTokenizer
+from transformers import LlavaProcessor
+from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,6 +66,28 @@ def make_processor(out: Path) -> None:
     image_processor().save_pretrained(out)
 
 
+def make_llava_processor(out: Path, tokenizer_folder: Path) -> None:
+    """processor_config.json (LlavaProcessor's settings and its CLIP image processor) beside links
+    to `tokenizer_folder`'s tokenizer files."""
+    tok = AutoTokenizer.from_pretrained(tokenizer_folder)
+    pictures = CLIPImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    processor = LlavaProcessor(image_processor=pictures, tokenizer=tok, patch_size=4, image_token="<|image_pad|>",
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1)  # fmt: skip
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    processor.image_processor.save_pretrained(out)  # processor_config.json alone needs the processor class to read
+    settings = json.loads((out / "preprocessor_config.json").read_text())
+    (out / "preprocessor_config.json").unlink()
+    config = {"image_processor": settings, "image_token": processor.image_token, "patch_size": processor.patch_size,
+              "num_additional_image_tokens": processor.num_additional_image_tokens,
+              "vision_feature_select_strategy": processor.vision_feature_select_strategy,
+              "processor_class": "LlavaProcessor"}  # fmt: skip
+    (out / "processor_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (out / name).symlink_to(Path("..") / tokenizer_folder.name / name)
+
+
 def picture(rng: random.Random) -> tuple[Image.Image, str, str]:
     w, h = rng.choice([16, 24, 32]), rng.choice([16, 24, 32])
     colour, shape = rng.choice(sorted(COLOURS)), rng.choice(SHAPES)
@@ -83,6 +110,7 @@ def main() -> None:
     args = ap.parse_args()
     assets = REPO / "raypack" / "assets"
     make_processor(assets / "vlm_processor")
+    make_llava_processor(assets / "llava_processor", assets / "vlm_processor")
     folder = assets / "vision_sample"
     if folder.exists():
         shutil.rmtree(folder)

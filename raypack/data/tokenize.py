@@ -33,7 +33,7 @@ import ray
 from raypack import storage
 from raypack.config import Config
 from raypack.data.encode import (Encoder, TokenizeError, check_chat_template, check_vision_label_mask, counts,
-                                 kept_rows, load_image_processor, load_tokenizer)
+                                 kept_rows, load_image_tokenizer, load_tokenizer)
 from raypack.data.listing import Sources, known_rows
 from raypack.data.progress import Progress, on_driver_node
 from raypack.data.sources import read_rows, read_sources_with_report, row_location
@@ -242,10 +242,8 @@ def tokenize_dataset(cfg: Config, sources: Sources, vocab_size: int | None = Non
         if report.formats.get("chat") or report.formats.get("vision"):
             check_chat_template(tok, t.tokenizer)
         if report.formats.get("vision"):  # no image processor there, or one raypack has no data path for
-            from raypack.data.images import ImageTokenizer
-
             check_vision_label_mask(t.label_mask)
-            ImageTokenizer(load_image_processor(t.tokenizer), tok)
+            load_image_tokenizer(t.tokenizer, tok)
         raise
     finally:
         ray.kill(counter)

@@ -80,9 +80,9 @@ def collate_vision_packed(examples: Sequence[Mapping[str, Any]]) -> dict[str, An
 
 def collate_vision_padded(examples: Sequence[Mapping[str, Any]], image_token_id: int,
                           pad_token_id: int = 0) -> dict[str, Any]:
-    """One example a row, right-padded, with the images in example order and the token types the
-    model's own get_rope_index reads (`mm_token_type_ids`: 1 on `image_token_id`); no
-    position_ids: the model builds its own, as for any padded batch."""
+    """One example a row, right-padded, with the images in example order and, for grid models,
+    the grids and token types the model's own get_rope_index reads (`mm_token_type_ids`: 1 on
+    `image_token_id`); no position_ids: the model builds its own, as for any padded batch."""
     width = max(len(e["input_ids"]) for e in examples)
     ids = torch.full((len(examples), width), pad_token_id, dtype=torch.long)
     labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
@@ -95,6 +95,7 @@ def collate_vision_padded(examples: Sequence[Mapping[str, Any]], image_token_id:
     pixels = [e for e in examples if e.get("pixel_values") is not None]
     if pixels:
         batch["pixel_values"] = torch.cat([torch.as_tensor(e["pixel_values"]) for e in pixels])
-        batch["image_grid_thw"] = torch.cat([torch.as_tensor(e["image_grid_thw"]) for e in pixels])
-        batch["mm_token_type_ids"] = (ids == image_token_id).to(torch.int32)
+        if all(e.get("image_grid_thw") is not None for e in pixels):
+            batch["image_grid_thw"] = torch.cat([torch.as_tensor(e["image_grid_thw"]) for e in pixels])
+            batch["mm_token_type_ids"] = (ids == image_token_id).to(torch.int32)
     return batch

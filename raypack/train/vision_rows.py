@@ -13,11 +13,10 @@ from typing import Any
 import torch
 
 from raypack.data.collate import example_starts
-from raypack.data.encode import load_image_processor, load_tokenizer
+from raypack.data.encode import load_image_tokenizer, load_tokenizer
 from raypack.data.formats import row_labels
-from raypack.data.images import ImageTokenizer
 from raypack.data.vision_collate import collate_vision_packed, collate_vision_padded
-from raypack.model.vision import example_positions, image_token_id
+from raypack.model.vision import check_processor_fits, example_positions, image_token_id
 
 
 class VisionRows:
@@ -25,7 +24,8 @@ class VisionRows:
     each example's images looked up by id (`shards.rank_images`) and processed again from their
     encoded bytes, its positions the model's own for it alone (`vision.example_positions`):
 
-        packed   collate_vision_packed: one [1, T] row, 4-row mRoPE positions, cu_seq_lens
+        packed   collate_vision_packed: one [1, T] row, positions per example (4-row for mRoPE
+                 models, the text position for the others: LLaVA), cu_seq_lens
         padded   one example a row, right-padded, with an attention_mask and no position_ids:
                  the model builds its own positions (get_rope_index) as for any padded batch
 
@@ -34,7 +34,8 @@ class VisionRows:
 
     def __init__(self, model, images: Mapping[int, tuple[list[bytes], list[int]]], processor: str):
         self.model, self.images = model, images
-        self.tokenize = ImageTokenizer(load_image_processor(processor), load_tokenizer(processor))
+        self.tokenize = load_image_tokenizer(processor, load_tokenizer(processor))
+        check_processor_fits(model, self.tokenize.layout.grids, self.tokenize.pad_id, processor)
 
     def examples(self, rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         out = []
@@ -47,8 +48,9 @@ class VisionRows:
             for eid, lo, hi in zip(names, bounds[:-1], bounds[1:]):
                 blobs, grid = self.images.get(eid, ([], []))
                 pixels = self.tokenize.example_pixels(
-                    {"images": blobs, "image_grid_thw": torch.tensor(grid).reshape(-1, 3).tolist()}, f"example {eid}")
-                grid_t = torch.as_tensor(pixels["image_grid_thw"]) if pixels else None
+                    {"images": blobs, "image_grid_thw": torch.tensor(grid).reshape(-1, 3).tolist(),
+                     "input_ids": ids[lo:hi].numpy()}, f"example {eid}")  # fmt: skip
+                grid_t = torch.as_tensor(pixels["image_grid_thw"]) if "image_grid_thw" in pixels else None
                 out.append({"input_ids": ids[lo:hi], "labels": labels[lo:hi], "image_grid_thw": grid_t,
                             "pixel_values": torch.as_tensor(pixels["pixel_values"]) if pixels else None,
                             "position_ids": example_positions(self.model, ids[lo:hi], grid_t)})  # fmt: skip

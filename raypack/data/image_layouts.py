@@ -1,0 +1,125 @@
+"""What an image becomes for the model: the tower's pixels and the image tokens in the text, by
+the image processor's traits (what it gives), never by the model's name.
+
+    grid      gives image_grid_thw (Qwen2/2.5/3-VL, GLM-4.1V): dynamic resolution, flat patches;
+              an image is t*h*w / merge_size² tokens, as Qwen2VLProcessor expands it
+    pictures  gives pixel_values alone (CLIP, SigLIP, LLaVA's image processors): one picture of
+              the processor's fixed size, (C, H, W), each its own batch element in the tower;
+              an image is (H/patch)*(W/patch) tokens, plus the tower's extra ones (CLS) and less
+              the one the model drops (vision_feature_select_strategy `default`), as
+              LlavaProcessor counts them from its settings (processor_config.json)
+
+Anything else is refused when the data is tokenized, naming what the processor gives beyond
+pixels: pixel_attention_mask (Idefics3/SmolVLM: images split into tiles and padded; Siglip2),
+image_sizes (LLaVA-NeXT's any-resolution crops, Pixtral's own sizes), num_crops, tiles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from raypack.errors import InputError
+
+SETTINGS_FILE = "processor_config.json"
+"""Where a processor folder keeps the processor's own settings (transformers' PROCESSOR_NAME)."""
+SPLITS = ("do_image_splitting", "crop_to_patches", "do_pan_and_scan", "image_grid_pinpoints", "max_image_tiles")
+"""Image-processor settings that cut one image into several tower inputs when set."""
+
+
+def processor_settings(name: str) -> dict[str, Any]:
+    """The processor's settings (processor_config.json) of a processor folder or hub name; {}
+    where it has none (Qwen's folders need none: their counts come from the grids)."""
+    from transformers.utils import cached_file
+
+    try:
+        path = cached_file(os.path.expanduser(str(name)), SETTINGS_FILE, _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False)  # fmt: skip
+    except OSError:
+        return {}
+    if path is None:
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+class GridImages:
+    """Qwen-style processors: patches (n_patches, D) and a (t, h, w) grid per image."""
+
+    grids = True
+
+    def __init__(self, image_processor):
+        self.image_processor = image_processor
+
+    def pixels(self, images: Sequence) -> dict[str, np.ndarray]:
+        out = self.image_processor(images=list(images), return_tensors="np")
+        return {"pixel_values": np.asarray(out["pixel_values"], np.float32),
+                "image_grid_thw": np.asarray(out["image_grid_thw"], np.int64)}  # fmt: skip
+
+    def token_counts(self, pixels: Mapping[str, np.ndarray]) -> list[int]:
+        """Each image's patches (t * h * w) merged merge_size² to one."""
+        return [int(np.prod(g)) // self.image_processor.merge_size**2 for g in pixels["image_grid_thw"]]
+
+    def patches(self, pixels: Mapping[str, np.ndarray]) -> int:
+        return int(pixels["pixel_values"].shape[0])
+
+    def stored(self, pixels: Mapping[str, np.ndarray]) -> list[list[int]]:
+        """What the prepared data keeps to check the pixels against later (`image_grid_thw`)."""
+        return pixels["image_grid_thw"].tolist()
+
+
+class PictureImages:
+    """CLIP/SigLIP-style processors: one (C, H, W) picture per image, a fixed token count."""
+
+    grids = False
+
+    def __init__(self, image_processor, settings: Mapping[str, Any]):
+        self.image_processor = image_processor
+        self.patch_size = int(settings["patch_size"])
+        self.extra = int(settings.get("num_additional_image_tokens") or 0)
+        self.drops_cls = settings.get("vision_feature_select_strategy") == "default"
+
+    def pixels(self, images: Sequence) -> dict[str, np.ndarray]:
+        out = self.image_processor(images=list(images), return_tensors="np")
+        return {"pixel_values": np.asarray(out["pixel_values"], np.float32)}
+
+    def token_counts(self, pixels: Mapping[str, np.ndarray]) -> list[int]:
+        """LlavaProcessor's count: the picture's patches, + the tower's extra tokens, - the CLS the
+        model drops under `default` feature selection."""
+        h, w = pixels["pixel_values"].shape[-2:]
+        n = (h // self.patch_size) * (w // self.patch_size) + self.extra - self.drops_cls
+        return [n] * len(pixels["pixel_values"])
+
+    def patches(self, pixels: Mapping[str, np.ndarray]) -> int:
+        h, w = pixels["pixel_values"].shape[-2:]
+        return len(pixels["pixel_values"]) * (h // self.patch_size) * (w // self.patch_size)
+
+    def stored(self, pixels: Mapping[str, np.ndarray]) -> list[list[int]]:
+        return []  # no grids: every picture is the processor's one size
+
+
+def image_layout(image_processor, settings: Mapping[str, Any]) -> GridImages | PictureImages:
+    """The layout of `image_processor` (see the module doc), or InputError naming the trait raypack
+    has no exact data path for."""
+    kind = type(image_processor).__name__
+    inputs = list(getattr(image_processor, "model_input_names", None) or ["pixel_values"])
+    if "image_grid_thw" in inputs and hasattr(image_processor, "merge_size"):
+        return GridImages(image_processor)
+    extra = [i for i in inputs if i != "pixel_values"]
+    splits = [s for s in SPLITS if getattr(image_processor, s, None)]
+    if extra or splits:
+        raise InputError(
+            f"{kind} gives {', '.join(extra or ['pixel_values'])}{' and splits images (' + ', '.join(splits) + ')' if splits else ''}: "
+            "raypack's image data path takes grid processors (image_grid_thw: Qwen2/2.5/3-VL) and whole fixed-size "
+            "pictures (CLIP/SigLIP: LLaVA) so far; Idefics3/SmolVLM, LLaVA-NeXT and Pixtral pack exactly at the "
+            "model level only (docs/guides/vision.md)")  # fmt: skip
+    if not settings.get("patch_size"):
+        raise InputError(
+            f"{kind} gives whole pictures, but the processor folder's {SETTINGS_FILE} has no patch_size (with "
+            "num_additional_image_tokens and vision_feature_select_strategy, as LlavaProcessor saves them) to count "
+            "each image's tokens")  # fmt: skip
+    return PictureImages(image_processor, settings)
