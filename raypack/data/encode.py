@@ -122,7 +122,11 @@ def load_image_tokenizer(name: str, tok) -> ImageTokenizer:
     the trait) an image processor raypack has no exact data path for."""
     from raypack.data.image_layouts import processor_settings
 
-    return ImageTokenizer(load_image_processor(name), tok, processor_settings(name))
+    image_processor = load_image_processor(name)
+    try:
+        return ImageTokenizer(image_processor, tok, processor_settings(name))
+    except InputError as e:
+        raise TokenizeError(f"tokenize.tokenizer {name!r}: {e}") from None
 
 
 def check_vision_label_mask(label_mask: str) -> None:

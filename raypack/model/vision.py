@@ -258,20 +258,27 @@ def tiny_llava_config(image_processor, tokenizer, settings: dict) -> PretrainedC
                        projector_hidden_act="gelu")  # fmt: skip
 
 
-def check_processor_fits(model: torch.nn.Module, grids: bool, image_token: int, processor: str) -> None:
-    """Refuse a processor whose images the model can't take: grids for a model without
+def vlm_model_class(config: PretrainedConfig) -> type:
+    """The class AutoModelForImageTextToText builds for `config` (no weights, no model)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
+
+
+def check_processor_fits(model_class: type, config: PretrainedConfig, grids: bool, image_token: int,
+                         processor: str) -> None:
+    """Refuse a processor whose images `model_class` can't take: grids for a model without
     image_grid_thw (or whole pictures for one that needs them), or another image token."""
     from raypack.errors import InputError
 
-    base = getattr(model, "get_base_model", lambda: model)()
-    takes_grids = "image_grid_thw" in inspect.signature(type(base).forward).parameters
+    takes_grids = "image_grid_thw" in inspect.signature(model_class.forward).parameters
     kind = "grid (image_grid_thw)" if grids else "whole-picture"
     if takes_grids != grids:
-        raise InputError(f"tokenize.tokenizer {processor!r} has a {kind} image processor, but {type(base).__name__} "
+        raise InputError(f"tokenize.tokenizer {processor!r} has a {kind} image processor, but {model_class.__name__} "
                          f"{'takes' if takes_grids else 'takes no'} image_grid_thw: name the model's own processor folder")
-    if image_token != image_token_id(model.config):
+    if image_token != image_token_id(config):
         raise InputError(f"tokenize.tokenizer {processor!r} renders images as token {image_token}, but the model's "
-                         f"image token is {image_token_id(model.config)}: name the model's own processor folder")
+                         f"image token is {image_token_id(config)}: name the model's own processor folder")
 
 
 TOWERS = ("visual", "vision_tower", "vision_model")

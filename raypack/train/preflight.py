@@ -151,6 +151,7 @@ def check_model_and_tokenizer(cfg: Config, tok) -> tuple[int, bool]:
     check_adapters(cfg, config)
     check_freeze(cfg, config)
     check_router_setting(cfg.train, config, m.name)
+    check_vlm_processor(cfg, config, tok)
     vocab = model_vocab_size(config)
     if len(tok) > vocab:
         raise TokenizeError(
@@ -158,6 +159,24 @@ def check_model_and_tokenizer(cfg: Config, tok) -> tuple[int, bool]:
             f"embeds {vocab}: ids {vocab} and up would index past the embedding; use the model's own tokenizer"
         )
     return vocab, trains_as_vlm(config)
+
+
+def check_vlm_processor(cfg: Config, config, tok) -> None:
+    """A VLM's processor folder (tokenize.tokenizer) gives images its model takes: grids or whole
+    pictures, and its image token; refused here rather than on the workers. A folder without an
+    image processor, or with one raypack has no data path for, passes: text rows train, and image
+    rows are refused when they are tokenized, naming the trait."""
+    from raypack.data.encode import load_image_tokenizer
+    from raypack.errors import InputError
+    from raypack.model.vision import check_processor_fits, trains_as_vlm, vlm_model_class
+
+    if not trains_as_vlm(config):
+        return
+    try:
+        images = load_image_tokenizer(cfg.tokenize.tokenizer, tok)
+    except InputError:
+        return
+    check_processor_fits(vlm_model_class(config), config, images.layout.grids, images.pad_id, cfg.tokenize.tokenizer)
 
 
 def check_packed_model(cfg: Config, config=None) -> None:

@@ -35,7 +35,8 @@ class VisionRows:
     def __init__(self, model, images: Mapping[int, tuple[list[bytes], list[int]]], processor: str):
         self.model, self.images = model, images
         self.tokenize = load_image_tokenizer(processor, load_tokenizer(processor))
-        check_processor_fits(model, self.tokenize.layout.grids, self.tokenize.pad_id, processor)
+        base = getattr(model, "get_base_model", lambda: model)()  # through a peft wrapper
+        check_processor_fits(type(base), model.config, self.tokenize.layout.grids, self.tokenize.pad_id, processor)
 
     def examples(self, rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         out = []

@@ -107,7 +107,7 @@ def test_packed_rows_through_the_workers_code_equal_each_example_alone(overrides
     assert all(parts.values()), f"a part got no gradient compared: {parts}"
 
 
-def test_a_processor_that_does_not_fit_the_model_is_refused_before_a_step():
+def test_a_processor_that_does_not_fit_the_model_is_refused_on_the_worker_too():
     from raypack.config import ASSETS
     from raypack.errors import InputError
     from raypack.model.build import load_model
