@@ -102,6 +102,20 @@ class PictureImages:
         return []  # no grids: every picture is the processor's one size
 
 
+def _square(size) -> bool:
+    """A size setting that names both sides (a dict or transformers' SizeDict)."""
+    get = size.get if isinstance(size, dict) else (lambda k: getattr(size, k, None))
+    return size is not None and bool(get("height")) and bool(get("width"))
+
+
+def fixed_size(image_processor) -> bool:
+    """Whether every picture comes out one size: center-cropped, or resized to height x width.
+    Pictures of their own sizes would need padding in a packed row, which alone they don't get."""
+    ip = image_processor
+    return bool((getattr(ip, "do_center_crop", None) and _square(getattr(ip, "crop_size", None)))
+                or (getattr(ip, "do_resize", None) and _square(getattr(ip, "size", None))))  # fmt: skip
+
+
 def image_layout(image_processor, settings: Mapping[str, Any]) -> GridImages | PictureImages:
     """The layout of `image_processor` (see the module doc), or InputError naming the trait raypack
     has no exact data path for."""
@@ -117,6 +131,9 @@ def image_layout(image_processor, settings: Mapping[str, Any]) -> GridImages | P
             "raypack's image data path takes grid processors (image_grid_thw: Qwen2/2.5/3-VL) and whole fixed-size "
             "pictures (CLIP/SigLIP: LLaVA) so far; Idefics3/SmolVLM, LLaVA-NeXT and Pixtral pack exactly at the "
             "model level only (docs/guides/vision.md)")  # fmt: skip
+    if not fixed_size(image_processor):
+        raise InputError(f"{kind} gives pictures of each image's own size (no center crop, no height x width resize): "
+                         "raypack packs whole pictures of one size only (docs/guides/vision.md)")
     if not settings.get("patch_size"):
         raise InputError(
             f"{kind} gives whole pictures, but the processor folder's {SETTINGS_FILE} has no patch_size (with "

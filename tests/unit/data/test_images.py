@@ -121,6 +121,8 @@ def test_a_picture_processor_needs_the_processors_patch_size(parts):
     with pytest.raises(InputError, match=r"CLIPImageProcessorPil gives whole pictures, but .*processor_config.json has "
                                          r"no patch_size"):
         ImageTokenizer(CLIPImageProcessorPil(), tokenizer, {})
+    with pytest.raises(InputError, match=r"CLIPImageProcessorPil gives pictures of each image's own size"):
+        ImageTokenizer(CLIPImageProcessorPil(do_center_crop=False), tokenizer, {"patch_size": 4})
 
 
 def _siglip_folder(folder):
