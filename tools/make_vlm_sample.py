@@ -88,6 +88,25 @@ def make_llava_processor(out: Path, tokenizer_folder: Path) -> None:
         (out / name).symlink_to(Path("..") / tokenizer_folder.name / name)
 
 
+IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>"]
+
+
+def make_idefics3_processor(out: Path, tokenizer_folder: Path) -> None:
+    """An Idefics3 processor: the tokenizer with Idefics3's image tokens (its own copy: the
+    processor adds them), a template rendering each image as <image>, and an image processor
+    splitting pictures of up to 32 pixels into 16x16 tiles plus the whole (4 tokens a tile)."""
+    from transformers import Idefics3ImageProcessorPil, Idefics3Processor
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_folder)
+    tok.add_special_tokens({"additional_special_tokens": IDEFICS3_TOKENS}, replace_extra_special_tokens=False)
+    tok.chat_template = CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
+    tiles = Idefics3ImageProcessorPil(size={"longest_edge": 32}, max_image_size={"longest_edge": 16})
+    if out.exists():
+        shutil.rmtree(out)
+    Idefics3Processor(image_processor=tiles, tokenizer=tok, image_seq_len=4,
+                      chat_template=tok.chat_template).save_pretrained(out)  # fmt: skip
+
+
 def picture(rng: random.Random) -> tuple[Image.Image, str, str]:
     w, h = rng.choice([16, 24, 32]), rng.choice([16, 24, 32])
     colour, shape = rng.choice(sorted(COLOURS)), rng.choice(SHAPES)
@@ -111,6 +130,7 @@ def main() -> None:
     assets = REPO / "raypack" / "assets"
     make_processor(assets / "vlm_processor")
     make_llava_processor(assets / "llava_processor", assets / "vlm_processor")
+    make_idefics3_processor(assets / "idefics3_processor", assets / "vlm_processor")
     folder = assets / "vision_sample"
     if folder.exists():
         shutil.rmtree(folder)

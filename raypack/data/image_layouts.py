@@ -8,10 +8,15 @@ the image processor's traits (what it gives), never by the model's name.
               an image is (H/patch)*(W/patch) tokens, plus the tower's extra ones (CLS) and less
               the one the model drops (vision_feature_select_strategy `default`), as
               LlavaProcessor counts them from its settings (processor_config.json)
+    tiles     gives pixel_attention_mask and splits images (Idefics3, SmolVLM): an image is
+              rows x cols tiles and the whole picture, each tile of the processor's one size and
+              its own batch element in the tower, (1, tiles, C, S, S) an example; its text is
+              transformers' own prompt string (get_image_prompt_string): a fake token around each
+              tile, its <row_i_col_j>, and image_seq_len image tokens a tile
 
 Anything else is refused when the data is tokenized, naming what the processor gives beyond
-pixels: pixel_attention_mask (Idefics3/SmolVLM: images split into tiles and padded; Siglip2),
-image_sizes (LLaVA-NeXT's any-resolution crops, Pixtral's own sizes), num_crops, tiles.
+pixels: image_sizes (LLaVA-NeXT's any-resolution crops, Pixtral's own sizes), num_crops,
+spatial_shapes (Siglip2), tiles without do_image_splitting.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from raypack.errors import InputError
 
 SETTINGS_FILE = "processor_config.json"
 """Where a processor folder keeps the processor's own settings (transformers' PROCESSOR_NAME)."""
+MODEL_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask")
+"""What a layout's pixels hold that the model takes (tiles' rows and cols are for the text)."""
 SPLITS = ("do_image_splitting", "crop_to_patches", "do_pan_and_scan", "image_grid_pinpoints", "max_image_tiles")
 """Image-processor settings that cut one image into several tower inputs when set."""
 
@@ -50,7 +57,10 @@ def processor_settings(name: str) -> dict[str, Any]:
 class GridImages:
     """Qwen-style processors: patches (n_patches, D) and a (t, h, w) grid per image."""
 
-    grids = True
+    inputs = ("image_grid_thw",)
+    """The model inputs beside pixel_values (what the model's forward must take)."""
+    token = "<|image_pad|>"
+    """The image token where the processor names none (Qwen2VLProcessor's)."""
 
     def __init__(self, image_processor):
         self.image_processor = image_processor
@@ -75,7 +85,8 @@ class GridImages:
 class PictureImages:
     """CLIP/SigLIP-style processors: one (C, H, W) picture per image, a fixed token count."""
 
-    grids = False
+    inputs = ()
+    token = "<image>"  # LlavaProcessor's
 
     def __init__(self, image_processor, settings: Mapping[str, Any]):
         self.image_processor = image_processor
@@ -102,6 +113,47 @@ class PictureImages:
         return []  # no grids: every picture is the processor's one size
 
 
+class TileImages:
+    """Idefics3/SmolVLM-style processors: each image cut into rows x cols tiles plus the whole
+    picture, all of one size; one example's tiles (1, n, C, S, S) with their pixel_attention_mask."""
+
+    inputs = ("pixel_attention_mask",)
+    token = "<image>"  # Idefics3Processor's
+
+    def __init__(self, image_processor, settings: Mapping[str, Any]):
+        self.image_processor = image_processor
+        self.seq_len = int(settings["image_seq_len"])
+        self.fake = settings.get("fake_image_token") or "<fake_token_around_image>"
+        self.global_tag = settings.get("global_image_token") or "<global-img>"
+
+    def pixels(self, images: Sequence) -> dict[str, np.ndarray]:
+        """One example's images as one sample: tiles along dimension 1, and each image's rows
+        and cols (for its prompt string; not a model input)."""
+        out = self.image_processor(images=[list(images)], return_tensors="np", return_row_col_info=True)
+        return {"pixel_values": np.asarray(out["pixel_values"], np.float32),
+                "pixel_attention_mask": np.asarray(out["pixel_attention_mask"], bool),
+                "rows": np.asarray(out["rows"]).reshape(-1), "cols": np.asarray(out["cols"]).reshape(-1)}  # fmt: skip
+
+    def token_counts(self, pixels: Mapping[str, np.ndarray]) -> list[int]:
+        """Image tokens an image: image_seq_len for each tile and for the whole picture."""
+        return [(int(r) * int(c) + 1) * self.seq_len for r, c in zip(pixels["rows"], pixels["cols"])]
+
+    def prompts(self, pixels: Mapping[str, np.ndarray], image_token: str) -> list[str]:
+        """Each image's text, as the model's processor writes it (transformers' own function)."""
+        from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+        return [get_image_prompt_string(int(r), int(c), self.seq_len, self.fake, image_token, self.global_tag)
+                for r, c in zip(pixels["rows"], pixels["cols"])]  # fmt: skip
+
+    def patches(self, pixels: Mapping[str, np.ndarray]) -> int:
+        # the tower's patches aren't known to the processor (its patch size is the model's): the
+        # tiles' image tokens stand for them, a scale_factor² of the tower's work
+        return int(pixels["pixel_values"].shape[1]) * self.seq_len
+
+    def stored(self, pixels: Mapping[str, np.ndarray]) -> list[list[int]]:
+        return []
+
+
 def _square(size) -> bool:
     """A size setting that names both sides (a dict or transformers' SizeDict)."""
     get = size.get if isinstance(size, dict) else (lambda k: getattr(size, k, None))
@@ -116,7 +168,7 @@ def fixed_size(image_processor) -> bool:
                 or (getattr(ip, "do_resize", None) and _square(getattr(ip, "size", None))))  # fmt: skip
 
 
-def image_layout(image_processor, settings: Mapping[str, Any]) -> GridImages | PictureImages:
+def image_layout(image_processor, settings: Mapping[str, Any]) -> GridImages | PictureImages | TileImages:
     """The layout of `image_processor` (see the module doc), or InputError naming the trait raypack
     has no exact data path for."""
     kind = type(image_processor).__name__
@@ -125,12 +177,14 @@ def image_layout(image_processor, settings: Mapping[str, Any]) -> GridImages | P
         return GridImages(image_processor)
     extra = [i for i in inputs if i != "pixel_values"]
     splits = [s for s in SPLITS if getattr(image_processor, s, None)]
+    if extra == ["pixel_attention_mask"] and set(splits) <= {"do_image_splitting"} and settings.get("image_seq_len"):
+        return TileImages(image_processor, settings)
     if extra or splits:
         raise InputError(
             f"{kind} gives {', '.join(extra or ['pixel_values'])}{' and splits images (' + ', '.join(splits) + ')' if splits else ''}: "
-            "raypack's image data path takes grid processors (image_grid_thw: Qwen2/2.5/3-VL) and whole fixed-size "
-            "pictures (CLIP/SigLIP: LLaVA) so far; Idefics3/SmolVLM, LLaVA-NeXT and Pixtral pack exactly at the "
-            "model level only (docs/guides/vision.md)")  # fmt: skip
+            "raypack's image data path takes grid processors (image_grid_thw: Qwen2/2.5/3-VL), whole fixed-size "
+            "pictures (CLIP/SigLIP: LLaVA) and Idefics3/SmolVLM's tiles (with image_seq_len in processor_config.json) "
+            "so far; LLaVA-NeXT and Pixtral pack exactly at the model level only (docs/guides/vision.md)")  # fmt: skip
     if not fixed_size(image_processor):
         raise InputError(f"{kind} gives pictures of each image's own size (no center crop, no height x width resize): "
                          "raypack packs whole pictures of one size only (docs/guides/vision.md)")

@@ -46,13 +46,11 @@ from typing import Any
 import numpy as np
 
 from raypack.data.formats import IGNORE_INDEX
-from raypack.data.image_layouts import image_layout
+from raypack.data.image_layouts import MODEL_INPUTS, image_layout
 from raypack.errors import InputError
 
 PLACEHOLDER = "<image>"
 """The image placeholder of the `messages` + `images` layout."""
-IMAGE_PAD = "<|image_pad|>"
-"""The token the chat template renders for each image (Qwen's name), expanded per image."""
 
 
 class ImageError(InputError):
@@ -207,15 +205,24 @@ class ImageTokenizer:
         self.layout = image_layout(image_processor, settings)
         self.image_processor, self.tokenizer = image_processor, tokenizer
         # the processor's own choice, as LlavaProcessor and Qwen2VLProcessor make it
-        self.image_token = getattr(tokenizer, "image_token", None) or settings.get("image_token") or IMAGE_PAD
+        self.image_token = getattr(tokenizer, "image_token", None) or settings.get("image_token") or self.layout.token
         self.pad_id = tokenizer.convert_tokens_to_ids(self.image_token)
         if self.pad_id is None or self.pad_id == tokenizer.unk_token_id:
             raise InputError(f"the tokenizer has no {self.image_token} token for images")
 
     def pixels(self, images: Sequence) -> dict[str, np.ndarray]:
         """The tower's inputs for decoded images: pixel_values float32, and image_grid_thw (n, 3)
-        for grid processors."""
+        for grid processors, pixel_attention_mask for tiles."""
         return self.layout.pixels(images)
+
+    def expansions(self, pixels: dict[str, np.ndarray]) -> list[list[int]]:
+        """Each image's tokens in the text: its count of image tokens, or for tiles the
+        processor's prompt string, tokenized alone (it starts and ends with special tokens, so
+        nothing around it merges with it, as when the processor tokenizes the whole text)."""
+        if not hasattr(self.layout, "prompts"):
+            return [[self.pad_id] * n for n in self.layout.token_counts(pixels)]
+        texts = self.layout.prompts(pixels, self.image_token)
+        return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
     def __call__(self, record: dict[str, Any], where: str, base_dir: str | Path | None = None) -> dict[str, Any]:
         messages, sources = image_messages(record, where)
@@ -234,13 +241,13 @@ class ImageTokenizer:
         if len(pads) != len(images):
             raise ImageError(f"{where}: the chat template rendered {len(pads)} image token(s) for {len(images)} image(s)")
         pix = self.pixels(images) if images else None
-        counts = self.layout.token_counts(pix) if images else []
+        expanded = iter(self.expansions(pix) if images else [])
         out_ids, labels = [], []
-        for i, (t, m) in enumerate(zip(ids, mask)):
+        for t, m in zip(ids, mask):
             if t == self.pad_id:
-                n = counts[pads.index(i)]
-                out_ids += [t] * n
-                labels += [IGNORE_INDEX] * n
+                tokens = next(expanded)
+                out_ids += tokens
+                labels += [IGNORE_INDEX] * len(tokens)
             else:
                 out_ids.append(t)
                 labels.append(t if m else IGNORE_INDEX)
@@ -250,7 +257,8 @@ class ImageTokenizer:
             labels.append(eos if messages[-1]["role"] == "assistant" else IGNORE_INDEX)
         return {
             "input_ids": out_ids, "labels": labels, "length": len(out_ids), "images": blobs,
-            "image_grid_thw": self.layout.stored(pix) if images else [], "image_tokens": sum(counts),
+            "image_grid_thw": self.layout.stored(pix) if images else [],
+            "image_tokens": sum(self.layout.token_counts(pix)) if images else 0,
             "vision_patches": self.layout.patches(pix) if images else 0,
         }  # fmt: skip
 
@@ -264,9 +272,9 @@ class ImageTokenizer:
             raise ValueError(f"the chat template rendered {sum(t == self.pad_id for t in ids)} image token(s) "
                              f"for {len(images)} image(s)")
         pix = self.pixels(images) if images else {}
-        counts = iter(self.layout.token_counts(pix) if images else ())
-        expanded = [n for t in ids for n in [t] * (next(counts) if t == self.pad_id else 1)]
-        return {"input_ids": np.asarray([expanded], np.int64), **pix}
+        tokens = iter(self.expansions(pix) if images else ())
+        expanded = [n for t in ids for n in (next(tokens) if t == self.pad_id else [t])]
+        return {"input_ids": np.asarray([expanded], np.int64), **{k: v for k, v in pix.items() if k in MODEL_INPUTS}}
 
     def rows(self, messages: list[str], images: list[list[bytes]], eids: list[int]) -> list[Vision]:
         """The source stage's vision rows (`read_record`: messages in parts as JSON, images' bytes) encoded."""

@@ -94,8 +94,23 @@ def collate_vision_padded(examples: Sequence[Mapping[str, Any]], image_token_id:
     batch: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "labels": labels}
     pixels = [e for e in examples if e.get("pixel_values") is not None]
     if pixels:
+        if all(e.get("pixel_attention_mask") is not None for e in pixels):  # tiles: a row of them an example
+            batch["pixel_values"] = _pad_images([e["pixel_values"] for e in pixels])
+            batch["pixel_attention_mask"] = _pad_images([e["pixel_attention_mask"] for e in pixels])
+            return batch
         batch["pixel_values"] = torch.cat([torch.as_tensor(e["pixel_values"]) for e in pixels])
         if all(e.get("image_grid_thw") is not None for e in pixels):
             batch["image_grid_thw"] = torch.cat([torch.as_tensor(e["image_grid_thw"]) for e in pixels])
             batch["mm_token_type_ids"] = (ids == image_token_id).to(torch.int32)
     return batch
+
+
+def _pad_images(parts: Sequence[Any]) -> torch.Tensor:
+    """Examples' (1, n, ...) tiles as one (examples, max n, ...) batch, padded with all-zero tiles,
+    as the Idefics3/SmolVLM processor pads a batch (the model drops all-zero tiles)."""
+    parts = [torch.as_tensor(p) for p in parts]
+    n = max(p.shape[1] for p in parts)
+    out = parts[0].new_zeros((len(parts), n, *parts[0].shape[2:]))
+    for i, p in enumerate(parts):
+        out[i, : p.shape[1]] = p[0]
+    return out

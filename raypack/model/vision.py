@@ -77,10 +77,11 @@ def training_refusal(config: PretrainedConfig) -> str:
             "trains images with (docs/guides/vision.md)")
 
 
-TINY_VLMS = {"tiny-qwen2_5_vl": "vlm_processor", "tiny-llava": "llava_processor"}
+TINY_VLMS = {"tiny-qwen2_5_vl": "vlm_processor", "tiny-llava": "llava_processor", "tiny-idefics3": "idefics3_processor"}
 """`model.name`s of tiny VLMs built from a config (random init), each sized by its bundled
 processor (raypack/assets/<folder>, which `tokenize.tokenizer` must then name): a Qwen2.5-VL
-(grid processor, mRoPE) and a LLaVA (a CLIP tower and projector on a Llama, whole pictures)."""
+(grid processor, mRoPE), a LLaVA (a CLIP tower and projector on a Llama, whole pictures) and an
+Idefics3 (a SigLIP-like tower, pixel shuffle and connector on a Llama, tiles)."""
 
 
 def tiny_config(name: str) -> PretrainedConfig:
@@ -96,6 +97,8 @@ def tiny_config(name: str) -> PretrainedConfig:
     image_processor, tokenizer = AutoImageProcessor.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
     if name == "tiny-llava":
         return tiny_llava_config(image_processor, tokenizer, processor_settings(str(folder)))
+    if name == "tiny-idefics3":
+        return tiny_idefics3_config(image_processor, tokenizer, processor_settings(str(folder)))
     return tiny_vlm_config(image_processor, tokenizer)
 
 
@@ -258,6 +261,25 @@ def tiny_llava_config(image_processor, tokenizer, settings: dict) -> PretrainedC
                        projector_hidden_act="gelu")  # fmt: skip
 
 
+def tiny_idefics3_config(image_processor, tokenizer, settings: dict) -> PretrainedConfig:
+    """A tiny Idefics3 config whose tiles (the image processor's max_image_size, 4-pixel patches,
+    pixel shuffle by 2) give the processor's image_seq_len tokens: the bundled Idefics3
+    processor's model (raypack/assets/idefics3_processor)."""
+    from transformers import Idefics3Config
+
+    side, patch, scale = image_processor.max_image_size["longest_edge"], 4, 2
+    if (side // patch) ** 2 // scale**2 != settings["image_seq_len"]:
+        raise ValueError(f"image_seq_len {settings['image_seq_len']} doesn't fit {side}-pixel tiles of {patch}-pixel "
+                         f"patches shuffled by {scale}")
+    text = {key: v for key, v in TINY_TEXT.items() if key != "rope_parameters"}
+    text.update(model_type="llama", vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    vision = dict(model_type="idefics3_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=side, patch_size=patch, initializer_range=0.1)  # fmt: skip
+    return Idefics3Config(text_config=text, vision_config=vision, scale_factor=scale,
+                          image_token_id=tokenizer.convert_tokens_to_ids("<image>"))  # fmt: skip
+
+
 def vlm_model_class(config: PretrainedConfig) -> type:
     """The class AutoModelForImageTextToText builds for `config` (no weights, no model)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
@@ -265,17 +287,22 @@ def vlm_model_class(config: PretrainedConfig) -> type:
     return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
 
 
-def check_processor_fits(model_class: type, config: PretrainedConfig, grids: bool, image_token: int,
+def check_processor_fits(model_class: type, config: PretrainedConfig, inputs: tuple[str, ...], image_token: int,
                          processor: str) -> None:
-    """Refuse a processor whose images `model_class` can't take: grids for a model without
-    image_grid_thw (or whole pictures for one that needs them), or another image token."""
+    """Refuse a processor whose images `model_class` can't take: the processor's layout gives
+    `inputs` beside pixel_values (raypack/data/image_layouts.py), which the model's forward must
+    take, and it must take no other of them (grids for LLaVA, whole pictures for Qwen, ...); and
+    its image token must be the model's."""
+    from raypack.data.image_layouts import MODEL_INPUTS
     from raypack.errors import InputError
 
-    takes_grids = "image_grid_thw" in inspect.signature(model_class.forward).parameters
-    kind = "grid (image_grid_thw)" if grids else "whole-picture"
-    if takes_grids != grids:
-        raise InputError(f"tokenize.tokenizer {processor!r} has a {kind} image processor, but {model_class.__name__} "
-                         f"{'takes' if takes_grids else 'takes no'} image_grid_thw: name the model's own processor folder")
+    params = inspect.signature(model_class.forward).parameters
+    takes = tuple(k for k in MODEL_INPUTS if k != "pixel_values" and k in params)
+    if takes != tuple(inputs):
+        gives = f"gives {', '.join(inputs)} beside pixel_values" if inputs else "gives pixel_values alone"
+        raise InputError(f"tokenize.tokenizer {processor!r}: its image processor {gives}, but {model_class.__name__} "
+                         f"takes {', '.join(takes) or 'neither image_grid_thw nor pixel_attention_mask'}: name the "
+                         "model's own processor folder")
     if image_token != image_token_id(config):
         raise InputError(f"tokenize.tokenizer {processor!r} renders images as token {image_token}, but the model's "
                          f"image token is {image_token_id(config)}: name the model's own processor folder")

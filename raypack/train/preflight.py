@@ -162,8 +162,8 @@ def check_model_and_tokenizer(cfg: Config, tok) -> tuple[int, bool]:
 
 
 def check_vlm_processor(cfg: Config, config, tok) -> None:
-    """A VLM's processor folder (tokenize.tokenizer) gives images its model takes: grids or whole
-    pictures, and its image token; refused here rather than on the workers. A folder without an
+    """A VLM's processor folder (tokenize.tokenizer) gives images its model takes: grids, whole
+    pictures or tiles, and its image token; refused here rather than on the workers. A folder without an
     image processor, or with one raypack has no data path for, passes: text rows train, and image
     rows are refused when they are tokenized, naming the trait."""
     from raypack.data.encode import load_image_tokenizer
@@ -176,7 +176,7 @@ def check_vlm_processor(cfg: Config, config, tok) -> None:
         images = load_image_tokenizer(cfg.tokenize.tokenizer, tok)
     except InputError:
         return
-    check_processor_fits(vlm_model_class(config), config, images.layout.grids, images.pad_id, cfg.tokenize.tokenizer)
+    check_processor_fits(vlm_model_class(config), config, images.layout.inputs, images.pad_id, cfg.tokenize.tokenizer)
 
 
 def check_packed_model(cfg: Config, config=None) -> None:

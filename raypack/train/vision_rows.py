@@ -15,6 +15,7 @@ import torch
 from raypack.data.collate import example_starts
 from raypack.data.encode import load_image_tokenizer, load_tokenizer
 from raypack.data.formats import row_labels
+from raypack.data.image_layouts import MODEL_INPUTS
 from raypack.data.vision_collate import collate_vision_packed, collate_vision_padded
 from raypack.model.vision import check_processor_fits, example_positions, image_token_id
 
@@ -36,7 +37,7 @@ class VisionRows:
         self.model, self.images = model, images
         self.tokenize = load_image_tokenizer(processor, load_tokenizer(processor))
         base = getattr(model, "get_base_model", lambda: model)()  # through a peft wrapper
-        check_processor_fits(type(base), model.config, self.tokenize.layout.grids, self.tokenize.pad_id, processor)
+        check_processor_fits(type(base), model.config, self.tokenize.layout.inputs, self.tokenize.pad_id, processor)
 
     def examples(self, rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         out = []
@@ -51,10 +52,9 @@ class VisionRows:
                 pixels = self.tokenize.example_pixels(
                     {"images": blobs, "image_grid_thw": torch.tensor(grid).reshape(-1, 3).tolist(),
                      "input_ids": ids[lo:hi].numpy()}, f"example {eid}")  # fmt: skip
-                grid_t = torch.as_tensor(pixels["image_grid_thw"]) if "image_grid_thw" in pixels else None
-                out.append({"input_ids": ids[lo:hi], "labels": labels[lo:hi], "image_grid_thw": grid_t,
-                            "pixel_values": torch.as_tensor(pixels["pixel_values"]) if pixels else None,
-                            "position_ids": example_positions(self.model, ids[lo:hi], grid_t)})  # fmt: skip
+                inputs = {k: torch.as_tensor(pixels.get(k)) if k in pixels else None for k in MODEL_INPUTS}
+                out.append({"input_ids": ids[lo:hi], "labels": labels[lo:hi], **inputs,
+                            "position_ids": example_positions(self.model, ids[lo:hi], inputs["image_grid_thw"])})  # fmt: skip
         return out
 
     def __call__(self, rows: Sequence[Mapping[str, Any]], padded: bool = False, pad_token_id: int = 0) -> dict[str, Any]:

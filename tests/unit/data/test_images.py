@@ -1,8 +1,9 @@
 """raypack/data/images.py (and the processor layouts of raypack/data/image_layouts.py): both image
 layouts read, bad images named by file and line, and the tokens, labels and pixels the same as
 the model's own processor gives: Qwen2VLProcessor over the bundled Qwen processor, LlavaProcessor
-over the bundled LLaVA one (CLIP pictures) and over a SigLIP one; processors without an exact
-data path (Idefics3/SmolVLM's tiles, LLaVA-NeXT's image sizes) refused naming the trait."""
+over the bundled LLaVA one (CLIP pictures) and over a SigLIP one, Idefics3Processor over the
+bundled Idefics3 one (tiles); processors without an exact data path (LLaVA-NeXT's and Pixtral's
+image sizes, tiles without their image_seq_len) refused naming the trait."""
 
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ def test_bad_images_name_the_file_and_line(parts, tmp_path):
         tokenize({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "data.jsonl:7")
 
 
-@pytest.mark.parametrize("processor, trait", [
+@pytest.mark.parametrize("processor, trait", [  # tiles without image_seq_len (processor_config.json) too
     ("Idefics3ImageProcessorPil", r"gives pixel_attention_mask and splits images \(do_image_splitting\)"),
     ("SmolVLMImageProcessorPil", r"gives pixel_attention_mask and splits images \(do_image_splitting\)"),
     ("LlavaNextImageProcessorPil", r"gives image_sizes and splits images \(image_grid_pinpoints\)"),
@@ -191,3 +192,37 @@ def test_the_source_stage_reads_both_layouts_into_the_same_vision_rows():
         assert json.loads(row["vision_messages"])[0]["content"][0] == {"type": "image"}
     text = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     assert sources.validate(text, "chat")["messages"][0]["content"] == "hi"
+
+
+def test_idefics3_tokens_labels_and_pixels_match_idefics3_processor():
+    """Tiles: each image's text is the processor's prompt string (fake tokens, <row_i_col_j>,
+    image_seq_len image tokens a tile, the whole picture last), spliced in as tokens."""
+    from transformers import AutoProcessor
+
+    from raypack.data.encode import load_image_tokenizer, load_tokenizer
+
+    folder = str(ASSETS / "idefics3_processor")
+    reference = AutoProcessor.from_pretrained(folder)  # Idefics3Processor builds without torchvision
+    assert type(reference).__name__ == "Idefics3Processor"
+    tokenizer = load_tokenizer(folder)
+    tokenize = load_image_tokenizer(folder, tokenizer)
+    tiles = set()
+    for i, rec in enumerate(_records("vision_pairs.jsonl")[:8]):
+        ours = tokenize(rec, f"vision_pairs.jsonl:{i + 1}", base_dir=SAMPLE)
+        messages, sources = image_messages(rec, "")
+        pictures = iter(decode_image(read_image_bytes(s, SAMPLE, ""), s, "") for s in sources)
+        for m in messages:
+            for part in m["content"]:
+                if part["type"] == "image":
+                    part["image"] = next(pictures)
+        ref = reference.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True, return_tensors="np")  # fmt: skip
+        ids = ref["input_ids"][0]
+        assert ours["input_ids"] == [*ids.tolist(), tokenizer.eos_token_id]
+        assert ours["labels"][:-1] == np.where(ref["assistant_masks"][0] == 1, ids, -100).tolist()
+        assert ours["image_tokens"] == (ids == reference.image_token_id).sum() > 0
+        pixels = tokenize.example_pixels(ours)
+        assert np.array_equal(pixels["pixel_values"], ref["pixel_values"])
+        assert np.array_equal(pixels["pixel_attention_mask"], ref["pixel_attention_mask"])
+        tiles.add(pixels["pixel_values"].shape[1])
+    assert len(tiles) > 1, f"every picture split alike: {tiles}"

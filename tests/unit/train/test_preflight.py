@@ -185,10 +185,10 @@ def test_a_vlm_processor_that_does_not_fit_the_model_is_refused_before_ray(tmp_p
     vlm = str(REPO / "jobs" / "configs" / "vlm_quickstart.yaml")
     llava, qwen = f"tokenize.tokenizer={ASSETS / 'llava_processor'}", f"tokenize.tokenizer={ASSETS / 'vlm_processor'}"
     runs = f"run.storage_path={tmp_path}"
-    with pytest.raises(InputError, match=r"vlm_processor' has a grid \(image_grid_thw\) image processor, but "
-                                         r"LlavaForConditionalGeneration takes no image_grid_thw"):
+    with pytest.raises(InputError, match=r"vlm_processor': its image processor gives image_grid_thw beside "
+                                         r"pixel_values, but LlavaForConditionalGeneration takes neither"):
         preflight(load(vlm, ["model.name=tiny-llava", qwen, runs]))
-    with pytest.raises(InputError, match=r"llava_processor' has a whole-picture image processor, but "
+    with pytest.raises(InputError, match=r"llava_processor': its image processor gives pixel_values alone, but "
                                          r"Qwen2_5_VLForConditionalGeneration takes image_grid_thw"):
         preflight(load(vlm, [llava, runs]))
     assert preflight(load(vlm, ["model.name=tiny-llava", llava, runs])).vision_model

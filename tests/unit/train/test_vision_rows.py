@@ -24,6 +24,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 CONFIG = REPO / "jobs" / "configs" / "vlm_quickstart.yaml"
 LLAVA = ("model.name=tiny-llava", "tokenize.tokenizer=raypack/assets/llava_processor")
 """The overrides that train the quickstart's data on the tiny LLaVA (docs/guides/vision.md)."""
+IDEFICS3 = ("model.name=tiny-idefics3", "tokenize.tokenizer=raypack/assets/idefics3_processor")
+"""... and on the tiny Idefics3."""
 
 
 def prepared_rows(overrides=(), steps: int = 3) -> tuple[dict[int, list[dict]], dict[int, tuple], str]:
@@ -55,7 +57,7 @@ def prepared_rows(overrides=(), steps: int = 3) -> tuple[dict[int, list[dict]], 
     return rows, images, t.tokenizer
 
 
-@pytest.mark.parametrize("overrides", [(), LLAVA], ids=["qwen2_5_vl", "llava"])
+@pytest.mark.parametrize("overrides", [(), LLAVA, IDEFICS3], ids=["qwen2_5_vl", "llava", "idefics3"])
 def test_packed_rows_through_the_workers_code_equal_each_example_alone(overrides):
     from tests.unit.train.test_dpo import OneRankEngine
 
@@ -77,7 +79,7 @@ def test_packed_rows_through_the_workers_code_equal_each_example_alone(overrides
 
     engine = OneRankEngine(packed, micro_batches=1)
     step = prepare_step(group, collate=VisionRows(packed, images, processor))
-    pictures = sum(int(b.get("pixel_values", torch.zeros(0)).shape[0]) for b in step.batches)
+    pictures = sum(int(b["pixel_values"].numel()) for b in step.batches if "pixel_values" in b)
     assert pictures and all(b["position_ids"].dim() == (3 if uses_mrope(packed) else 2) for b in step.batches)
     assert any(len(r["example_ids"]) > 1 for r in group), "no packed row holds two examples"
     loss = forward_backward(engine, step.batches, 1.0 / step.label_tokens, make_loss(packed, "chunked"))
@@ -101,8 +103,8 @@ def test_packed_rows_through_the_workers_code_equal_each_example_alone(overrides
             continue
         err = (p.grad - grads[n]).abs().max().item() / max(grads[n].abs().max().item(), floor)
         assert err < 1e-5, f"{n}: gradient off by {err:.1e}"
-        part = ("projector" if "merger" in n or "multi_modal_projector" in n else
-                "vision" if "visual" in n or "vision_tower" in n else "language")  # fmt: skip
+        part = ("projector" if "merger" in n or "multi_modal_projector" in n or "connector" in n else
+                "vision" if "visual" in n or "vision_tower" in n or "vision_model" in n else "language")  # fmt: skip
         parts[part] += 1
     assert all(parts.values()), f"a part got no gradient compared: {parts}"
 
@@ -114,9 +116,13 @@ def test_a_processor_that_does_not_fit_the_model_is_refused_on_the_worker_too():
     from raypack.train.vision_rows import VisionRows
 
     llava = load_model("tiny-llava", attention="auto", dtype="float32")
-    with pytest.raises(InputError, match=r"vlm_processor' has a grid \(image_grid_thw\) image processor, but "
-                                         r"LlavaForConditionalGeneration takes no image_grid_thw"):
+    with pytest.raises(InputError, match=r"vlm_processor': its image processor gives image_grid_thw beside "
+                                         r"pixel_values, but LlavaForConditionalGeneration takes neither"):
         VisionRows(llava, {}, str(ASSETS / "vlm_processor"))
     qwen = load_model("tiny-qwen2_5_vl", attention="auto", dtype="float32")
-    with pytest.raises(InputError, match=r"has a whole-picture image processor, but Qwen2_5_VL.* takes image_grid_thw"):
+    with pytest.raises(InputError, match=r"llava_processor': its image processor gives pixel_values alone, but "
+                                         r"Qwen2_5_VL.* takes image_grid_thw"):
         VisionRows(qwen, {}, str(ASSETS / "llava_processor"))
+    with pytest.raises(InputError, match=r"idefics3_processor': its image processor gives pixel_attention_mask .*"
+                                         r"Qwen2_5_VL.* takes image_grid_thw"):
+        VisionRows(qwen, {}, str(ASSETS / "idefics3_processor"))
