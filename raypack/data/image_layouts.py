@@ -123,8 +123,6 @@ class TileImages:
     def __init__(self, image_processor, settings: Mapping[str, Any]):
         self.image_processor = image_processor
         self.seq_len = int(settings["image_seq_len"])
-        self.fake = settings.get("fake_image_token") or "<fake_token_around_image>"
-        self.global_tag = settings.get("global_image_token") or "<global-img>"
 
     def pixels(self, images: Sequence) -> dict[str, np.ndarray]:
         """One example's images as one sample: tiles along dimension 1, and each image's rows
@@ -138,11 +136,14 @@ class TileImages:
         """Image tokens an image: image_seq_len for each tile and for the whole picture."""
         return [(int(r) * int(c) + 1) * self.seq_len for r, c in zip(pixels["rows"], pixels["cols"])]
 
-    def prompts(self, pixels: Mapping[str, np.ndarray], image_token: str) -> list[str]:
-        """Each image's text, as the model's processor writes it (transformers' own function)."""
+    def prompts(self, pixels: Mapping[str, np.ndarray], image_token: str, tokenizer) -> list[str]:
+        """Each image's text, as the model's processor writes it (transformers' own function, with
+        the tokens SmolVLMProcessor takes from the tokenizer; Idefics3Processor's are the defaults)."""
         from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
 
-        return [get_image_prompt_string(int(r), int(c), self.seq_len, self.fake, image_token, self.global_tag)
+        fake = getattr(tokenizer, "fake_image_token", None) or "<fake_token_around_image>"
+        tag = getattr(tokenizer, "global_image_token", None) or "<global-img>"
+        return [get_image_prompt_string(int(r), int(c), self.seq_len, fake, image_token, tag)
                 for r, c in zip(pixels["rows"], pixels["cols"])]  # fmt: skip
 
     def patches(self, pixels: Mapping[str, np.ndarray]) -> int:

@@ -17,9 +17,10 @@ raise ImageError naming the file and line.
 Tokenizing (`ImageTokenizer`): the chat template renders each image as one image token (the
 processor's `image_token`, Qwen's <|image_pad|> where it names none; a special token, so it never
 merges with its neighbours); the image processor gives the tower's pixels, and each image token
-becomes as many copies as the model's own processor expands it to: grid.prod() / merge_size**2
-for grid processors (Qwen2/2.5/3-VL, within their pixel budget), a fixed count for whole
-pictures (LLaVA's CLIP/SigLIP), by the processor's traits (raypack/data/image_layouts.py). Labels
+becomes what the model's own processor expands it to: grid.prod() / merge_size**2 copies for
+grid processors (Qwen2/2.5/3-VL, within their pixel budget), a fixed count for whole pictures
+(LLaVA's CLIP/SigLIP), the processor's prompt string for tiles (Idefics3/SmolVLM), by the
+processor's traits (raypack/data/image_layouts.py). Labels
 are the assistant's tokens only (the template's {% generation %} marks them): prompt and image
 tokens carry none. EOS ends every example, with a label after an assistant turn, as in the text
 pipeline (raypack/data/encode.py). An example's `length` counts its image tokens, and
@@ -221,7 +222,7 @@ class ImageTokenizer:
         nothing around it merges with it, as when the processor tokenizes the whole text)."""
         if not hasattr(self.layout, "prompts"):
             return [[self.pad_id] * n for n in self.layout.token_counts(pixels)]
-        texts = self.layout.prompts(pixels, self.image_token)
+        texts = self.layout.prompts(pixels, self.image_token, self.tokenizer)
         return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
     def __call__(self, record: dict[str, Any], where: str, base_dir: str | Path | None = None) -> dict[str, Any]:

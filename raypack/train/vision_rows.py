@@ -26,7 +26,7 @@ class VisionRows:
     encoded bytes, its positions the model's own for it alone (`vision.example_positions`):
 
         packed   collate_vision_packed: one [1, T] row, positions per example (4-row for mRoPE
-                 models, the text position for the others: LLaVA), cu_seq_lens
+                 models, the text position for the others: LLaVA, Idefics3), cu_seq_lens
         padded   one example a row, right-padded, with an attention_mask and no position_ids:
                  the model builds its own positions (get_rope_index) as for any padded batch
 

@@ -226,3 +226,26 @@ def test_idefics3_tokens_labels_and_pixels_match_idefics3_processor():
         assert np.array_equal(pixels["pixel_attention_mask"], ref["pixel_attention_mask"])
         tiles.add(pixels["pixel_values"].shape[1])
     assert len(tiles) > 1, f"every picture split alike: {tiles}"
+
+
+def test_smolvlm_tokens_and_pixels_match_smolvlm_processor(monkeypatch):
+    """SmolVLM's tiles take the same path (its image processor, its processor's prompt function)."""
+    import transformers.models.smolvlm.processing_smolvlm as smolvlm
+    from transformers import SmolVLMImageProcessorPil, SmolVLMProcessor
+
+    # SmolVLMProcessor wants num2words (not installed; for video prompts only) and a video
+    # processor (torchvision); neither touches images, so both checks are skipped, nothing else.
+    monkeypatch.setattr(smolvlm, "num2words", object())
+    monkeypatch.setattr(SmolVLMProcessor, "check_argument_for_proper_class", lambda *args: None)
+    tokenizer = AutoTokenizer.from_pretrained(ASSETS / "idefics3_processor")
+    tiles = SmolVLMImageProcessorPil(size={"longest_edge": 32}, max_image_size={"longest_edge": 16})
+    reference = SmolVLMProcessor(image_processor=tiles, tokenizer=tokenizer, video_processor=None, image_seq_len=4)
+    tokenize = ImageTokenizer(tiles, tokenizer, {"image_seq_len": 4})
+    for i, rec in enumerate(_records("vision_pairs.jsonl")[:6]):
+        ours = tokenize(rec, f"vision_pairs.jsonl:{i + 1}", base_dir=SAMPLE)
+        messages, sources = image_messages(rec, "")
+        pictures = [decode_image(read_image_bytes(s, SAMPLE, ""), s, "") for s in sources]
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        ref = reference(text=text, images=[pictures], add_special_tokens=False, return_tensors="np")
+        assert ours["input_ids"] == [*ref["input_ids"][0].tolist(), tokenizer.eos_token_id]
+        assert np.array_equal(tokenize.example_pixels(ours)["pixel_values"], ref["pixel_values"])
