@@ -28,10 +28,10 @@ from typing import Any
 
 import numpy as np
 
+from transformers.utils import PROCESSOR_NAME as SETTINGS_FILE  # processor_config.json: the processor's own settings
+
 from raypack.errors import InputError
 
-SETTINGS_FILE = "processor_config.json"
-"""Where a processor folder keeps the processor's own settings (transformers' PROCESSOR_NAME)."""
 MODEL_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask")
 """What a layout's pixels hold that the model takes (tiles' rows and cols are for the text)."""
 SPLITS = ("do_image_splitting", "crop_to_patches", "do_pan_and_scan", "image_grid_pinpoints", "max_image_tiles")

@@ -85,21 +85,20 @@ Idefics3 (a SigLIP-like tower, pixel shuffle and connector on a Llama, tiles).""
 
 
 def tiny_config(name: str) -> PretrainedConfig:
-    """The config of a TINY_VLMS name: `tiny_vlm_config` or `tiny_llava_config` over its processor."""
-    from transformers import AutoImageProcessor, AutoTokenizer
+    """The config of a TINY_VLMS name, sized by its bundled processor (LlavaProcessor and
+    Idefics3Processor load without torchvision; Qwen's folder as its image processor and tokenizer)."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
     from raypack.config import ASSETS
-    from raypack.data.image_layouts import processor_settings
 
     if name not in TINY_VLMS:
         raise ValueError(f"unknown tiny VLM {name!r}; expected one of {', '.join(TINY_VLMS)}")
     folder = ASSETS / TINY_VLMS[name]
-    image_processor, tokenizer = AutoImageProcessor.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
     if name == "tiny-llava":
-        return tiny_llava_config(image_processor, tokenizer, processor_settings(str(folder)))
+        return tiny_llava_config(AutoProcessor.from_pretrained(folder))
     if name == "tiny-idefics3":
-        return tiny_idefics3_config(image_processor, tokenizer, processor_settings(str(folder)))
-    return tiny_vlm_config(image_processor, tokenizer)
+        return tiny_idefics3_config(AutoProcessor.from_pretrained(folder))
+    return tiny_vlm_config(AutoImageProcessor.from_pretrained(folder), AutoTokenizer.from_pretrained(folder))
 
 
 def load_vlm(source, attention: str, dtype: torch.dtype, trust_remote_code: bool = False, name: str = "",
@@ -241,35 +240,37 @@ def tiny_vlm_config(image_processor, tokenizer) -> PretrainedConfig:
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
 
 
-def tiny_llava_config(image_processor, tokenizer, settings: dict) -> PretrainedConfig:
-    """A tiny LLaVA config (a CLIP tower, a 2-layer GELU projector, a Llama) that fits the picture
-    processor (its crop size), the processor's settings (patch size, feature selection, image
-    token) and `tokenizer`: the bundled LLaVA processor's model (raypack/assets/llava_processor)."""
+def tiny_llava_config(processor) -> PretrainedConfig:
+    """A tiny LLaVA config (a CLIP tower, a 2-layer GELU projector, a Llama) that fits a
+    LlavaProcessor: its picture size (crop), patch size, feature selection, image token and
+    tokenizer; the bundled LLaVA processor's model (raypack/assets/llava_processor)."""
     from transformers import LlavaConfig
 
-    image = tokenizer.convert_tokens_to_ids(settings["image_token"])
+    image_processor, tokenizer = processor.image_processor, processor.tokenizer
+    image = tokenizer.convert_tokens_to_ids(processor.image_token)
     text = {key: v for key, v in TINY_TEXT.items() if key != "rope_parameters"}
     text.update(model_type="llama", vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
     side = image_processor.crop_size["height"]
     vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=2, image_size=side, patch_size=settings["patch_size"], projection_dim=32,
+                  num_attention_heads=2, image_size=side, patch_size=processor.patch_size, projection_dim=32,
                   initializer_range=0.1)  # fmt: skip
     # the last layer's features, so every tower weight but the unused post-layernorm trains
     return LlavaConfig(text_config=text, vision_config=vision, image_token_id=image, vision_feature_layer=-1,
-                       vision_feature_select_strategy=settings["vision_feature_select_strategy"],
+                       vision_feature_select_strategy=processor.vision_feature_select_strategy,
                        projector_hidden_act="gelu")  # fmt: skip
 
 
-def tiny_idefics3_config(image_processor, tokenizer, settings: dict) -> PretrainedConfig:
+def tiny_idefics3_config(processor) -> PretrainedConfig:
     """A tiny Idefics3 config whose tiles (the image processor's max_image_size, 4-pixel patches,
-    pixel shuffle by 2) give the processor's image_seq_len tokens: the bundled Idefics3
+    pixel shuffle by 2) give an Idefics3Processor's image_seq_len tokens: the bundled Idefics3
     processor's model (raypack/assets/idefics3_processor)."""
     from transformers import Idefics3Config
 
-    side, patch, scale = image_processor.max_image_size["longest_edge"], 4, 2
-    if (side // patch) ** 2 // scale**2 != settings["image_seq_len"]:
-        raise ValueError(f"image_seq_len {settings['image_seq_len']} doesn't fit {side}-pixel tiles of {patch}-pixel "
+    tokenizer = processor.tokenizer
+    side, patch, scale = processor.image_processor.max_image_size["longest_edge"], 4, 2
+    if (side // patch) ** 2 // scale**2 != processor.image_seq_len:
+        raise ValueError(f"image_seq_len {processor.image_seq_len} doesn't fit {side}-pixel tiles of {patch}-pixel "
                          f"patches shuffled by {scale}")
     text = {key: v for key, v in TINY_TEXT.items() if key != "rope_parameters"}
     text.update(model_type="llama", vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
@@ -277,7 +278,7 @@ def tiny_idefics3_config(image_processor, tokenizer, settings: dict) -> Pretrain
     vision = dict(model_type="idefics3_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=2, image_size=side, patch_size=patch, initializer_range=0.1)  # fmt: skip
     return Idefics3Config(text_config=text, vision_config=vision, scale_factor=scale,
-                          image_token_id=tokenizer.convert_tokens_to_ids("<image>"))  # fmt: skip
+                          image_token_id=processor.image_token_id)  # fmt: skip
 
 
 def vlm_model_class(config: PretrainedConfig) -> type:
@@ -285,27 +286,6 @@ def vlm_model_class(config: PretrainedConfig) -> type:
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
     return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
-
-
-def check_processor_fits(model_class: type, config: PretrainedConfig, inputs: tuple[str, ...], image_token: int,
-                         processor: str) -> None:
-    """Refuse a processor whose images `model_class` can't take: the processor's layout gives
-    `inputs` beside pixel_values (raypack/data/image_layouts.py), which the model's forward must
-    take, and it must take no other of them (grids for LLaVA, whole pictures for Qwen, ...); and
-    its image token must be the model's."""
-    from raypack.data.image_layouts import MODEL_INPUTS
-    from raypack.errors import InputError
-
-    params = inspect.signature(model_class.forward).parameters
-    takes = tuple(k for k in MODEL_INPUTS if k != "pixel_values" and k in params)
-    if takes != tuple(inputs):
-        gives = f"gives {', '.join(inputs)} beside pixel_values" if inputs else "gives pixel_values alone"
-        raise InputError(f"tokenize.tokenizer {processor!r}: its image processor {gives}, but {model_class.__name__} "
-                         f"takes {', '.join(takes) or 'neither image_grid_thw nor pixel_attention_mask'}: name the "
-                         "model's own processor folder")
-    if image_token != image_token_id(config):
-        raise InputError(f"tokenize.tokenizer {processor!r} renders images as token {image_token}, but the model's "
-                         f"image token is {image_token_id(config)}: name the model's own processor folder")
 
 
 TOWERS = ("visual", "vision_tower", "vision_model")
@@ -367,12 +347,12 @@ class ProcessorParts:
         import json
         from pathlib import Path
 
-        from raypack.data.image_layouts import SETTINGS_FILE
+        from transformers.utils import PROCESSOR_NAME
 
         self.tokenizer.save_pretrained(folder)
         self.image_processor.save_pretrained(folder)
         if self.settings:
-            (Path(folder) / SETTINGS_FILE).write_text(json.dumps(self.settings, indent=2, sort_keys=True) + "\n")
+            (Path(folder) / PROCESSOR_NAME).write_text(json.dumps(self.settings, indent=2, sort_keys=True) + "\n")
 
 
 def save_vlm(model: torch.nn.Module, folder, image_processor, tokenizer, settings: dict | None = None) -> None:

@@ -168,7 +168,8 @@ def check_vlm_processor(cfg: Config, config, tok) -> None:
     rows are refused when they are tokenized, naming the trait."""
     from raypack.data.encode import load_image_tokenizer
     from raypack.errors import InputError
-    from raypack.model.vision import check_processor_fits, trains_as_vlm, vlm_model_class
+    from raypack.model.vision import trains_as_vlm, vlm_model_class
+    from raypack.train.vision_rows import check_processor_fits
 
     if not trains_as_vlm(config):
         return

@@ -7,17 +7,38 @@ is the collate `prefetch.prepare_step` runs for a VLM (raypack/train/loop.py: `v
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from transformers import PretrainedConfig
 
 from raypack.data.collate import example_starts
 from raypack.data.encode import load_image_tokenizer, load_tokenizer
 from raypack.data.formats import row_labels
 from raypack.data.image_layouts import MODEL_INPUTS
 from raypack.data.vision_collate import collate_vision_packed, collate_vision_padded
-from raypack.model.vision import check_processor_fits, example_positions, image_token_id
+from raypack.errors import InputError
+from raypack.model.vision import example_positions, image_token_id
+
+
+def check_processor_fits(model_class: type, config: PretrainedConfig, inputs: tuple[str, ...], image_token: int,
+                         processor: str) -> None:
+    """Refuse a processor whose images `model_class` can't take: the processor's layout gives
+    `inputs` beside pixel_values (raypack/data/image_layouts.py), which the model's forward must
+    take, and it must take no other of them (grids for LLaVA, whole pictures for Qwen, ...); and
+    its image token must be the model's."""
+    params = inspect.signature(model_class.forward).parameters
+    takes = tuple(k for k in MODEL_INPUTS if k != "pixel_values" and k in params)
+    if takes != tuple(inputs):
+        gives = f"gives {', '.join(inputs)} beside pixel_values" if inputs else "gives pixel_values alone"
+        raise InputError(f"tokenize.tokenizer {processor!r}: its image processor {gives}, but {model_class.__name__} "
+                         f"takes {', '.join(takes) or 'neither image_grid_thw nor pixel_attention_mask'}: name the "
+                         "model's own processor folder")
+    if image_token != image_token_id(config):
+        raise InputError(f"tokenize.tokenizer {processor!r} renders images as token {image_token}, but the model's "
+                         f"image token is {image_token_id(config)}: name the model's own processor folder")
 
 
 class VisionRows:
