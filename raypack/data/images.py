@@ -20,9 +20,8 @@ merges with its neighbours); the image processor gives the tower's pixels, and e
 becomes what the model's own processor expands it to: grid.prod() / merge_size**2 copies for
 grid processors (Qwen2/2.5/3-VL, within their pixel budget), a fixed count for whole pictures
 (LLaVA's CLIP/SigLIP), the processor's prompt string for tiles (Idefics3/SmolVLM), by the
-processor's traits (raypack/data/image_layouts.py). Labels
-are the assistant's tokens only (the template's {% generation %} marks them): prompt and image
-tokens carry none. EOS ends every example, with a label after an assistant turn, as in the text
+processor's traits (raypack/data/image_layouts.py). Labels are the assistant's tokens only (the
+template's {% generation %} marks them): prompt and image tokens carry none. EOS ends every example, with a label after an assistant turn, as in the text
 pipeline (raypack/data/encode.py). An example's `length` counts its image tokens, and
 `vision_patches` the tower's work, for the plan and the balance to count.
 

@@ -109,6 +109,37 @@ def test_packed_rows_through_the_workers_code_equal_each_example_alone(overrides
     assert all(parts.values()), f"a part got no gradient compared: {parts}"
 
 
+@pytest.mark.parametrize("overrides", [(), LLAVA, IDEFICS3], ids=["qwen2_5_vl", "llava", "idefics3"])
+def test_a_padded_batch_of_several_examples_equals_each_alone(overrides):
+    """`pad`'s micro-batches hold several examples: Idefics3's tiles padded with all-zero tiles
+    (which its model drops), as its processor pads a batch."""
+    from raypack.data.vision_collate import collate_vision_padded
+    from raypack.model.build import load_model
+    from raypack.model.vision import image_token_id
+    from raypack.train.loss import token_loss_sum
+    from raypack.train.vision_rows import VisionRows
+
+    rows, images, processor = prepared_rows(overrides, steps=2)
+    name = dict(o.split("=") for o in overrides).get("model.name", "tiny-qwen2_5_vl")
+    torch.manual_seed(0)
+    model = load_model(name, attention="sdpa", dtype="float32").eval()
+    collate = VisionRows(model, images, processor)
+    group = [rows[0][0], rows[0][1], rows[1][1]]  # Idefics3: pictures of 3 and of 5 tiles
+    examples = collate.examples(group)
+    pictures = [e["pixel_values"] for e in examples if e["pixel_values"] is not None]
+    assert len(pictures) > 2 and (name != "tiny-idefics3" or len({p.shape[1] for p in pictures}) > 1)
+    with torch.no_grad():
+        batch = collate(group, padded=True)
+        labels = batch.pop("labels")
+        together = token_loss_sum(model(**batch).logits, labels)
+        alone = 0.0
+        for e in examples:
+            one = collate_vision_padded([e], image_token_id(model.config))
+            labels = one.pop("labels")
+            alone = alone + token_loss_sum(model(**one).logits, labels)
+    assert together.item() == pytest.approx(alone.item(), rel=1e-5)
+
+
 def test_a_processor_that_does_not_fit_the_model_is_refused_on_the_worker_too():
     from raypack.config import ASSETS
     from raypack.errors import InputError
