@@ -1,13 +1,15 @@
 """Make the bundled vision-language assets: a tiny processor and a small image sample.
 
-    python tools/make_vlm_sample.py       # rewrites raypack/assets/{vlm_processor,llava_processor,vision_sample}/
+    python tools/make_vlm_sample.py       # rewrites raypack/assets/{vlm,llava,idefics3}_processor/, vision_sample/
 
 Nothing may come from a model hub, so the processor is the bundled tokenizer (tools/make_tokenizer.py)
 plus Qwen's image tokens and a chat template that renders image parts, and a Qwen2-VL image
 processor sized for a tiny tower (4-pixel patches, 2x2 merge, at most 32x32 pixels). The LLaVA
 processor is the same tokenizer (its files linked, not copied: the GPU kit's size is tight) and a
 LlavaProcessor's settings with a CLIP image processor of 16x16 pictures (4-pixel patches, CLS
-dropped: 16 image tokens a picture, rendered as <|image_pad|>), all in processor_config.json. The sample is
+dropped: 16 image tokens a picture, rendered as <|image_pad|>), all in processor_config.json. The
+Idefics3 processor has its own tokenizer copy (Idefics3Processor adds <image> and its fake tokens
+to it) and tiles of 16 pixels from pictures of up to 32 (4 image tokens a tile). The sample is
 a few dozen generated pictures (a coloured shape on a background, 16 to 32 pixels a side, PNG)
 with a question and its answer each, in both layouts raypack reads (raypack/data/images.py), in
 a folder of its own: the text sample's folder (raypack/assets/sample/) is read whole as text data.
