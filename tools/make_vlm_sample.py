@@ -8,8 +8,8 @@ processor sized for a tiny tower (4-pixel patches, 2x2 merge, at most 32x32 pixe
 processor is the same tokenizer (its files linked, not copied: the GPU kit's size is tight) and a
 LlavaProcessor's settings with a CLIP image processor of 16x16 pictures (4-pixel patches, CLS
 dropped: 16 image tokens a picture, rendered as <|image_pad|>), all in processor_config.json. The
-Idefics3 processor has its own tokenizer copy (Idefics3Processor adds <image> and its fake tokens
-to it) and tiles of 16 pixels from pictures of up to 32 (4 image tokens a tile). The sample is
+Idefics3 processor links the same tokenizer (which holds Idefics3's <image> and fake tokens too)
+beside its own template and tiles of 16 pixels from pictures of up to 32 (4 image tokens a tile). The sample is
 a few dozen generated pictures (a coloured shape on a background, 16 to 32 pixels a side, PNG)
 with a question and its answer each, in both layouts raypack reads (raypack/data/images.py), in
 a folder of its own: the text sample's folder (raypack/assets/sample/) is read whole as text data.
@@ -36,6 +36,9 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>"]
+"""Idefics3's image tokens (Idefics3Processor adds them to its tokenizer): in the one tokenizer
+all three processors share, so the LLaVA and Idefics3 folders link its files, not copy them."""
 # Like the bundled template, with content as text or a list of parts; each image renders as
 # Qwen's start, pad and end tokens, and {% generation %} marks what the assistant writes.
 CHAT_TEMPLATE = (
@@ -60,7 +63,8 @@ def image_processor() -> Qwen2VLImageProcessorPil:
 
 def make_processor(out: Path) -> None:
     tok = AutoTokenizer.from_pretrained(REPO / "raypack" / "assets" / "tokenizer")
-    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS}, replace_extra_special_tokens=False)
+    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS + IDEFICS3_TOKENS},
+                           replace_extra_special_tokens=False)  # fmt: skip
     tok.chat_template = CHAT_TEMPLATE
     if out.exists():
         shutil.rmtree(out)
@@ -90,23 +94,24 @@ def make_llava_processor(out: Path, tokenizer_folder: Path) -> None:
         (out / name).symlink_to(Path("..") / tokenizer_folder.name / name)
 
 
-IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>"]
-
-
 def make_idefics3_processor(out: Path, tokenizer_folder: Path) -> None:
-    """An Idefics3 processor: the tokenizer with Idefics3's image tokens (its own copy: the
-    processor adds them), a template rendering each image as <image>, and an image processor
-    splitting pictures of up to 32 pixels into 16x16 tiles plus the whole (4 tokens a tile)."""
+    """An Idefics3 processor: processor_config.json (its image processor, splitting pictures of up
+    to 32 pixels into 16x16 tiles plus the whole, 4 image tokens a tile) and a template rendering
+    each image as <image>, beside links to `tokenizer_folder`'s tokenizer files."""
     from transformers import Idefics3ImageProcessorPil, Idefics3Processor
 
     tok = AutoTokenizer.from_pretrained(tokenizer_folder)
-    tok.add_special_tokens({"additional_special_tokens": IDEFICS3_TOKENS}, replace_extra_special_tokens=False)
-    tok.chat_template = CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
+    template = CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
     tiles = Idefics3ImageProcessorPil(size={"longest_edge": 32}, max_image_size={"longest_edge": 16})
     if out.exists():
         shutil.rmtree(out)
-    Idefics3Processor(image_processor=tiles, tokenizer=tok, image_seq_len=4,
-                      chat_template=tok.chat_template).save_pretrained(out)  # fmt: skip
+    Idefics3Processor(image_processor=tiles, tokenizer=tok, image_seq_len=4, chat_template=template).save_pretrained(out)
+    if len(AutoTokenizer.from_pretrained(out)) != len(tok):
+        raise RuntimeError("Idefics3Processor added tokens the shared tokenizer lacks")
+    (out / "chat_template.jinja").write_text(template)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).unlink()
+        (out / name).symlink_to(Path("..") / tokenizer_folder.name / name)
 
 
 def picture(rng: random.Random) -> tuple[Image.Image, str, str]:
