@@ -1,10 +1,15 @@
 """Make the bundled vision-language assets: a tiny processor and a small image sample.
 
-    python tools/make_vlm_sample.py       # rewrites raypack/assets/vlm_processor/ and raypack/assets/vision_sample/
+    python tools/make_vlm_sample.py       # rewrites raypack/assets/{vlm,llava,idefics3}_processor/, vision_sample/
 
 Nothing may come from a model hub, so the processor is the bundled tokenizer (tools/make_tokenizer.py)
 plus Qwen's image tokens and a chat template that renders image parts, and a Qwen2-VL image
-processor sized for a tiny tower (4-pixel patches, 2x2 merge, at most 32x32 pixels). The sample is
+processor sized for a tiny tower (4-pixel patches, 2x2 merge, at most 32x32 pixels). The LLaVA
+processor is the same tokenizer (its files linked, not copied: the GPU kit's size is tight) and a
+LlavaProcessor's settings with a CLIP image processor of 16x16 pictures (4-pixel patches, CLS
+dropped: 16 image tokens a picture, rendered as <|image_pad|>), all in processor_config.json. The
+Idefics3 processor links the same tokenizer (which holds Idefics3's <image> and fake tokens too)
+beside its own template and tiles of 16 pixels from pictures of up to 32 (4 image tokens a tile). The sample is
 a few dozen generated pictures (a coloured shape on a background, 16 to 32 pixels a side, PNG)
 with a question and its answer each, in both layouts raypack reads (raypack/data/images.py), in
 a folder of its own: the text sample's folder (raypack/assets/sample/) is read whole as text data.
@@ -24,11 +29,16 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 from transformers import AutoTokenizer
+from transformers import LlavaProcessor
+from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>"]
+"""Idefics3's image tokens (Idefics3Processor adds them to its tokenizer): in the one tokenizer
+all three processors share, so the LLaVA and Idefics3 folders link its files, not copy them."""
 # Like the bundled template, with content as text or a list of parts; each image renders as
 # Qwen's start, pad and end tokens, and {% generation %} marks what the assistant writes.
 CHAT_TEMPLATE = (
@@ -53,12 +63,55 @@ def image_processor() -> Qwen2VLImageProcessorPil:
 
 def make_processor(out: Path) -> None:
     tok = AutoTokenizer.from_pretrained(REPO / "raypack" / "assets" / "tokenizer")
-    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS}, replace_extra_special_tokens=False)
+    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS + IDEFICS3_TOKENS},
+                           replace_extra_special_tokens=False)  # fmt: skip
     tok.chat_template = CHAT_TEMPLATE
     if out.exists():
         shutil.rmtree(out)
     tok.save_pretrained(out)
     image_processor().save_pretrained(out)
+
+
+def make_llava_processor(out: Path, tokenizer_folder: Path) -> None:
+    """processor_config.json (LlavaProcessor's settings and its CLIP image processor) beside links
+    to `tokenizer_folder`'s tokenizer files."""
+    tok = AutoTokenizer.from_pretrained(tokenizer_folder)
+    pictures = CLIPImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})
+    processor = LlavaProcessor(image_processor=pictures, tokenizer=tok, patch_size=4, image_token="<|image_pad|>",
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1)  # fmt: skip
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    processor.image_processor.save_pretrained(out)  # processor_config.json alone needs the processor class to read
+    settings = json.loads((out / "preprocessor_config.json").read_text())
+    (out / "preprocessor_config.json").unlink()
+    config = {"image_processor": settings, "image_token": processor.image_token, "patch_size": processor.patch_size,
+              "num_additional_image_tokens": processor.num_additional_image_tokens,
+              "vision_feature_select_strategy": processor.vision_feature_select_strategy,
+              "processor_class": "LlavaProcessor"}  # fmt: skip
+    (out / "processor_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (out / name).symlink_to(Path("..") / tokenizer_folder.name / name)
+
+
+def make_idefics3_processor(out: Path, tokenizer_folder: Path) -> None:
+    """An Idefics3 processor: processor_config.json (its image processor, splitting pictures of up
+    to 32 pixels into 16x16 tiles plus the whole, 4 image tokens a tile) and a template rendering
+    each image as <image>, beside links to `tokenizer_folder`'s tokenizer files."""
+    from transformers import Idefics3ImageProcessorPil, Idefics3Processor
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_folder)
+    template = CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
+    tiles = Idefics3ImageProcessorPil(size={"longest_edge": 32}, max_image_size={"longest_edge": 16})
+    if out.exists():
+        shutil.rmtree(out)
+    Idefics3Processor(image_processor=tiles, tokenizer=tok, image_seq_len=4, chat_template=template).save_pretrained(out)
+    if len(AutoTokenizer.from_pretrained(out)) != len(tok):
+        raise RuntimeError("Idefics3Processor added tokens the shared tokenizer lacks")
+    (out / "chat_template.jinja").write_text(template)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).unlink()
+        (out / name).symlink_to(Path("..") / tokenizer_folder.name / name)
 
 
 def picture(rng: random.Random) -> tuple[Image.Image, str, str]:
@@ -83,6 +136,8 @@ def main() -> None:
     args = ap.parse_args()
     assets = REPO / "raypack" / "assets"
     make_processor(assets / "vlm_processor")
+    make_llava_processor(assets / "llava_processor", assets / "vlm_processor")
+    make_idefics3_processor(assets / "idefics3_processor", assets / "vlm_processor")
     folder = assets / "vision_sample"
     if folder.exists():
         shutil.rmtree(folder)

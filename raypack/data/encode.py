@@ -117,6 +117,19 @@ def load_image_processor(name: str):
                             f"there ({reason}); point tokenize.tokenizer at the model's processor folder") from e
 
 
+def load_image_tokenizer(name: str, tok) -> ImageTokenizer:
+    """The image+text tokenizer of a VLM's processor folder: its image processor, the processor's
+    settings (processor_config.json, where it has one) and `tok`, its tokenizer. Refuses (naming
+    the trait) an image processor raypack has no exact data path for."""
+    from raypack.data.image_layouts import processor_settings
+
+    image_processor = load_image_processor(name)
+    try:
+        return ImageTokenizer(image_processor, tok, processor_settings(name))
+    except InputError as e:
+        raise TokenizeError(f"tokenize.tokenizer {name!r}: {e}") from None
+
+
 def check_vision_label_mask(label_mask: str) -> None:
     """Vision rows train on the assistant's tokens (`auto`, `assistant`); the other masks have no
     vision path yet."""
@@ -196,7 +209,7 @@ class Encoder:
         found beside the tokenizer (tokenize.tokenizer: the model's processor folder)."""
         check_vision_label_mask(self.label_mask)
         if self.images is None:
-            self.images = ImageTokenizer(load_image_processor(self.name), self.tok)
+            self.images = load_image_tokenizer(self.name, self.tok)
         return self.images.rows(messages, images, eids)
 
     def encode_pairs(self, prompts: list[str], completions: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:

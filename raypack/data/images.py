@@ -14,19 +14,22 @@ gs://, ... through pyarrow's filesystems, as Ray Data reads), a `data:image/...;
 bare base64. A missing or undecodable image, or placeholders that don't match the images,
 raise ImageError naming the file and line.
 
-Tokenizing (`ImageTokenizer`): the chat template renders each image as one image-pad token
-(a special token, so it never merges with its neighbours); the image processor resizes the
-image within its pixel budget (min_pixels, max_pixels) and gives its patches and grid; each pad
-becomes grid.prod() / merge_size**2 copies, as the model's own processor expands it. Labels are
-the assistant's tokens only (the template's {% generation %} marks them): prompt and image
-tokens carry none. EOS ends every example, with a label after an assistant turn, as in the text
+Tokenizing (`ImageTokenizer`): the chat template renders each image as one image token (the
+processor's `image_token`, Qwen's <|image_pad|> where it names none; a special token, so it never
+merges with its neighbours); the image processor gives the tower's pixels, and each image token
+becomes what the model's own processor expands it to: grid.prod() / merge_size**2 copies for
+grid processors (Qwen2/2.5/3-VL, within their pixel budget), a fixed count for whole pictures
+(LLaVA's CLIP/SigLIP), the processor's prompt string for tiles (Idefics3/SmolVLM), by the
+processor's traits (raypack/data/image_layouts.py). Labels are the assistant's tokens only (the
+template's {% generation %} marks them): prompt and image tokens carry none. EOS ends every example, with a label after an assistant turn, as in the text
 pipeline (raypack/data/encode.py). An example's `length` counts its image tokens, and
 `vision_patches` the tower's work, for the plan and the balance to count.
 
 What a prepared example holds: its tokens, and the image bytes as read (`images`), not the
 processed pixels, which are 51x the bundled sample's PNGs and 102-130x photo-like JPEGs under
 Qwen2.5-VL's processor (benchmarks/vision_bytes.py). `example_pixels` processes them again where
-they are used (tens to hundreds of ms an image on one CPU core), checking the grids still match.
+they are used (tens to hundreds of ms an image on one CPU core), checking the grids and the
+image-token counts still match.
 """
 
 from __future__ import annotations
@@ -36,19 +39,18 @@ import binascii
 import io
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from raypack.data.formats import IGNORE_INDEX
+from raypack.data.image_layouts import MODEL_INPUTS, image_layout
 from raypack.errors import InputError
 
 PLACEHOLDER = "<image>"
 """The image placeholder of the `messages` + `images` layout."""
-IMAGE_PAD = "<|image_pad|>"
-"""The token the chat template renders for each image (Qwen's name), expanded per image."""
 
 
 class ImageError(InputError):
@@ -183,41 +185,44 @@ def read_record(record: dict[str, Any], base_dir: str | None, where: str) -> dic
 class Vision:
     """One encoded vision row, as the tokenize stage keeps it (raypack/data/encode.py): tokens with
     each image's tokens in place, labels, the images' encoded bytes, their grids (flat, 3 an
-    image), its image tokens and the vision tower's patches."""
+    image; none for pictures), its image tokens and the vision tower's patches."""
 
-    def __init__(self, example: dict[str, Any], image_tokens: int):
+    def __init__(self, example: dict[str, Any]):
         self.ids = np.asarray(example["input_ids"], np.int32)
         self.labels = np.asarray(example["labels"], np.int32)
         self.images, self.grid = example["images"], np.asarray(example["image_grid_thw"], np.int32).reshape(-1)
-        self.image_tokens, self.patches = image_tokens, int(example["vision_patches"])
+        self.image_tokens, self.patches = int(example["image_tokens"]), int(example["vision_patches"])
 
 
 class ImageTokenizer:
     """Image+text examples -> input_ids, labels, length, images (encoded bytes), image_grid_thw,
-    vision_patches, with the model's image processor and tokenizer (see the module doc)."""
+    image_tokens, vision_patches, with the model's image processor, its settings (the folder's
+    processor_config.json, where it has one) and tokenizer (see the module doc). What an image
+    becomes, pixels and token count, is the processor's layout (raypack/data/image_layouts.py)."""
 
-    def __init__(self, image_processor, tokenizer):
-        if not hasattr(image_processor, "merge_size"):
-            raise InputError(
-                f"{type(image_processor).__name__}: raypack tokenizes image data with grid image processors "
-                "(Qwen2/2.5/3-VL: patches, image_grid_thw, merge_size) only so far; other families pack exactly "
-                "at the model level but have no data path yet"
-            )
+    def __init__(self, image_processor, tokenizer, settings: Mapping[str, Any] | None = None):
+        settings = settings or {}
+        self.layout = image_layout(image_processor, settings)
         self.image_processor, self.tokenizer = image_processor, tokenizer
-        self.pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+        # the processor's own choice, as LlavaProcessor and Qwen2VLProcessor make it
+        self.image_token = getattr(tokenizer, "image_token", None) or settings.get("image_token") or self.layout.token
+        self.pad_id = tokenizer.convert_tokens_to_ids(self.image_token)
         if self.pad_id is None or self.pad_id == tokenizer.unk_token_id:
-            raise InputError(f"the tokenizer has no {IMAGE_PAD} token for images")
-
-    def token_counts(self, grids) -> list[int]:
-        """Each image's tokens in the text: its patches (t * h * w of its grid) merged merge_size²
-        to one, as the model's own processor expands its placeholder."""
-        return [int(np.prod(g)) // self.image_processor.merge_size**2 for g in grids]
+            raise InputError(f"the tokenizer has no {self.image_token} token for images")
 
     def pixels(self, images: Sequence) -> dict[str, np.ndarray]:
-        """pixel_values (patches, D) float32 and image_grid_thw (n, 3) for decoded images."""
-        out = self.image_processor(images=list(images), return_tensors="np")
-        return {"pixel_values": np.asarray(out["pixel_values"], np.float32),
-                "image_grid_thw": np.asarray(out["image_grid_thw"], np.int64)}  # fmt: skip
+        """The tower's inputs for decoded images: pixel_values float32, and image_grid_thw (n, 3)
+        for grid processors, pixel_attention_mask for tiles."""
+        return self.layout.pixels(images)
+
+    def expansions(self, pixels: dict[str, np.ndarray]) -> list[list[int]]:
+        """Each image's tokens in the text: its count of image tokens, or for tiles the
+        processor's prompt string, tokenized alone (it starts and ends with special tokens, so
+        nothing around it merges with it, as when the processor tokenizes the whole text)."""
+        if not hasattr(self.layout, "prompts"):
+            return [[self.pad_id] * n for n in self.layout.token_counts(pixels)]
+        texts = self.layout.prompts(pixels, self.image_token, self.tokenizer)
+        return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
     def __call__(self, record: dict[str, Any], where: str, base_dir: str | Path | None = None) -> dict[str, Any]:
         messages, sources = image_messages(record, where)
@@ -235,15 +240,14 @@ class ImageTokenizer:
         pads = [i for i, t in enumerate(ids) if t == self.pad_id]
         if len(pads) != len(images):
             raise ImageError(f"{where}: the chat template rendered {len(pads)} image token(s) for {len(images)} image(s)")
-        pix = self.pixels(images) if images else {"pixel_values": np.zeros((0, 0), np.float32),
-                                                  "image_grid_thw": np.zeros((0, 3), np.int64)}  # fmt: skip
-        counts = self.token_counts(pix["image_grid_thw"])
+        pix = self.pixels(images) if images else None
+        expanded = iter(self.expansions(pix) if images else [])
         out_ids, labels = [], []
-        for i, (t, m) in enumerate(zip(ids, mask)):
+        for t, m in zip(ids, mask):
             if t == self.pad_id:
-                n = counts[pads.index(i)]
-                out_ids += [t] * n
-                labels += [IGNORE_INDEX] * n
+                tokens = next(expanded)
+                out_ids += tokens
+                labels += [IGNORE_INDEX] * len(tokens)
             else:
                 out_ids.append(t)
                 labels.append(t if m else IGNORE_INDEX)
@@ -253,7 +257,9 @@ class ImageTokenizer:
             labels.append(eos if messages[-1]["role"] == "assistant" else IGNORE_INDEX)
         return {
             "input_ids": out_ids, "labels": labels, "length": len(out_ids), "images": blobs,
-            "image_grid_thw": pix["image_grid_thw"].tolist(), "vision_patches": int(pix["pixel_values"].shape[0]),
+            "image_grid_thw": self.layout.stored(pix) if images else [],
+            "image_tokens": sum(self.layout.token_counts(pix)) if images else 0,
+            "vision_patches": self.layout.patches(pix) if images else 0,
         }  # fmt: skip
 
     def prompt(self, messages: list[dict], images: Sequence) -> dict[str, np.ndarray]:
@@ -266,24 +272,29 @@ class ImageTokenizer:
             raise ValueError(f"the chat template rendered {sum(t == self.pad_id for t in ids)} image token(s) "
                              f"for {len(images)} image(s)")
         pix = self.pixels(images) if images else {}
-        counts = iter(self.token_counts(pix.get("image_grid_thw", ())))
-        expanded = [n for t in ids for n in [t] * (next(counts) if t == self.pad_id else 1)]
-        return {"input_ids": np.asarray([expanded], np.int64), **pix}
+        tokens = iter(self.expansions(pix) if images else ())
+        expanded = [n for t in ids for n in (next(tokens) if t == self.pad_id else [t])]
+        return {"input_ids": np.asarray([expanded], np.int64), **{k: v for k, v in pix.items() if k in MODEL_INPUTS}}
 
     def rows(self, messages: list[str], images: list[list[bytes]], eids: list[int]) -> list[Vision]:
         """The source stage's vision rows (`read_record`: messages in parts as JSON, images' bytes) encoded."""
-        out = []
-        for m, blobs, eid in zip(messages, images, eids):
-            example = self.encode(json.loads(m), list(blobs), f"example {eid}")
-            out.append(Vision(example, sum(self.token_counts(example["image_grid_thw"]))))
-        return out
+        return [Vision(self.encode(json.loads(m), list(blobs), f"example {eid}"))
+                for m, blobs, eid in zip(messages, images, eids)]  # fmt: skip
 
     def example_pixels(self, example: dict[str, Any], where: str = "example") -> dict[str, np.ndarray]:
-        """The pixels of a prepared example, processed again from its stored bytes (collate)."""
+        """The pixels of a prepared example, processed again from its stored bytes (collate),
+        checked against what was stored then (the grids) and, given its `input_ids`, against its
+        image tokens: another processor since would put features on the wrong tokens."""
         images = [decode_image(b, "stored image", where) for b in example["images"]]
         if not images:
             return {}
         pix = self.pixels(images)
-        if pix["image_grid_thw"].tolist() != [list(g) for g in example["image_grid_thw"]]:
+        if self.layout.stored(pix) != [list(g) for g in example["image_grid_thw"]]:
             raise ValueError(f"{where}: the image processor changed since the data was prepared (other grids)")
+        if example.get("input_ids") is not None:
+            found = int((np.asarray(example["input_ids"]) == self.pad_id).sum())
+            if found != sum(self.layout.token_counts(pix)):
+                raise ValueError(f"{where}: {found} image tokens in the text but the image processor makes "
+                                 f"{sum(self.layout.token_counts(pix))} of its images: it changed since the data "
+                                 "was prepared, or tokenize.tokenizer names another processor")
         return pix

@@ -34,7 +34,7 @@ import ray
 from raypack import storage
 from raypack.config import Config
 from raypack.data.encode import (Encoder, TokenizeError, check_chat_template, check_vision_label_mask, counts,
-                                 kept_rows, load_image_processor, load_tokenizer)
+                                 kept_rows, load_image_tokenizer, load_tokenizer)
 from raypack.data.listing import Sources, known_rows
 from raypack.data.progress import Progress, on_driver_node
 from raypack.data.sources import read_rows, read_sources_with_report, row_location, rows_here
@@ -305,11 +305,9 @@ def check_encodable(cfg: Config, tok, formats: dict[str, int]) -> None:
     t = cfg.tokenize
     if formats.get("chat") or formats.get("vision"):
         check_chat_template(tok, t.tokenizer)
-    if formats.get("vision"):
-        from raypack.data.images import ImageTokenizer
-
+    if formats.get("vision"):  # no image processor there, or one raypack has no data path for
         check_vision_label_mask(t.label_mask)
-        ImageTokenizer(load_image_processor(t.tokenizer), tok)
+        load_image_tokenizer(t.tokenizer, tok)
 
 
 def gather_stats(batches: list[dict], tok, max_length: int, sources: Sources) -> TokenizeStats:

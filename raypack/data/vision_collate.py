@@ -80,9 +80,9 @@ def collate_vision_packed(examples: Sequence[Mapping[str, Any]]) -> dict[str, An
 
 def collate_vision_padded(examples: Sequence[Mapping[str, Any]], image_token_id: int,
                           pad_token_id: int = 0) -> dict[str, Any]:
-    """One example a row, right-padded, with the images in example order and the token types the
-    model's own get_rope_index reads (`mm_token_type_ids`: 1 on `image_token_id`); no
-    position_ids: the model builds its own, as for any padded batch."""
+    """One example a row, right-padded, with the images in example order and, for grid models,
+    the grids and token types the model's own get_rope_index reads (`mm_token_type_ids`: 1 on
+    `image_token_id`); no position_ids: the model builds its own, as for any padded batch."""
     width = max(len(e["input_ids"]) for e in examples)
     ids = torch.full((len(examples), width), pad_token_id, dtype=torch.long)
     labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
@@ -94,7 +94,23 @@ def collate_vision_padded(examples: Sequence[Mapping[str, Any]], image_token_id:
     batch: dict[str, Any] = {"input_ids": ids, "attention_mask": mask, "labels": labels}
     pixels = [e for e in examples if e.get("pixel_values") is not None]
     if pixels:
+        if all(e.get("pixel_attention_mask") is not None for e in pixels):  # tiles: a row of them an example
+            batch["pixel_values"] = _pad_images([e["pixel_values"] for e in pixels])
+            batch["pixel_attention_mask"] = _pad_images([e["pixel_attention_mask"] for e in pixels])
+            return batch
         batch["pixel_values"] = torch.cat([torch.as_tensor(e["pixel_values"]) for e in pixels])
-        batch["image_grid_thw"] = torch.cat([torch.as_tensor(e["image_grid_thw"]) for e in pixels])
-        batch["mm_token_type_ids"] = (ids == image_token_id).to(torch.int32)
+        if all(e.get("image_grid_thw") is not None for e in pixels):
+            batch["image_grid_thw"] = torch.cat([torch.as_tensor(e["image_grid_thw"]) for e in pixels])
+            batch["mm_token_type_ids"] = (ids == image_token_id).to(torch.int32)
     return batch
+
+
+def _pad_images(parts: Sequence[Any]) -> torch.Tensor:
+    """Examples' (1, n, ...) tiles as one (examples, max n, ...) batch, padded with all-zero tiles,
+    as the Idefics3/SmolVLM processor pads a batch (the model drops all-zero tiles)."""
+    parts = [torch.as_tensor(p) for p in parts]
+    n = max(p.shape[1] for p in parts)
+    out = parts[0].new_zeros((len(parts), n, *parts[0].shape[2:]))
+    for i, p in enumerate(parts):
+        out[i, : p.shape[1]] = p[0]
+    return out

@@ -24,6 +24,7 @@ import torch
 import transformers
 from huggingface_hub import constants, get_session
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.integrations import deepspeed as hf_deepspeed
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -211,8 +212,14 @@ def meta_model(config: PretrainedConfig, trust_remote_code: bool = False):
     # The attention name only has to be one transformers accepts for any class: the structure is
     # what the checks read, and raypack's names change no model's structure.
     auto = vision.vlm_class(config) or AutoModelForCausalLM
-    with torch.device("meta"):
-        return auto.from_config(config, attn_implementation="eager", trust_remote_code=trust_remote_code)
+    # Never under ZeRO-3's zero.Init (a worker probes the structure while its HfDeepSpeedConfig
+    # lives): a probe needs no partitions, and its gathers hung a tiny LLaVA's two ranks at setup.
+    zero3, hf_deepspeed._hf_deepspeed_config_weak_ref = hf_deepspeed._hf_deepspeed_config_weak_ref, None
+    try:
+        with torch.device("meta"):
+            return auto.from_config(config, attn_implementation="eager", trust_remote_code=trust_remote_code)
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = zero3
 
 
 def load_model(

@@ -77,20 +77,27 @@ def training_refusal(config: PretrainedConfig) -> str:
             "trains images with (docs/guides/vision.md)")
 
 
-TINY_VLMS = ("tiny-qwen2_5_vl",)
-"""`model.name`s of tiny VLMs built from a config (random init), sized by the bundled processor
-(raypack/assets/vlm_processor, which `tokenize.tokenizer` must then name)."""
+TINY_VLMS = {"tiny-qwen2_5_vl": "vlm_processor", "tiny-llava": "llava_processor", "tiny-idefics3": "idefics3_processor"}
+"""`model.name`s of tiny VLMs built from a config (random init), each sized by its bundled
+processor (raypack/assets/<folder>, which `tokenize.tokenizer` must then name): a Qwen2.5-VL
+(grid processor, mRoPE), a LLaVA (a CLIP tower and projector on a Llama, whole pictures) and an
+Idefics3 (a SigLIP-like tower, pixel shuffle and connector on a Llama, tiles)."""
 
 
 def tiny_config(name: str) -> PretrainedConfig:
-    """The config of a TINY_VLMS name: `tiny_vlm_config` over the bundled processor."""
-    from transformers import AutoImageProcessor, AutoTokenizer
+    """The config of a TINY_VLMS name, sized by its bundled processor (LlavaProcessor and
+    Idefics3Processor load without torchvision; Qwen's folder as its image processor and tokenizer)."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
     from raypack.config import ASSETS
 
     if name not in TINY_VLMS:
         raise ValueError(f"unknown tiny VLM {name!r}; expected one of {', '.join(TINY_VLMS)}")
-    folder = ASSETS / "vlm_processor"
+    folder = ASSETS / TINY_VLMS[name]
+    if name == "tiny-llava":
+        return tiny_llava_config(AutoProcessor.from_pretrained(folder))
+    if name == "tiny-idefics3":
+        return tiny_idefics3_config(AutoProcessor.from_pretrained(folder))
     return tiny_vlm_config(AutoImageProcessor.from_pretrained(folder), AutoTokenizer.from_pretrained(folder))
 
 
@@ -233,6 +240,54 @@ def tiny_vlm_config(image_processor, tokenizer) -> PretrainedConfig:
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids)
 
 
+def tiny_llava_config(processor) -> PretrainedConfig:
+    """A tiny LLaVA config (a CLIP tower, a 2-layer GELU projector, a Llama) that fits a
+    LlavaProcessor: its picture size (crop), patch size, feature selection, image token and
+    tokenizer; the bundled LLaVA processor's model (raypack/assets/llava_processor)."""
+    from transformers import LlavaConfig
+
+    image_processor, tokenizer = processor.image_processor, processor.tokenizer
+    image = tokenizer.convert_tokens_to_ids(processor.image_token)
+    text = {key: v for key, v in TINY_TEXT.items() if key != "rope_parameters"}
+    text.update(model_type="llama", vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    side = image_processor.crop_size["height"]
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=side, patch_size=processor.patch_size, projection_dim=32,
+                  initializer_range=0.1)  # fmt: skip
+    # the last layer's features, so every tower weight but the unused post-layernorm trains
+    return LlavaConfig(text_config=text, vision_config=vision, image_token_id=image, vision_feature_layer=-1,
+                       vision_feature_select_strategy=processor.vision_feature_select_strategy,
+                       projector_hidden_act="gelu")  # fmt: skip
+
+
+def tiny_idefics3_config(processor) -> PretrainedConfig:
+    """A tiny Idefics3 config whose tiles (the image processor's max_image_size, 4-pixel patches,
+    pixel shuffle by 2) give an Idefics3Processor's image_seq_len tokens: the bundled Idefics3
+    processor's model (raypack/assets/idefics3_processor)."""
+    from transformers import Idefics3Config
+
+    tokenizer = processor.tokenizer
+    side, patch, scale = processor.image_processor.max_image_size["longest_edge"], 4, 2
+    if (side // patch) ** 2 // scale**2 != processor.image_seq_len:
+        raise ValueError(f"image_seq_len {processor.image_seq_len} doesn't fit {side}-pixel tiles of {patch}-pixel "
+                         f"patches shuffled by {scale}")
+    text = {key: v for key, v in TINY_TEXT.items() if key != "rope_parameters"}
+    text.update(model_type="llama", vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    vision = dict(model_type="idefics3_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=side, patch_size=patch, initializer_range=0.1)  # fmt: skip
+    return Idefics3Config(text_config=text, vision_config=vision, scale_factor=scale,
+                          image_token_id=processor.image_token_id)  # fmt: skip
+
+
+def vlm_model_class(config: PretrainedConfig) -> type:
+    """The class AutoModelForImageTextToText builds for `config` (no weights, no model)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
+
+
 TOWERS = ("visual", "vision_tower", "vision_model")
 """Where transformers' VLMs keep the vision tower, on the inner model (Qwen, LLaVA/Gemma, Idefics3/SmolVLM)."""
 PROJECTORS = ("merger", "multi_modal_projector", "connector")
@@ -275,28 +330,39 @@ def freeze(model: torch.nn.Module, what: tuple[str, ...]) -> list[str]:
 
 
 class ProcessorParts:
-    """A VLM's tokenizer and image processor, saved together where a trained model's folder is
-    written (the training loop's final `model/`), so AutoTokenizer and AutoImageProcessor load it."""
+    """A VLM's tokenizer, image processor and the processor's own settings (processor_config.json:
+    LLaVA's patch size and image token), saved together where a trained model's folder is written
+    (the training loop's final `model/`), so AutoTokenizer and AutoImageProcessor load it (and
+    AutoProcessor where transformers builds the processor without torchvision: LLaVA's)."""
 
-    def __init__(self, tokenizer, image_processor):
+    def __init__(self, tokenizer, image_processor, settings: dict | None = None):
         self.tokenizer, self.image_processor = tokenizer, image_processor
+        # the image processor is saved on its own (preprocessor_config.json), not nested here
+        self.settings = {k: v for k, v in (settings or {}).items() if k != "image_processor"}
 
     def __len__(self) -> int:  # the vocabulary, as a tokenizer's (what sizes the embeddings)
         return len(self.tokenizer)
 
     def save_pretrained(self, folder) -> None:
+        import json
+        from pathlib import Path
+
+        from transformers.utils import PROCESSOR_NAME
+
         self.tokenizer.save_pretrained(folder)
         self.image_processor.save_pretrained(folder)
+        if self.settings:
+            (Path(folder) / PROCESSOR_NAME).write_text(json.dumps(self.settings, indent=2, sort_keys=True) + "\n")
 
 
-def save_vlm(model: torch.nn.Module, folder, image_processor, tokenizer) -> None:
+def save_vlm(model: torch.nn.Module, folder, image_processor, tokenizer, settings: dict | None = None) -> None:
     """Write a trained VLM where transformers loads it back: the weights (LoRA merged into them;
     transformers doesn't save the attention choice, so raypack's never leaks into the folder) and
-    the processor's parts: tokenizer, chat template and image processor. AutoModelForImageTextToText,
-    AutoTokenizer and AutoImageProcessor load the folder (AutoProcessor too, for Qwen's processors,
-    only where torchvision is installed: docs/guides/vision.md)."""
+    the processor's parts: tokenizer, chat template, image processor and the processor's settings
+    (`ProcessorParts`). AutoModelForImageTextToText, AutoTokenizer and AutoImageProcessor load the
+    folder (AutoProcessor too, for Qwen's processors only where torchvision is installed:
+    docs/guides/vision.md)."""
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
     model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    image_processor.save_pretrained(folder)
+    ProcessorParts(tokenizer, image_processor, settings).save_pretrained(folder)

@@ -35,6 +35,7 @@ from transformers import (
     StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer,
 )
 
+from raypack.data.image_layouts import processor_settings
 from raypack.data.images import ImageTokenizer, decode_image, read_image_bytes
 from raypack.errors import InputError
 from raypack.model.vision import is_vlm
@@ -137,7 +138,7 @@ class Chat:
         images, auto = None, AutoModelForCausalLM
         if is_vlm(AutoConfig.from_pretrained(folder)):
             try:
-                images = ImageTokenizer(AutoImageProcessor.from_pretrained(folder), tokenizer)
+                images = ImageTokenizer(AutoImageProcessor.from_pretrained(folder), tokenizer, processor_settings(folder))
             except (OSError, ValueError) as e:
                 raise ChatError(f"{folder}: a vision-language model without an image processor it can load "
                                 f"({_first_line(e)}); {AGAIN}") from e

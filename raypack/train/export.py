@@ -40,6 +40,7 @@ import torch
 from raypack import runs, storage
 from raypack.config import Config
 from raypack.data.encode import load_image_processor, load_tokenizer
+from raypack.data.image_layouts import processor_settings
 from raypack.errors import ConfigError, InputError
 from raypack.model.adapters import apply_adapters, expected_digests, save_adapted
 from raypack.model.build import load_model, meta_model, model_config, resolve_dtype
@@ -174,7 +175,8 @@ def export(
         tokenizer = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template)
         if trains_as_vlm(model_config(cfg.model.name, cfg.model.trust_remote_code, vocab_size=len(tokenizer))):
             # the image processor beside the tokenizer, as the run's final model/ has it
-            tokenizer = ProcessorParts(tokenizer, load_image_processor(cfg.tokenize.tokenizer))
+            tokenizer = ProcessorParts(tokenizer, load_image_processor(cfg.tokenize.tokenizer),
+                                       processor_settings(cfg.tokenize.tokenizer))
         with local_checkpoint(root, chosen.name) as folder:
             saved = read_saved(folder, adapters=peft.enabled)
         if saved.state.step != chosen.step:

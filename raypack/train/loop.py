@@ -47,6 +47,7 @@ from transformers.integrations import HfDeepSpeedConfig
 
 from raypack.config import Config
 from raypack.data.encode import load_image_processor, load_tokenizer
+from raypack.data.image_layouts import processor_settings
 from raypack.data.shards import Prepared, iter_epoch_packs, iter_rank_packs, rank_images
 from raypack.model.adapters import apply_adapters, frozen_digest, quantization_config, trainable_summary
 from raypack.model.build import load_model
@@ -354,7 +355,8 @@ def setup_worker(config: dict) -> Worker:
               flush=True)
     tokenizer = load_tokenizer(cfg.tokenize.tokenizer, cfg.tokenize.chat_template) if rank == 0 else None
     if tokenizer is not None and trains_as_vlm(engine.module.config):  # the final model/ gets its image processor too
-        tokenizer = ProcessorParts(tokenizer, load_image_processor(cfg.tokenize.tokenizer))
+        tokenizer = ProcessorParts(tokenizer, load_image_processor(cfg.tokenize.tokenizer),
+                                   processor_settings(cfg.tokenize.tokenizer))
     group = make_groups(t.sequence_parallel)
     if router is not None and rank == 0:
         print(f"[raypack] router load-balancing loss: {router.describe()}", flush=True)

@@ -156,6 +156,7 @@ def check_model_and_tokenizer(cfg: Config, tok) -> tuple[int, bool, Any]:
     check_adapters(cfg, config)
     check_freeze(cfg, config)
     check_router_setting(cfg.train, config, m.name)
+    check_vlm_processor(cfg, config, tok)
     vocab = model_vocab_size(config)
     if len(tok) > vocab:
         raise TokenizeError(
@@ -164,6 +165,25 @@ def check_model_and_tokenizer(cfg: Config, tok) -> tuple[int, bool, Any]:
         )
     vlm = trains_as_vlm(config)
     return vocab, vlm, tower_cost(config, m.trust_remote_code) if vlm else None
+
+
+def check_vlm_processor(cfg: Config, config, tok) -> None:
+    """A VLM's processor folder (tokenize.tokenizer) gives images its model takes: grids, whole
+    pictures or tiles, and its image token; refused here rather than on the workers. A folder without an
+    image processor, or with one raypack has no data path for, passes: text rows train, and image
+    rows are refused when they are tokenized, naming the trait."""
+    from raypack.data.encode import load_image_tokenizer
+    from raypack.errors import InputError
+    from raypack.model.vision import trains_as_vlm, vlm_model_class
+    from raypack.train.vision_rows import check_processor_fits
+
+    if not trains_as_vlm(config):
+        return
+    try:
+        images = load_image_tokenizer(cfg.tokenize.tokenizer, tok)
+    except InputError:
+        return
+    check_processor_fits(vlm_model_class(config), config, images.layout.inputs, images.pad_id, cfg.tokenize.tokenizer)
 
 
 def check_packed_model(cfg: Config, config=None) -> None:

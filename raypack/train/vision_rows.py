@@ -7,17 +7,38 @@ is the collate `prefetch.prepare_step` runs for a VLM (raypack/train/loop.py: `v
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from transformers import PretrainedConfig
 
 from raypack.data.collate import example_starts
-from raypack.data.encode import load_image_processor, load_tokenizer
+from raypack.data.encode import load_image_tokenizer, load_tokenizer
 from raypack.data.formats import row_labels
-from raypack.data.images import ImageTokenizer
+from raypack.data.image_layouts import MODEL_INPUTS
 from raypack.data.vision_collate import collate_vision_packed, collate_vision_padded
+from raypack.errors import InputError
 from raypack.model.vision import example_positions, image_token_id
+
+
+def check_processor_fits(model_class: type, config: PretrainedConfig, inputs: tuple[str, ...], image_token: int,
+                         processor: str) -> None:
+    """Refuse a processor whose images `model_class` can't take: the processor's layout gives
+    `inputs` beside pixel_values (raypack/data/image_layouts.py), which the model's forward must
+    take, and it must take no other of them (grids for LLaVA, whole pictures for Qwen, ...); and
+    its image token must be the model's."""
+    params = inspect.signature(model_class.forward).parameters
+    takes = tuple(k for k in MODEL_INPUTS if k != "pixel_values" and k in params)
+    if takes != tuple(inputs):
+        gives = f"gives {', '.join(inputs)} beside pixel_values" if inputs else "gives pixel_values alone"
+        raise InputError(f"tokenize.tokenizer {processor!r}: its image processor {gives}, but {model_class.__name__} "
+                         f"takes {', '.join(takes) or 'neither image_grid_thw nor pixel_attention_mask'}: name the "
+                         "model's own processor folder")
+    if image_token != image_token_id(config):
+        raise InputError(f"tokenize.tokenizer {processor!r} renders images as token {image_token}, but the model's "
+                         f"image token is {image_token_id(config)}: name the model's own processor folder")
 
 
 class VisionRows:
@@ -25,7 +46,8 @@ class VisionRows:
     each example's images looked up by id (`shards.rank_images`) and processed again from their
     encoded bytes, its positions the model's own for it alone (`vision.example_positions`):
 
-        packed   collate_vision_packed: one [1, T] row, 4-row mRoPE positions, cu_seq_lens
+        packed   collate_vision_packed: one [1, T] row, positions per example (4-row for mRoPE
+                 models, the text position for the others: LLaVA, Idefics3), cu_seq_lens
         padded   one example a row, right-padded, with an attention_mask and no position_ids:
                  the model builds its own positions (get_rope_index) as for any padded batch
 
@@ -34,7 +56,9 @@ class VisionRows:
 
     def __init__(self, model, images: Mapping[int, tuple[list[bytes], list[int]]], processor: str):
         self.model, self.images = model, images
-        self.tokenize = ImageTokenizer(load_image_processor(processor), load_tokenizer(processor))
+        self.tokenize = load_image_tokenizer(processor, load_tokenizer(processor))
+        base = getattr(model, "get_base_model", lambda: model)()  # through a peft wrapper
+        check_processor_fits(type(base), model.config, self.tokenize.layout.inputs, self.tokenize.pad_id, processor)
 
     def examples(self, rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         out = []
@@ -47,11 +71,11 @@ class VisionRows:
             for eid, lo, hi in zip(names, bounds[:-1], bounds[1:]):
                 blobs, grid = self.images.get(eid, ([], []))
                 pixels = self.tokenize.example_pixels(
-                    {"images": blobs, "image_grid_thw": torch.tensor(grid).reshape(-1, 3).tolist()}, f"example {eid}")
-                grid_t = torch.as_tensor(pixels["image_grid_thw"]) if pixels else None
-                out.append({"input_ids": ids[lo:hi], "labels": labels[lo:hi], "image_grid_thw": grid_t,
-                            "pixel_values": torch.as_tensor(pixels["pixel_values"]) if pixels else None,
-                            "position_ids": example_positions(self.model, ids[lo:hi], grid_t)})  # fmt: skip
+                    {"images": blobs, "image_grid_thw": torch.tensor(grid).reshape(-1, 3).tolist(),
+                     "input_ids": ids[lo:hi].numpy()}, f"example {eid}")  # fmt: skip
+                inputs = {k: torch.as_tensor(pixels.get(k)) if k in pixels else None for k in MODEL_INPUTS}
+                out.append({"input_ids": ids[lo:hi], "labels": labels[lo:hi], **inputs,
+                            "position_ids": example_positions(self.model, ids[lo:hi], inputs["image_grid_thw"])})  # fmt: skip
         return out
 
     def __call__(self, rows: Sequence[Mapping[str, Any]], padded: bool = False, pad_token_id: int = 0) -> dict[str, Any]:

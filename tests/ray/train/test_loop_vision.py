@@ -16,50 +16,11 @@ from __future__ import annotations
 
 import pickle
 
-import numpy as np
 import pytest
 import torch
 
-from paths import REPO
-
-from raypack.config import load
-
 pytestmark = pytest.mark.ray
-CONFIG = REPO / "jobs" / "configs" / "vlm_quickstart.yaml"
 STEPS = 3
-
-
-def _prepared_rows() -> tuple[dict[int, list[dict]], dict[int, tuple[list[bytes], list[int]]], str]:
-    """(rows of each rank in step order, images by example id, tokenizer folder) for the config."""
-    from raypack.data.encode import Encoder, kept_rows
-    from raypack.data.listing import Sources, read_units
-    from raypack.data.pack import Router, assemble_rows, plan_routing
-    from raypack.data.sources import read_unit
-    from raypack.data.strategies import make_plan
-    from raypack.data.tower import grid_work
-    from raypack.model.build import model_config
-    from raypack.runs import absolute_paths
-    from raypack.train.memory import tower_cost
-
-    cfg = absolute_paths(load(str(CONFIG)))
-    t = cfg.tokenize
-    units = read_units(Sources.of(cfg.data.paths).files)
-    table = read_unit({k: [v] for k, v in units[0].items()}, "auto").drop_columns(["error", "fatal"])
-    table = kept_rows(Encoder(t.tokenizer, t.chat_template, t.label_mask, t.overlength, cfg.max_length)
-                      .encode_table(table)).sort_by("example_id")  # fmt: skip
-    ids, lengths = table["example_id"].to_numpy(), table["length"].to_numpy()
-    # planned as a run plans it: each example's vision-tower work weighed by the model's tower (data/tower.py)
-    cost = tower_cost(model_config(cfg.model.name))
-    plan = make_plan(lengths, cfg.pack, 2, 1, extra=cost.extra(grid_work(table["image_grid_thw"])))
-    assert plan.num_steps >= STEPS and np.bincount(plan.pack).max() > 1, "no pack holds two examples"
-    pieces = Router(plan_routing(plan, ids))(table)
-    rows = {}
-    for rank in range(2):
-        mine = assemble_rows(pieces.filter(pieces["rank"].to_numpy() == rank), plan.reset_positions).to_pylist()
-        assert [r["step"] for r in mine] == list(range(plan.num_steps))
-        rows[rank] = mine[:STEPS]
-    images = {e: (b, g) for e, b, g in zip(*(table[c].to_pylist() for c in ("example_id", "images", "image_grid_thw")))}
-    return rows, images, t.tokenizer
 
 
 def _train_config():
@@ -111,6 +72,7 @@ def loop(config):
 
 def test_packed_vlm_steps_equal_pad_one_example_a_micro_batch_on_two_ranks(ray_local, tmp_path):
     from tests.ray.train.test_loop import fit_on_gloo
+    from tests.unit.train.test_vision_rows import prepared_rows
 
     from raypack.data.vision_collate import collate_vision_padded
     from raypack.model.build import load_model
@@ -118,7 +80,7 @@ def test_packed_vlm_steps_equal_pad_one_example_a_micro_batch_on_two_ranks(ray_l
     from raypack.train.loss import token_loss_sum
     from raypack.train.vision_rows import VisionRows
 
-    rows, images, processor = _prepared_rows()
+    rows, images, processor = prepared_rows(steps=STEPS)  # the rows of tests/unit/train/test_vision_rows.py
     data = tmp_path / "rows.pkl"
     data.write_bytes(pickle.dumps((rows, images, processor)))
     out = tmp_path / "rank0.pt"

@@ -1,6 +1,9 @@
-"""raypack/data/images.py: both image layouts read, bad images named by file and line, and the
-tokens, labels and pixels the same as the model's own processor gives (Qwen2VLProcessor over the
-bundled processor assets)."""
+"""raypack/data/images.py (and the processor layouts of raypack/data/image_layouts.py): both image
+layouts read, bad images named by file and line, and the tokens, labels and pixels the same as
+the model's own processor gives: Qwen2VLProcessor over the bundled Qwen processor, LlavaProcessor
+over the bundled LLaVA one (CLIP pictures) and over a SigLIP one, Idefics3Processor over the
+bundled Idefics3 one (tiles); processors without an exact data path (LLaVA-NeXT's and Pixtral's
+image sizes, tiles without their image_seq_len) refused naming the trait."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import pytest
 from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
 
 from raypack.config import ASSETS
+from raypack.errors import InputError
 from raypack.data.images import ImageError, ImageTokenizer, decode_image, image_messages, read_image_bytes
 
 PROCESSOR = ASSETS / "vlm_processor"
@@ -98,14 +102,74 @@ def test_bad_images_name_the_file_and_line(parts, tmp_path):
         tokenize({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "data.jsonl:7")
 
 
-def test_an_image_processor_without_grids_is_refused(parts):
+@pytest.mark.parametrize("processor, trait", [  # tiles without image_seq_len (processor_config.json) too
+    ("Idefics3ImageProcessorPil", r"gives pixel_attention_mask and splits images \(do_image_splitting\)"),
+    ("SmolVLMImageProcessorPil", r"gives pixel_attention_mask and splits images \(do_image_splitting\)"),
+    ("LlavaNextImageProcessorPil", r"gives image_sizes and splits images \(image_grid_pinpoints\)"),
+    ("PixtralImageProcessorPil", r"gives image_sizes: raypack's image data path takes grid processors")])
+def test_processors_without_an_exact_data_path_are_refused_naming_the_trait(parts, processor, trait):
+    import transformers
+
     _, tokenizer, _ = parts
+    with pytest.raises(InputError, match=f"{processor} {trait}"):
+        ImageTokenizer(getattr(transformers, processor)(), tokenizer, {"patch_size": 4})
 
-    class Pictures:  # a CLIP-style processor: whole pictures, no merge_size
-        pass
 
-    with pytest.raises(Exception, match=r"grid image processors \(Qwen2/2.5/3-VL"):
-        ImageTokenizer(Pictures(), tokenizer)
+def test_a_picture_processor_needs_the_processors_patch_size(parts):
+    from transformers import CLIPImageProcessorPil
+
+    _, tokenizer, _ = parts
+    with pytest.raises(InputError, match=r"CLIPImageProcessorPil gives whole pictures, but .*processor_config.json has "
+                                         r"no patch_size"):
+        ImageTokenizer(CLIPImageProcessorPil(), tokenizer, {})
+    with pytest.raises(InputError, match=r"CLIPImageProcessorPil gives pictures of each image's own size"):
+        ImageTokenizer(CLIPImageProcessorPil(do_center_crop=False), tokenizer, {"patch_size": 4})
+
+
+def _siglip_folder(folder):
+    """A LLaVA processor with a SigLIP image processor (no CLS: every patch a token, `full`)."""
+    from transformers import AutoTokenizer, LlavaProcessor, SiglipImageProcessorPil
+
+    processor = LlavaProcessor(image_processor=SiglipImageProcessorPil(size={"height": 12, "width": 12}),
+                               tokenizer=AutoTokenizer.from_pretrained(PROCESSOR), patch_size=4,
+                               image_token="<|image_pad|>", vision_feature_select_strategy="full")  # fmt: skip
+    processor.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("tower", ["clip", "siglip"])
+def test_llava_tokens_labels_and_pixels_match_llava_processor(tower, tmp_path):
+    from transformers import AutoProcessor
+
+    from raypack.data.encode import load_image_tokenizer, load_tokenizer
+
+    folder = str(ASSETS / "llava_processor" if tower == "clip" else _siglip_folder(tmp_path / "siglip"))
+    reference = AutoProcessor.from_pretrained(folder)  # LlavaProcessor builds without torchvision
+    assert type(reference).__name__ == "LlavaProcessor"
+    tokenizer = load_tokenizer(folder)
+    tokenize = load_image_tokenizer(folder, tokenizer)
+    per_image = {"clip": 16, "siglip": 9}[tower]  # (16/4)² + CLS - CLS dropped; (12/4)², all kept
+    for i, rec in enumerate(_records("vision_pairs.jsonl")[:6]):
+        ours = tokenize(rec, f"vision_pairs.jsonl:{i + 1}", base_dir=SAMPLE)
+        messages, sources = image_messages(rec, "")
+        pictures = iter(decode_image(read_image_bytes(s, SAMPLE, ""), s, "") for s in sources)
+        for m in messages:
+            for part in m["content"]:
+                if part["type"] == "image":
+                    part["image"] = next(pictures)
+        ref = reference.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True, return_tensors="np")  # fmt: skip
+        ids = ref["input_ids"][0]
+        eos = tokenizer.eos_token_id
+        assert ours["input_ids"] == [*ids.tolist(), eos]
+        assert ours["labels"] == [*np.where(ref["assistant_masks"][0] == 1, ids, -100).tolist(), eos]
+        assert ours["image_tokens"] == (ids == reference.image_token_id).sum() == per_image * len(sources)
+        assert ours["image_grid_thw"] == [] and ours["vision_patches"] == len(sources) * (per_image if tower == "siglip" else 16)
+        pixels = tokenize.example_pixels(ours)
+        assert set(pixels) == {"pixel_values"} and np.array_equal(pixels["pixel_values"], ref["pixel_values"])
+    with pytest.raises(ValueError, match=r"16 image tokens in the text but the image processor makes 9"):
+        load_image_tokenizer(str(_siglip_folder(tmp_path / "other")), tokenizer).example_pixels(
+            {**tokenize(_records("vision_pairs.jsonl")[0], "x", base_dir=SAMPLE), "input_ids": [769] * 16})
 
 
 def test_the_source_stage_reads_both_layouts_into_the_same_vision_rows():
@@ -128,3 +192,60 @@ def test_the_source_stage_reads_both_layouts_into_the_same_vision_rows():
         assert json.loads(row["vision_messages"])[0]["content"][0] == {"type": "image"}
     text = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     assert sources.validate(text, "chat")["messages"][0]["content"] == "hi"
+
+
+def test_idefics3_tokens_labels_and_pixels_match_idefics3_processor():
+    """Tiles: each image's text is the processor's prompt string (fake tokens, <row_i_col_j>,
+    image_seq_len image tokens a tile, the whole picture last), spliced in as tokens."""
+    from transformers import AutoProcessor
+
+    from raypack.data.encode import load_image_tokenizer, load_tokenizer
+
+    folder = str(ASSETS / "idefics3_processor")
+    reference = AutoProcessor.from_pretrained(folder)  # Idefics3Processor builds without torchvision
+    assert type(reference).__name__ == "Idefics3Processor"
+    tokenizer = load_tokenizer(folder)
+    tokenize = load_image_tokenizer(folder, tokenizer)
+    tiles = set()
+    for i, rec in enumerate(_records("vision_pairs.jsonl")[:8]):
+        ours = tokenize(rec, f"vision_pairs.jsonl:{i + 1}", base_dir=SAMPLE)
+        messages, sources = image_messages(rec, "")
+        pictures = iter(decode_image(read_image_bytes(s, SAMPLE, ""), s, "") for s in sources)
+        for m in messages:
+            for part in m["content"]:
+                if part["type"] == "image":
+                    part["image"] = next(pictures)
+        ref = reference.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True, return_tensors="np")  # fmt: skip
+        ids = ref["input_ids"][0]
+        assert ours["input_ids"] == [*ids.tolist(), tokenizer.eos_token_id]
+        assert ours["labels"][:-1] == np.where(ref["assistant_masks"][0] == 1, ids, -100).tolist()
+        assert ours["image_tokens"] == (ids == reference.image_token_id).sum() > 0
+        pixels = tokenize.example_pixels(ours)
+        assert np.array_equal(pixels["pixel_values"], ref["pixel_values"])
+        assert np.array_equal(pixels["pixel_attention_mask"], ref["pixel_attention_mask"])
+        tiles.add(pixels["pixel_values"].shape[1])
+    assert len(tiles) > 1, f"every picture split alike: {tiles}"
+
+
+def test_smolvlm_tokens_and_pixels_match_smolvlm_processor(monkeypatch):
+    """SmolVLM's tiles take the same path (its image processor, its processor's prompt function)."""
+    import transformers.models.smolvlm.processing_smolvlm as smolvlm
+    from transformers import SmolVLMImageProcessorPil, SmolVLMProcessor
+
+    # SmolVLMProcessor wants num2words (not installed; for video prompts only) and a video
+    # processor (torchvision); neither touches images, so both checks are skipped, nothing else.
+    monkeypatch.setattr(smolvlm, "num2words", object())
+    monkeypatch.setattr(SmolVLMProcessor, "check_argument_for_proper_class", lambda *args: None)
+    tokenizer = AutoTokenizer.from_pretrained(ASSETS / "idefics3_processor")
+    tiles = SmolVLMImageProcessorPil(size={"longest_edge": 32}, max_image_size={"longest_edge": 16})
+    reference = SmolVLMProcessor(image_processor=tiles, tokenizer=tokenizer, video_processor=None, image_seq_len=4)
+    tokenize = ImageTokenizer(tiles, tokenizer, {"image_seq_len": 4})
+    for i, rec in enumerate(_records("vision_pairs.jsonl")[:6]):
+        ours = tokenize(rec, f"vision_pairs.jsonl:{i + 1}", base_dir=SAMPLE)
+        messages, sources = image_messages(rec, "")
+        pictures = [decode_image(read_image_bytes(s, SAMPLE, ""), s, "") for s in sources]
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        ref = reference(text=text, images=[pictures], add_special_tokens=False, return_tensors="np")
+        assert ours["input_ids"] == [*ref["input_ids"][0].tolist(), tokenizer.eos_token_id]
+        assert np.array_equal(tokenize.example_pixels(ours)["pixel_values"], ref["pixel_values"])

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import transformers
+from paths import REPO
 from transformers import AutoTokenizer, BloomConfig
 
 from raypack.config import ASSETS, Config, ModelConfig, PackConfig, TrainConfig, load
@@ -174,3 +175,20 @@ def test_router_loss_settings_are_checked_before_ray(tmp_path):
         preflight(load(None, moe_sp))
     assert preflight(load(None, [*moe_sp, "train.router_aux_loss_coef=0"])).vocab_size == 768
     assert preflight(load(None, base)).vocab_size == 768  # auto on a dense model
+
+
+def test_a_vlm_processor_that_does_not_fit_the_model_is_refused_before_ray(tmp_path):
+    """Grids for LLaVA, whole pictures for Qwen2.5-VL: refused naming the folder; each with its own
+    bundled processor passes."""
+    from raypack.errors import InputError
+
+    vlm = str(REPO / "jobs" / "configs" / "vlm_quickstart.yaml")
+    llava, qwen = f"tokenize.tokenizer={ASSETS / 'llava_processor'}", f"tokenize.tokenizer={ASSETS / 'vlm_processor'}"
+    runs = f"run.storage_path={tmp_path}"
+    with pytest.raises(InputError, match=r"vlm_processor': its image processor gives image_grid_thw beside "
+                                         r"pixel_values, but LlavaForConditionalGeneration takes neither"):
+        preflight(load(vlm, ["model.name=tiny-llava", qwen, runs]))
+    with pytest.raises(InputError, match=r"llava_processor': its image processor gives pixel_values alone, but "
+                                         r"Qwen2_5_VLForConditionalGeneration takes image_grid_thw"):
+        preflight(load(vlm, [llava, runs]))
+    assert preflight(load(vlm, ["model.name=tiny-llava", llava, runs])).vision_model
