@@ -87,7 +87,7 @@ def tokenize_pairs(tok, rows: dict[str, list[Any]]) -> list[Pair]:
         c = chat([q + rows["chosen_messages"][i] for q, i in zip(prompts, conv)])
         r = chat([q + rows["rejected_messages"][i] for q, i in zip(prompts, conv)])
         for k, i in enumerate(conv):
-            out[i] = _pair(p[k], c[k], r[k])
+            out[i] = pair_from(p[k], c[k], r[k])
     if text:
         eos = tok.eos_token
         ends = [(rows["prompt"][i], *(_with_eos(rows[key][i], eos) for key in ("chosen", "rejected"))) for i in text]
@@ -95,7 +95,7 @@ def tokenize_pairs(tok, rows: dict[str, list[Any]]) -> list[Pair]:
         c = tok([e[0] + e[1] for e in ends])["input_ids"]
         r = tok([e[0] + e[2] for e in ends])["input_ids"]
         for k, i in enumerate(text):
-            out[i] = _pair(p[k], c[k], r[k])
+            out[i] = pair_from(p[k], c[k], r[k])
     return out
 
 
@@ -103,7 +103,8 @@ def _with_eos(text: str, eos: str) -> str:
     return text if text.endswith(eos) else text + eos
 
 
-def _pair(prompt: list[int], chosen: list[int], rejected: list[int]) -> Pair:
+def pair_from(prompt: list[int], chosen: list[int], rejected: list[int]) -> Pair:
+    """A Pair of the tokenized prompt, prompt + chosen and prompt + rejected (TRL's prompt length)."""
     return Pair(list(chosen), list(rejected),
                 min(common_prefix_length(prompt, chosen), common_prefix_length(prompt, rejected)))
 

@@ -161,7 +161,9 @@ def check_images_trainable(cfg: Config, stats: dict[str, Any], vision_model: boo
     images it wouldn't carry), sequence parallelism (its shards carry no images)."""
     from raypack.data.strategies import STRATEGIES
 
-    where = f"data.paths: {stats['images']} images in {stats.get('formats', {}).get('vision', 0)} vision rows"
+    formats = stats.get("formats", {})
+    rows = formats.get("vision", 0) + formats.get("vision_preference", 0)
+    where = f"data.paths: {stats['images']} images in {rows} {'vision' if formats.get('vision') else 'preference'} rows"
     if not vision_model:
         raise InputError(f"{where}, but model.name {cfg.model.name!r} trains as a text-only model (no vision tower, "
                          "or a checkpoint transformers loads as its causal LM, as Qwen3.5's and Gemma 3's): it would "

@@ -300,15 +300,17 @@ def tokenize_here(cfg: Config, sources: Sources, out_dir: str, vocab_size: int |
 
 def check_encodable(cfg: Config, tok, formats: dict[str, int]) -> None:
     """What the encoder would fail on for rows of `formats`, as a config-level error: chat rows
-    without a chat template; vision rows with a label mask, or an image processor, raypack has
-    no data path for."""
+    without a chat template; vision rows (chats and preference pairs with images) with a label
+    mask, or an image processor, raypack has no data path for."""
     t = cfg.tokenize
-    if formats.get("chat") or formats.get("vision"):
+    images = formats.get("vision", 0) + formats.get("vision_preference", 0)
+    if formats.get("chat") or images:
         check_chat_template(tok, t.tokenizer)
-    if formats.get("vision"):
+    if images:
         from raypack.data.images import ImageTokenizer
 
-        check_vision_label_mask(t.label_mask)
+        if formats.get("vision"):  # pairs train on their completions (train.objective: dpo checks the mask)
+            check_vision_label_mask(t.label_mask)
         ImageTokenizer(load_image_processor(t.tokenizer), tok)
 
 

@@ -16,11 +16,11 @@ import json
 
 import pytest
 import torch
-from dpo_check import (SAMPLE, encoded_pairs, grad_errors, packed_pair_rows, pairs_alone_loss, perturb,
+from dpo_check import (SAMPLE, alone_reference, encoded_pairs, grad_errors, packed_pair_rows, pairs_alone_loss, perturb,
                        sample_records, trl_step)
 from families import FAMILIES
 
-from raypack.config import DpoConfig
+from raypack.config import ASSETS, DpoConfig
 from raypack.model.build import load_model
 from raypack.train.dpo import METRICS, DPOLoss
 from raypack.train.dpo_reference import rows_logps
@@ -56,15 +56,19 @@ class OneRankEngine:
 
 
 def raypack_step(model, rows: list[dict], dpo: DpoConfig, kind: str = "chunked", after_reference=None,
-                 padded: bool = False):
+                 padded: bool = False, collate=None, logps: dict | None = None):
     """raypack's packed step, as the training loop runs it (DPOLoss.train_step, its values read
     through stepvalues.Pending): the reference pass over `rows`, then each row a micro-batch;
-    returns (loss, metrics) with the gradients in `model`."""
-    loss = DPOLoss(make_loss(model, kind, chunk_tokens=7, padded=padded), dpo, gather=None)
+    returns (loss, metrics) with the gradients in `model`. `collate`: a VLM's VisionRows;
+    `logps`, when given, receives the reference pass's sums ("reference") and the moved policy's
+    ("policy"), by example id."""
+    loss = DPOLoss(make_loss(model, kind, chunk_tokens=7, padded=padded), dpo, gather=None, collate=collate)
     reference = rows_logps(loss, model, rows, padded, 2, "cpu")
     if after_reference is not None:
         after_reference(model)
-    loss = DPOLoss(loss.base, dpo, gather=None, reference=reference)
+    if logps is not None:
+        logps["reference"], logps["policy"] = reference, rows_logps(loss, model, rows, padded, 2, "cpu")
+    loss = DPOLoss(loss.base, dpo, gather=None, reference=reference, collate=collate)
     step = loss.prepare_step(rows, padded=padded, pad_token_id=2)
     values = loss.train_step(OneRankEngine(model, len(step.batches)), step, HostCounts(1), 1).resolve()
     assert values["pairs"] == step.pairs and values["skipped_steps"] == 0.0
@@ -289,3 +293,81 @@ def errors_between(a, b) -> float:
     assert a.keys() == b.keys()
     floor = 1e-3 * max(g.abs().max().item() for g in b.values())
     return max((a[n] - b[n]).abs().max().item() / max(b[n].abs().max().item(), floor) for n in a)
+
+
+VLM_SAMPLE = ASSETS / "vision_sample" / "preference.jsonl"
+VLM_PROCESSOR = str(ASSETS / "vlm_processor")
+
+
+def _pictures(path) -> dict[int, dict]:
+    """{row: the model's image inputs for that preference row}, from the picture files through the
+    image processor (not raypack's stored bytes or its re-processing)."""
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    processor = AutoImageProcessor.from_pretrained(VLM_PROCESSOR)
+    out = {}
+    for row, line in enumerate(path.read_text().splitlines()):
+        rec = json.loads(line)
+        names = rec.get("images") or [p["image"] for p in rec["prompt"][0]["content"] if p["type"] == "image"]
+        pix = processor(images=[Image.open(path.parent / n).convert("RGB") for n in names], return_tensors="pt")
+        out[row] = {"pixel_values": pix["pixel_values"], "image_grid_thw": pix["image_grid_thw"]}
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "pad"])
+def test_vlm_packed_dpo_equals_each_pair_alone(strategy):
+    """DPO with image prompts (raypack/data/vision_pairs.py) on the tiny Qwen2.5-VL: raypack's step
+    over packed rows of several image pairs (VisionRows: each sequence's copy of its pair's pixels,
+    4-row mRoPE positions from the model's own get_rope_index per sequence), or `pad`'s batches,
+    against every sequence run alone through transformers' own Qwen2.5-VL forward (eager attention,
+    pixel_values and image_grid_thw, the positions it builds itself), the loss written from its
+    formula: the loss, each sequence's log-probability (reference and moved policy), the
+    log-prob metrics and every gradient (vision tower and projector included), 1e-5 relative."""
+    from raypack.data.sources import locate
+    from raypack.train.vision_rows import VisionRows
+    from raypack.model.vision import token_types
+
+    padded = strategy == "pad"
+    torch.manual_seed(0)
+    model = load_model("tiny-qwen2_5_vl", attention="sdpa" if padded else "sdpa_varlen", dtype="float32").train()
+    alone, start = (load_model("tiny-qwen2_5_vl", attention="eager", dtype="float32").train() for _ in range(2))
+    alone.load_state_dict(model.state_dict())
+    start.load_state_dict(model.state_dict())  # the reference: the weights before the step
+    table = encoded_pairs(VLM_SAMPLE, PAIRS, tokenizer=VLM_PROCESSOR)
+    rows = packed_pair_rows(VLM_SAMPLE, PAIRS, budget=256, strategy=strategy, tokenizer=VLM_PROCESSOR)[0]
+    if not padded:
+        assert all(len(r["example_ids"]) >= 4 for r in rows)  # several image pairs a row
+    images = {e: (b, g) for e, b, g in zip(*(table[c].to_pylist() for c in ("example_id", "images", "image_grid_thw")))
+              if b is not None}  # fmt: skip
+    assert len(images) == PAIRS  # stored once a pair, on its chosen row
+    pictures = _pictures(VLM_SAMPLE)
+
+    def inputs(row: dict) -> dict:
+        pix = pictures[locate(row["example_id"])[1]]
+        ids = torch.tensor([row["input_ids"]])
+        return {**pix, "mm_token_type_ids": token_types(alone.config, ids)}
+
+    dpo = DpoConfig(beta=0.5, sft_weight=0.3)
+    move = lambda m: perturb([m], scale=0.01)  # noqa: E731
+    logps: dict = {}
+    loss, metrics = raypack_step(model, rows, dpo, after_reference=move, padded=padded,
+                                 collate=VisionRows(model, images, VLM_PROCESSOR), logps=logps)
+    reference = alone_reference(start, table, inputs)
+    move(alone)
+    policy = alone_reference(alone, table, inputs)
+    for name, want in (("reference", reference), ("policy", policy)):
+        assert logps[name].keys() == want.keys()
+        for eid, value in want.items():
+            assert logps[name][eid] == pytest.approx(value, rel=TOLERANCE), f"{name} log p of example {eid}"
+    sums = list(policy.values())
+    assert metrics["logps/chosen"] == pytest.approx(sum(sums[0::2]) / PAIRS, rel=TOLERANCE)
+    assert metrics["logps/rejected"] == pytest.approx(sum(sums[1::2]) / PAIRS, rel=TOLERANCE)
+    expected = pairs_alone_loss(alone, reference, table, dpo, inputs)
+    expected.backward()
+    assert loss == pytest.approx(expected.item(), rel=TOLERANCE)
+    errors = grad_errors(model, {n: p.grad for n, p in alone.named_parameters() if p.grad is not None})
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < TOLERANCE, f"{worst} off by {errors[worst]:.2e}"
+    towers = {part for n in errors for part in ("visual.blocks", "visual.merger") if n.startswith(f"model.{part}")}
+    assert towers == {"visual.blocks", "visual.merger"}, "no vision-tower or projector gradient was compared"
