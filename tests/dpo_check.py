@@ -39,10 +39,11 @@ def encoded_pairs(path, n: int | None = None, max_length: int = 4096, tokenizer:
 
 
 def packed_pair_rows(path, n: int | None = None, budget: int = 400, strategy: str = "bfd", ranks: int = 1,
-                     max_length: int = 4096, tokenizer: str = TOKENIZER):
+                     max_length: int = 4096, tokenizer: str = TOKENIZER, table=None):
     """Packed rows of whole pairs, as the pack stage writes them (plan, route, assemble), per rank;
-    pairs over `max_length` truncated (tokenize.overlength: truncate; image pairs are dropped)."""
-    table = encoded_pairs(path, n, max_length, tokenizer)
+    pairs over `max_length` truncated (tokenize.overlength: truncate; image pairs are dropped).
+    `table`: the file's `encoded_pairs` already made with these arguments."""
+    table = encoded_pairs(path, n, max_length, tokenizer) if table is None else table
     plan = make_plan(table["length"].to_numpy(), PackConfig(strategy=strategy, budget=budget), ranks, pairs=True)
     rows = assemble_rows(Router(plan_routing(plan, table["example_id"].to_numpy()))(table), plan.reset_positions)
     rows = rows.to_pylist()

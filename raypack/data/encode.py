@@ -244,8 +244,8 @@ class Encoder:
                                              sub["example_id"].to_pylist())
             elif fmt == PAIR_KIND:  # its labels: the completions, as any pair's (train.objective: dpo)
                 check_chat_template(self.tok, self.name)
-                encoded = encode_pairs(self.image_tokenizer(), sub["vision_messages"].to_pylist(), sub["images"].to_pylist(),
-                                       sub["example_id"].to_pylist())
+                encoded = encode_pairs(self.image_tokenizer(), sub["vision_messages"].to_pylist(),
+                                       sub["images"].to_pylist(), sub["example_id"].to_pylist())
             elif fmt == "preference":
                 columns = sub.select(["prompt", "chosen", "rejected", "prompt_messages", "chosen_messages",
                                       "rejected_messages"]).to_pydict()

@@ -47,7 +47,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from raypack.data.formats import PREFERENCE_KEYS, extract_prompt
-from raypack.data.images import PLACEHOLDER, ImageError, ImageTokenizer, check_roles, decode_image, image_messages, read_images
+from raypack.data.images import (PLACEHOLDER, ImageError, ImageTokenizer, check_roles, decode_image, image_messages,
+                                 read_images)
 from raypack.data.pairs import CHOSEN, PIECE_MASK, Pair, pair_from
 
 KIND = "vision_preference"
@@ -66,7 +67,8 @@ def read_pair_record(record: dict[str, Any], base_dir: str | Path | None, where:
     if values["prompt"] is None:
         values = extract_prompt(values["chosen"], values["rejected"])
     if not values["prompt"]:
-        raise ImageError(f"{where}: the pair has no prompt (chosen and rejected share no first message) to hold its images")
+        raise ImageError(f"{where}: the pair has no prompt (chosen and rejected share no first message) to hold "
+                         "its images")
     prompt, sources = image_messages({"messages": values["prompt"], "images": record.get("images")}, where)
     answers = {}
     for key in ("chosen", "rejected"):
@@ -144,6 +146,8 @@ def encode_pair(tok: ImageTokenizer, pair: dict[str, list[dict]], blobs: Sequenc
                       int(pix["pixel_values"].shape[0]))
 
 
-def encode_pairs(tok: ImageTokenizer, messages: list[str], images: list[list[bytes]], eids: list[int]) -> list[VisionPair]:
+def encode_pairs(tok: ImageTokenizer, messages: list[str], images: list[list[bytes]],
+                 eids: list[int]) -> list[VisionPair]:
     """The source stage's `vision_preference` rows encoded (encode.Encoder)."""
-    return [encode_pair(tok, json.loads(m), list(blobs), f"example {eid}") for m, blobs, eid in zip(messages, images, eids)]
+    return [encode_pair(tok, json.loads(m), list(blobs), f"example {eid}")
+            for m, blobs, eid in zip(messages, images, eids)]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
 from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
 
 from raypack.config import ASSETS
