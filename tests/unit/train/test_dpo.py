@@ -299,52 +299,74 @@ VLM_SAMPLE = ASSETS / "vision_sample" / "preference.jsonl"
 VLM_PROCESSOR = str(ASSETS / "vlm_processor")
 
 
-def _pictures(path) -> dict[int, dict]:
-    """{row: the model's image inputs for that preference row}, from the picture files through the
-    image processor (not raypack's stored bytes or its re-processing)."""
+def _pictures(path, n: int) -> dict[int, dict]:
+    """{row: the model's image inputs for that preference row} of the first `n` rows with images,
+    from the picture files through the image processor (not raypack's stored bytes or its
+    re-processing)."""
     from PIL import Image
     from transformers import AutoImageProcessor
 
     processor = AutoImageProcessor.from_pretrained(VLM_PROCESSOR)
     out = {}
-    for row, line in enumerate(path.read_text().splitlines()):
+    for row, line in enumerate(path.read_text().splitlines()[:n]):
         rec = json.loads(line)
-        names = rec.get("images") or [p["image"] for p in rec["prompt"][0]["content"] if p["type"] == "image"]
-        pix = processor(images=[Image.open(path.parent / n).convert("RGB") for n in names], return_tensors="pt")
-        out[row] = {"pixel_values": pix["pixel_values"], "image_grid_thw": pix["image_grid_thw"]}
+        content = rec["prompt"][0]["content"]
+        names = rec.get("images") or ([p["image"] for p in content if p["type"] == "image"] if isinstance(content, list)
+                                      else [])  # fmt: skip
+        if names:
+            pix = processor(images=[Image.open(VLM_SAMPLE.parent / n).convert("RGB") for n in names], return_tensors="pt")
+            out[row] = {"pixel_values": pix["pixel_values"], "image_grid_thw": pix["image_grid_thw"]}
     return out
 
 
-@pytest.mark.parametrize("strategy", ["bfd", "pad"])
-def test_vlm_packed_dpo_equals_each_pair_alone(strategy):
+def _with_text_pairs(tmp_path):
+    """The first image pairs of the sample and, between them, two text-only pairs (string content)."""
+    lines = VLM_SAMPLE.read_text().splitlines()[:PAIRS - 2]
+    text = [json.dumps({"prompt": [{"role": "user", "content": q}], "chosen": [{"role": "assistant", "content": c}],
+                        "rejected": [{"role": "assistant", "content": r}]})
+            for q, c, r in (("Say yes.", "Yes.", "No."), ("Count to two.", "One, two.", "Two, one."))]  # fmt: skip
+    (tmp_path / "images").symlink_to(VLM_SAMPLE.parent / "images")  # the sample's relative image paths
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(lines[:3] + text[:1] + lines[3:] + text[1:]) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "pad", "bfd-with-text-pairs"])
+def test_vlm_packed_dpo_equals_each_pair_alone(strategy, tmp_path):
     """DPO with image prompts (raypack/data/vision_pairs.py) on the tiny Qwen2.5-VL: raypack's step
     over packed rows of several image pairs (VisionRows: each sequence's copy of its pair's pixels,
     4-row mRoPE positions from the model's own get_rope_index per sequence), or `pad`'s batches,
-    against every sequence run alone through transformers' own Qwen2.5-VL forward (eager attention,
-    pixel_values and image_grid_thw, the positions it builds itself), the loss written from its
-    formula: the loss, each sequence's log-probability (reference and moved policy), the
-    log-prob metrics and every gradient (vision tower and projector included), 1e-5 relative."""
+    or rows where text-only pairs sit beside image pairs, against every sequence run alone through
+    transformers' own Qwen2.5-VL forward (eager attention, pixel_values and image_grid_thw, the
+    positions it builds itself), the loss written from its formula: the loss, each sequence's
+    log-probability (reference and moved policy), the log-prob metrics and every gradient (vision
+    tower and projector included), 1e-5 relative."""
     from raypack.data.sources import locate
     from raypack.train.vision_rows import VisionRows
     from raypack.model.vision import token_types
 
     padded = strategy == "pad"
+    path = _with_text_pairs(tmp_path) if strategy.endswith("text-pairs") else VLM_SAMPLE
     torch.manual_seed(0)
     model = load_model("tiny-qwen2_5_vl", attention="sdpa" if padded else "sdpa_varlen", dtype="float32").train()
     alone, start = (load_model("tiny-qwen2_5_vl", attention="eager", dtype="float32").train() for _ in range(2))
     alone.load_state_dict(model.state_dict())
     start.load_state_dict(model.state_dict())  # the reference: the weights before the step
-    table = encoded_pairs(VLM_SAMPLE, PAIRS, tokenizer=VLM_PROCESSOR)
-    rows = packed_pair_rows(VLM_SAMPLE, PAIRS, budget=256, strategy=strategy, tokenizer=VLM_PROCESSOR)[0]
+    table = encoded_pairs(path, PAIRS, tokenizer=VLM_PROCESSOR)
+    rows = packed_pair_rows(path, budget=256, strategy=strategy.split("-")[0], table=table)[0]
     if not padded:
-        assert all(len(r["example_ids"]) >= 4 for r in rows)  # several image pairs a row
+        assert all(len(r["example_ids"]) >= 4 for r in rows)  # several pairs a row
     images = {e: (b, g) for e, b, g in zip(*(table[c].to_pylist() for c in ("example_id", "images", "image_grid_thw")))
               if b is not None}  # fmt: skip
-    assert len(images) == PAIRS  # stored once a pair, on its chosen row
-    pictures = _pictures(VLM_SAMPLE)
+    pictures = _pictures(path, PAIRS)
+    assert table.num_rows == 2 * PAIRS and len(images) == len(pictures)  # stored once a pair, on its chosen row
+    if path != VLM_SAMPLE:  # a text pair and an image pair in one row
+        assert any(len({e in images for e in r["example_ids"][0::2]}) == 2 for r in rows)
 
     def inputs(row: dict) -> dict:
-        pix = pictures[locate(row["example_id"])[1]]
+        pix = pictures.get(locate(row["example_id"])[1])
+        if pix is None:  # a text-only pair: the model's own text positions
+            return {}
         ids = torch.tensor([row["input_ids"]])
         return {**pix, "mm_token_type_ids": token_types(alone.config, ids)}
 
