@@ -353,7 +353,8 @@ def test_vlm_packed_dpo_equals_each_pair_alone(strategy, tmp_path):
     alone.load_state_dict(model.state_dict())
     start.load_state_dict(model.state_dict())  # the reference: the weights before the step
     table = encoded_pairs(path, PAIRS, tokenizer=VLM_PROCESSOR)
-    rows = packed_pair_rows(path, budget=256, strategy=strategy.split("-")[0], table=table)[0]
+    budget = 256 if path == VLM_SAMPLE else 200  # 200: bfd puts a text pair beside image pairs
+    rows = packed_pair_rows(path, budget=budget, strategy=strategy.split("-")[0], table=table)[0]
     if not padded:
         assert all(len(r["example_ids"]) >= 4 for r in rows)  # several pairs a row
     images = {e: (b, g) for e, b, g in zip(*(table[c].to_pylist() for c in ("example_id", "images", "image_grid_thw")))
