@@ -56,19 +56,27 @@ class OneRankEngine:
 
 
 def raypack_step(model, rows: list[dict], dpo: DpoConfig, kind: str = "chunked", after_reference=None,
-                 padded: bool = False, collate=None, logps: dict | None = None):
+                 padded: bool = False, collate=None, logps: dict | None = None, on_the_fly: bool = False):
     """raypack's packed step, as the training loop runs it (DPOLoss.train_step, its values read
     through stepvalues.Pending): the reference pass over `rows`, then each row a micro-batch;
     returns (loss, metrics) with the gradients in `model`. `collate`: a VLM's VisionRows;
     `logps`, when given, receives the reference pass's sums ("reference") and the moved policy's
-    ("policy"), by example id."""
+    ("policy"), by example id. `on_the_fly`: a LoRA model's reference taken in the step, with the
+    adapters off (dpo.reference: on_the_fly), not precomputed."""
     loss = DPOLoss(make_loss(model, kind, chunk_tokens=7, padded=padded), dpo, gather=None, collate=collate)
-    reference = rows_logps(loss, model, rows, padded, 2, "cpu")
+    if on_the_fly:
+        with model.disable_adapter():  # what the step takes: only read here, for `logps`
+            reference = rows_logps(loss, model, rows, padded, 2, "cpu")
+    else:
+        reference = rows_logps(loss, model, rows, padded, 2, "cpu")
     if after_reference is not None:
         after_reference(model)
     if logps is not None:
         logps["reference"], logps["policy"] = reference, rows_logps(loss, model, rows, padded, 2, "cpu")
-    loss = DPOLoss(loss.base, dpo, gather=None, reference=reference, collate=collate)
+    if on_the_fly:
+        loss = DPOLoss(loss.base, dpo, gather=None, adapters_off=model.disable_adapter, collate=collate)
+    else:
+        loss = DPOLoss(loss.base, dpo, gather=None, reference=reference, collate=collate)
     step = loss.prepare_step(rows, padded=padded, pad_token_id=2)
     values = loss.train_step(OneRankEngine(model, len(step.batches)), step, HostCounts(1), 1).resolve()
     assert values["pairs"] == step.pairs and values["skipped_steps"] == 0.0
@@ -331,7 +339,7 @@ def _with_text_pairs(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("strategy", ["bfd", "pad", "bfd-with-text-pairs"])
+@pytest.mark.parametrize("strategy", ["bfd", "pad", "bfd-with-text-pairs", "bfd-lora-on-the-fly"])
 def test_vlm_packed_dpo_equals_each_pair_alone(strategy, tmp_path):
     """DPO with image prompts (raypack/data/vision_pairs.py) on the tiny Qwen2.5-VL: raypack's step
     over packed rows of several image pairs (VisionRows: each sequence's copy of its pair's pixels,
@@ -340,7 +348,12 @@ def test_vlm_packed_dpo_equals_each_pair_alone(strategy, tmp_path):
     transformers' own Qwen2.5-VL forward (eager attention, pixel_values and image_grid_thw, the
     positions it builds itself), the loss written from its formula: the loss, each sequence's
     log-probability (reference and moved policy), the log-prob metrics and every gradient (vision
-    tower and projector included), 1e-5 relative."""
+    tower and projector included), 1e-5 relative. With LoRA (all-linear: adapters in both towers)
+    the reference is the base with the adapters off, taken in the step (dpo.reference: on_the_fly)."""
+    from exactness import random_lora_b
+
+    from raypack.config import PeftConfig
+    from raypack.model.adapters import apply_adapters
     from raypack.data.sources import locate
     from raypack.train.vision_rows import VisionRows
     from raypack.model.vision import token_types
@@ -350,6 +363,10 @@ def test_vlm_packed_dpo_equals_each_pair_alone(strategy, tmp_path):
     torch.manual_seed(0)
     model = load_model("tiny-qwen2_5_vl", attention="sdpa" if padded else "sdpa_varlen", dtype="float32").train()
     alone, start = (load_model("tiny-qwen2_5_vl", attention="eager", dtype="float32").train() for _ in range(2))
+    lora = strategy.endswith("lora-on-the-fly")
+    if lora:  # B drawn at random: at peft's zero start every lora_A gradient is zero, and the policy its base
+        model = random_lora_b(apply_adapters(model, PeftConfig(method="lora", r=4, alpha=8)))
+        alone, start = (apply_adapters(m, PeftConfig(method="lora", r=4, alpha=8)) for m in (alone, start))
     alone.load_state_dict(model.state_dict())
     start.load_state_dict(model.state_dict())  # the reference: the weights before the step
     table = encoded_pairs(path, PAIRS, tokenizer=VLM_PROCESSOR)
@@ -374,10 +391,14 @@ def test_vlm_packed_dpo_equals_each_pair_alone(strategy, tmp_path):
     dpo = DpoConfig(beta=0.5, sft_weight=0.3)
     move = lambda m: perturb([m], scale=0.01)  # noqa: E731
     logps: dict = {}
-    loss, metrics = raypack_step(model, rows, dpo, after_reference=move, padded=padded,
-                                 collate=VisionRows(model, images, VLM_PROCESSOR), logps=logps)
-    reference = alone_reference(start, table, inputs)
-    move(alone)
+    loss, metrics = raypack_step(model, rows, dpo, after_reference=None if lora else move, padded=padded,
+                                 collate=VisionRows(model, images, VLM_PROCESSOR), logps=logps, on_the_fly=lora)
+    if lora:  # the reference: the base, adapters off
+        with start.disable_adapter():
+            reference = alone_reference(start, table, inputs)
+    else:
+        reference = alone_reference(start, table, inputs)
+        move(alone)
     policy = alone_reference(alone, table, inputs)
     for name, want in (("reference", reference), ("policy", policy)):
         assert logps[name].keys() == want.keys()
@@ -392,5 +413,6 @@ def test_vlm_packed_dpo_equals_each_pair_alone(strategy, tmp_path):
     errors = grad_errors(model, {n: p.grad for n, p in alone.named_parameters() if p.grad is not None})
     worst = max(errors, key=errors.get)
     assert errors[worst] < TOLERANCE, f"{worst} off by {errors[worst]:.2e}"
-    towers = {part for n in errors for part in ("visual.blocks", "visual.merger") if n.startswith(f"model.{part}")}
+    towers = {part for n in errors for part in ("visual.blocks", "visual.merger") if f"model.{part}." in n}
     assert towers == {"visual.blocks", "visual.merger"}, "no vision-tower or projector gradient was compared"
+    assert not lora or all("lora_" in n for n in errors)
