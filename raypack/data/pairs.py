@@ -133,9 +133,13 @@ def check_pair_ids(ids: np.ndarray) -> None:
                          "data (train.objective: dpo)?")
 
 
-def plan_pairs(strategy, lengths: np.ndarray, num_ranks: int) -> Plan:
+def plan_pairs(strategy, lengths: np.ndarray, num_ranks: int,
+               extra: tuple[np.ndarray, np.ndarray] | None = None) -> Plan:
     """`strategy.plan` over pairs: `lengths` holds each pair's chosen then rejected length
-    (tokenized rows in example_id order); every pair is one item and its two pieces share a pack."""
+    (tokenized rows in example_id order); every pair is one item and its two pieces share a pack.
+    `extra`: per row, the linear work and attention cost its vision tower adds (an image pair's
+    two sequences each run the tower on their copy: raypack/data/vision_pairs.py, data/tower.py),
+    which the layout weighs beside the pair's tokens and attention cost."""
     lengths = np.asarray(lengths, dtype=np.int64)
     if len(lengths) % 2:
         raise ValueError(f"plan_pairs: {len(lengths)} lengths, expected a (chosen, rejected) length for every pair")
@@ -143,8 +147,12 @@ def plan_pairs(strategy, lengths: np.ndarray, num_ranks: int) -> Plan:
     units = check_lengths(chosen + rejected, strategy.budget, False, strategy.name)
     packing = strategy.pack(units)
     # Each unit piece's attention cost: its two sequences', not the square of their sum.
-    cost = (chosen * chosen + rejected * rejected).astype(np.float64)[packing.example]
-    packing, cell = strategy.layout(packing, num_ranks, attention=cost)
+    cost = (chosen * chosen + rejected * rejected).astype(np.float64)
+    tokens = None
+    if extra is not None and not strategy.splits_examples:  # (splitting strategies are refused for pairs)
+        tokens = (chosen + rejected + extra[0][0::2] + extra[0][1::2])[packing.example]
+        cost = cost + extra[1][0::2] + extra[1][1::2]
+    packing, cell = strategy.layout(packing, num_ranks, attention=cost[packing.example], tokens=tokens)
     pair = packing.example
     example = np.stack([2 * pair, 2 * pair + 1], axis=1).ravel()
     end = np.stack([chosen[pair], rejected[pair]], axis=1).ravel()

@@ -96,9 +96,10 @@ def image_owner(eid):
 
 
 class PairSide(NamedTuple):
-    """What one row of an image pair adds to the tokenized table (encode._table): the images and
-    their flat grids on the chosen row only (None on the rejected), and on both the image tokens
-    in its length and the vision tower's patches for its copy."""
+    """What one row of an image pair adds to the tokenized table (encode._table): the images on
+    the chosen row only (None on the rejected: stored once a pair), and on both their flat grids,
+    the image tokens in its length and the vision tower's patches for its copy (each side runs the
+    tower: the plan's balance weighs both, data/tower.py)."""
 
     images: list[bytes] | None
     grid: np.ndarray | None
@@ -121,7 +122,7 @@ class VisionPair(NamedTuple):
     def side(self, piece: int) -> PairSide:
         if piece == CHOSEN:
             return PairSide(self.images, self.grid, self.image_tokens, self.patches)
-        return PairSide(None, None, self.image_tokens, self.patches)
+        return PairSide(None, self.grid, self.image_tokens, self.patches)
 
 
 def encode_pair(tok: ImageTokenizer, pair: dict[str, list[dict]], blobs: Sequence[bytes], where: str) -> VisionPair:

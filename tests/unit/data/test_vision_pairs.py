@@ -68,7 +68,7 @@ def test_each_side_tokenizes_as_the_models_processor_and_counts_its_image_tokens
             image = np.flatnonzero(ref["mm_token_type_ids"][0])
             assert len(image) and image.max() < start  # the image tokens are the prompt's, in both sides
         assert chosen["images"] == [(SAMPLE / n).read_bytes() for n in names] and rejected["images"] is None
-        assert chosen["image_grid_thw"] == ref["image_grid_thw"].reshape(-1).tolist()
+        assert chosen["image_grid_thw"] == rejected["image_grid_thw"] == ref["image_grid_thw"].reshape(-1).tolist()
     got = counts(table)
     per_pair = table["_image_tokens"].to_numpy()
     assert got["images"] == len(records) and got["image_tokens"] == per_pair.sum() > 0
