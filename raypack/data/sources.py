@@ -22,8 +22,8 @@ Output rows share one schema (`SCHEMA`): `example_id`, `format` and the fields o
 (image parts, or `images` with <image> placeholders) becomes a `vision` row: its messages in parts
 (`vision_messages`, JSON) and its images' encoded bytes (`images`), read and decoded here, so a
 missing or undecodable image is a bad row like any other (raypack/data/images.py); a preference
-row whose prompt has images, a `vision_preference` row, the same way (raypack/data/vision_pairs.py). Bad rows (malformed JSON, a missing field, an empty conversation, an unknown role,
-non-string content) stop the read under `on_bad_rows: error`, naming the first one in file order;
+row whose prompt has images, a `vision_preference` row, the same way (raypack/data/vision_pairs.py).
+Bad rows (malformed JSON, a missing field, an empty conversation, an unknown role, non-string content) stop the read under `on_bad_rows: error`, naming the first one in file order;
 under `skip` they are counted and reported. An empty or unreadable file is always an error.
 """
 

@@ -38,6 +38,7 @@ from raypack.data.encode import (Encoder, TokenizeError, check_chat_template, ch
 from raypack.data.listing import Sources, known_rows
 from raypack.data.progress import Progress, on_driver_node
 from raypack.data.sources import read_rows, read_sources_with_report, row_location, rows_here
+from raypack.data.vision_pairs import KIND as PAIR_KIND
 from raypack.errors import SourceError
 
 
@@ -303,7 +304,7 @@ def check_encodable(cfg: Config, tok, formats: dict[str, int]) -> None:
     without a chat template; vision rows (chats and preference pairs with images) with a label
     mask, or an image processor, raypack has no data path for."""
     t = cfg.tokenize
-    images = formats.get("vision", 0) + formats.get("vision_preference", 0)
+    images = formats.get("vision", 0) + formats.get(PAIR_KIND, 0)
     if formats.get("chat") or images:
         check_chat_template(tok, t.tokenizer)
     if images:
