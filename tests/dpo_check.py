@@ -28,19 +28,22 @@ def sample_records(n: int, start: int = 0) -> list[dict]:
     return [json.loads(line) for line in SAMPLE.read_text().splitlines()[start:start + n]]
 
 
-def encoded_pairs(path, n: int | None = None, max_length: int = 4096):
-    """The tokenized rows (chosen, rejected per pair) of a preference file, in example_id order."""
+def encoded_pairs(path, n: int | None = None, max_length: int = 4096, tokenizer: str = TOKENIZER):
+    """The tokenized rows (chosen, rejected per pair) of a preference file, in example_id order
+    (`tokenizer`: a VLM's processor folder for pairs with images)."""
     unit = read_units(Sources.of((str(path),)).files)[0]
     table = read_unit({k: [v] for k, v in unit.items()}, "auto")
+    assert not any(table["error"].to_pylist()), table["error"].to_pylist()
     table = table.slice(0, n) if n else table
-    return kept_rows(Encoder(TOKENIZER, None, "auto", "truncate", max_length).encode_table(table)).sort_by("example_id")
+    return kept_rows(Encoder(tokenizer, None, "auto", "truncate", max_length).encode_table(table)).sort_by("example_id")
 
 
 def packed_pair_rows(path, n: int | None = None, budget: int = 400, strategy: str = "bfd", ranks: int = 1,
-                     max_length: int = 4096):
+                     max_length: int = 4096, tokenizer: str = TOKENIZER, table=None):
     """Packed rows of whole pairs, as the pack stage writes them (plan, route, assemble), per rank;
-    pairs over `max_length` truncated (tokenize.overlength: truncate)."""
-    table = encoded_pairs(path, n, max_length)
+    pairs over `max_length` truncated (tokenize.overlength: truncate; image pairs are dropped).
+    `table`: the file's `encoded_pairs` already made with these arguments."""
+    table = encoded_pairs(path, n, max_length, tokenizer) if table is None else table
     plan = make_plan(table["length"].to_numpy(), PackConfig(strategy=strategy, budget=budget), ranks, pairs=True)
     rows = assemble_rows(Router(plan_routing(plan, table["example_id"].to_numpy()))(table), plan.reset_positions)
     rows = rows.to_pylist()
@@ -83,33 +86,41 @@ def trl_step(model, records: list[dict], dpo: DpoConfig, tmp_path, after_referen
     return {"loss": loss.item(), "metrics": metrics, "grads": grads}
 
 
-def sequence_logps(model, ids: list[int], prompt: int) -> torch.Tensor:
-    """Σ log p of a sequence's tokens after its first `prompt`, the sequence run alone."""
+def sequence_logps(model, ids: list[int], prompt: int, **inputs) -> torch.Tensor:
+    """Σ log p of a sequence's tokens after its first `prompt`, the sequence run alone (`inputs`:
+    the model's other arguments for it, e.g. a VLM's pixel_values and image_grid_thw)."""
     x = torch.as_tensor(ids)[None]
-    logps = torch.log_softmax(model(input_ids=x).logits[0, :-1].float(), -1).gather(1, x[0, 1:, None])[:, 0]
+    logits = model(input_ids=x, **inputs).logits
+    logps = torch.log_softmax(logits[0, :-1].float(), -1).gather(1, x[0, 1:, None])[:, 0]
     return logps[prompt - 1:].sum()
 
 
-def alone_reference(ref_model, table) -> dict[int, float]:
-    """{example_id: Σ log p of its completion} with every sequence run alone through `ref_model`."""
+def _no_inputs(row: dict) -> dict:
+    return {}
+
+
+def alone_reference(ref_model, table, inputs=_no_inputs) -> dict[int, float]:
+    """{example_id: Σ log p of its completion} with every sequence run alone through `ref_model`;
+    `inputs(row)`: the model's other arguments for a tokenized row."""
     out = {}
     with torch.no_grad():
         for row in table.to_pylist():
             prompt = next(i for i, v in enumerate(row["labels"]) if v != -100)
-            out[row["example_id"]] = sequence_logps(ref_model, row["input_ids"], prompt).item()
+            out[row["example_id"]] = sequence_logps(ref_model, row["input_ids"], prompt, **inputs(row)).item()
     return out
 
 
-def pairs_alone_loss(model, reference, table, dpo: DpoConfig) -> torch.Tensor:
+def pairs_alone_loss(model, reference, table, dpo: DpoConfig, inputs=_no_inputs) -> torch.Tensor:
     """The DPO loss (mean over pairs) with every sequence run alone, written from the formula;
-    `reference`: a model (run alone too) or {example_id: its reference log-prob sum}."""
+    `reference`: a model (run alone too) or {example_id: its reference log-prob sum}; `inputs(row)`:
+    the model's other arguments for a tokenized row."""
     if not isinstance(reference, dict):
-        reference = alone_reference(reference, table)
+        reference = alone_reference(reference, table, inputs)
     rows = table.to_pylist()
     losses, chosen_nll, chosen_tokens = [], 0.0, 0
     for c, r in zip(rows[0::2], rows[1::2]):
         prompt = next(i for i, v in enumerate(c["labels"]) if v != -100)
-        s = [sequence_logps(model, x["input_ids"], prompt) for x in (c, r)]
+        s = [sequence_logps(model, x["input_ids"], prompt, **inputs(x)) for x in (c, r)]
         ref = [reference[x["example_id"]] for x in (c, r)]
         n = [len(x["input_ids"]) - prompt for x in (c, r)]
         if dpo.loss == "ipo":

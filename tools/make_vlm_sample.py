@@ -13,6 +13,9 @@ beside its own template and tiles of 16 pixels from pictures of up to 32 (4 imag
 a few dozen generated pictures (a coloured shape on a background, 16 to 32 pixels a side, PNG)
 with a question and its answer each, in both layouts raypack reads (raypack/data/images.py), in
 a folder of its own: the text sample's folder (raypack/assets/sample/) is read whole as text data.
+`preference.jsonl` asks about the same pictures as preference pairs (DPO with image prompts:
+raypack/data/vision_pairs.py): the right answer chosen, one naming another colour or shape
+rejected, the rows alternating between the two layouts.
 Deterministic: the same seed gives the same files. Prints the bytes per example stored encoded
 (PNG) against processed (float32 patches), the measurement behind storing encoded images.
 """
@@ -129,6 +132,26 @@ def picture(rng: random.Random) -> tuple[Image.Image, str, str]:
     return im, colour, shape
 
 
+def preference_rows(shown: list[tuple[str, str, str]], rng: random.Random) -> list[dict]:
+    """A preference pair a picture: the question's right answer chosen, a wrong one rejected."""
+    rows = []
+    for i, (name, colour, shape) in enumerate(shown):
+        other_colour = rng.choice([c for c in sorted(COLOURS) if c != colour])
+        other_shape = rng.choice([s for s in SHAPES if s != shape])
+        question, chosen, rejected = rng.choice([
+            ("What colour is the shape?", f"It is {colour}.", f"It is {other_colour}."),
+            ("What shape is this?", f"A {shape}.", f"A {other_shape}."),
+            ("Describe the picture.", f"A {colour} {shape}.", f"A {other_colour} {other_shape}.")])  # fmt: skip
+        answers = {"chosen": [{"role": "assistant", "content": chosen}],
+                   "rejected": [{"role": "assistant", "content": rejected}]}  # fmt: skip
+        if i % 2:
+            rows.append({"prompt": [{"role": "user", "content": f"<image>{question}"}], **answers, "images": [name]})
+        else:
+            rows.append({"prompt": [{"role": "user", "content": [{"type": "image", "image": name},
+                                                                 {"type": "text", "text": question}]}], **answers})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--examples", type=int, default=36)
@@ -143,7 +166,7 @@ def main() -> None:
         shutil.rmtree(folder)
     (folder / "images").mkdir(parents=True)
     rng = random.Random(args.seed)
-    parts, pairs, encoded, processed = [], [], 0, 0
+    parts, pairs, shown, encoded, processed = [], [], [], 0, 0
     proc = image_processor()
     for i in range(args.examples):
         im, colour, shape = picture(rng)
@@ -151,6 +174,7 @@ def main() -> None:
         buf = io.BytesIO()
         im.save(buf, format="PNG", optimize=True)
         (folder / name).write_bytes(buf.getvalue())
+        shown.append((name, colour, shape))
         encoded += len(buf.getvalue())
         processed += proc(images=[im], return_tensors="np")["pixel_values"].astype("float32").nbytes
         question, answer = rng.choice([("What colour is the shape?", f"It is {colour}."),
@@ -161,7 +185,8 @@ def main() -> None:
             {"role": "assistant", "content": answer}]})  # fmt: skip
         pairs.append({"messages": [{"role": "user", "content": f"<image>{question}"},
                                    {"role": "assistant", "content": answer}], "images": [name]})  # fmt: skip
-    for fname, rows in (("vision.jsonl", parts), ("vision_pairs.jsonl", pairs)):
+    preferences = preference_rows(shown, random.Random(args.seed + 1))  # its own generator: the rows above stay
+    for fname, rows in (("vision.jsonl", parts), ("vision_pairs.jsonl", pairs), ("preference.jsonl", preferences)):
         with open(folder / fname, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
     n = args.examples

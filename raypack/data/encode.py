@@ -22,6 +22,9 @@ Per example (labels are NOT shifted: labels[i] is the target of token i, the mod
     preference   two rows a pair, prompt + chosen and prompt + rejected, tokenized as TRL's
                  DPOTrainer does; loss on the completions (raypack/data/pairs.py says how, and
                  how the over-length policy treats a pair)
+    vision_preference  a preference pair whose prompt has images: as `preference`, with the
+                 processor expanding each image (in both sequences); kept whole or dropped, the
+                 images stored on the chosen row (raypack/data/vision_pairs.py)
 
 EOS is appended once to text formats (not when the text already ends with it, as Phi-3's template
 does) and, appended or not, carries loss when the example ends with supervised text (always,
@@ -53,6 +56,7 @@ from raypack.data.images import ImageTokenizer, Vision
 from raypack.data.pairs import CHOSEN, REJECTED, Pair, fit_pair, tokenize_pairs
 from raypack.data.tower import grid_work
 from raypack.data.turns import TurnError, TurnLocator
+from raypack.data.vision_pairs import KIND as PAIR_KIND, PairSide, VisionPair, encode_pairs
 from raypack.errors import InputError
 
 MAX_PIECES = 1 << 10
@@ -208,9 +212,12 @@ class Encoder:
         """Vision rows (messages in parts as JSON, images' bytes) with the model's image processor,
         found beside the tokenizer (tokenize.tokenizer: the model's processor folder)."""
         check_vision_label_mask(self.label_mask)
+        return self.image_tokenizer().rows(messages, images, eids)
+
+    def image_tokenizer(self) -> ImageTokenizer:
         if self.images is None:
             self.images = load_image_tokenizer(self.name, self.tok)
-        return self.images.rows(messages, images, eids)
+        return self.images
 
     def encode_pairs(self, prompts: list[str], completions: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
         p_ids = self.tok(prompts, add_special_tokens=False)["input_ids"]
@@ -248,6 +255,10 @@ class Encoder:
             elif fmt == "vision":
                 encoded = self.encode_vision(sub["vision_messages"].to_pylist(), sub["images"].to_pylist(),
                                              sub["example_id"].to_pylist())
+            elif fmt == PAIR_KIND:  # its labels: the completions, as any pair's (train.objective: dpo)
+                check_chat_template(self.tok, self.name)
+                encoded = encode_pairs(self.image_tokenizer(), sub["vision_messages"].to_pylist(),
+                                       sub["images"].to_pylist(), sub["example_id"].to_pylist())
             elif fmt == "preference":
                 columns = sub.select(["prompt", "chosen", "rejected", "prompt_messages", "chosen_messages",
                                       "rejected_messages"]).to_pydict()
@@ -297,8 +308,12 @@ class Encoder:
                 flags.append(OK if fits else DROPPED)
                 source.append(int((encoded.labels[1:] != IGNORE_INDEX).sum()))
                 continue
-            if isinstance(encoded, Pair):
-                for i, lab, piece, flag, whole in self._pair_rows(encoded):
+            if isinstance(encoded, (Pair, VisionPair)):
+                # An image pair is kept whole or dropped, as an image example is (vision_pairs.py).
+                pair = encoded.pair if isinstance(encoded, VisionPair) else encoded
+                for i, lab, piece, flag, whole in self._pair_rows(pair, cut=pair is encoded):
+                    if pair is not encoded and flag != DROPPED:
+                        vision[len(ids_out)] = encoded.side(piece)
                     ids_out.append(i)
                     labels_out.append(lab)
                     eids.append(eid + piece)
@@ -327,11 +342,11 @@ class Encoder:
                 source.append(whole if k == 0 else 0)
         return _table(eids, ids_out, labels_out, flags, source, vision)
 
-    def _pair_rows(self, pair: Pair):
+    def _pair_rows(self, pair: Pair, cut: bool = True):
         """(ids, labels, piece, flag, source label tokens) of a pair's rows: chosen and rejected,
-        cut to fit `max_length` together or dropped as one (a single flagged row, as `drop` leaves
-        for any example); a pair of which either side has no label token the loss sees is
-        dropped whole (both rows counted as no label tokens)."""
+        cut to fit `max_length` together (`cut`: under tokenize.overlength truncate) or dropped as
+        one (a single flagged row, as `drop` leaves for any example); a pair of which either side
+        has no label token the loss sees is dropped whole (both rows counted as no label tokens)."""
         rows = []
         for piece, seq in ((CHOSEN, pair.chosen), (REJECTED, pair.rejected)):
             ids = np.asarray(seq, dtype=np.int32)
@@ -339,11 +354,11 @@ class Encoder:
             labels[: pair.prompt] = IGNORE_INDEX
             rows.append([ids, labels, piece])
         whole = sum(int((lab[1:] != IGNORE_INDEX).sum()) for _, lab, _ in rows)
-        cut = fit_pair(len(pair.chosen), len(pair.rejected), pair.prompt, self.max_length)
-        if cut == (0, len(pair.chosen), len(pair.rejected)):
+        fit = fit_pair(len(pair.chosen), len(pair.rejected), pair.prompt, self.max_length)
+        if fit == (0, len(pair.chosen), len(pair.rejected)):
             flag = OK
-        elif self.overlength == "truncate" and cut is not None:
-            drop, c_len, r_len = cut
+        elif self.overlength == "truncate" and cut and fit is not None:
+            drop, c_len, r_len = fit
             for row, n in zip(rows, (c_len, r_len)):
                 row[0], row[1] = row[0][drop: drop + n], row[1][drop: drop + n]
             flag = TRUNCATED
@@ -423,7 +438,7 @@ def counts(table: pa.Table) -> dict:
     }
 
 
-def _table(eids, ids_out, labels_out, flags, source, vision: dict[int, Vision] | None = None) -> pa.Table:
+def _table(eids, ids_out, labels_out, flags, source, vision: dict[int, Vision | PairSide] | None = None) -> pa.Table:
     lengths = np.fromiter((len(x) for x in ids_out), dtype=np.int32, count=len(ids_out))
     cat = (lambda xs: np.concatenate(xs).astype(np.int32, copy=False)) if ids_out else (lambda xs: np.zeros(0, np.int32))
     table = _columns(np.asarray(eids, dtype=np.int64), lengths, cat(ids_out), cat(labels_out), np.asarray(flags),

@@ -126,9 +126,9 @@ def _messages(messages: Any, key: str) -> list[dict[str, str]]:
 
 
 IMAGES_NOT_TRAINED = (
-    "image data outside chat rows: raypack trains images in chat `messages` (image parts, or `images` with "
-    "<image> placeholders: raypack/data/images.py), not in preference pairs yet (docs/guides/vision.md), so this "
-    "row would train without its pictures"
+    "image data where raypack doesn't read it: raypack trains images in chat `messages` and in the prompt of "
+    "conversational preference pairs (image parts, or `images` with <image> placeholders: raypack/data/images.py, "
+    "docs/guides/vision.md), so this row would train without its pictures"
 )
 
 
@@ -154,7 +154,7 @@ def preference_record(rec: dict[str, Any]) -> dict[str, Any]:
     if conversational:
         values = {k: None if v is None else _messages(v, k) for k, v in values.items()}
     if values["prompt"] is None:
-        values = _extract_prompt(values["chosen"], values["rejected"])
+        values = extract_prompt(values["chosen"], values["rejected"])
     if values["chosen"] == values["rejected"]:
         raise FormatError("`chosen` and `rejected` are the same completion: the pair prefers nothing")
     if conversational:
@@ -165,7 +165,7 @@ def preference_record(rec: dict[str, Any]) -> dict[str, Any]:
     return dict(values)
 
 
-def _extract_prompt(chosen, rejected) -> dict[str, Any]:
+def extract_prompt(chosen, rejected) -> dict[str, Any]:
     """TRL's `extract_prompt` (trl/data_utils.py), so that a pair splits where TRL splits it."""
     idx = 0
     for idx in range(min(len(chosen), len(rejected))):

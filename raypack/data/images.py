@@ -157,15 +157,20 @@ def decode_image(data: bytes, source: str, where: str):
         raise ImageError(f"{where}: image {short!r} is not a decodable image: {why}") from None
 
 
+MESSAGE_KEYS = ("messages", "prompt", "chosen", "rejected")
+"""Where a record's messages are: a chat's, or a preference pair's (raypack/data/vision_pairs.py)."""
+
+
 def has_images(record: Any) -> bool:
-    """Whether a chat record carries images, in either layout: what makes it a `vision` row."""
-    if not isinstance(record, dict) or not isinstance(record.get("messages"), list):
+    """Whether a chat or preference record carries images, in either layout: what makes it a
+    `vision` row (a chat) or a `vision_preference` row (a pair)."""
+    if not isinstance(record, dict):
         return False
     if record.get("images"):
         return True
     return any(isinstance(m, dict) and isinstance(m.get("content"), list)
                and any(isinstance(p, dict) and p.get("type") == "image" for p in m["content"])
-               for m in record["messages"])  # fmt: skip
+               for key in MESSAGE_KEYS if isinstance(record.get(key), list) for m in record[key])  # fmt: skip
 
 
 def read_record(record: dict[str, Any], base_dir: str | None, where: str) -> dict[str, Any]:
@@ -173,13 +178,22 @@ def read_record(record: dict[str, Any], base_dir: str | None, where: str) -> dic
     its messages in parts (as JSON) and its images' encoded bytes, each checked to decode, so a
     missing or undecodable image, or placeholders that don't match, is a bad row naming `where`."""
     messages, sources = image_messages(record, where)
+    check_roles(messages, where)
+    return {"vision_messages": json.dumps(messages), "images": read_images(sources, base_dir, where)}
+
+
+def check_roles(messages: list[dict], where: str) -> None:
     for m in messages:
         if m["role"] not in ("system", "user", "assistant"):
             raise ImageError(f"{where}: unknown role {m['role']!r}; expected one of system, user, assistant")
+
+
+def read_images(sources: Sequence[str], base_dir: str | Path | None, where: str) -> list[bytes]:
+    """The encoded bytes of each image source, each checked to decode (ImageError naming `where`)."""
     blobs = [read_image_bytes(s, base_dir, where) for s in sources]
     for blob, source in zip(blobs, sources):
         decode_image(blob, source, where)
-    return {"vision_messages": json.dumps(messages), "images": blobs}
+    return blobs
 
 
 class Vision:
@@ -272,9 +286,14 @@ class ImageTokenizer:
             raise ValueError(f"the chat template rendered {sum(t == self.pad_id for t in ids)} image token(s) "
                              f"for {len(images)} image(s)")
         pix = self.pixels(images) if images else {}
-        tokens = iter(self.expansions(pix) if images else ())
-        expanded = [n for t in ids for n in (next(tokens) if t == self.pad_id else [t])]
-        return {"input_ids": np.asarray([expanded], np.int64), **{k: v for k, v in pix.items() if k in MODEL_INPUTS}}
+        return {"input_ids": np.asarray([self.expand(ids, pix)], np.int64),
+                **{k: v for k, v in pix.items() if k in MODEL_INPUTS}}
+
+    def expand(self, ids: Sequence[int], pixels: dict[str, np.ndarray]) -> list[int]:
+        """Rendered ids with the k-th image pad replaced by the k-th image of `pixels`' tokens
+        (`expansions`)."""
+        tokens = iter(self.expansions(pixels) if pixels else ())
+        return [n for t in ids for n in (next(tokens) if t == self.pad_id else [t])]
 
     def rows(self, messages: list[str], images: list[list[bytes]], eids: list[int]) -> list[Vision]:
         """The source stage's vision rows (`read_record`: messages in parts as JSON, images' bytes) encoded."""

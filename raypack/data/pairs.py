@@ -87,7 +87,7 @@ def tokenize_pairs(tok, rows: dict[str, list[Any]]) -> list[Pair]:
         c = chat([q + rows["chosen_messages"][i] for q, i in zip(prompts, conv)])
         r = chat([q + rows["rejected_messages"][i] for q, i in zip(prompts, conv)])
         for k, i in enumerate(conv):
-            out[i] = _pair(p[k], c[k], r[k])
+            out[i] = pair_from(p[k], c[k], r[k])
     if text:
         eos = tok.eos_token
         ends = [(rows["prompt"][i], *(_with_eos(rows[key][i], eos) for key in ("chosen", "rejected"))) for i in text]
@@ -95,7 +95,7 @@ def tokenize_pairs(tok, rows: dict[str, list[Any]]) -> list[Pair]:
         c = tok([e[0] + e[1] for e in ends])["input_ids"]
         r = tok([e[0] + e[2] for e in ends])["input_ids"]
         for k, i in enumerate(text):
-            out[i] = _pair(p[k], c[k], r[k])
+            out[i] = pair_from(p[k], c[k], r[k])
     return out
 
 
@@ -103,7 +103,8 @@ def _with_eos(text: str, eos: str) -> str:
     return text if text.endswith(eos) else text + eos
 
 
-def _pair(prompt: list[int], chosen: list[int], rejected: list[int]) -> Pair:
+def pair_from(prompt: list[int], chosen: list[int], rejected: list[int]) -> Pair:
+    """A Pair of the tokenized prompt, prompt + chosen and prompt + rejected (TRL's prompt length)."""
     return Pair(list(chosen), list(rejected),
                 min(common_prefix_length(prompt, chosen), common_prefix_length(prompt, rejected)))
 
@@ -132,9 +133,13 @@ def check_pair_ids(ids: np.ndarray) -> None:
                          "data (train.objective: dpo)?")
 
 
-def plan_pairs(strategy, lengths: np.ndarray, num_ranks: int) -> Plan:
+def plan_pairs(strategy, lengths: np.ndarray, num_ranks: int,
+               extra: tuple[np.ndarray, np.ndarray] | None = None) -> Plan:
     """`strategy.plan` over pairs: `lengths` holds each pair's chosen then rejected length
-    (tokenized rows in example_id order); every pair is one item and its two pieces share a pack."""
+    (tokenized rows in example_id order); every pair is one item and its two pieces share a pack.
+    `extra`: per row, the linear work and attention cost its vision tower adds (an image pair's
+    two sequences each run the tower on their copy: raypack/data/vision_pairs.py, data/tower.py),
+    which the layout weighs beside the pair's tokens and attention cost."""
     lengths = np.asarray(lengths, dtype=np.int64)
     if len(lengths) % 2:
         raise ValueError(f"plan_pairs: {len(lengths)} lengths, expected a (chosen, rejected) length for every pair")
@@ -142,8 +147,12 @@ def plan_pairs(strategy, lengths: np.ndarray, num_ranks: int) -> Plan:
     units = check_lengths(chosen + rejected, strategy.budget, False, strategy.name)
     packing = strategy.pack(units)
     # Each unit piece's attention cost: its two sequences', not the square of their sum.
-    cost = (chosen * chosen + rejected * rejected).astype(np.float64)[packing.example]
-    packing, cell = strategy.layout(packing, num_ranks, attention=cost)
+    cost = (chosen * chosen + rejected * rejected).astype(np.float64)
+    tokens = None
+    if extra is not None and not strategy.splits_examples:  # (splitting strategies are refused for pairs)
+        tokens = (chosen + rejected + extra[0][0::2] + extra[0][1::2])[packing.example]
+        cost = cost + extra[1][0::2] + extra[1][1::2]
+    packing, cell = strategy.layout(packing, num_ranks, attention=cost[packing.example], tokens=tokens)
     pair = packing.example
     example = np.stack([2 * pair, 2 * pair + 1], axis=1).ravel()
     end = np.stack([chosen[pair], rejected[pair]], axis=1).ravel()

@@ -42,6 +42,7 @@ from raypack.data.shards import Prepared, group_steps_for
 from raypack.data.strategies import make_plan
 from raypack.data.tokenize import on_driver
 from raypack.data.tower import TowerCost, tower_extra, tower_stats
+from raypack.data.vision_pairs import KIND as PAIR_KIND
 from raypack.errors import InputError
 
 
@@ -161,7 +162,9 @@ def check_images_trainable(cfg: Config, stats: dict[str, Any], vision_model: boo
     images it wouldn't carry), sequence parallelism (its shards carry no images)."""
     from raypack.data.strategies import STRATEGIES
 
-    where = f"data.paths: {stats['images']} images in {stats.get('formats', {}).get('vision', 0)} vision rows"
+    formats = stats.get("formats", {})
+    rows = formats.get("vision", 0) + formats.get(PAIR_KIND, 0)
+    where = f"data.paths: {stats['images']} images in {rows} {'vision' if formats.get('vision') else 'preference'} rows"
     if not vision_model:
         raise InputError(f"{where}, but model.name {cfg.model.name!r} trains as a text-only model (no vision tower, "
                          "or a checkpoint transformers loads as its causal LM, as Qwen3.5's and Gemma 3's): it would "

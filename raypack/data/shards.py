@@ -39,6 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raypack import storage
+from raypack.data.vision_pairs import image_owner
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,8 @@ def rank_images(data: Prepared, rank: int) -> dict[int, tuple[list[bytes], list[
         for f in storage.list_files(f"{folder.rstrip('/')}/rank={rank}", ".parquet"):
             fs, p = storage.resolve(f)
             mine.append(pq.read_table(p, filesystem=fs, columns=["example_ids"])["example_ids"].combine_chunks().flatten())
-    wanted = np.unique(np.concatenate([m.to_numpy() for m in mine])) if mine else np.zeros(0, np.int64)
+    # stored under their owner's id: a pair's rejected row reads its chosen row's (image_owner)
+    wanted = np.unique(image_owner(np.concatenate([m.to_numpy() for m in mine]))) if mine else np.zeros(0, np.int64)
     out = {}
     for f in storage.list_files(data.images_dir, ".parquet"):
         fs, p = storage.resolve(f)

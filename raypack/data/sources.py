@@ -21,8 +21,9 @@ Output rows share one schema (`SCHEMA`): `example_id`, `format` and the fields o
 (raypack/data/formats.py says what each format holds), the others null. A chat row with images
 (image parts, or `images` with <image> placeholders) becomes a `vision` row: its messages in parts
 (`vision_messages`, JSON) and its images' encoded bytes (`images`), read and decoded here, so a
-missing or undecodable image is a bad row like any other (raypack/data/images.py). Bad rows (malformed JSON, a missing field, an empty conversation, an unknown role,
-non-string content) stop the read under `on_bad_rows: error`, naming the first one in file order;
+missing or undecodable image is a bad row like any other (raypack/data/images.py); a preference
+row whose prompt has images, a `vision_preference` row, the same way (raypack/data/vision_pairs.py).
+Bad rows (malformed JSON, a missing field, an empty conversation, an unknown role, non-string content) stop the read under `on_bad_rows: error`, naming the first one in file order;
 under `skip` they are counted and reported. An empty or unreadable file is always an error.
 """
 
@@ -41,6 +42,7 @@ from raypack.config import DataConfig
 from raypack.data.formats import ONE_FORMAT, FormatError, detect, tokenized_columns, validate
 from raypack.data.images import ImageError, has_images, read_record
 from raypack.data.listing import MAX_ROWS, Sources, read_units
+from raypack.data.vision_pairs import KIND as PAIR_KIND, read_pair_record
 from raypack.errors import SourceError
 from raypack.storage import resolve  # local paths and s3://, gs:// URIs through one pyarrow filesystem
 
@@ -202,8 +204,9 @@ def read_unit(batch: dict[str, np.ndarray], declared: str, vocab_size: int | Non
             try:
                 if isinstance(rec, FormatError):
                     raise rec
-                if fmt == "chat" and has_images(rec):  # read here, beside their text (raypack/data/images.py)
-                    fields, error, kind = read_record(rec, _folder(unit["path"]), at), None, "vision"
+                if fmt in ("chat", "preference") and has_images(rec):  # read here, beside their text
+                    read, kind = (read_record, "vision") if fmt == "chat" else (read_pair_record, PAIR_KIND)
+                    fields, error = read(rec, _folder(unit["path"]), at), None
                 else:
                     fields, error = validate(rec, fmt, vocab_size, detected), None
             except FormatError as e:

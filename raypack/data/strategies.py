@@ -338,7 +338,7 @@ def make_plan(lengths: np.ndarray, cfg: PackConfig, num_ranks: int, accum: int =
     strategy = from_config(cfg, epoch=epoch)
     if pairs:
         check_pairs(strategy.name)
-        plan = plan_pairs(strategy, np.asarray(lengths), num_ranks * accum)
+        plan = plan_pairs(strategy, np.asarray(lengths), num_ranks * accum, extra)
     else:
         plan = strategy.plan(np.asarray(lengths), num_ranks * accum, extra)
     plan = fold_accumulation(plan, num_ranks, accum)

@@ -38,6 +38,7 @@ from raypack.data.encode import (Encoder, TokenizeError, check_chat_template, ch
 from raypack.data.listing import Sources, known_rows
 from raypack.data.progress import Progress, on_driver_node
 from raypack.data.sources import read_rows, read_sources_with_report, row_location, rows_here
+from raypack.data.vision_pairs import KIND as PAIR_KIND, check_layout
 from raypack.errors import SourceError
 
 
@@ -300,14 +301,18 @@ def tokenize_here(cfg: Config, sources: Sources, out_dir: str, vocab_size: int |
 
 def check_encodable(cfg: Config, tok, formats: dict[str, int]) -> None:
     """What the encoder would fail on for rows of `formats`, as a config-level error: chat rows
-    without a chat template; vision rows with a label mask, or an image processor, raypack has
-    no data path for."""
+    without a chat template; vision rows (chats and preference pairs with images) with a label
+    mask, or an image processor, raypack has no data path for."""
     t = cfg.tokenize
-    if formats.get("chat") or formats.get("vision"):
+    images = formats.get("vision", 0) + formats.get(PAIR_KIND, 0)
+    if formats.get("chat") or images:
         check_chat_template(tok, t.tokenizer)
-    if formats.get("vision"):  # no image processor there, or one raypack has no data path for
-        check_vision_label_mask(t.label_mask)
-        load_image_tokenizer(t.tokenizer, tok)
+    if images:  # no image processor there, or one raypack has no data path for
+        if formats.get("vision"):  # pairs train on their completions (train.objective: dpo checks the mask)
+            check_vision_label_mask(t.label_mask)
+        images_tok = load_image_tokenizer(t.tokenizer, tok)
+        if formats.get(PAIR_KIND):
+            check_layout(images_tok)
 
 
 def gather_stats(batches: list[dict], tok, max_length: int, sources: Sources) -> TokenizeStats:

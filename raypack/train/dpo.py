@@ -97,10 +97,11 @@ class DPOLoss:
     """The DPO objective over a CausalLMLoss's hidden-state capture (chunked or full)."""
 
     def __init__(self, base: CausalLMLoss, cfg: DpoConfig, gather, reference: dict[int, float] | None = None,
-                 adapters_off=None):
+                 adapters_off=None, collate=None):
         """`gather`: loop.global_count (every rank's values, one all_gather). `reference`: example
         id -> reference log-prob sum (precomputed); None computes it on the fly, per micro-batch,
-        with the model under `adapters_off()` (LoRA's base)."""
+        with the model under `adapters_off()` (LoRA's base). `collate`: a VLM's VisionRows (the
+        pairs' images and positions: `pair_batch`); None for a text model."""
         if base.kind == "liger":
             raise ValueError("train.objective: dpo takes train.loss chunked or full")
         self.base, self.cfg, self.gather = base, cfg, gather
@@ -109,7 +110,7 @@ class DPOLoss:
             self.ids = np.fromiter(reference.keys(), np.int64, len(reference))
             order = np.argsort(self.ids)
             self.ids, self.values = self.ids[order], np.fromiter(reference.values(), np.float64, len(reference))[order]
-        self.adapters_off = adapters_off
+        self.adapters_off, self.collate = adapters_off, collate
         self.router = None
         """The policy's router loss (an MoE model: raypack/train/router_loss.py), set by the loop."""
 
@@ -121,7 +122,7 @@ class DPOLoss:
         work, plus which sequence every loss position belongs to and the sequences' reference sums)."""
         batches, pairs, chosen_tokens, label_tokens = [], 0, 0, 0
         for row in group:
-            batch = pair_batch(row, padded, pad_token_id)
+            batch = pair_batch(row, padded, pad_token_id, self.collate)
             if self.router is not None:  # each sequence (chosen, rejected) a unit of its own, as SFT's examples
                 batch.update(self.router.units(batch))
             if self.ids is not None:
@@ -316,15 +317,17 @@ class DPOLoss:
         return out
 
 
-def pair_batch(row: dict[str, Any], padded: bool = False, pad_token_id: int = 0) -> dict[str, Any]:
+def pair_batch(row: dict[str, Any], padded: bool = False, pad_token_id: int = 0, collate=None) -> dict[str, Any]:
     """One packed row of pairs as a micro-batch: collate's keys, the loss targets, and for every
     loss position its sequence (0, 1, ... in row order: chosen, rejected, chosen, ...) and every
-    sequence's completion tokens (its labels, before collate masks each sequence's first token)."""
+    sequence's completion tokens (its labels, before collate masks each sequence's first token).
+    `collate`: a VLM's VisionRows, whose batch adds each sequence's images and mRoPE positions
+    (one sequence a row when padded, as collate_packed's); None: collate.collate_packed."""
     ids = np.asarray(row["example_ids"], dtype=np.int64)
     if len(ids) % 2 or ((ids[0::2] & PIECE_MASK) != CHOSEN).any() or (ids[1::2] != ids[0::2] + REJECTED).any():
         raise RuntimeError(f"packed row of step {row.get('step')} holds example ids {ids[:6].tolist()}..., not whole "
                            "(chosen, rejected) pairs: this data was packed for another objective")
-    batch = collate_packed([row], padded=padded, pad_token_id=pad_token_id)
+    batch = (collate_packed if collate is None else collate)([row], padded=padded, pad_token_id=pad_token_id)
     batch.update(label_targets(batch["labels"]))
     positions = batch["loss_positions"].numpy()
     if len(ids) == 0:  # an empty pack (the plan's filler): no pair, no loss position

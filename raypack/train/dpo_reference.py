@@ -64,7 +64,7 @@ def rows_logps(loss: DPOLoss, forward, rows, padded: bool, pad_token_id: int, de
     empty pack's too: under ZeRO-3 every rank must run as many forwards as the others)."""
     out: dict[int, float] = {}
     for row in rows:
-        batch = to_device(pair_batch(row, padded, pad_token_id), device)
+        batch = to_device(pair_batch(row, padded, pad_token_id, loss.collate), device)
         batch.pop("completion_tokens")
         sequence = batch.pop("sequence")
         _, sums = loss.objective(forward, batch, sequence, len(row["example_ids"]), lambda s: s.sum())
@@ -124,13 +124,14 @@ def _read(path: str) -> dict[int, float]:
     return dict(zip(table["example_id"].to_pylist(), table["logp"].to_pylist()))
 
 
-def make_dpo_loss(engine, base, cfg: Config, data: Prepared, rank: int, gather) -> DPOLoss:
+def make_dpo_loss(engine, base, cfg: Config, data: Prepared, rank: int, gather, collate=None) -> DPOLoss:
     """The DPO objective of a run, on `base` (the setup-probed CausalLMLoss): its reference
     precomputed (read, or computed now, before the first step), or with `dpo.reference:
-    on_the_fly` taken per micro-batch with LoRA's adapters off. Every rank calls it at setup."""
+    on_the_fly` taken per micro-batch with LoRA's adapters off. Every rank calls it at setup.
+    `collate`: a VLM's VisionRows (dpo.pair_batch)."""
     module = engine.module
     adapters_off = module.disable_adapter if is_peft_model(module) else None
-    loss = DPOLoss(base, cfg.dpo, gather, adapters_off=adapters_off)
+    loss = DPOLoss(base, cfg.dpo, gather, adapters_off=adapters_off, collate=collate)
     if cfg.dpo.reference == "on_the_fly":
         return loss
-    return DPOLoss(base, cfg.dpo, gather, reference=precomputed(engine, loss, cfg, data, rank))
+    return DPOLoss(base, cfg.dpo, gather, reference=precomputed(engine, loss, cfg, data, rank), collate=collate)

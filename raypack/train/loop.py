@@ -285,7 +285,7 @@ class Worker:
     stop: StopWatch = field(default_factory=StopWatch)
     """Whether the run stops early (a signal to the driver, a node's preemption): raypack/train/stop.py."""
     collate: Any = prepare_step
-    """Rows -> a step's micro-batches: prefetch.prepare_step, with a VLM run's images (`vision_step`)."""
+    """Rows -> a step's micro-batches: prefetch.prepare_step, with a VLM run's images (`vision_rows`)."""
 
     @property
     def data_rank(self) -> int:
@@ -325,8 +325,10 @@ def setup_worker(config: dict) -> Worker:
     if cfg.train.compile:  # a layer that can't compile whole, recompute included, stops here
         check_compiled(engine.module, probe)
     router = setup_router(engine, cfg, probe)
+    group = make_groups(cfg.train.sequence_parallel)
+    images = vision_rows(engine.module, cfg, data, data_rank(rank, group.size))
     if cfg.train.objective == "dpo":  # its reference log-probabilities: before a checkpoint is restored
-        loss = make_dpo_loss(engine, loss, cfg, data, rank, global_count)
+        loss = make_dpo_loss(engine, loss, cfg, data, rank, global_count, collate=images)
         loss.router = router  # after the reference pass, which needs no router loss
     base = base_digests(engine) if cfg.model.peft.enabled else None
     state = restore(engine, rank, data.fingerprint, base)
@@ -357,28 +359,26 @@ def setup_worker(config: dict) -> Worker:
     if tokenizer is not None and trains_as_vlm(engine.module.config):  # the final model/ gets its image processor too
         tokenizer = ProcessorParts(tokenizer, load_image_processor(cfg.tokenize.tokenizer),
                                    processor_settings(cfg.tokenize.tokenizer))
-    group = make_groups(t.sequence_parallel)
     if router is not None and rank == 0:
         print(f"[raypack] router load-balancing loss: {router.describe()}", flush=True)
     probe_split(engine, group, loss)  # a model that can't split its rows stops here, before any step
     if rank == 0 and group.size > 1:
         print(f"[raypack] sequence parallel: {world} workers in {world // group.size} groups of {group.size}; each "
               f"row's tokens split {group.size} ways, at most {-(-cfg.pack.budget // group.size)} a worker", flush=True)
-    collate = vision_step(engine.module, cfg, data, data_rank(rank, group.size))
+    collate = prepare_step if images is None else functools.partial(prepare_step, collate=images)
     clock.mark("setup")
     return Worker(cfg, data, rank, engine, scheduler, loss, state, reporter, total_steps, config, group, router,
                   tokenizer, host_counts, clock=clock, stop=StopWatch(config.get("stop_key"), rank, t.stop_checkpoint_after_s,
                                                            checkpoint_step=state.step), collate=collate)
 
 
-def vision_step(model, cfg: Config, data: Prepared, rank: int):
-    """prepare_step for a VLM's rows: each example's images (this rank's, looked up by example
-    id) and positions beside its tokens (raypack/train/vision_rows.py); prepare_step itself
-    for a text model."""
+def vision_rows(model, cfg: Config, data: Prepared, rank: int) -> VisionRows | None:
+    """A VLM's collate: each example's images (this rank's, looked up by example id) and
+    positions beside its tokens (raypack/train/vision_rows.py), for prepare_step and for DPO's
+    pairs; None for a text model."""
     if not trains_as_vlm(model.config):
-        return prepare_step
-    rows = VisionRows(model, rank_images(data, rank), cfg.tokenize.tokenizer)
-    return functools.partial(prepare_step, collate=rows)
+        return None
+    return VisionRows(model, rank_images(data, rank), cfg.tokenize.tokenizer)
 
 
 def setup_router(engine, cfg: Config, probe: dict[str, Any]) -> RouterLoss | None:

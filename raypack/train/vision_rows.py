@@ -2,7 +2,8 @@
 
 The packed rows are the text pipeline's (raypack/data/pack.py), naming their examples in
 `example_ids`; the images wait beside them by example id (`shards.rank_images`). `VisionRows`
-is the collate `prefetch.prepare_step` runs for a VLM (raypack/train/loop.py: `vision_step`).
+is the collate `prefetch.prepare_step` runs for a VLM (raypack/train/loop.py: `vision_rows`), and
+DPO's for a VLM's preference pairs (raypack/train/dpo.py: `pair_batch`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from raypack.data.collate import example_starts
 from raypack.data.encode import load_image_tokenizer, load_tokenizer
 from raypack.data.formats import row_labels
 from raypack.data.image_layouts import MODEL_INPUTS
+from raypack.data.vision_pairs import image_owner
 from raypack.data.vision_collate import collate_vision_packed, collate_vision_padded
 from raypack.errors import InputError
 from raypack.model.vision import example_positions, image_token_id
@@ -52,7 +54,9 @@ class VisionRows:
                  the model builds its own positions (get_rope_index) as for any padded batch
 
     Examples are found as `collate.collate_packed` finds them (positions restart at 0), one per
-    id in `example_ids`: vision rows are never split (prepare refuses strategies that split)."""
+    id in `example_ids`: vision rows are never split (prepare refuses strategies that split).
+    Images are looked up by `image_owner`: a preference pair's two sequences share the pair's
+    (raypack/data/vision_pairs.py)."""
 
     def __init__(self, model, images: Mapping[int, tuple[list[bytes], list[int]]], processor: str):
         self.model, self.images = model, images
@@ -69,7 +73,7 @@ class VisionRows:
             if len(names) != len(bounds) - 1:
                 raise ValueError(f"a packed row holds {len(names)} example ids but {len(bounds) - 1} examples")
             for eid, lo, hi in zip(names, bounds[:-1], bounds[1:]):
-                blobs, grid = self.images.get(eid, ([], []))
+                blobs, grid = self.images.get(None if eid is None else image_owner(eid), ([], []))
                 pixels = self.tokenize.example_pixels(
                     {"images": blobs, "image_grid_thw": torch.tensor(grid).reshape(-1, 3).tolist(),
                      "input_ids": ids[lo:hi].numpy()}, f"example {eid}")  # fmt: skip

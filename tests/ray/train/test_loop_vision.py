@@ -10,6 +10,13 @@ process, runs every example of each step alone, padded (`pad`'s batch of one), w
 own attention, positions (get_rope_index) and logits, and raypack's AdamW. Losses at every step,
 every gradient of the first (vision tower and projector included) and the weights after three
 steps agree.
+
+DPO with image prompts, in the same worker group (a Ray Train run costs most of this test's
+time): one optimizer step of 2 ranks x 2 micro-batches of packed image pairs
+(jobs/configs/vlm_dpo_quickstart.yaml's data, processor and budget) under ZeRO-2 and ZeRO-3,
+DPOLoss with VisionRows as the loop runs it, against every sequence run alone through
+transformers' Qwen2.5-VL forward, the loss written from its formula: the loss, each sequence's
+log-probability (dpo_reference.rows_logps, the reference pass's code) and every gradient.
 """
 
 from __future__ import annotations
@@ -19,8 +26,17 @@ import pickle
 import pytest
 import torch
 
-pytestmark = pytest.mark.ray
+from dpo_check import alone_reference, encoded_pairs, grad_errors, packed_pair_rows, pairs_alone_loss, perturb
+from paths import REPO
+
+from raypack.config import DpoConfig, load
+
+# one_thread: the references run here, in the driver, beside the Ray workers (tests/ray/train/test_dpo.py)
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("one_thread")]
 STEPS = 3
+DPO_CONFIG = REPO / "jobs" / "configs" / "vlm_dpo_quickstart.yaml"
+DPO = DpoConfig(beta=0.5, sft_weight=0.3)
+DPO_STAGES = (2, 3)
 
 
 def _train_config():
@@ -66,8 +82,77 @@ def loop(config):
             grads = {name: deepspeed.utils.safe_get_full_grad(p).clone() for name, p in engine.module.named_parameters()}
         engine.step()
     params = {name: deepspeed.utils.safe_get_full_fp32_param(p).clone() for name, p in engine.module.named_parameters()}
+    engine.destroy()
+    dpo = {stage: dpo_step(config, stage) for stage in DPO_STAGES}
     if rank == 0:
-        torch.save({"losses": losses, "grads": grads, "params": params}, config["out"])
+        torch.save({"losses": losses, "grads": grads, "params": params, "dpo": dpo}, config["out"])
+
+
+def _dpo_policy(attention: str, moved: bool = True):
+    """The tiny VLM a DPO step trains: seeded, then moved off the reference (its starting weights,
+    `moved` False)."""
+    from raypack.model.build import load_model
+
+    torch.manual_seed(0)
+    model = load_model("tiny-qwen2_5_vl", attention=attention, dtype="float32")
+    if moved:
+        perturb([model], scale=0.01)
+    return model
+
+
+def dpo_step(config, stage: int) -> dict:
+    """One DPO optimizer step on this rank's image-pair rows, as the loop takes it (DPOLoss with a
+    VisionRows collate), and the policy's per-sequence sums through the reference pass's code."""
+    import deepspeed
+    import ray.train
+
+    from raypack.config import TrainConfig
+    from raypack.train.dpo import DPOLoss
+    from raypack.train.dpo_reference import rows_logps
+    from raypack.train.engine import setup_engine
+    from raypack.train.loop import global_count
+    from raypack.train.loss import make_loss
+    from raypack.train.stepvalues import HostCounts
+    from raypack.train.vision_rows import VisionRows
+
+    rank = ray.train.get_context().get_world_rank()
+    with open(config["pairs"], "rb") as f:
+        rows, images, processor, reference = pickle.load(f)
+    cfg = TrainConfig(num_workers=2, zero_stage=stage, grad_accum=2, grad_clip=0.0, warmup_steps=0,
+                      deepspeed_preset=config["preset"])  # fmt: skip
+    engine, _ = setup_engine(_dpo_policy("auto"), cfg, dtype=torch.float32, world_size=2, total_steps=1)
+    collate = VisionRows(engine.module, images, processor)
+    loss = DPOLoss(make_loss(engine, "chunked", chunk_tokens=7), DPO, global_count, reference=reference,
+                   collate=collate)  # fmt: skip
+    logps = rows_logps(loss, engine, rows[rank], False, 0, engine.device)
+    step = loss.prepare_step(rows[rank])
+    assert all("pixel_values" in b and b["position_ids"].shape[0] == 4 for b in step.batches)
+    pairs, chosen, _, _ = loss.step_counts(HostCounts(2), step)
+    total, _ = loss.forward_backward(engine, step, pairs, chosen, 2)
+    value = float(global_count([float(total)], engine.device)[:, 0].sum()) / pairs
+    grads = {name: deepspeed.utils.safe_get_full_grad(p).clone() for name, p in engine.module.named_parameters()}
+    everyone = [None, None]
+    torch.distributed.all_gather_object(everyone, logps)
+    engine.destroy()
+    return {"loss": value, "pairs": pairs, "grads": grads, "logps": {k: v for d in everyone for k, v in d.items()}}
+
+
+def _dpo_rows():
+    """(rows of each rank's first two micro-batches, images by example id, processor folder, the
+    pairs' tokenized rows) from the DPO quickstart's data, as the pipeline's stages make them."""
+    from raypack.runs import absolute_paths
+
+    cfg = absolute_paths(load(str(DPO_CONFIG)))
+    path, processor = cfg.data.paths[0], cfg.tokenize.tokenizer
+    table = encoded_pairs(path, 12, tokenizer=processor)
+    ranks = packed_pair_rows(path, budget=cfg.pack.budget, strategy=cfg.pack.strategy, ranks=2, table=table)
+    rows = [r[:2] for r in ranks]
+    assert all(len(x["example_ids"]) >= 4 for r in rows for x in r), "no row holds two image pairs"
+    ids = sorted(i for r in rows for x in r for i in x["example_ids"])
+    table = table.filter(np.isin(table["example_id"].to_numpy(), ids))
+    images = {e: (b, g) for e, b, g in zip(*(table[c].to_pylist() for c in ("example_id", "images", "image_grid_thw")))
+              if b is not None}  # fmt: skip
+    return rows, images, processor, table
 
 
 def test_packed_vlm_steps_equal_pad_one_example_a_micro_batch_on_two_ranks(ray_local, tmp_path):
@@ -83,9 +168,16 @@ def test_packed_vlm_steps_equal_pad_one_example_a_micro_batch_on_two_ranks(ray_l
     rows, images, processor = prepared_rows(steps=STEPS)  # the rows of tests/unit/train/test_vision_rows.py
     data = tmp_path / "rows.pkl"
     data.write_bytes(pickle.dumps((rows, images, processor)))
+    pair_rows, pair_images, _, table = _dpo_rows()
+    start = _dpo_policy("eager", moved=False)  # the reference: the starting weights
+    inputs = _alone_inputs(table, pair_images, processor, start.config)
+    reference = alone_reference(start, table, inputs)
+    pairs = tmp_path / "pairs.pkl"
+    pairs.write_bytes(pickle.dumps((pair_rows, pair_images, processor, reference)))
     out = tmp_path / "rank0.pt"
-    fit_on_gloo(loop, tmp_path, "vlm-exact", 2, out=str(out), data=str(data))
+    fit_on_gloo(loop, tmp_path, "vlm-exact", 2, out=str(out), data=str(data), pairs=str(pairs))
     got = torch.load(out)
+    _check_dpo(got["dpo"], table, inputs, reference)
 
     torch.manual_seed(0)
     model = load_model("tiny-qwen2_5_vl", attention="sdpa", dtype="float32")  # what `pad` trains
@@ -118,3 +210,48 @@ def test_packed_vlm_steps_equal_pad_one_example_a_micro_batch_on_two_ranks(ray_l
     # update; the gradients (1e-6) and the losses at every step (1e-5) above are the tight checks.
     for name, p in model.named_parameters():
         torch.testing.assert_close(got["params"][name], p.detach(), rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def _alone_inputs(table, images, processor, config):
+    """The model's own image arguments for a tokenized pair row run alone: its pair's pictures (the
+    bytes the source stage read) through the image processor, and the token types its
+    get_rope_index reads."""
+    import io
+
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    from raypack.model.vision import token_types
+
+    image_processor = AutoImageProcessor.from_pretrained(processor)
+    pixels = {}
+    for eid, (blobs, _) in images.items():
+        pictures = [Image.open(io.BytesIO(b)).convert("RGB") for b in blobs]
+        pixels[eid] = dict(image_processor(images=pictures, return_tensors="pt"))
+
+    def inputs(row: dict) -> dict:
+        pix = pixels[row["example_id"] - row["example_id"] % 2]  # a pair: its id + 0 (chosen) and + 1 (rejected)
+        ids = torch.tensor([row["input_ids"]])
+        return {"pixel_values": pix["pixel_values"], "image_grid_thw": pix["image_grid_thw"],
+                "mm_token_type_ids": token_types(config, ids)}
+
+    return inputs
+
+
+def _check_dpo(got: dict, table, inputs, reference: dict) -> None:
+    """Each ZeRO stage's DPO step against the pairs alone (the loss from its formula)."""
+    policy = _dpo_policy("eager")
+    sums = alone_reference(policy, table, inputs)
+    loss = pairs_alone_loss(policy, reference, table, DPO, inputs)
+    loss.backward()
+    for stage, r in got.items():
+        assert r["pairs"] == table.num_rows // 2, stage
+        assert r["logps"].keys() == sums.keys()
+        for eid, value in sums.items():
+            assert r["logps"][eid] == pytest.approx(value, rel=1e-5), f"zero {stage}: log p of example {eid}"
+        assert r["loss"] == pytest.approx(loss.item(), rel=1e-5), f"zero {stage}"
+        errors = grad_errors(policy, r["grads"])
+        worst = max(errors, key=errors.get)
+        # as tests/ray/train/test_dpo.py: sums over 2 ranks and 2 micro-batches round in other orders
+        assert errors[worst] < 1e-4, f"zero {stage}: {worst} off by {errors[worst]:.2e}"
+        assert any(n.startswith("model.visual.blocks") for n in r["grads"]), "no vision-tower gradient compared"

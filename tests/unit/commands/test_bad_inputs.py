@@ -385,25 +385,33 @@ def test_a_tracker_that_cannot_work_here(tmp_path, capsys, no_ray, monkeypatch, 
 
 
 VLM_CONFIG = REPO / "jobs" / "configs" / "vlm_quickstart.yaml"
+VLM_DPO_CONFIG = REPO / "jobs" / "configs" / "vlm_dpo_quickstart.yaml"
 
 
+@pytest.mark.parametrize("rows", ["chat", "preference"])
 @pytest.mark.parametrize("command", ["train", "data"])
 @pytest.mark.parametrize("case", ["missing image", "placeholders", "undecodable"])
-def test_bad_image_rows_name_the_file_and_line(tmp_path, capsys, no_ray, command, case):
+def test_bad_image_rows_name_the_file_and_line(tmp_path, capsys, no_ray, command, case, rows):
     """The three ways an image row goes bad, each one line naming the file and line, through
-    `raypack train` and `raypack data` on the VLM quickstart's config, before Ray starts."""
+    `raypack train` and `raypack data` on the VLM quickstart's config (chat rows) and the VLM DPO
+    quickstart's (preference pairs whose prompt has the image), before Ray starts."""
     picture = (ASSETS / "vision_sample" / "images" / "000.png").read_bytes()
     (tmp_path / "ok.png").write_bytes(picture)
     (tmp_path / "bad.png").write_bytes(picture[:40])  # a PNG header and then nothing
-    good = {"messages": [{"role": "user", "content": "<image>What is it?"}, {"role": "assistant", "content": "A shape."}],
-            "images": ["ok.png"]}  # fmt: skip
+    question = {"role": "user", "content": "<image>What is it?"}
+    if rows == "chat":
+        good = {"messages": [question, {"role": "assistant", "content": "A shape."}], "images": ["ok.png"]}
+    else:
+        good = {"prompt": [question], "chosen": [{"role": "assistant", "content": "A shape."}],
+                "rejected": [{"role": "assistant", "content": "A cat."}], "images": ["ok.png"]}  # fmt: skip
     bad = {
         "missing image": {**good, "images": ["nowhere.png"]},
         "placeholders": {**good, "images": ["ok.png", "ok.png"]},
         "undecodable": {**good, "images": ["bad.png"]},
     }[case]
     path = jsonl(tmp_path / "vision.jsonl", good, good, bad, good)
-    err = train(tmp_path, capsys, f"data.paths=[{path}]", "--config", str(VLM_CONFIG), command=command)
+    config = VLM_CONFIG if rows == "chat" else VLM_DPO_CONFIG
+    err = train(tmp_path, capsys, f"data.paths=[{path}]", "--config", str(config), command=command)
     assert f"{path} line 3: " in err
     assert {"missing image": f"image 'nowhere.png' can't be read: no such file '{tmp_path / 'nowhere.png'}'",
             "placeholders": "1 <image> placeholder(s) in messages but 2 image(s) in 'images'",

@@ -38,3 +38,17 @@ def test_image_rows_that_would_not_train_with_their_pictures_are_refused(overrid
     with pytest.raises(InputError, match=match):
         check_images_trainable(load(config, overrides), stats, vision_model=vision_model)
     check_images_trainable(load(config), stats, vision_model=True)  # the quickstart itself passes
+
+
+def test_image_pairs_for_a_text_model_are_refused():
+    """DPO with image prompts on a model without a vision tower would train without the pictures."""
+    from paths import REPO
+
+    from raypack.config import load
+    from raypack.data.prepare import check_images_trainable
+
+    config = str(REPO / "jobs" / "configs" / "vlm_dpo_quickstart.yaml")
+    stats = {"images": 3, "formats": {"vision_preference": 3}}
+    with pytest.raises(InputError, match=r"3 images in 3 preference rows, but model.name 'tiny-llama' trains as a text"):
+        check_images_trainable(load(config, ["model.name=tiny-llama"]), stats, vision_model=False)
+    check_images_trainable(load(config), stats, vision_model=True)

@@ -74,3 +74,24 @@ def test_tower_stats_are_the_plan_s_own_sums():
     assert stats["widest_patches"] == max(per_pack)
     grid = pack_work(plan, COST.flops(work)).reshape(-1, 4)
     assert stats["tower_imbalance"] == pytest.approx(grid.max(1).sum() / grid.mean(1).sum())
+
+
+def test_balanced_weighs_both_sides_of_image_pairs():
+    """Preference pairs with image prompts (raypack/data/vision_pairs.py): each side runs the tower
+    on its copy, so both rows carry the pair's work. Zero work plans pairs as the text plan does;
+    weighed, the tower's imbalance falls as for SFT examples, and every pair stays in one pack."""
+    lengths, work = image_set(4000, seed=1)
+    n = len(lengths) // 2
+    rows = np.repeat(lengths[:n], 2)  # chosen and rejected: one prompt, answers of the same length
+    pair_work = np.repeat(work[:n], 2, axis=0)
+    pack = PackConfig(strategy="balanced", budget=4096)
+    plain = make_plan(rows, pack, 8, pairs=True)
+    zeros = make_plan(rows, pack, 8, pairs=True, extra=(np.zeros(len(rows)), np.zeros(len(rows))))
+    for field in ("example", "pack", "rank", "step"):
+        assert np.array_equal(getattr(plain, field), getattr(zeros, field))
+    after = make_plan(rows, pack, 8, pairs=True, extra=COST.extra(pair_work))
+    b, a = (tower_stats(p, COST, pair_work, rows) for p in (plain, after))
+    assert a["tower_imbalance"] < 1 + 0.5 * (b["tower_imbalance"] - 1)
+    order = np.argsort(after.example)
+    assert np.array_equal(after.example[order], np.arange(len(rows)))
+    assert np.array_equal(after.pack[order][0::2], after.pack[order][1::2])  # a pair's two rows share a pack

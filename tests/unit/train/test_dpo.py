@@ -16,11 +16,11 @@ import json
 
 import pytest
 import torch
-from dpo_check import (SAMPLE, encoded_pairs, grad_errors, packed_pair_rows, pairs_alone_loss, perturb,
+from dpo_check import (SAMPLE, alone_reference, encoded_pairs, grad_errors, packed_pair_rows, pairs_alone_loss, perturb,
                        sample_records, trl_step)
 from families import FAMILIES
 
-from raypack.config import DpoConfig
+from raypack.config import ASSETS, DpoConfig
 from raypack.model.build import load_model
 from raypack.train.dpo import METRICS, DPOLoss
 from raypack.train.dpo_reference import rows_logps
@@ -56,15 +56,27 @@ class OneRankEngine:
 
 
 def raypack_step(model, rows: list[dict], dpo: DpoConfig, kind: str = "chunked", after_reference=None,
-                 padded: bool = False):
+                 padded: bool = False, collate=None, logps: dict | None = None, on_the_fly: bool = False):
     """raypack's packed step, as the training loop runs it (DPOLoss.train_step, its values read
     through stepvalues.Pending): the reference pass over `rows`, then each row a micro-batch;
-    returns (loss, metrics) with the gradients in `model`."""
-    loss = DPOLoss(make_loss(model, kind, chunk_tokens=7, padded=padded), dpo, gather=None)
-    reference = rows_logps(loss, model, rows, padded, 2, "cpu")
+    returns (loss, metrics) with the gradients in `model`. `collate`: a VLM's VisionRows;
+    `logps`, when given, receives the reference pass's sums ("reference") and the moved policy's
+    ("policy"), by example id. `on_the_fly`: a LoRA model's reference taken in the step, with the
+    adapters off (dpo.reference: on_the_fly), not precomputed."""
+    loss = DPOLoss(make_loss(model, kind, chunk_tokens=7, padded=padded), dpo, gather=None, collate=collate)
+    if on_the_fly:
+        with model.disable_adapter():  # what the step takes: only read here, for `logps`
+            reference = rows_logps(loss, model, rows, padded, 2, "cpu")
+    else:
+        reference = rows_logps(loss, model, rows, padded, 2, "cpu")
     if after_reference is not None:
         after_reference(model)
-    loss = DPOLoss(loss.base, dpo, gather=None, reference=reference)
+    if logps is not None:
+        logps["reference"], logps["policy"] = reference, rows_logps(loss, model, rows, padded, 2, "cpu")
+    if on_the_fly:
+        loss = DPOLoss(loss.base, dpo, gather=None, adapters_off=model.disable_adapter, collate=collate)
+    else:
+        loss = DPOLoss(loss.base, dpo, gather=None, reference=reference, collate=collate)
     step = loss.prepare_step(rows, padded=padded, pad_token_id=2)
     values = loss.train_step(OneRankEngine(model, len(step.batches)), step, HostCounts(1), 1).resolve()
     assert values["pairs"] == step.pairs and values["skipped_steps"] == 0.0
@@ -289,3 +301,118 @@ def errors_between(a, b) -> float:
     assert a.keys() == b.keys()
     floor = 1e-3 * max(g.abs().max().item() for g in b.values())
     return max((a[n] - b[n]).abs().max().item() / max(b[n].abs().max().item(), floor) for n in a)
+
+
+VLM_SAMPLE = ASSETS / "vision_sample" / "preference.jsonl"
+VLM_PROCESSOR = str(ASSETS / "vlm_processor")
+
+
+def _pictures(path, n: int) -> dict[int, dict]:
+    """{row: the model's image inputs for that preference row} of the first `n` rows with images,
+    from the picture files through the image processor (not raypack's stored bytes or its
+    re-processing)."""
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    processor = AutoImageProcessor.from_pretrained(VLM_PROCESSOR)
+    out = {}
+    for row, line in enumerate(path.read_text().splitlines()[:n]):
+        rec = json.loads(line)
+        content = rec["prompt"][0]["content"]
+        names = rec.get("images") or ([p["image"] for p in content if p["type"] == "image"] if isinstance(content, list)
+                                      else [])  # fmt: skip
+        if names:
+            pix = processor(images=[Image.open(VLM_SAMPLE.parent / n).convert("RGB") for n in names], return_tensors="pt")
+            out[row] = {"pixel_values": pix["pixel_values"], "image_grid_thw": pix["image_grid_thw"]}
+    return out
+
+
+def _with_text_pairs(tmp_path):
+    """The first image pairs of the sample and, between them, two text-only pairs (string content)."""
+    lines = VLM_SAMPLE.read_text().splitlines()[:PAIRS - 2]
+    text = [json.dumps({"prompt": [{"role": "user", "content": q}], "chosen": [{"role": "assistant", "content": c}],
+                        "rejected": [{"role": "assistant", "content": r}]})
+            for q, c, r in (("Say yes.", "Yes.", "No."), ("Count to two.", "One, two.", "Two, one."))]  # fmt: skip
+    (tmp_path / "images").symlink_to(VLM_SAMPLE.parent / "images")  # the sample's relative image paths
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(lines[:3] + text[:1] + lines[3:] + text[1:]) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "pad", "bfd-with-text-pairs", "bfd-lora-on-the-fly"])
+def test_vlm_packed_dpo_equals_each_pair_alone(strategy, tmp_path):
+    """DPO with image prompts (raypack/data/vision_pairs.py) on the tiny Qwen2.5-VL: raypack's step
+    over packed rows of several image pairs (VisionRows: each sequence's copy of its pair's pixels,
+    4-row mRoPE positions from the model's own get_rope_index per sequence), or `pad`'s batches,
+    or rows where text-only pairs sit beside image pairs, against every sequence run alone through
+    transformers' own Qwen2.5-VL forward (eager attention, pixel_values and image_grid_thw, the
+    positions it builds itself), the loss written from its formula: the loss, each sequence's
+    log-probability (reference and moved policy), the log-prob metrics and every gradient (vision
+    tower and projector included), 1e-5 relative. With LoRA (all-linear: adapters in both towers)
+    the reference is the base with the adapters off, taken in the step (dpo.reference: on_the_fly)."""
+    from exactness import random_lora_b
+
+    from raypack.config import PeftConfig
+    from raypack.model.adapters import apply_adapters
+    from raypack.data.sources import locate
+    from raypack.train.vision_rows import VisionRows
+    from raypack.model.vision import token_types
+
+    padded = strategy == "pad"
+    path = _with_text_pairs(tmp_path) if strategy.endswith("text-pairs") else VLM_SAMPLE
+    torch.manual_seed(0)
+    model = load_model("tiny-qwen2_5_vl", attention="sdpa" if padded else "sdpa_varlen", dtype="float32").train()
+    alone, start = (load_model("tiny-qwen2_5_vl", attention="eager", dtype="float32").train() for _ in range(2))
+    lora = strategy.endswith("lora-on-the-fly")
+    if lora:  # B drawn at random: at peft's zero start every lora_A gradient is zero, and the policy its base
+        model = random_lora_b(apply_adapters(model, PeftConfig(method="lora", r=4, alpha=8)))
+        alone, start = (apply_adapters(m, PeftConfig(method="lora", r=4, alpha=8)) for m in (alone, start))
+    alone.load_state_dict(model.state_dict())
+    start.load_state_dict(model.state_dict())  # the reference: the weights before the step
+    table = encoded_pairs(path, PAIRS, tokenizer=VLM_PROCESSOR)
+    budget = 256 if path == VLM_SAMPLE else 200  # 200: bfd puts a text pair beside image pairs
+    rows = packed_pair_rows(path, budget=budget, strategy=strategy.split("-")[0], table=table)[0]
+    if not padded:
+        assert all(len(r["example_ids"]) >= 4 for r in rows)  # several pairs a row
+    images = {e: (b, g) for e, b, g in zip(*(table[c].to_pylist() for c in ("example_id", "images", "image_grid_thw")))
+              if b is not None}  # fmt: skip
+    pictures = _pictures(path, PAIRS)
+    assert table.num_rows == 2 * PAIRS and len(images) == len(pictures)  # stored once a pair, on its chosen row
+    if path != VLM_SAMPLE:  # a text pair and an image pair in one row
+        assert any(len({e in images for e in r["example_ids"][0::2]}) == 2 for r in rows)
+
+    def inputs(row: dict) -> dict:
+        pix = pictures.get(locate(row["example_id"])[1])
+        if pix is None:  # a text-only pair: the model's own text positions
+            return {}
+        ids = torch.tensor([row["input_ids"]])
+        return {**pix, "mm_token_type_ids": token_types(alone.config, ids)}
+
+    dpo = DpoConfig(beta=0.5, sft_weight=0.3)
+    move = lambda m: perturb([m], scale=0.01)  # noqa: E731
+    logps: dict = {}
+    loss, metrics = raypack_step(model, rows, dpo, after_reference=None if lora else move, padded=padded,
+                                 collate=VisionRows(model, images, VLM_PROCESSOR), logps=logps, on_the_fly=lora)
+    if lora:  # the reference: the base, adapters off
+        with start.disable_adapter():
+            reference = alone_reference(start, table, inputs)
+    else:
+        reference = alone_reference(start, table, inputs)
+        move(alone)
+    policy = alone_reference(alone, table, inputs)
+    for name, want in (("reference", reference), ("policy", policy)):
+        assert logps[name].keys() == want.keys()
+        for eid, value in want.items():
+            assert logps[name][eid] == pytest.approx(value, rel=TOLERANCE), f"{name} log p of example {eid}"
+    sums = list(policy.values())
+    assert metrics["logps/chosen"] == pytest.approx(sum(sums[0::2]) / PAIRS, rel=TOLERANCE)
+    assert metrics["logps/rejected"] == pytest.approx(sum(sums[1::2]) / PAIRS, rel=TOLERANCE)
+    expected = pairs_alone_loss(alone, reference, table, dpo, inputs)
+    expected.backward()
+    assert loss == pytest.approx(expected.item(), rel=TOLERANCE)
+    errors = grad_errors(model, {n: p.grad for n, p in alone.named_parameters() if p.grad is not None})
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < TOLERANCE, f"{worst} off by {errors[worst]:.2e}"
+    towers = {part for n in errors for part in ("visual.blocks", "visual.merger") if f"model.{part}." in n}
+    assert towers == {"visual.blocks", "visual.merger"}, "no vision-tower or projector gradient was compared"
+    assert not lora or all("lora_" in n for n in errors)
