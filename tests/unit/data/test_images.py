@@ -37,6 +37,19 @@ def test_the_pil_image_processor_loads_without_torchvision(parts):
     assert type(image_processor).__name__ == "Qwen2VLImageProcessorPil"
 
 
+def processor_encoding(processor, rec: dict) -> tuple[dict, list]:
+    """What a model's own processor gives for the record `rec` (its chat template with the pictures,
+    decoded, in the image parts), and the record's image sources."""
+    messages, sources = image_messages(rec, "")
+    pictures = iter(decode_image(read_image_bytes(s, SAMPLE, ""), s, "") for s in sources)
+    for m in messages:
+        for part in m["content"]:
+            if part["type"] == "image":
+                part["image"] = next(pictures)
+    return processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+                                         return_tensors="np"), sources  # fmt: skip
+
+
 def test_tokens_labels_and_pixels_match_the_models_processor(parts, monkeypatch):
     image_processor, tokenizer, tokenize = parts
     # Without torchvision, transformers can't name the video-processor base class its processors
@@ -47,14 +60,7 @@ def test_tokens_labels_and_pixels_match_the_models_processor(parts, monkeypatch)
                                  chat_template=tokenizer.chat_template)  # fmt: skip
     for i, rec in enumerate(_records("vision.jsonl")[:6]):
         ours = tokenize(rec, f"vision.jsonl:{i + 1}", base_dir=SAMPLE)
-        messages, sources = image_messages(rec, "")
-        pictures = iter(decode_image(read_image_bytes(s, SAMPLE, ""), s, "") for s in sources)
-        for m in messages:
-            for part in m["content"]:
-                if part["type"] == "image":
-                    part["image"] = next(pictures)
-        ref = reference.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True, return_tensors="np")  # fmt: skip
+        ref, _ = processor_encoding(reference, rec)
         ids = ref["input_ids"][0]
         eos = tokenizer.eos_token_id  # raypack ends an example with EOS, trained after the assistant
         assert ours["input_ids"] == [*ids.tolist(), eos]
@@ -151,14 +157,7 @@ def test_llava_tokens_labels_and_pixels_match_llava_processor(tower, tmp_path):
     per_image = {"clip": 16, "siglip": 9}[tower]  # (16/4)² + CLS - CLS dropped; (12/4)², all kept
     for i, rec in enumerate(_records("vision_pairs.jsonl")[:6]):
         ours = tokenize(rec, f"vision_pairs.jsonl:{i + 1}", base_dir=SAMPLE)
-        messages, sources = image_messages(rec, "")
-        pictures = iter(decode_image(read_image_bytes(s, SAMPLE, ""), s, "") for s in sources)
-        for m in messages:
-            for part in m["content"]:
-                if part["type"] == "image":
-                    part["image"] = next(pictures)
-        ref = reference.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True, return_tensors="np")  # fmt: skip
+        ref, sources = processor_encoding(reference, rec)
         ids = ref["input_ids"][0]
         eos = tokenizer.eos_token_id
         assert ours["input_ids"] == [*ids.tolist(), eos]
@@ -209,14 +208,7 @@ def test_idefics3_tokens_labels_and_pixels_match_idefics3_processor():
     tiles = set()
     for i, rec in enumerate(_records("vision_pairs.jsonl")[:8]):
         ours = tokenize(rec, f"vision_pairs.jsonl:{i + 1}", base_dir=SAMPLE)
-        messages, sources = image_messages(rec, "")
-        pictures = iter(decode_image(read_image_bytes(s, SAMPLE, ""), s, "") for s in sources)
-        for m in messages:
-            for part in m["content"]:
-                if part["type"] == "image":
-                    part["image"] = next(pictures)
-        ref = reference.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True, return_tensors="np")  # fmt: skip
+        ref, _ = processor_encoding(reference, rec)
         ids = ref["input_ids"][0]
         assert ours["input_ids"] == [*ids.tolist(), tokenizer.eos_token_id]
         assert ours["labels"][:-1] == np.where(ref["assistant_masks"][0] == 1, ids, -100).tolist()
