@@ -18,6 +18,10 @@ file) stops the pipeline, after which the driver re-reads the sources, in parall
 tokenizing, to name the first bad row in file order exactly as `read_sources_with_report` does. The rows
 stream into Parquet files (prepare), or into the object store (tests, small tools): the planner
 needs only the lengths and ids, which the actors report with their counts.
+
+Data of up to `data.driver_max_mb` is tokenized in the driver's own process instead
+(`tokenize_here`): the same reading, encoder, counts and rows, without the seconds that Ray Data's
+read tasks and tokenizer actor take to start.
 """
 
 from __future__ import annotations
