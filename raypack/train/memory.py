@@ -486,4 +486,7 @@ def tower_cost(config: Any, trust_remote_code: bool = False):
     if not _is_vlm(config):
         return None
     arch = Arch.from_config(config, trust_remote_code)
-    return arch.tower.cost(arch) if arch.tower is not None else None
+    if arch.tower is None:
+        return None
+    lm_token = 6 * (arch.layers * arch.linear_params + arch.vocab * arch.hidden)
+    return arch.tower.cost(token_flops=lm_token, length_flops=6 * arch.layers * arch.q)

@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from torch import nn
 
     from raypack.data.tower import TowerCost
-    from raypack.train.memory import Arch
 
 
 @dataclass(frozen=True)
@@ -93,18 +92,17 @@ class Tower:
         """Bytes of the one block a recomputing mode runs again in backward (0 under `none`)."""
         return 0.0 if mode == "none" else patches * self.block_bytes("none")
 
-    def cost(self, arch: Arch) -> TowerCost:
+    def cost(self, token_flops: float, length_flops: float) -> TowerCost:
         """Training FLOPs (forward and backward, 6 per weight per input, 12·d per attended pair
-        and block) of the tower per patch and per image patch², and of the language model per
-        token and per length² (as raypack/train/metrics.py counts them for MFU): what the plan
-        weighs a patch against a token with (raypack/data/tower.py)."""
+        and block) of the tower per patch and per image patch², beside the language model's per
+        token and per length² (`memory.tower_cost` counts those, as raypack/train/metrics.py does
+        for MFU): what the plan weighs a patch against a token with (raypack/data/tower.py)."""
         from raypack.data.tower import TowerCost
 
         # Windowed blocks attend over `window` patches a patch: linear in patches too.
         per_patch = 6 * self.patch_weights + 12 * self.hidden * self.window * (self.blocks - self.full_blocks)
-        lm_token = 6 * (arch.layers * arch.linear_params + arch.vocab * arch.hidden)
         return TowerCost(patch_flops=per_patch, image_flops=12 * self.hidden * self.full_blocks,
-                         token_flops=lm_token, length_flops=6 * arch.layers * arch.q)  # fmt: skip
+                         token_flops=token_flops, length_flops=length_flops)  # fmt: skip
 
 
 def _mlp(block: nn.Module) -> tuple[int, bool]:

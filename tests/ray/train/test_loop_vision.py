@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import pickle
 
+import numpy as np
 import pytest
 import torch
 
