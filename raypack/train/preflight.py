@@ -41,7 +41,7 @@ import pyarrow.parquet as pq
 from raypack import storage
 from raypack.config import Config
 from raypack.data.formats import FormatError, detect
-from raypack.data.listing import Sources
+from raypack.data.listing import Sources, source_bytes
 from raypack.data.shards import Prepared
 from raypack.data.sources import check_rows_here
 from raypack.data.strategies import STRATEGIES, check_strategies
@@ -133,8 +133,8 @@ def _tokenizer(cfg: Config, sources: Sources, formats: dict[str, str]):
 
 
 def _check_rows(checked: Checked, vocab_size: int | None) -> None:
-    files = checked.formats
-    if all(not storage.is_uri(p) for p in files) and sum(_size(p) for p in files) <= ROW_CHECK_BYTES:
+    local = all(not storage.is_uri(p) for p in checked.formats)
+    if local and (source_bytes(checked.sources) or 0) <= ROW_CHECK_BYTES:
         check_rows_here(checked.cfg.data, checked.sources, vocab_size)
 
 
@@ -320,9 +320,3 @@ def _what_it_is(head: bytes) -> str:
         return "a JSON object over several lines: write each object on one line, e.g. `jq -c . FILE`"
     first = start.splitlines()[0] if start else ""
     return f"line 1 is no JSON object: {first[:60]!r}"
-
-
-def _size(path: str) -> int:
-    fs, p = storage.resolve(path)
-    return fs.get_file_info(p).size or 0
-
