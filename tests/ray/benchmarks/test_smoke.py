@@ -25,6 +25,8 @@ COMMANDS = {  # script -> what its results file must show
     # DeepSpeed init with its shm all-reduce built and skipped (warm: --smoke builds nothing); both
     # settings of train.overlap_start
     "startup.py": ["| warm |", "| worker group |", "| waiting for data |", "overlap / sequential"],
+    # every side once: the libraries' imports, TRL, Ray Train alone (stock and raypack's), raypack
+    "startup_floor.py": ["| `imports` |", "| `trl` | ", "| `ray-train` |", "| `ray-train-raypack` |", "| `raypack` |"],
     # TRL's SFTTrainer in both precision recipes and raypack's defaults on the tiny model (--configs below)
     "peers.py": ["| raypack | raypack train's defaults | ", "| trl | ", "| trl-mixed | ", "raypack / trl: **",
                  "2 forward(s) of a layer a micro-batch"],

@@ -58,7 +58,7 @@ NO_RAY = {  # script -> what its results file must show
     "long_context.py": ["| 1b-full | none | 256 |", "| 8b-lora | both | 256 |", "| 1b-full | tiled | 256 |"],
 }
 NEEDS_RAY = {"train_throughput.py", "pack_materialize.py", "tokenize_throughput.py", "prepare_driver.py", "prepare_scale.py",
-             "sweep_prepare.py", "sweep_spread.py", "peers.py", "startup.py", "dpo.py"}
+             "sweep_prepare.py", "sweep_spread.py", "peers.py", "startup.py", "startup_floor.py", "dpo.py"}
 """Run by tests/ray/benchmarks/test_smoke.py (train_throughput through `make bench-smoke`'s driver)."""
 
 
