@@ -35,6 +35,7 @@ cluster image).
 
 from __future__ import annotations
 
+import functools
 import math
 import types
 from typing import Any
@@ -146,9 +147,50 @@ def skip_shm_build() -> None:
         table[SHM_OP] = False
 
 
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def import_muon_uncompiled() -> None:
+    """Start-up: DeepSpeed's ZeRO checks every optimizer against a list it completes, on each
+    `deepspeed.initialize`, by importing its Muon optimizer's module, whose functions are decorated
+    with `torch.compile`; that decoration imports Inductor (1.0-1.4 s of CPU in a worker, measured,
+    before the first step), which a run that compiles nothing never uses. The module is imported
+    here first with decorators that call `torch.compile` on a function's first call instead: the
+    same compiled functions for whoever uses Muon, and no Inductor for those who don't."""
+    import importlib
+    import sys
+
+    if MUON_MODULE in sys.modules:
+        return
+    from deepspeed.runtime import compiler
+
+    eager = compiler.compile
+    compiler.compile = lambda: _compile_on_first_call
+    try:
+        importlib.import_module(MUON_MODULE)
+    except ImportError:  # another DeepSpeed version: its check does what it does
+        pass
+    finally:
+        compiler.compile = eager
+
+
+def _compile_on_first_call(fn):
+    compiled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal compiled
+        if compiled is None:
+            compiled = torch.compile(fn)
+        return compiled(*args, **kwargs)
+
+    return call
+
+
 def setup_engine(model: torch.nn.Module, cfg: TrainConfig, *, dtype: torch.dtype, world_size: int, total_steps: int):
     """`deepspeed.initialize` with raypack's optimizer and schedule. Returns (engine, scheduler)."""
     skip_shm_build()
+    import_muon_uncompiled()
     ds_config = deepspeed_config(cfg, dtype=dtype, world_size=world_size)
     optimizer = None
     if "optimizer" not in ds_config:
