@@ -226,13 +226,16 @@ def raypack_config(args, work: Path, name: str, cuda: bool):
 def child_raypack(args, work: Path, name: str) -> dict:
     import torch
 
-    from benchmarks.train_throughput import read_tensorboard
     from raypack.runs import run_dir
     from raypack.train.trainer import start
 
     cuda = torch.cuda.is_available()
     cfg = raypack_config(args, work, name, cuda)
     start(cfg)  # starts Ray as `raypack train` does (its settings: the dashboard too)
+    # Only now: its module imports DeepSpeed and the attention benchmark (1.8 s measured), which
+    # `raypack train` never pays before its first step, and this side's start-up is timed from launch.
+    from benchmarks.train_throughput import read_tensorboard
+
     tb = read_tensorboard(f"{run_dir(cfg)}/tensorboard")
     last = args.warmup + args.steps
     tokens = sum(tb[s]["train/tokens"] for s in range(args.warmup + 1, last + 1))
