@@ -19,6 +19,11 @@ The reduce bucket still carries one rank's gradients (copied in, "reduced" over 
 copied into the partition): its size only sets how many such flushes a step takes, each a few
 launches, and costs 2 bytes an element, so the preset's size stands.
 
+Start-up: `setup_engine` skips two things DeepSpeed's initialization does that training never
+uses, each seconds before the first step: the JIT build of a shared-memory all-reduce for inference
+(`skip_shm_build`), and the Inductor import that its Muon module's `torch.compile` decorators bring
+(`import_muon_uncompiled`).
+
 Precision (`train.precision`): `mixed` keeps fp32 master weights and Adam moments; `bf16` asks
 DeepSpeed for bf16 master weights, gradients and moments (`bf16_master_weights_and_grads`,
 `bf16_optimizer_states`) and passes torch-optimi's AdamW with Kahan summation: each parameter's
@@ -47,8 +52,8 @@ from raypack.config import TrainConfig
 from raypack.model.build import resolve_dtype
 from raypack.train.presets import PRESETS, find_auto, load_preset
 
-__all__ = ["PRESETS", "clip_without_reading", "deepspeed_config", "load_preset", "lr_lambda", "make_optimizer",
-           "model_dtype", "setup_engine", "skip_shm_build"]
+__all__ = ["PRESETS", "clip_without_reading", "deepspeed_config", "import_muon_uncompiled", "load_preset", "lr_lambda",
+           "make_optimizer", "model_dtype", "setup_engine", "skip_shm_build"]
 
 BETAS = (0.9, 0.95)
 EPS = 1e-8
