@@ -103,7 +103,8 @@ def launch(cmd: list[str], args) -> tuple[float, str]:
     return launched, proc.stdout
 
 
-def reached(stdout: str, key: str) -> float:
+def reached(stdout: str, key: str) -> str:
+    """The rest of the last line of `stdout` that begins with `key`."""
     line = next(line for line in reversed(stdout.splitlines()) if line.startswith(key))
     return line.split(maxsplit=1)[1]
 
