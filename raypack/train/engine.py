@@ -165,11 +165,11 @@ def import_muon_uncompiled() -> None:
     import importlib
     import sys
 
-    if MUON_MODULE in sys.modules:
-        return
     from deepspeed.runtime import compiler
 
-    eager = compiler.compile
+    eager = getattr(compiler, "compile", None)
+    if MUON_MODULE in sys.modules or eager is None:  # imported already, or another DeepSpeed: as it comes
+        return
     compiler.compile = lambda: _compile_on_first_call
     try:
         importlib.import_module(MUON_MODULE)
