@@ -42,8 +42,6 @@ sys.path.insert(0, str(REPO))
 from benchmarks.common import cpu_header, device_name, host_now, write_results  # noqa: E402
 
 SIDES = ("imports", "trl", "ray-train", "ray-train-raypack", "raypack")
-PEERS_SIZES = ["--budget", "256", "--accum", "1", "--steps", "3", "--warmup", "1", "--seed", "0"]
-"""`peers.py --smoke`'s sizes, as its children get them."""
 WORKER_IMPORTS = "import torch, transformers, deepspeed, peft"
 """What a raypack worker imports before it trains (raypack/train/loop.py and what it pulls in)."""
 
@@ -72,21 +70,21 @@ def child_ray_train(side: str, work: Path, use_gpu: bool) -> float:
     init_ray()
     out = work / f"reached-{os.getpid()}"
     env = {} if use_gpu else {"DS_ACCELERATOR": "cpu"}  # as raypack's workers get it
-    run_config = ray.train.RunConfig(name=f"floor-{os.getpid()}", storage_path=str(work / "scratch"),
-                                     worker_runtime_env={"env_vars": env})  # fmt: skip
-    scaling = ray.train.ScalingConfig(num_workers=1, use_gpu=use_gpu, resources_per_worker={"CPU": 1})
-    if side == "ray-train":
-        trainer = TorchTrainer(worker_imports, train_loop_config={"out": str(out)}, scaling_config=scaling,
-                               run_config=run_config)  # fmt: skip
-    else:
+    if side == "ray-train-raypack":
         from raypack.train.placement import process_group
         from raypack.train.trainer import RunTrainer
 
         local = is_local_instance()
         torch_config, listen_env = process_group(use_gpu, local)
         env.update(listen_env)
-        trainer = RunTrainer(worker_imports, local=local, train_loop_config={"out": str(out)}, torch_config=torch_config,
-                             scaling_config=scaling, run_config=run_config)  # fmt: skip
+    run_config = ray.train.RunConfig(name=f"floor-{os.getpid()}", storage_path=str(work / "scratch"),
+                                     worker_runtime_env={"env_vars": env})  # fmt: skip
+    scaling = ray.train.ScalingConfig(num_workers=1, use_gpu=use_gpu, resources_per_worker={"CPU": 1})
+    common = {"train_loop_config": {"out": str(out)}, "scaling_config": scaling, "run_config": run_config}
+    if side == "ray-train":
+        trainer = TorchTrainer(worker_imports, **common)
+    else:
+        trainer = RunTrainer(worker_imports, local=local, torch_config=torch_config, **common)
     trainer.fit()
     return float(out.read_text())
 
@@ -113,12 +111,14 @@ def run_side(side: str, work: Path, args) -> float:
     """Seconds from `side`'s launch to its point: the end of its first step, or of its imports."""
     import json
 
+    from benchmarks.peers import child_args, parse_args
+
     if side == "imports":
         launched, out = launch([sys.executable, "-c", IMPORTS], args)
         seconds = float(reached(out, "REACHED")) - launched
     elif side in ("trl", "raypack"):
         launched, out = launch([sys.executable, "-u", str(REPO / "benchmarks/peers.py"), "--child", side, "--work",
-                                str(work), *PEERS_SIZES], args)  # fmt: skip
+                                str(work), *child_args(parse_args(["--smoke"]))], args)  # fmt: skip
         seconds = json.loads(reached(out, "RESULT"))["first_step_time"] - launched
     else:
         launched, out = launch([sys.executable, __file__, "--child", side, "--work", str(work),
@@ -146,12 +146,13 @@ def main(argv=None) -> int:
     args.gpu = torch.cuda.is_available()
     rounds = args.rounds or (1 if args.smoke else 3)
     started = host_now()
-    from benchmarks.peers import save_model, write_data
+    from benchmarks.peers import parse_args, save_model, write_data
 
+    smoke = parse_args(["--smoke"])  # peers.py --smoke's data, model and sizes (its tiny model's vocabulary: 768)
     with tempfile.TemporaryDirectory(prefix="startup_floor_") as tmp:
         work = Path(tmp)
-        write_data(work / "data.parquet", 600, 256, 768, 0)  # peers.py --smoke's data and model
-        save_model(work / "model", smoke=True, seed=0)
+        write_data(work / "data.parquet", smoke.examples, smoke.budget, 768, smoke.seed)
+        save_model(work / "model", smoke=True, seed=smoke.seed)
         runs: dict[str, list[float]] = {side: [] for side in SIDES}
         for r in range(rounds):
             for side in SIDES if r % 2 == 0 else SIDES[::-1]:
