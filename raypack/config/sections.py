@@ -216,22 +216,31 @@ class TrainConfig:
     """Logical CPUs each worker reserves."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
     """How workers spread over nodes; SPREAD puts ranks on different nodes where it can."""
+    engine: Literal["deepspeed", "torch"] = "deepspeed"
+    """What trains the model: `deepspeed` (ZeRO with its JSON presets and offload) or `torch`, torch's
+    own data parallelism (DDP at zero_stage 0, the bare model on one rank; FSDP2 at 1-3), without
+    DeepSpeed (raypack/train/engines/). The default stays deepspeed until a GPU has measured the two
+    side by side (docs/guides/engines.md)."""
     zero_stage: Literal[0, 1, 2, 3] = 2
-    """DeepSpeed ZeRO stage."""
+    """What each rank keeps whole, on either engine: 0 everything (replicated); 1-2 the weights,
+    sharded optimizer state and gradients (DeepSpeed's ZeRO-1/2; FSDP2 without resharding after
+    the forward); 3 the weights sharded too (ZeRO-3; FSDP2 resharding after each layer's forward)."""
     deepspeed_preset: str | None = None
     """A DeepSpeed JSON preset by name (raypack/configs/deepspeed/<name>.json) or a path, overlaid by this config."""
     offload_optimizer: bool = False
-    """ZeRO optimizer state offload to CPU."""
+    """Optimizer state offload to CPU (DeepSpeed's CPU Adam; on the torch engine FSDP2's
+    CPUOffloadPolicy, which keeps the sharded weights and gradients on the host with it)."""
     offload_params: bool = False
-    """ZeRO-3 parameter offload to CPU."""
+    """ZeRO-3 parameter offload to CPU (on the torch engine, the same CPUOffloadPolicy)."""
     optimizer: Literal["torch", "deepspeed"] = "torch"
-    """`torch` passes torch AdamW (fused on CUDA) and skips DeepSpeed's JIT op builds."""
+    """`torch` passes torch AdamW (fused on CUDA) and skips DeepSpeed's JIT op builds; `deepspeed`
+    (train.engine deepspeed only) takes DeepSpeed's own."""
     precision: Literal["mixed", "bf16"] = "mixed"
     """`mixed`: bf16 (or model.dtype's) weights and gradients, fp32 master weights and Adam moments
     (16 bytes a trained parameter before ZeRO shards them). `bf16`: weights, master weights, gradients
     and moments all in bf16, as a bf16-loaded model trains under TRL (DeepSpeed's
     bf16_master_weights_and_grads and bf16_optimizer_states), updated by torch-optimi's AdamW with
-    Kahan compensation, so updates below half a bf16 ulp still add up (raypack/train/engine.py).
+    Kahan compensation, so updates below half a bf16 ulp still add up (raypack/train/engines/optim.py).
     Needs model.dtype auto or bfloat16, ZeRO 1-3, the torch optimizer and no optimizer offload."""
     lr: float = 1e-3
     """Peak learning rate."""
@@ -323,11 +332,14 @@ class TrainConfig:
         _check(self.max_steps is None or self.max_steps > 0, "train.max_steps", "a positive int or null", self.max_steps)
         _check(self.report_every_steps is None or self.report_every_steps > 0, "train.report_every_steps",
                "a positive int or null (chosen as the run goes)", self.report_every_steps)
-        if self.precision == "bf16":
+        if self.engine == "torch":
+            self._check_torch_engine()
+        if self.precision == "bf16" and self.engine == "deepspeed":
             # DeepSpeed keeps bf16 master weights only in a ZeRO optimizer (stage 1-3), and with
             # optimizer offload only in its CPU Adam, which rounds every update to nearest.
             _check(self.zero_stage > 0, "train.precision", "mixed with train.zero_stage 0 (bf16 master weights "
-                   "live in ZeRO's optimizer, stages 1-3)", self.precision)
+                   "live in ZeRO's optimizer, stages 1-3; train.engine torch trains bf16 weights at stage 0)",
+                   self.precision)
             _check(not self.offload_optimizer and self.optimizer == "torch", "train.precision",
                    "mixed with train.offload_optimizer or train.optimizer: deepspeed (DeepSpeed's CPU Adam rounds "
                    "bf16 updates to nearest and loses the small ones)", self.precision)
@@ -354,6 +366,17 @@ class TrainConfig:
         _check(not self.compile or self.zero_stage < 3, "train.compile", "false with train.zero_stage 3", self.compile)
         _check(not self.compile or self.sequence_parallel == 1, "train.compile",
                "false with train.sequence_parallel > 1", self.compile)
+
+    def _check_torch_engine(self) -> None:
+        """What only DeepSpeed does, refused on the torch engine (train.engine: torch)."""
+        _check(self.deepspeed_preset is None, "train.deepspeed_preset", "null with train.engine torch (a DeepSpeed "
+               "preset configures DeepSpeed's engine only)", self.deepspeed_preset)
+        _check(self.optimizer == "torch", "train.optimizer", "torch with train.engine torch (DeepSpeed's own "
+               "Adam needs its engine)", self.optimizer)
+        # FSDP2's CPUOffloadPolicy offloads the shards of a sharded model: DDP has no such policy
+        _check(not self.offload_optimizer or self.zero_stage > 0, "train.offload_optimizer",
+               "false with train.engine torch and train.zero_stage 0 (offload is FSDP2's, zero_stage 1-3)",
+               self.offload_optimizer)
 
     @property
     def data_parallel(self) -> int:

@@ -311,7 +311,7 @@ def chunk_tokens(cfg: Config, vocab: int) -> int:
 
 def preset_zero(cfg: Config) -> dict[str, Any]:
     """The `zero_optimization` section of the run's DeepSpeed preset (bucket sizes, live params)."""
-    from raypack.train.presets import load_preset  # JSON only: no DeepSpeed import
+    from raypack.train.engines.presets import load_preset  # JSON only: no DeepSpeed import
 
     return load_preset(cfg.train.deepspeed_preset).get("zero_optimization", {})
 

@@ -90,7 +90,7 @@ def run_case(case, rank, preset):
     import deepspeed
 
     from raypack.config import TrainConfig
-    from raypack.train.engine import setup_engine
+    from raypack.train.engines.deepspeed import setup_engine
     from raypack.train.loop import forward_backward, global_count
     from raypack.train.loss import make_loss
     from raypack.train.prefetch import prepare_step
@@ -109,7 +109,7 @@ def run_case(case, rank, preset):
     model = build_model(case)
     if extra.get("compile"):  # as raypack.train.loop.setup and setup_worker do
         compile_layers(model)
-    engine, _ = setup_engine(model, cfg, dtype=torch.float32, world_size=2, total_steps=steps)
+    engine = setup_engine(model, cfg, dtype=torch.float32, world_size=2, total_steps=steps)
     if stage == 3:  # the weights really are partitioned outside forward
         assert engine.module.get_output_embeddings().weight.numel() == 0
     loss_fn = make_loss(engine, "chunked", chunk_tokens=7)
@@ -180,7 +180,7 @@ def check_against_examples_alone(case, got):
     """Reference: one process, each example alone, Σ token losses / total label tokens; for
     several steps, raypack's AdamW (the torch optimizer at a constant rate) steps it."""
     from raypack.config import TrainConfig
-    from raypack.train.engine import make_optimizer
+    from raypack.train.engines.optim import make_optimizer
 
     model = build_model(case, attention="eager", reference=True)  # the model's own attention and logits
     steps = ALL_CASES[case][3].get("steps", 1)
@@ -252,7 +252,7 @@ def lora_loop(config):
 
     from raypack.config import TrainConfig
     from raypack.model.adapters import frozen_digest
-    from raypack.train.engine import setup_engine
+    from raypack.train.engines.deepspeed import setup_engine
     from raypack.train.loop import forward_backward, global_count
     from raypack.train.loss import make_loss
     from raypack.train.prefetch import prepare_step
@@ -263,7 +263,7 @@ def lora_loop(config):
         stage, _, _, extra = LORA_CASES[case]
         cfg = TrainConfig(num_workers=2, zero_stage=stage, grad_accum=2, grad_clip=0.0, warmup_steps=0, lr=1e-2,
                           deepspeed_preset=config["preset"], offload_optimizer=extra.get("offload_optimizer", False))
-        engine, _ = setup_engine(build_lora_model(case), cfg, dtype=torch.float32, world_size=2, total_steps=2)
+        engine = setup_engine(build_lora_model(case), cfg, dtype=torch.float32, world_size=2, total_steps=2)
         base = frozen_digest(engine.module)
         loss_fn = make_loss(engine, "chunked", chunk_tokens=7)
         step = prepare_step([packed_row(mb) for mb in EXAMPLES[rank]])
@@ -319,7 +319,7 @@ def bf16_loop(config):
     import ray.train
 
     from raypack.config import TrainConfig
-    from raypack.train.engine import setup_engine
+    from raypack.train.engines.deepspeed import setup_engine
     from raypack.train.loop import forward_backward, global_count
     from raypack.train.loss import make_loss
     from raypack.train.prefetch import prepare_step
@@ -327,7 +327,7 @@ def bf16_loop(config):
     rank = ray.train.get_context().get_world_rank()
     cfg = TrainConfig(num_workers=2, zero_stage=2, grad_accum=2, grad_clip=0.0, warmup_steps=0, lr=1e-2,
                       precision="bf16", deepspeed_preset=config["preset"])
-    engine, _ = setup_engine(build_model("zero2-llama").to(torch.bfloat16), cfg, dtype=torch.bfloat16, world_size=2,
+    engine = setup_engine(build_model("zero2-llama").to(torch.bfloat16), cfg, dtype=torch.bfloat16, world_size=2,
                              total_steps=1)
     master = engine.optimizer.single_partition_of_fp32_groups  # DeepSpeed's name; bf16 here
     loss_fn = make_loss(engine, "chunked", chunk_tokens=7)
