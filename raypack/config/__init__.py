@@ -75,10 +75,17 @@ class Config:
                    "weights need CUDA)", "qlora")
             _check(self.train.zero_stage < 3, "model.peft.method", "lora or none with train.zero_stage 3 (qlora "
                    "runs under ZeRO 0-2: its frozen 4-bit weights are not partitioned)", "qlora")
+            # FSDP2 would shard bitsandbytes' packed 4-bit weights as if they were plain tensors
+            _check(self.train.engine == "deepspeed" or self.train.zero_stage == 0, "model.peft.method",
+                   "lora or none with train.engine torch and train.zero_stage 1-3 (qlora's 4-bit weights can't "
+                   "be FSDP2-sharded; use zero_stage 0, DDP, or train.engine deepspeed)", "qlora")
         # Selective checkpointing replays its cache in the recompute by the order of the ops, and ZeRO-3's
         # gathers in the recompute are not the forward's (seen: "_allgather_base_ ... not found in storage").
-        _check(self.model.gradient_checkpointing != "selective" or self.train.zero_stage < 3,
-               "model.gradient_checkpointing", "full, none or auto with train.zero_stage 3", "selective")
+        # FSDP2's gathers happen outside the layer's ops, so the torch engine takes it at zero_stage 3
+        # (tests/ray/train/test_loop.py, torch3-llama-selective).
+        _check(self.model.gradient_checkpointing != "selective" or self.train.zero_stage < 3
+               or self.train.engine == "torch", "model.gradient_checkpointing",
+               "full, none or auto with train.engine deepspeed and train.zero_stage 3", "selective")
 
         # train.precision bf16 keeps the weights in bf16: a float32 or float16 model can't.
         _check(self.train.precision != "bf16" or self.model.dtype in ("auto", "bfloat16"), "model.dtype",

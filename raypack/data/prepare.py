@@ -106,7 +106,7 @@ def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_s
         if train_tower is not None and tower is not None:
             stats.update(tower_stats(plan, tower, train_tower, train_lengths))
         _check_every_rank_trains(plan, rank_labels, cfg, num_ranks, len(train_ids))
-        with_images = _image_ids(images_dir) if images_dir and cfg.train.zero_stage == 3 else None
+        with_images = _image_ids(images_dir) if images_dir and gathers_per_module(cfg) else None
         if with_images is not None:
             check_every_pack_sees_images(plan, train_ids, with_images, "train")
         eval_dir = None
@@ -176,9 +176,16 @@ def check_images_trainable(cfg: Config, stats: dict[str, Any], vision_model: boo
     if cfg.train.sequence_parallel > 1:
         raise InputError(f"{where}: train.sequence_parallel={cfg.train.sequence_parallel} doesn't carry images "
                          "to the shards of a row yet; set it to 1")
-    if cfg.train.zero_stage == 3 and cfg.pack.repack_each_epoch:  # check_every_pack_sees_images covers epoch 1's
+    if gathers_per_module(cfg) and cfg.pack.repack_each_epoch:  # check_every_pack_sees_images covers epoch 1's
         raise InputError(f"{where}: train.zero_stage=3 with pack.repack_each_epoch: each epoch's plan would need "
                          "an image in every micro-batch, which raypack checks for one plan only; repack once")
+
+
+def gathers_per_module(cfg: Config) -> bool:
+    """Whether every rank's forward must run the same modules: DeepSpeed's ZeRO-3 gathers each
+    module's weights with the other ranks as it runs. The torch engine's FSDP2 keeps a VLM's
+    vision tower in the root unit, gathered on every rank whatever runs (raypack/train/engines/torch.py)."""
+    return cfg.train.zero_stage == 3 and cfg.train.engine == "deepspeed"
 
 
 def _image_ids(images_dir: str) -> np.ndarray:
