@@ -99,6 +99,8 @@ class TokenizeStats:
     """Every output row's length, in no particular order (what the planner needs)."""
     ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
     """Every output row's example_id, in the order of `lengths`."""
+    label_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), repr=False)
+    """Every output row's label tokens, in the order of `lengths`."""
     tower: np.ndarray | None = field(default=None, repr=False)
     """Image data only: every output row's vision-tower patches and Σ patches² (rows of 2, in the
     order of `lengths`; zeros for text rows), what the plan's balance counts (data/tower.py)."""
@@ -337,6 +339,7 @@ def gather_stats(batches: list[dict], tok, max_length: int, sources: Sources) ->
     stats.bad_examples = [msg for _, msg in sorted(e for b in batches for e in b["bad_examples"])[:5]]
     stats.lengths = np.concatenate([b["lengths"] for b in batches]) if batches else np.zeros(0, np.int32)
     stats.ids = np.concatenate([b["ids"] for b in batches]) if batches else np.zeros(0, np.int64)
+    stats.label_counts = np.concatenate([b["label_counts"] for b in batches]) if batches else np.zeros(0, np.int32)
     if any("tower" in b for b in batches):
         stats.tower = np.concatenate([b.get("tower", np.zeros((len(b["lengths"]), 2))) for b in batches])
     stats.examples_out, stats.tokens = len(stats.lengths), int(stats.lengths.sum())

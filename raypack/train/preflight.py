@@ -43,7 +43,7 @@ from raypack.config import Config
 from raypack.data.formats import FormatError, detect
 from raypack.data.listing import Sources, source_bytes
 from raypack.data.shards import Prepared
-from raypack.data.sources import check_rows_here
+from raypack.data.sources import check_rows_here, renamed, renames
 from raypack.data.strategies import STRATEGIES, check_strategies
 from raypack.errors import ConfigError, SourceError
 from raypack.runs import absolute_paths, run_dir
@@ -98,7 +98,7 @@ def check_data(cfg: Config, *, rows: bool = True) -> Checked:
     vocabulary bound on token ids)."""
     check_strategies(cfg)
     cfg = absolute_paths(cfg)
-    sources = Sources.of(cfg.data.paths)
+    sources = Sources.of_data(cfg.data)
     checked = Checked(cfg=cfg, sources=sources, formats=source_formats(cfg, sources))
     check_objective_formats(cfg, checked.formats)
     if rows:
@@ -256,16 +256,23 @@ def check_freeze(cfg: Config, config) -> None:
 
 
 def source_formats(cfg: Config, sources: Sources) -> dict[str, str]:
-    """{file: format} for every source file, from its first record (or `data.format`)."""
+    """{file: format} for every source file, from its first record (or `data.format`, or its
+    source's `format`); a file of `data.sources` whose format can't be told names its source."""
     out = {}
-    for path, kind in sources.files:
+    for i, (path, kind) in enumerate(sources.files):
+        declared, columns = sources.reading[i] if sources.reading else (cfg.data.format, "")
+        source = f"{sources.where(i)}: " if sources.owners else ""
         try:
             fields = _first_record(path, kind)
-            out[path] = detect(list(fields), cfg.data.format, path) if fields is not None else cfg.data.format
+            if fields is not None and columns:  # read as the source names its fields (sources.renamed)
+                fields = renamed(fields, renames({"columns": columns}))
+            out[path] = detect(list(fields), declared, path) if fields is not None else declared
         except FormatError as e:
-            raise SourceError(str(e)) from None
+            message = str(e).replace("or set data.format", f"or set data.sources[{sources.owners[i]}].format "
+                                     "or its columns") if sources.owners else str(e)
+            raise SourceError(source + message) from None
         except OSError as e:
-            raise SourceError(f"{path}: can't read it ({str(e).strip().splitlines()[0]})") from e
+            raise SourceError(f"{source}{path}: can't read it ({str(e).strip().splitlines()[0]})") from e
     return out
 
 
