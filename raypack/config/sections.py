@@ -112,7 +112,8 @@ class DataConfig:
         if self.sources:
             # paths holds its default unless the config set it too; set, it is refused
             _check(self.paths in (DEFAULT_PATHS, ()), "data.paths", "no paths beside data.sources (data.paths is "
-                   "the one-source form of data.sources: give one or the other)", list(self.paths))
+                   "the one-source form of data.sources: give one or the other; data.paths=[] clears a file's)",
+                   list(self.paths))
             object.__setattr__(self, "paths", ())
             self._check_sources()
         else:

@@ -28,16 +28,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from raypack.config import Config, DataConfig
-from raypack.data.cache import Tokenized
 from raypack.data.holdout import held_out_mask
 from raypack.data.listing import Sources
 from raypack.data.sources import FILE_SHIFT, ROW_SHIFT
 from raypack.errors import InputError
+
+if TYPE_CHECKING:  # Ray Data's import takes seconds: preflight asks this module before it needs it
+    from raypack.data.cache import Tokenized
 
 DRAW_STREAM = 0x6D6978
 """Mixed into the draw's seed, so it is not the stream any packing strategy draws from pack.seed."""
@@ -69,8 +71,10 @@ class Mixture:
         """The source index of every example id."""
         return self.owners[np.asarray(ids, dtype=np.int64) >> FILE_SHIFT]
 
-    def counts(self, available: np.ndarray) -> np.ndarray:
-        """Source rows of each source in an epoch, given the training rows each holds."""
+    def counts(self, available: np.ndarray, most: bool = False) -> np.ndarray:
+        """Source rows of each source in an epoch, given the training rows each holds. `most`:
+        `available` are the most each could hold (preflight's good rows, before the eval split and
+        tokenize's drops), so that a quota below one there is below one in the draw too."""
         n = np.asarray(available, dtype=np.int64)
         if self.weights is None:
             return n.copy()
@@ -91,9 +95,11 @@ class Mixture:
         elif rule == "all_exhausted":
             counts = np.maximum(counts, n)
         for k in np.flatnonzero(quota < 1):
+            most_ = "at most " if most else ""
             raise InputError(
-                f"{self.labels[k]}: weight {self.weights[k]:g} of {sum(self.weights):g} names {quota[k]:.2g} of the "
-                f"{total:,} examples of an epoch (data.examples_per_epoch={rule}), less than one; raise its weight")
+                f"{self.labels[k]}: weight {self.weights[k]:g} of {sum(self.weights):g} names {most_}{quota[k]:.2g} of "
+                f"the {most_}{total:,} examples of an epoch (data.examples_per_epoch={rule}), less than one; raise its "
+                "weight")
         return counts
 
     def draw(self, ids: np.ndarray, seed: int) -> np.ndarray:
