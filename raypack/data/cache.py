@@ -8,7 +8,8 @@ same pack config pack once; without it, a run's packed rows are `<run>/packed/`:
     tokenized_key: data (less the eval split and cache_path), tokenize (less its speed knobs),
                    the effective max_length (Config.max_length)
     packed_key:    tokenized_key, pack, the eval split (data.eval_fraction, eval_max_examples),
-                   ranks, grad_accum
+                   ranks, grad_accum, and a mixture's draw (each source's weight and name,
+                   data.examples_per_epoch): a changed weight packs again from the same tokens
 
 Both hash the config's canonical values (`Config.to_dict()`: every value in its field's type),
 never its text, so a saved config that reloads (a float written `8` comes back as `8.0`) keys the

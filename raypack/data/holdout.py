@@ -9,7 +9,8 @@ those at most `data.eval_max_examples` examples, the lowest first. So the same e
 out on every run and resume, whatever the order of the ids or the number of workers that made
 them; raising the cap or the fraction only adds examples; and the pieces of a split example never
 straddle train and eval (the hash is of the source row, not the piece). `raypack plan --config`
-asks the same question, so it shows the plan training uses.
+asks the same question, so it shows the plan training uses. A mixture's split
+(`data.sources`) is each source's own: the fraction and the cap apply to its examples alone.
 """
 
 from __future__ import annotations

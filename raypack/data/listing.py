@@ -1,7 +1,12 @@
 """Stage 1a: what `data.paths` stand for, listed once per command, and how they are cut into read units.
 
-    sources = Sources.of(cfg.data.paths)   # the files, in example_id file order, and their identity
-    units = read_units(sources.files)      # what one Ray task reads: a file, a row group, a byte range
+    sources = Sources.of_data(cfg.data)    # the files, in example_id file order, and their identity
+    units = read_units(sources.files, sources.reading)   # what one Ray task reads: a file, a row group, a byte range
+
+A mixture (`data.sources`) lists each source's paths in turn, its files after the previous
+source's: `Sources.owners` says which source each file is of (raypack/data/mixture.py finds an
+example's source from its file), `Sources.reading` how its rows read (the source's own format and
+column names, which its read units carry), and messages about a source name it by index and paths.
 
 A configured path is a file, a folder of files, or a `save_to_disk` folder (a Dataset, or a
 DatasetDict's `train` split), local or any URI pyarrow reads. Listing them is a remote LIST per
@@ -9,7 +14,7 @@ path on object storage, so a command lists once and passes the `Sources` record 
 checks each file's format from it, the read and the tokenizer stage number rows by it, and data
 preparation keys its caches by its fingerprint (raypack/data/fingerprint.py says what identifies
 a file). A missing path, an empty folder or an unreachable URI fails here, before any Ray work,
-naming `data.paths`.
+naming `data.paths` (or the source).
 """
 
 from __future__ import annotations

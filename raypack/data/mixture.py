@@ -1,6 +1,7 @@
 """Several datasets mixed by weight (`data.sources`): which source each example comes from, how many
 of each an epoch holds, the seeded draw, and what each source contributes.
 
+    parts = split(tok, cfg, sources)           # the eval split and an epoch's draw: what prepare and plan use
     mix = Mixture.of(cfg.data, sources)        # None for data.paths (one source)
     take = mix.draw(ids, cfg.pack.seed)        # indexes into ids: an epoch's examples, repeats included
     figures = mix.figures(ids, take, labels)   # per source: examples drawn, label tokens, shares
@@ -15,8 +16,8 @@ rows (its eval split held out first, raypack/data/holdout.py) and weights w:
     the draw = count_k // n_k copies of every row of k, and count_k % n_k of its rows once more,
                a seeded choice without repeats (seeded by pack.seed and k)
 
-so a weight that asks for more than a source holds repeats all of it evenly, never one row more
-than another by more than one; counts are exact, not the expectation of a random stream (Hugging
+so a weight that asks for more than a source holds repeats every row of it evenly (each
+count_k // n_k times, some once more); counts are exact, not the expectation of a random stream (Hugging
 Face `interleave_datasets`, LLaMA-Factory's `interleave_probs`). Without weights every row of every
 source is taken once: their concatenation, as TRL's and Axolotl's dataset lists are. One draw
 serves every epoch (one set of packed rows does: raypack/data/shards.py); each epoch reads it in
@@ -197,6 +198,12 @@ def lines(figures: list[dict[str, Any]], examples_per_epoch: str | int, prefix: 
         out.append(f"{prefix}  {f['name']:<{width}}  {weight}{drawn}: {f['share']:.1%} of the examples; {tokens}; "
                    f"{f['eval_examples']:,} held out for eval")
     return out
+
+
+def print_mixture(figures: list[dict[str, Any]] | None, data: DataConfig) -> None:
+    """What each source of a mixture contributes, as prepare (the start of every run) says it."""
+    for line in lines(figures, data.examples_per_epoch, "[raypack] ") if figures else []:
+        print(line, flush=True)
 
 
 def source_names(data: DataConfig) -> tuple[str, ...]:

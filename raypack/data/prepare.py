@@ -1,7 +1,7 @@
 """Driver-side data preparation: tokenize, hold out eval, plan globally, write per-rank packs.
 
     tok = tokenized(cfg, sources)            # raypack/data/cache.py: tokenize, or reuse the cache
-    lengths, ids = training_examples(tok, cfg)   # eval held out: what the plan covers
+    lengths, ids = training_examples(tok, cfg, sources)   # eval held out, a mixture drawn: what the plan covers
     prepared = prepare(cfg, num_ranks, root, sources)    # all of it, into root
 
     tokenized ──> split by example_id hash ──> make_plan (lengths only) ──> materialize
@@ -16,6 +16,11 @@ gets its own plan and rows under `<root>/train_epoch=E/` instead. The folder's m
 everything that shaped it (raypack/data/cache.py), so a resumed run or a restarted worker group
 reuses it instead of re-planning. What the workers get is a `shards.Prepared` record; they read
 their rows with `shards.py` alone.
+
+A mixture (`data.sources`, raypack/data/mixture.py) holds its eval split out per source, packs
+its draw (some examples repeated, some left out) globally like any data, says what each source
+contributes, and packs the eval rows a source at a time, so each eval step is one source's
+(`Prepared.eval_sources`).
 
 Before packing it refuses data that trains on nothing: no example with a label token, or a rank
 that would get none (more ranks x grad_accum than examples).
@@ -35,7 +40,7 @@ from raypack.data.cache import Tokenized, commit, fresh_folder, packed_key, reus
 from raypack.data.fingerprint import recorded
 from raypack.data.holdout import held_out_line
 from raypack.data.listing import Sources
-from raypack.data.mixture import lines as mixture_lines, split
+from raypack.data.mixture import print_mixture, split
 from raypack.data.pack import materialize
 from raypack.data.pairs import check_pair_ids
 from raypack.data.plan import Plan, stack_steps
@@ -75,7 +80,7 @@ def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_s
     found = reusable(cfg, num_ranks, root, sources, reprepare, tower)
     if found is not None:
         print(f"[raypack] reusing packed data in {root}", flush=True)
-        _print_mixture(found.stats.get("sources"), cfg)
+        print_mixture(found.stats.get("sources"), cfg.data)
         return found
 
     t0 = time.perf_counter()
@@ -95,7 +100,7 @@ def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_s
         held_out = parts.held_out
         print(held_out_line(tok.ids, held_out, cfg, parts.owner), flush=True)
         figures = parts.figures(tok)
-        _print_mixture(figures, cfg)
+        print_mixture(figures, cfg.data)
         files = storage.file_sizes(tok.data_dir, ".parquet")
         held_ids = np.sort(tok.ids[held_out])
         train_lengths, train_ids = tok.lengths[parts.take], tok.ids[parts.take]
@@ -165,12 +170,6 @@ def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_s
           + (f", vision tower imbalance {stats['tower_imbalance']:.3f}" if "tower_imbalance" in stats else "")
           + f") in {root} ({time.perf_counter() - t0:.1f} s)", flush=True)
     return prepared
-
-
-def _print_mixture(figures: list[dict[str, Any]] | None, cfg: Config) -> None:
-    """What each source of a mixture contributes, as prepare and the start of a run say it."""
-    for line in mixture_lines(figures or [], cfg.data.examples_per_epoch, "[raypack] ") if figures else []:
-        print(line, flush=True)
 
 
 def check_images_trainable(cfg: Config, stats: dict[str, Any], vision_model: bool) -> None:

@@ -3,7 +3,9 @@
     ds, report = read_sources_with_report(cfg.data, sources)  # good rows; report.bad_rows, .formats
     check_rows_here(cfg.data, sources, vocab_size)            # every row validated here, no Ray
 
-`sources` is the command's one listing of `data.paths` (raypack/data/listing.py). Each input file is one or more read units (a JSONL file or a newline-aligned byte range of a large
+`sources` is the command's one listing of `data.paths` (raypack/data/listing.py); a read unit of
+a mixture's source reads by that source's `format`, and with its `columns` renamed to the format's
+fields (`renamed`). Each input file is one or more read units (a JSONL file or a newline-aligned byte range of a large
 one, a Parquet row group, an Arrow file of a `save_to_disk` folder) that a Ray task parses and
 validates, so every row keeps its file and its line or row number. That gives every example a stable identity and every bad row an error that
 says where it is:
@@ -39,7 +41,7 @@ import pyarrow.parquet as pq
 import ray
 
 from raypack.config import DataConfig
-from raypack.data.formats import ONE_FORMAT, FormatError, detect, tokenized_columns, validate
+from raypack.data.formats import ONE_FORMAT, FormatError, detect, renamed, renames, tokenized_columns, validate
 from raypack.data.images import ImageError, has_images, read_record
 from raypack.data.listing import MAX_ROWS, Sources, read_units
 from raypack.data.vision_pairs import KIND as PAIR_KIND, read_pair_record
@@ -108,22 +110,6 @@ def row_location(eid: int, files: list[tuple[str, str]]) -> str:
 
 
 # --- reading and validating one unit --------------------------------------------------------------
-
-
-def renames(unit: dict) -> dict[str, str]:
-    """{column: field} of a unit whose source names its fields otherwise (`data.sources[].columns`)."""
-    columns = unit.get("columns") or ""
-    return {column: name for name, column in json.loads(columns).items()} if columns else {}
-
-
-def renamed(rec, names: dict[str, str]):
-    """A record with its source's column names read as the format's fields: a named column wins
-    over one that already has the field's name."""
-    if not names or not isinstance(rec, dict):
-        return rec
-    taken = set(names.values())
-    out = {k: v for k, v in rec.items() if k not in taken or k in names}
-    return {names.get(k, k): v for k, v in out.items()}
 
 
 def _records(unit: dict, table: pa.Table | None = None):

@@ -43,11 +43,11 @@ import pyarrow.parquet as pq
 
 from raypack import storage
 from raypack.config import Config
-from raypack.data.formats import FormatError, detect
+from raypack.data.formats import FormatError, detect, renamed, renames
 from raypack.data.listing import Sources, source_bytes
 from raypack.data.mixture import Mixture
 from raypack.data.shards import Prepared
-from raypack.data.sources import check_rows_here, renamed, renames
+from raypack.data.sources import check_rows_here
 from raypack.data.strategies import STRATEGIES, check_strategies
 from raypack.errors import ConfigError, SourceError
 from raypack.runs import absolute_paths, run_dir

@@ -5,7 +5,8 @@
 - `pack.repack_each_epoch` writes one plan per epoch, each covering every training example
   once, with different packs, and no more epochs than `train.max_steps` can use;
 - packed data is reused only while its sources are unchanged, and data that trains on nothing
-  is refused before anything is packed.
+  is refused before anything is packed;
+- small data prepared in the driver is what Ray prepares, a mixture of sources included.
 """
 
 from __future__ import annotations

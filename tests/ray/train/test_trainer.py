@@ -4,7 +4,9 @@
   took cover every training example exactly once;
 - a run stopped early resumes (same name) and finishes, with metrics, TensorBoard events and a
   Hugging Face model and its tokenizer in the final checkpoint;
-- bad input found in a worker (an InputError) ends the run at once: it is not retried.
+- bad input found in a worker (an InputError) ends the run at once: it is not retried;
+- a mixture of three sources trains, through a resume, exactly what its weights drew; another
+  weight on the same run is refused.
 """
 
 from __future__ import annotations
