@@ -127,6 +127,11 @@ class DataConfig:
         _check(0.0 <= self.max_dropped_fraction <= 1.0, "data.max_dropped_fraction", "a float in [0, 1]",
                self.max_dropped_fraction)
 
+    @property
+    def setting(self) -> str:
+        """The field that names the data, as messages about all of it say: data.paths or data.sources."""
+        return "data.sources" if self.sources else "data.paths"
+
     def _check_sources(self) -> None:
         weights = [s.weight for s in self.sources]
         for i, s in enumerate(self.sources):

@@ -254,6 +254,6 @@ def reusable(cfg: Config, num_ranks: int, root: str, sources: Sources, reprepare
         return None
     more = f" (and {len(changes) - 1} more changes)" if len(changes) > 1 else ""
     raise SourcesChangedError(
-        f"data.paths changed since this run's data was prepared in {root}: {changes[0]}{more}. "
+        f"{cfg.data.setting} changed since this run's data was prepared in {root}: {changes[0]}{more}. "
         "Start a new run with run.name=NEW_NAME, or re-prepare this one with `raypack train --reprepare`"
     )

@@ -180,7 +180,7 @@ def check_images_trainable(cfg: Config, stats: dict[str, Any], vision_model: boo
 
     formats = stats.get("formats", {})
     rows = formats.get("vision", 0) + formats.get(PAIR_KIND, 0)
-    where = f"data.paths: {stats['images']} images in {rows} {'vision' if formats.get('vision') else 'preference'} rows"
+    where = f"{cfg.data.setting}: {stats['images']} images in {rows} {'vision' if formats.get('vision') else 'preference'} rows"
     if not vision_model:
         raise InputError(f"{where}, but model.name {cfg.model.name!r} trains as a text-only model (no vision tower, "
                          "or a checkpoint transformers loads as its causal LM, as Qwen3.5's and Gemma 3's): it would "
@@ -264,12 +264,12 @@ def _pack(rows, lengths, ids, cfg: Config, num_ranks: int, out_dir: str,
 
 def _check_every_rank_trains(plan: Plan, rank_labels: list[int], cfg: Config, num_ranks: int, examples: int) -> None:
     if plan.num_steps < cfg.train.grad_accum:
-        raise InputError(f"data.paths: {examples} examples make no full optimizer step for {num_ranks} ranks")
+        raise InputError(f"{cfg.data.setting}: {examples} examples make no full optimizer step for {num_ranks} ranks")
     idle = [r for r, n in enumerate(rank_labels) if n == 0]
     if idle:
         # Its gradients would be zeros averaged into every step: not wrong, but not what was asked.
         raise InputError(
-            f"data.paths: rank {idle[0]} of {num_ranks} gets no label token to train on "
+            f"{cfg.data.setting}: rank {idle[0]} of {num_ranks} gets no label token to train on "
             f"({examples} training examples for {num_ranks} ranks x {cfg.train.grad_accum} "
             "micro-batches); add data or lower train.num_workers or train.grad_accum"
         )

@@ -360,7 +360,7 @@ def require_supervised(stats: TokenizeStats, cfg: Config) -> None:
     causes = drop_causes(stats, cfg)
     if stats.label_tokens == 0:
         raise TokenizeError(
-            f"data.paths: nothing to train on: of {stats.examples_in} examples, "
+            f"{cfg.data.setting}: nothing to train on: of {stats.examples_in} examples, "
             + ("; ".join(text for _, text in causes) or "none are left")
         )
     rows = stats.examples_in + stats.bad_rows
@@ -369,7 +369,7 @@ def require_supervised(stats: TokenizeStats, cfg: Config) -> None:
     if rows and lost / rows > limit:
         n, text = max(causes)
         raise TokenizeError(
-            f"data.paths: {lost} of {rows} source rows ({lost / rows:.0%}) would not train, more than "
+            f"{cfg.data.setting}: {lost} of {rows} source rows ({lost / rows:.0%}) would not train, more than "
             f"data.max_dropped_fraction={limit:g}; the largest cause: {n} {text.split(' ', 1)[1]}. Change that "
             "setting, fix the data, or raise data.max_dropped_fraction to train on the rest"
         )
@@ -381,7 +381,7 @@ def require_supervised(stats: TokenizeStats, cfg: Config) -> None:
     if tokens and lost.get("over_length", 0) / tokens > limit:
         n = lost["over_length"]
         raise TokenizeError(
-            f"data.paths: {n} of {tokens} label tokens ({n / tokens:.0%}) are in examples longer than {cut}, which "
+            f"{cfg.data.setting}: {n} of {tokens} label tokens ({n / tokens:.0%}) are in examples longer than {cut}, which "
             f"tokenize.overlength=drop dropped: more than data.max_dropped_fraction={limit:g}. Raise that length, use "
             "tokenize.overlength=truncate or split, or raise data.max_dropped_fraction to train on the rest"
         )
