@@ -38,13 +38,13 @@ class SourceConfig:
     """Its JSONL, Parquet or `save_to_disk` folders, as `data.paths` takes them."""
     weight: float | None = None
     """Its share of each epoch's examples, relative to the other sources' weights (0.5, 0.3, 0.2 and
-    5, 3, 2 mix alike): a seeded draw of that many of its training examples, each whole source
-    repeated as often as the weight asks for more than it holds, the rest drawn without repeats
-    (`data.examples_per_epoch` says how many an epoch holds). Give every source a weight, or none:
-    without weights every example of every source trains once per epoch (their concatenation)."""
+    5, 3, 2 mix alike; `data.examples_per_epoch` says how many an epoch holds): a seeded draw of that
+    many of its training examples, without repeats where it holds that many, else every one of them
+    repeated as evenly as the count allows. Give every source a weight, or none: without weights
+    every example of every source trains once per epoch (their concatenation)."""
     name: str | None = None
-    """What the prepare and plan lines and the per-source eval figures call it; null: the file name
-    of its first path, without its extension (with `-N` added where two sources would share one)."""
+    """What the prepare and plan lines and the eval split's steps call it; null: the file name of its
+    first path, without its extension (with `-N` added where two sources would share one)."""
     format: Format | None = None
     """Its example format, as `data.format` names them; null: `data.format`'s."""
     columns: dict[str, str] = field(default_factory=dict)
