@@ -366,7 +366,7 @@ def test_a_request_the_local_instance_can_never_meet_fails_in_seconds(ray_local,
     assert not Path(run_dir(cfg)).exists()
 
 
-def test_a_mixture_trains_each_draw_once_resumes_and_a_changed_weight_is_another_run(ray_local, tmp_path):
+def test_a_mixture_trains_each_draw_once_resumes_and_a_changed_weight_is_another_run(ray_local, tmp_path, capsys):
     """Three sources in three formats, weighted 0.5 / 0.3 / 0.2: a run stopped at step 3 and
     resumed trains exactly the draw, every drawn example as often as it was drawn (the chats,
     fewer than their share, two or three times each), none of the eval examples, each step once;
@@ -397,6 +397,8 @@ def test_a_mixture_trains_each_draw_once_resumes_and_a_changed_weight_is_another
     resumed = trainer.start(saved_config(run_dir(cfg), ["train.max_steps=null"]), resume=True).result
     assert resumed.error is None and np.isfinite(resumed.metrics["eval_loss"])
 
+    out = capsys.readouterr().out  # each start says what each source gives, the resume from the packed data's record
+    assert out.count("[raypack] mixture of 3 sources: ") == 2 and out.count("[raypack]   chat         weight 0.5, ") == 2
     ids, steps = trained_ids(Path(resumed.checkpoint.path))
     assert steps == [list(range(1, resumed.metrics["step"] + 1))] * 2  # each step once, through the resume
     packed = Path(run_dir(cfg)) / "packed"
