@@ -288,7 +288,8 @@ def _pack_eval(rows, lengths, ids, cfg: Config, num_ranks: int, out_dir: str, pa
         return _pack(rows, lengths, ids, eval_cfg, num_ranks, out_dir)[0], []
     order = np.argsort(owner, kind="stable")  # a source's examples together, each in example_id order
     parts = [k for k in range(len(names)) if (owner == k).any()]
-    plans = [make_plan(lengths[owner == k], eval_cfg.pack, num_ranks) for k in parts]
+    pairs = cfg.train.objective == "dpo"  # a pair's two rows, one item of each source's plan
+    plans = [make_plan(lengths[owner == k], eval_cfg.pack, num_ranks, pairs=pairs) for k in parts]
     stacked = stack_steps(plans, [int((owner == k).sum()) for k in parts])
     plan = dataclasses.replace(stacked, example=order[stacked.example])  # indexes into `ids` as given
     _pack(rows, lengths, ids, eval_cfg, num_ranks, out_dir, plan=plan)

@@ -174,3 +174,31 @@ def test_a_mixtures_eval_steps_are_one_source_each(tmp_path):
             seen.update(owners)
     held = {f["name"]: f["eval_examples"] for f in prepared.stats["sources"]}
     assert set(seen) == {n for n, k in held.items() if k} and all(held.values())
+
+
+def test_a_preference_mixture_keeps_every_pair_whole_in_training_and_eval(tmp_path):
+    """DPO on two weighted sources of preference pairs: a pair is drawn, repeated and packed as
+    one item, in the training rows and in each source's eval steps."""
+    from raypack.config import ASSETS
+    from raypack.data.prepare import prepare
+    from raypack.data.shards import iter_rank_packs
+    from raypack.runs import absolute_paths
+
+    from paths import REPO
+
+    lines = (ASSETS / "sample" / "preference.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "a.jsonl").write_text("".join(lines[:20]))
+    (tmp_path / "b.jsonl").write_text("".join(lines[20:60]))
+    sources = f"data.sources=[{{paths: [{tmp_path / 'a.jsonl'}], weight: 3}}, {{paths: [{tmp_path / 'b.jsonl'}], weight: 1}}]"
+    cfg = absolute_paths(load(str(REPO / "jobs" / "configs" / "dpo_quickstart.yaml"),
+                              ["data.paths=[]", sources, "data.eval_fraction=0.2", f"run.storage_path={tmp_path}"]))
+    prepared = prepare(cfg, 2, str(tmp_path / "packed"), Sources.of_data(cfg.data))
+    for folder in (prepared.train_dir, prepared.eval_dir):
+        for r in range(2):
+            for row in iter_rank_packs(folder, r):
+                pieces = Counter(i & ~1 for i in row["example_ids"])  # a pair: pieces 0 and 1 of one row
+                assert all(n % 2 == 0 for n in pieces.values()), row["example_ids"]
+    drawn = {f["name"]: f["examples"] for f in prepared.stats["sources"]}
+    total = sum(f["available"] for f in prepared.stats["sources"])
+    assert sum(drawn.values()) == total and abs(drawn["a"] - 0.75 * total) < 1  # pairs, by weight
+    assert prepared.stats["train_examples"] == 2 * total  # two rows a pair
