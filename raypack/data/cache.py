@@ -198,7 +198,8 @@ def tokenized(cfg: Config, sources: Sources, vocab_size: int | None = None, scra
         if data_dir:
             storage.remove_dir(data_dir)
         raise
-    stats = {k: v for k, v in dataclasses.asdict(tok_stats).items() if k not in ("lengths", "ids", "tower", "label_counts")}
+    arrays = ("lengths", "ids", "tower", "label_counts")  # the planner's, kept beside the counts, not in them
+    stats = {k: v for k, v in dataclasses.asdict(tok_stats).items() if k not in arrays}
     lengths, ids = ordered(tok_stats.lengths, tok_stats.ids)
     order = np.argsort(tok_stats.ids, kind="stable")
     tower = None if tok_stats.tower is None else tok_stats.tower[order]
