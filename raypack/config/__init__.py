@@ -24,6 +24,7 @@ absolute (raypack/runs.py), so resuming it does not depend on where you stand.
 
 from __future__ import annotations
 
+import re
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,15 +36,15 @@ import yaml
 from raypack.errors import ConfigError
 from raypack.typed import build, check as _check, plain, unused
 from raypack.config.sections import (
-    ASSETS, ASSETS_PREFIX, DataConfig, ModelConfig, PackConfig, PeftConfig, RunConfig, TokenizeConfig, TrainConfig,
-    WandbConfig,
+    ASSETS, ASSETS_PREFIX, DataConfig, ModelConfig, PackConfig, PeftConfig, RunConfig, SourceConfig, TokenizeConfig,
+    TrainConfig, WandbConfig,
 )
 from raypack.config.dpo import DpoConfig, check_objective
 from raypack.config.sweep import AshaConfig, TuneConfig
 
 __all__ = [
     "ASSETS", "ASSETS_PREFIX", "AshaConfig", "Config", "DataConfig", "DpoConfig", "ModelConfig", "PackConfig", "PeftConfig",
-    "RunConfig", "TokenizeConfig", "TrainConfig", "TuneConfig", "WandbConfig", "dumps", "load", "loads",
+    "RunConfig", "SourceConfig", "TokenizeConfig", "TrainConfig", "TuneConfig", "WandbConfig", "dumps", "load", "loads",
 ]  # fmt: skip
 
 
@@ -184,7 +185,7 @@ def _see_reference(message: str) -> str:
     key, _, rest = message.partition(":")
     if not rest.startswith(" unknown key"):
         return ""
-    section = key.rsplit(".", 1)[0] if "." in key else ""
+    section = re.sub(r"\[\d+\]", "", key.rsplit(".", 1)[0]) if "." in key else ""  # data.sources[1]: a list's item
     return f" (`raypack config {section}` lists them)" if section else " (`raypack config` lists every section)"
 
 
