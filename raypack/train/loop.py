@@ -219,21 +219,33 @@ def train_step(engine, step: StepBatch, loss: CausalLMLoss, counts: HostCounts, 
 
 
 @torch.no_grad()
-def evaluate(engine, data: Prepared, group: SequenceGroup, loss: CausalLMLoss, collate=prepare_step) -> float | None:
-    """Token-mean loss over the held-out packs of every rank (of every group's shards). `collate`:
-    prefetch.prepare_step, or a VLM run's (the worker's `collate`)."""
+def evaluate(engine, data: Prepared, group: SequenceGroup, loss: CausalLMLoss, collate=prepare_step) -> dict:
+    """{"eval_loss": the token-mean loss over the held-out packs of every rank (of every group's
+    shards)}, None without them; a mixture's (`data.eval_sources`) each source's too, as
+    `eval_<name>_loss` (Hugging Face Trainer's name for a dict of eval sets): its eval steps hold its
+    examples alone. `collate`: prefetch.prepare_step, or a VLM run's (the worker's `collate`)."""
     if not data.eval_dir:
-        return None
+        return {"eval_loss": None}
     engine.eval()
+    names = [s["name"] for s in data.eval_sources]
     total, labels = torch.zeros((), dtype=torch.float64, device=engine.device), 0
+    per = torch.zeros(2 * len(names), dtype=torch.float64, device=engine.device)  # loss sums, label tokens
     rows = functools.partial(iter_rank_packs, data.eval_dir, data_rank(dist.get_rank(), group.size))
     with _steps(data, engine.device, group, rows, 1, collate) as steps:
-        for step in steps:
+        for i, step in enumerate(steps):
+            value = loss(engine, to_device(step.batches[0], engine.device))  # no sync per batch
             labels += step.label_tokens
-            total += loss(engine, to_device(step.batches[0], engine.device))  # no sync per batch
+            total += value
+            if names:
+                k = names.index(data.eval_source(i))
+                per[2 * k] += value
+                per[2 * k + 1] += step.label_tokens
     engine.train()
-    summed = global_count([float(total), labels], engine.device).sum(0)
-    return float(summed[0] / summed[1].clamp_min(1))
+    summed = global_count([float(total), labels, *per.tolist()], engine.device).sum(0)
+    out = {"eval_loss": float(summed[0] / summed[1].clamp_min(1))}
+    out.update({f"eval_{n}_loss": float(summed[2 + 2 * k] / summed[3 + 2 * k]) for k, n in enumerate(names)
+                if summed[3 + 2 * k] > 0})
+    return out
 
 
 def _steps(data: Prepared, device: torch.device, group: SequenceGroup, rows, accum: int, collate=prepare_step):
@@ -478,7 +490,7 @@ def after_step(w: Worker, epoch: int) -> None:
         if isinstance(w.loss, DPOLoss):  # eval_loss and TRL's eval_rewards/...
             extra.update(w.loss.evaluate(w.engine, w.data, w.data_rank))
         else:
-            extra["eval_loss"] = evaluate(w.engine, w.data, w.group, w.loss, w.collate)
+            extra.update(evaluate(w.engine, w.data, w.group, w.loss, w.collate))
         w.reporter.exclude(time.perf_counter() - t_eval)
     metrics = w.reporter.summary(step, epoch, extra)
     if final:  # after the trackers had theirs: a dict of phases, not a scalar

@@ -396,6 +396,11 @@ def test_a_mixture_trains_each_draw_once_resumes_and_a_changed_weight_is_another
     assert first.metrics["step"] == 3
     resumed = trainer.start(saved_config(run_dir(cfg), ["train.max_steps=null"]), resume=True).result
     assert resumed.error is None and np.isfinite(resumed.metrics["eval_loss"])
+    # each source's own eval loss beside the whole's, which is their label-token-weighted mean
+    # (the draw holds out 4 chats, no instruction and 3 completions at this seed)
+    assert "eval_instruction_loss" not in resumed.metrics
+    per = [resumed.metrics[f"eval_{n}_loss"] for n in ("chat", "completion")]
+    assert all(np.isfinite(per)) and min(per) <= resumed.metrics["eval_loss"] <= max(per), per
 
     out = capsys.readouterr().out  # each start says what each source gives, the resume from the packed data's record
     assert out.count("[raypack] mixture of 3 sources: ") == 2 and out.count("[raypack]   chat         weight 0.5, ") == 2
