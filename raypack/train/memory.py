@@ -7,21 +7,18 @@
 
 Per rank (= per GPU); P parameters, P_t of them trained, N ranks, T = tokens in a micro-batch:
 
-- weights, bf16, 2 B/param: whole on every GPU under ZeRO 0-2; under ZeRO-3 a 1/N shard plus the
-  gathered working set (the larger of the embedding and two layers, capped by the preset's
-  stage3_max_live_parameters), frozen weights included. QLoRA stores each layer's linear weights
-  in NF4: 0.5 B/param, plus the double-quantized constants (one 8-bit absmax per 64-weight block
-  and one fp32 absmax per 256 blocks: 1/64 + 4/16384 B/param, the QLoRA paper's 0.127 bits), plus
-  one linear dequantized to bf16 while it computes; embeddings, output head and norms stay bf16.
-- gradients bf16, 2 B per trained param, sharded 1/N for ZeRO >= 2, plus one reduce bucket (the
-  preset's reduce_bucket_size, allocated whole however few the trained params); with optimizer
-  offload they live on the host in fp32.
-- optimizer (`train.precision: mixed`): fp32 master weights + Adam m and v = 12 B per trained
-  param, sharded 1/N; on the host with train.offload_optimizer (16 B per trained param with the fp32
-  gradients). At the optimizer step ZeRO 1-2 also makes an fp32 copy of the rank's gradient
-  partition (4 B per trained param / N), while the activations are gone: not counted.
-  `train.precision: bf16`: bf16 master weights, m, v and Kahan compensation = 8 B per trained
-  param, sharded 1/N (DeepSpeed keeps its master copy apart from the model's weights even then).
+- weights, gradients and optimizer state: what the engine keeps (raypack/train/memory_engines.py).
+  Under DeepSpeed: bf16 weights, 2 B/param, whole under ZeRO 0-2, a 1/N shard plus the gathered
+  working set under ZeRO-3; bf16 gradients, sharded for ZeRO >= 2, plus one reduce bucket; fp32
+  master + m + v, 12 B per trained param (8 B for train.precision bf16), sharded 1/N, on the host
+  with offload. At the optimizer step ZeRO 1-2 also makes an fp32 copy of the rank's gradient
+  partition (4 B per trained param / N), while the activations are gone: not counted. The torch
+  engine keeps fp32 master weights in the model (4 B) and a gathered or cast bf16 copy for the
+  forward, fp32 gradients and m + v (8 B), sharded by FSDP2 at zero_stage 1-3. QLoRA stores each
+  layer's linear weights in NF4: 0.5 B/param, plus the double-quantized constants (one 8-bit absmax
+  per 64-weight block and one fp32 absmax per 256 blocks: 1/64 + 4/16384 B/param, the QLoRA paper's
+  0.127 bits), plus one linear dequantized to bf16 while it computes; embeddings, output head and
+  norms stay bf16.
 - frozen weights (LoRA, QLoRA) have neither gradients nor optimizer state. Adapters: r x (in + out)
   per adapted linear (`all-linear`: q, k, v, o, gate, up, down), + out with DoRA (its magnitude);
   `modules_to_save` (embed_tokens, lm_head) trains a copy of the module in full.
@@ -70,6 +67,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from raypack.config import Config, PeftConfig
+from raypack.train.memory_engines import engine_state
 from raypack.train.memory_mixers import MixerLayers, mixer_layers
 from raypack.train.memory_vision import Tower, vision_tower
 
@@ -80,8 +78,6 @@ SAVED_MODULES = ("embed_tokens", "lm_head")
 """`modules_to_save` names this arithmetic sizes (a vocab x hidden matrix each)."""
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 """Bytes per QLoRA base weight: 4 bits, plus bitsandbytes' double-quantized constants (block 64)."""
-OPTIMIZER_BYTES = {"mixed": 12, "bf16": 8}
-"""Per trained parameter, by train.precision: fp32 master + m + v; bf16 master + m + v + Kahan compensation."""
 LOGIT_BYTES = 12
 """Per logit at the loss's peak: bf16 logits 2 + fp32 upcast 4 + fp32 gradient 4 + bf16 gradient 2."""
 
@@ -281,7 +277,9 @@ class Memory:
             ("activations", self.activations), ("loss", self.loss)))  # fmt: skip
         host = f"; host {self.host / scale:.1f} {unit} per rank" if self.host else ""
         mode = "full fine-tuning" if not m.peft.enabled else f"{m.peft.method} r{m.peft.r}"
-        zero = f"ZeRO-{t.zero_stage}" + (" + optimizer offload" if t.offload_optimizer else "")
+        zero = (f"ZeRO-{t.zero_stage}" if t.engine == "deepspeed" else
+                "torch engine, " + ("DDP" if t.zero_stage == 0 else f"FSDP2 zero_stage {t.zero_stage}"))
+        zero += " + optimizer offload" if t.offload_optimizer else ""
         return (f"{self.total / scale:.1f} {unit} = {terms}{host} ({mode}: {_count(self.trained)} of {_count(arch.params)} "
                 f"params trained; {zero} over {t.num_workers} rank(s); {t.precision} precision; gradient checkpointing "
                 f"{self.checkpointing}; {_row(cfg, tokens)}; {self.mixers + '; ' if self.mixers else ''}{t.loss} loss; "
@@ -311,7 +309,7 @@ def chunk_tokens(cfg: Config, vocab: int) -> int:
 
 def preset_zero(cfg: Config) -> dict[str, Any]:
     """The `zero_optimization` section of the run's DeepSpeed preset (bucket sizes, live params)."""
-    from raypack.train.engines.presets import load_preset  # JSON only: no DeepSpeed import
+    from raypack.train.presets import load_preset  # JSON only: no DeepSpeed import
 
     return load_preset(cfg.train.deepspeed_preset).get("zero_optimization", {})
 
@@ -337,22 +335,14 @@ def estimate(cfg: Config, arch: Arch, *, tokens: int | None = None, loss: str | 
     n, p = t.num_workers, arch.params
     trained = trained_params(arch, peft, cfg.model.freeze)
 
+    base = None
     if peft.method == "qlora":  # ZeRO 0-2 (the config refuses 3): whole on every GPU
         quantized = arch.layers * arch.linear_params
         working = max(a * b for a, b in arch.linears().values())  # one linear dequantized at a time
-        weights = NF4_BYTES * quantized + 2 * (p - quantized) + 2 * working
-    elif t.zero_stage < 3:
-        weights = 2 * p
-    else:
-        live = min(zero.get("stage3_max_live_parameters", p), max(arch.vocab * arch.hidden, 2 * arch.layer_params))
-        weights = 2 * p / n + 2 * live
-    if peft.enabled:  # the adapters and modules_to_save copies are weights beside the frozen ones
-        weights += 2 * trained / (n if t.zero_stage == 3 else 1)
-
-    bucket = 2 * zero.get("reduce_bucket_size", 0)
-    grads = bucket if t.offload_optimizer else 2 * trained / (n if t.zero_stage >= 2 else 1) + bucket
-    optimizer = 0.0 if t.offload_optimizer else OPTIMIZER_BYTES[t.precision] * trained / n
-    host = 16 * trained / n if t.offload_optimizer else 0.0
+        base = NF4_BYTES * quantized + 2 * (p - quantized) + 2 * working
+    # what the engine keeps of the weights, gradients and optimizer state (memory_engines.py)
+    state = engine_state(cfg, arch, trained, zero, base)
+    weights, grads, optimizer, host = state.weights, state.grads, state.optimizer, state.host
 
     h, q, kv, i = arch.hidden, arch.q, arch.kv, arch.inter
     per_layer = 16 * h + 4 * kv + 8 * i

@@ -57,7 +57,7 @@ from raypack.errors import InputError
 from raypack.model.build import resolve_dtype
 from raypack.train.engines.base import Engine, SavedWeights, param_groups
 from raypack.train.engines.optim import BETAS, EPS, make_optimizer, schedule
-from raypack.train.engines.presets import find_auto, load_preset
+from raypack.train.presets import find_auto, load_preset
 
 __all__ = ["DeepSpeedEngine", "building", "clip_without_reading", "deepspeed_config", "import_muon_uncompiled",
            "model_dtype", "read_offline", "setup_engine", "skip_shm_build"]

@@ -248,6 +248,12 @@ def shard(model: nn.Module, cfg: TrainConfig, device: torch.device, cast: torch.
     # model's forward returns (raypack/train/loss.py).
     fully_shard(model, **{**kwargs, "reshard_after_forward": False})
     model.set_reduce_scatter_unused_params(True)
+    # The root's pre-backward fires where a gradient reaches one of its outputs, which a VLM's
+    # image features do on a rank with images only (seen: Qwen2.5-VL under the chunked loss); by
+    # default it would then prefetch a layer, an all-gather the ranks without images never join.
+    # Naming the root itself as its prefetch turns that off: its weights are gathered already (no
+    # reshard after forward), so its "prefetch" is no collective.
+    model.set_modules_to_backward_prefetch([model])
     with warnings.catch_warnings():  # torch's own deprecation, from inside set_model_state_dict (2.13)
         warnings.filterwarnings("ignore", message=".*_get_pg_default_device|Multiple backends are registered")
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

@@ -1,4 +1,4 @@
-"""DPO under DeepSpeed on 2 ranks (raypack/train/dpo.py): exact, and trained end to end.
+"""DPO on 2 ranks (raypack/train/dpo.py), on either engine: exact, and trained end to end.
 
 - One optimizer step of 2 ranks x 2 micro-batches of packed pairs (unequal pair counts) under
   ZeRO 0, 1, 2 (with gradient checkpointing) and 3 (Gemma 2: a tied, softcapped head whose
@@ -6,7 +6,9 @@
   the reference taken on the fly (the base, adapters off), on Llama, Gemma 2 and two hybrids
   (Qwen3.5 with full recompute, Nemotron-H with selective): the loss and every gradient equal
   the same pairs run one at a time through the model's own eager attention, the loss written
-  from its formula (the mean over the step's pairs, with the NLL term and label smoothing).
+  from its formula (the mean over the step's pairs, with the NLL term and label smoothing). The
+  same on the torch engine: DDP with a precomputed reference, and FSDP2 at zero_stage 3 with LoRA
+  and the reference on the fly.
 - `raypack train` on the DPO quickstart with a worker killed mid-run and then resumed: every
   pair is trained exactly once, both its sequences in one row, the reference log-probabilities
   are computed once and reused by the restarted workers and by the resume, the reward accuracy
@@ -51,6 +53,10 @@ CASES = {  # zero stage, tiny family, config overrides, what else
     "zero3-lora-checkpointing-on-the-fly-qwen3_5": (3, "qwen3_5", {}, {"lora": True, "gradient_checkpointing": "full"}),
     "zero2-lora-selective-on-the-fly-nemotron_h": (2, "nemotron_h", {},
                                                    {"lora": True, "gradient_checkpointing": "selective"}),
+    # the torch engine: DDP with a precomputed reference, FSDP2 resharding with LoRA on the fly
+    "torch0": (0, "llama", {}, {"engine": "torch"}),
+    "torch3-lora-checkpointing-on-the-fly-gemma2": (3, "gemma2", {"final_logit_softcapping": 0.5},
+                                                    {"engine": "torch", "lora": True, "gradient_checkpointing": True}),
 }
 """One fit runs them all, an engine each: a Ray Train run costs ~30 s here."""
 
@@ -73,12 +79,12 @@ def build(case, attention="auto"):
 
 
 def dpo_loop(config):
-    import deepspeed
     import ray.train
+    from engine_views import grads as full_grads
 
     from raypack.config import TrainConfig
+    from raypack.train import engines
     from raypack.train.dpo import DPOLoss
-    from raypack.train.engines.deepspeed import setup_engine
     from raypack.train.loop import global_count
     from raypack.train.loss import make_loss
     from raypack.train.stepvalues import HostCounts
@@ -88,9 +94,10 @@ def dpo_loop(config):
     results = {}
     for case in config["cases"]:
         stage, _, _, extra = CASES[case]
-        cfg = TrainConfig(num_workers=2, zero_stage=stage, grad_accum=2, grad_clip=0.0, warmup_steps=0,
-                          deepspeed_preset=config["preset"])
-        engine = setup_engine(build(case), cfg, dtype=torch.float32, world_size=2, total_steps=1)
+        name = extra.get("engine", "deepspeed")
+        cfg = TrainConfig(num_workers=2, zero_stage=stage, grad_accum=2, grad_clip=0.0, warmup_steps=0, engine=name,
+                          deepspeed_preset=config["preset"] if name == "deepspeed" else None)
+        engine = engines.build(build(case), cfg, dtype=torch.float32, world_size=2, total_steps=1)
         base = make_loss(engine, "chunked", chunk_tokens=7)
         if extra.get("lora"):  # the reference on the fly: the base with the adapters off
             loss = DPOLoss(base, DPO, global_count, adapters_off=engine.module.disable_adapter)
@@ -100,8 +107,7 @@ def dpo_loop(config):
         pairs, chosen, _, _ = loss.step_counts(HostCounts(2), step)  # the default group: gloo on the CPU
         total, _ = loss.forward_backward(engine, step, pairs, chosen, 2)
         value = float(global_count([float(total)], engine.device)[:, 0].sum()) / pairs
-        grads = {name: deepspeed.utils.safe_get_full_grad(p).clone()
-                 for name, p in engine.module.named_parameters() if p.requires_grad}
+        grads = full_grads(engine, trainable_only=True)
         results[case] = {"loss": value, "pairs": pairs, "grads": grads}
         engine.destroy()
     if rank == 0:

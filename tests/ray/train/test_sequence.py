@@ -1,10 +1,10 @@
-"""Sequence parallelism under Ray Train and DeepSpeed (raypack/train/sequence.py, model/ulysses.py).
+"""Sequence parallelism under Ray Train, on either engine (raypack/train/sequence.py, model/ulysses.py).
 
 One optimizer step on 4 workers in 2 groups of 2 (each group 2 micro-batches of packed rows whose
 examples cross the shard cut; the group's first rank reads them and scatters the shards): the loss
 and every gradient equal a single process running each example alone with the model's own
 attention. Under ZeRO-2, ZeRO-3 with gradient checkpointing on a tied, softcapped head (Gemma 2),
-and LoRA under ZeRO-3 with checkpointing. Then `raypack train` itself: 4 workers with
+and LoRA under ZeRO-3 with checkpointing, on DeepSpeed and on the torch engine. Then `raypack train` itself: 4 workers with
 train.sequence_parallel=2 log the same losses as 2 workers without, through a worker that dies in
 the middle of the epoch and a restart from its checkpoint.
 """
@@ -28,6 +28,8 @@ CASES = {  # zero stage, tiny family, config overrides, gradient checkpointing, 
     "zero2-llama": (2, "llama", {}, False, False),
     "zero3-checkpointing-gemma2-tied-softcap": (3, "gemma2", {"final_logit_softcapping": 0.5}, True, False),
     "zero3-checkpointing-lora-qwen3": (3, "qwen3", {}, True, True),
+    # the torch engine (FSDP2 over all 4 ranks, resharding; each group's two ranks hold other tokens)
+    "torch3-checkpointing-lora-qwen3": (3, "qwen3", {}, True, True),
 }
 
 
@@ -46,13 +48,13 @@ def build(case, attention="auto"):
 
 
 def loop(config):
-    import deepspeed
     import ray.train
     import torch.distributed as dist
+    from engine_views import grads as full_grads
 
     from raypack.config import TrainConfig
     from raypack.model.ulysses import sequence_parallel
-    from raypack.train.engines.deepspeed import setup_engine
+    from raypack.train import engines
     from raypack.train.loop import forward_backward, global_count
     from raypack.train.loss import make_loss
     from raypack.train.prefetch import prepare_step
@@ -62,9 +64,10 @@ def loop(config):
     results = {}
     group = make_groups(2)
     for case in config["cases"]:
+        name = "torch" if case.startswith("torch") else "deepspeed"
         cfg = TrainConfig(num_workers=4, sequence_parallel=2, zero_stage=CASES[case][0], grad_accum=2, grad_clip=0.0,
-                          warmup_steps=0, deepspeed_preset=config["preset"])
-        engine = setup_engine(build(case), cfg, dtype=torch.float32, world_size=4, total_steps=1)
+                          warmup_steps=0, engine=name, deepspeed_preset=config["preset"] if name == "deepspeed" else None)
+        engine = engines.build(build(case), cfg, dtype=torch.float32, world_size=4, total_steps=1)
         loss_fn = make_loss(engine, "chunked", chunk_tokens=7)
         probe_split(engine, group, loss_fn)
         # the group's first rank reads its data rank's rows; the shards are scattered to the others
@@ -74,8 +77,7 @@ def loop(config):
             n = float(global_count([step.label_tokens], engine.device)[:, 0].sum())
             loss_sum = forward_backward(engine, step.batches, 4 * 2 / n, loss_fn)
         loss = float(global_count([float(loss_sum)], engine.device)[:, 0].sum()) / n
-        grads = {name: deepspeed.utils.safe_get_full_grad(p).clone()
-                 for name, p in engine.module.named_parameters() if p.requires_grad}
+        grads = full_grads(engine, trainable_only=True)
         results[case] = {"loss": loss, "grads": grads, "tokens": step.tokens, "examples": step.example_ids}
         engine.destroy()
         dist.barrier()

@@ -1,7 +1,8 @@
 """DeepSpeed JSON presets: found by name in the package (raypack/configs/deepspeed/) or by path.
 
-Kept apart from deepspeed.py, which imports DeepSpeed: the memory estimate (`raypack plan`,
-cluster/memory.py) reads the presets' bucket sizes without the training stack's imports.
+Kept apart from engines/deepspeed.py, which imports DeepSpeed, and outside the engines package,
+which imports torch: the memory estimate (`raypack plan`, cluster/memory.py) reads the presets'
+bucket sizes without the training stack's imports.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-PRESETS = Path(__file__).resolve().parents[2] / "configs" / "deepspeed"
+PRESETS = Path(__file__).resolve().parents[1] / "configs" / "deepspeed"
 """The shipped presets, inside the package: found wherever raypack is installed."""
 
 
