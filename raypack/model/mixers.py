@@ -237,12 +237,15 @@ def _segments(cu: torch.Tensor, total: int) -> list[int]:
 
 def _places(cu: torch.Tensor, total: int, device: torch.device) -> tuple[int, int, torch.Tensor]:
     """(examples, longest, where each row token goes in an [examples * longest] padded batch),
-    once per batch: the index is built on the host from the boundaries and copied over once."""
+    once per batch: the index is built on the host from the boundaries and copied over once,
+    from pinned memory on CUDA (a pageable copy would block the host until the device is idle)."""
     hit = _per_batch.get(cu, ("places", total, device))
     if hit is None:
         sizes = _segments(cu, total)
         longest = max(sizes)
-        index = torch.cat([torch.arange(n) + i * longest for i, n in enumerate(sizes)]).to(device)
+        index = torch.cat([torch.arange(n) + i * longest for i, n in enumerate(sizes)])
+        # pinned, so the copy is queued behind the step's work instead of waiting for the device
+        index = index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index.to(device)
         hit = _per_batch.put(cu, ("places", total, device), (len(sizes), longest, index))
     return hit
 
