@@ -68,6 +68,9 @@ def _walk(cls: type, prefix: str) -> list[FieldDoc]:
             continue
         allowed = _literal_values(hint)
         out.append(FieldDoc(path, describe(hint), _portable(defaults[f.name]), allowed, docs.get(f.name, "")))
+        item = typing.get_args(hint)[0] if typing.get_origin(hint) is tuple and typing.get_args(hint) else None
+        if dataclasses.is_dataclass(item):  # a list of sections (data.sources): each item's fields
+            out += _walk(item, f"{path}.")
     return out
 
 

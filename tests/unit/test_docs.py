@@ -218,3 +218,12 @@ def test_the_site_builds_strict(tmp_path):
     results = sorted((REPO / "benchmarks" / "results").glob("*.md"))
     benchmarks = (tmp_path / "site" / "reference" / "benchmarks" / "index.html").read_text()
     assert all(f"results/{p.stem}/" in benchmarks for p in results), "a results file missing from the index"
+
+
+def test_the_mixture_guide_shows_the_shipped_config():
+    """The data section docs/guides/data.md shows is jobs/configs/mixture.yaml's, comments and all
+    (the config the guide's `raypack plan` runs, tests/ray/test_docs.py)."""
+    page = (DOCS / "guides" / "data.md").read_text().split("## Mixtures", 1)[1]
+    shown = page.split("```yaml\n", 1)[1].split("```", 1)[0]
+    config = (REPO / "jobs" / "configs" / "mixture.yaml").read_text()
+    assert shown.startswith("data:\n") and shown in config
