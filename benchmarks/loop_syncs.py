@@ -138,7 +138,7 @@ def run_kind(kind: str, name: str, args) -> dict:
     from raypack.model.build import load_model
     from raypack.model.ulysses import SequenceGroup
     from raypack.train import loop
-    from raypack.train.engine import setup_engine
+    from raypack.train.engines.deepspeed import setup_engine
     from raypack.train.loss import make_loss, probe_batch
     from raypack.train.prefetch import prepare_step
     from raypack.train.router_loss import make_router_loss
@@ -149,7 +149,7 @@ def run_kind(kind: str, name: str, args) -> dict:
     cfg = TrainConfig(num_workers=1, zero_stage=2, deepspeed_preset="zero2", grad_clip=1.0, warmup_steps=1, lr=1e-4)
     model = load_model(name, attention="auto", dtype=torch.bfloat16, vocab_size=768)
     total = args.warmup + args.steps
-    engine, scheduler = setup_engine(model, cfg, dtype=torch.bfloat16, world_size=1, total_steps=total)
+    engine = setup_engine(model, cfg, dtype=torch.bfloat16, world_size=1, total_steps=total)
     loss = make_loss(engine, "chunked")
     probe = {k: v for k, v in probe_batch(loss.vocab, False).items() if k != "labels"}
     router = make_router_loss(engine.module, cfg, name, probe)
@@ -157,7 +157,7 @@ def run_kind(kind: str, name: str, args) -> dict:
     collate = prepare_step
     if vision is not None:
         collate = functools.partial(prepare_step, collate=VisionRows(engine.module, *vision))
-    worker = loop_worker(cfg, engine, scheduler, loss, HostCounts(world=1), 0, total)
+    worker = loop_worker(cfg, engine, loss, HostCounts(world=1), 0, total)
     worker.router = router
     step_collate = functools.partial(collate, router_scope=router.scope if router is not None else None)
     data = types.SimpleNamespace(padded=False, pad_token_id=0)
