@@ -14,6 +14,10 @@ Three things do need care:
   so the loss asks `adapted_head` (the model, not the config's names) and refuses.
 - `all-linear` in peft takes every nn.Linear but the head, MoE routers that subclass it included;
   those return more than a tensor, so raypack leaves them out (`custom_linears`).
+- A hybrid's mixers read some weights themselves (raypack/model/mixers.py): a convolution's on
+  every path (an adapter there is refused), and Mamba-2's `out_proj` in mamba-ssm's fused
+  training kernel. `all-linear` leaves `out_proj` out; a target list that names it keeps that
+  layer off the fused kernel, so the adapter runs on every device.
 - Gradient checkpointing: with a frozen embedding the checkpointed blocks' inputs need not
   require grad, and a reentrant checkpoint then gives the adapters no gradient. raypack uses
   non-reentrant checkpoints, which don't depend on it, and still turns input gradients on, as
@@ -80,6 +84,10 @@ def apply_adapters(model: nn.Module, cfg: PeftConfig, name: str = "model") -> nn
             f"{type(model.get_submodule(named[0])).__name__} whose forward is not a plain linear layer's (a router "
             "returning scores and choices), which a LoRA layer can't wrap; leave it out"
         )
+    if not all_linear and (where := mixers.read_by_weight(wrapped.get_base_model(), is_lora_layer)):
+        raise AdapterError(f"model.peft.target_modules {list(cfg.target_modules)} on {name}: reaches {where}; "
+                           "leave it out")
+    mixers.keep_unfused(wrapped, is_lora_layer)  # a fused Mamba-2 kernel would skip an adapted out_proj
     # transformers >= 5.2x renamed the flag (the old name warns)
     flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
     if getattr(model, flag, False):
@@ -92,6 +100,14 @@ def custom_linears(model: nn.Module) -> list[str]:
     and choices): a LoRA layer adds its output to the base layer's and needs a tensor back, so
     `all-linear` leaves these out and a named target may not reach them."""
     return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and type(m).forward is not nn.Linear.forward]
+
+
+def is_lora_layer(module: nn.Module | None) -> bool:
+    """Whether `module` is one of peft's adapter layers (its forward adds the adapter; its
+    `weight` is the base layer's alone). A modules_to_save copy is not: its `weight` is the copy's."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return isinstance(module, BaseTunerLayer)
 
 
 def is_adapted(module: nn.Module) -> bool:

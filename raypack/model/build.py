@@ -35,7 +35,8 @@ from raypack.model import checkpointing, mixers, vision
 from raypack.model.traits import UnsupportedModelError, check_packable, decoder
 
 __all__ = [
-    "ModelNotFoundError", "UnsupportedModelError", "check_model", "check_packable", "load_model", "meta_model",
+    "ModelNotFoundError", "UnsupportedModelError", "check_model", "check_packable", "from_checkpoint", "load_model",
+    "meta_model",
     "model_config", "model_vocab_size", "resolve_dtype", "tiny_config",
 ]  # fmt: skip
 
@@ -155,13 +156,18 @@ def _attn_implementation(attention: str) -> str:
     return attention if attention in ("sdpa", "eager") else attn.attn_implementation_name(attention)
 
 
+def from_checkpoint(name: str) -> bool:
+    """Whether `load_model(name)` loads weights (a hub name or folder), not a random init (`tiny-<family>`)."""
+    return not name.startswith("tiny-")
+
+
 def _config(source: str | PretrainedConfig, trust_remote_code: bool, vocab_size: int) -> tuple[Any, str, bool]:
     """(config, name for messages, whether weights come from a checkpoint)."""
     if isinstance(source, PretrainedConfig):
         # transformers 5 writes attn_implementation into the config it is given: never share one
         return copy.deepcopy(source), type(source).__name__, False
     if isinstance(source, str):
-        return model_config(source, trust_remote_code, vocab_size), source, not source.startswith("tiny-")
+        return model_config(source, trust_remote_code, vocab_size), source, from_checkpoint(source)
     raise TypeError(f"load_model: expected a name, path or transformers config, got {type(source).__name__}")
 
 

@@ -33,8 +33,8 @@ values live and when they are computed, not the values:
   each tile is recomputed in backward (a checkpoint per tile), so the MLP's [tokens, intermediate]
   activations (the largest of a layer: 8 bytes x intermediate size a token in bf16) exist for one
   tile at a time, also while gradient checkpointing recomputes the layer. The MLP works per token,
-  MoE routing included; an MLP that returns more than its hidden states (GPT-OSS's router scores)
-  is refused.
+  MoE routing included (the router loss joins each router's tiles back: routers.per_layer); an MLP
+  that returns more than its hidden states (GPT-OSS's router scores) is refused.
 - `model.offload_checkpoints`: with gradient checkpointing, what autograd saves for backward, the
   layers' input hidden states, goes to pinned host memory during the forward and comes back for
   the backward (`torch.autograd.graph.save_on_cpu`): 2 bytes x hidden x layers a token leave the GPU.
@@ -185,6 +185,11 @@ def _tiled(forward, tokens: int, name: str):
     def tiled(hidden: torch.Tensor, *args, **kwargs):
         if args or kwargs:
             return forward(hidden, *args, **kwargs)
+        shape = hidden.shape
+        if hidden.dim() == 3 and shape[0] > 1 and shape[1] > tokens:
+            # a padded batch's rows as one sequence of tokens, tiled in that order: an MoE block's
+            # router then scores the tokens in the order it would have, row by row (routers.per_layer)
+            hidden = hidden.reshape(1, -1, shape[-1])
         recompute = torch.is_grad_enabled() and hidden.shape[-2] > tokens
         outs = [checkpoint(forward, tile, use_reentrant=False) if recompute else forward(tile)
                 for tile in hidden.split(tokens, dim=-2)]
@@ -192,7 +197,7 @@ def _tiled(forward, tokens: int, name: str):
         if not all(isinstance(o, torch.Tensor) for o in outs):
             raise UnsupportedModelError(f"model.tiled_mlp_tokens: {name} returns more than its hidden states (router "
                                         "scores), which tiles can't be joined back into; set it to 0")
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2).reshape(*shape[:-1], -1)
 
     return tiled
 

@@ -24,6 +24,16 @@ arguments, as they do to attention. Two paths, one answer:
              (each token's example), which causal-conv1d's convolution and mamba-ssm's chunked
              scan take, and which transformers forwards to them. Built on the device, no read.
 
+A kernel that does not name the keyword carrying the boundaries would lose them silently
+(raypack/model/mixer_kernels.py): the kernels path is taken only where every function the layer
+calls names it, else the exact torch path, said on the start line.
+
+Adapters: a Mamba-2 layer's fused training kernel (mamba-ssm's
+`mamba_split_conv1d_scan_combined`) reads `out_proj.weight` itself, so a LoRA layer there would
+never run; such a layer is kept off the fused kernel (`keep_unfused`), onto the one its eval
+forward takes: the convolution and the scan, then `out_proj` called as a module. Every path reads
+the convolution's weight directly (`MixerKind.by_weight`): an adapter there is refused.
+
 A module is a known mixer by its structure (`KINDS`): what parameters and submodules it holds,
 and that its forward takes (hidden_states, cache, attention_mask, **kwargs), the convention
 every one of them shares in transformers 5. Anything else that mixes tokens stays refused
@@ -43,6 +53,7 @@ from torch import nn
 
 from raypack.errors import UnsupportedModelError
 from raypack.model import ulysses
+from raypack.model.mixer_kernels import CONV, KernelCall, problem
 from raypack.model.exact import LastCache, host_copy
 
 PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
@@ -51,6 +62,7 @@ as if unpacked, so none of them reaches the layer there."""
 
 
 def _depthwise(conv) -> bool:
+    conv = getattr(conv, "base_layer", conv)  # one peft has wrapped (an adapter, refused: read_by_weight)
     return isinstance(conv, nn.Conv1d) and conv.groups == conv.in_channels
 
 
@@ -104,18 +116,30 @@ class MixerKind:
     """Those kernels, as the start line and the docs name them."""
     fused: tuple[str, ...] = ()
     """Linear submodules whose weight a fused CUDA kernel reads directly, never calling their
-    forward: an adapter there would be skipped, so LoRA's `all-linear` leaves them out."""
+    forward: an adapter there would be skipped, so LoRA's `all-linear` leaves them out, and a layer
+    whose target list reaches one is kept off that kernel (`keep_unfused`)."""
+    calls: tuple[KernelCall, ...] = ()
+    """The kernel functions its packed forward calls (training and eval), each checked for its boundaries."""
+    by_weight: tuple[str, ...] = ()
+    """Submodules whose weight the layer hands a function itself on every path (the
+    convolution's): an adapter there never runs, and is refused."""
 
 
 KINDS: tuple[MixerKind, ...] = (
     MixerKind("gated delta rule", _gated_delta, ("fla", "causal_conv1d"),
-              "flash-linear-attention chunk_gated_delta_rule (cu_seqlens) + causal-conv1d (seq_idx)"),
+              "flash-linear-attention chunk_gated_delta_rule (cu_seqlens) + causal-conv1d (seq_idx)",
+              calls=(CONV, KernelCall("chunk_gated_delta_rule", "fla", "ops.gated_delta_rule", "cu_seqlens")),
+              by_weight=("conv1d",)),
     MixerKind("Mamba-2", _mamba2, ("mamba_ssm", "causal_conv1d"),
               "mamba-ssm chunked scan (seq_idx) + causal-conv1d (seq_idx)",
               # mamba-ssm's mamba_split_conv1d_scan_combined takes outproj_weight (peft refuses
               # out_proj for Nemotron-H and Falcon-H1 for this reason; the kernel is the same in all)
-              fused=("out_proj",)),
-    MixerKind("short convolution", _short_conv, ("causal_conv1d",), "causal-conv1d (seq_idx)"),
+              fused=("out_proj",),
+              calls=(CONV, KernelCall("mamba_split_conv1d_scan_combined", "mamba_ssm", "ops.triton.ssd_combined", "seq_idx"),
+                     KernelCall("mamba_chunk_scan_combined", "mamba_ssm", "ops.triton.ssd_combined", "seq_idx")),
+              by_weight=("conv1d",)),
+    MixerKind("short convolution", _short_conv, ("causal_conv1d",), "causal-conv1d (seq_idx)", calls=(CONV,),
+              by_weight=("conv",)),
 )  # fmt: skip
 """The mixers raypack keeps exact. To add one: its structure, and a family row in tests/families.py."""
 
@@ -163,9 +187,18 @@ def refuse_gpu_only_kernels(model: nn.Module, name: str, device_type: str) -> No
         )
 
 
+@functools.cache
+def kernels_problem(kind: MixerKind) -> str | None:
+    """Why `kind`'s kernels, installed here, would not keep a packed row's examples apart (None:
+    they would); checked once per process (mixer_kernels.problem)."""
+    return problem(kind.calls)
+
+
 def path(kind: MixerKind, device_type: str) -> str:
-    """`kernels` where `kind`'s CUDA kernels run here, else `torch`."""
-    return "kernels" if device_type == "cuda" and all(_PACKAGES[p] for p in kind.packages) else "torch"
+    """`kernels` where `kind`'s CUDA kernels run here and keep examples apart, else `torch`."""
+    if device_type != "cuda" or not all(_PACKAGES[p] for p in kind.packages):
+        return "torch"
+    return "kernels" if kernels_problem(kind) is None else "torch"
 
 
 def describe(found: dict[str, MixerKind], device_type: str) -> str:
@@ -177,9 +210,10 @@ def describe(found: dict[str, MixerKind], device_type: str) -> str:
     for kind, n in counts.items():
         if path(kind, device_type) == "kernels":
             how = f"varlen kernels: {kind.kernels}"
-        elif device_type == "cuda":
-            missing = ", ".join(p for p in kind.packages if not _PACKAGES[p])
+        elif device_type == "cuda" and (missing := ", ".join(p for p in kind.packages if not _PACKAGES[p])):
             how = f"exact torch path, examples as a padded batch ({missing} not installed: slower)"
+        elif device_type == "cuda":
+            how = f"exact torch path, examples as a padded batch: slower; not the kernels: {kernels_problem(kind)}"
         else:
             how = "exact torch path, examples as a padded batch"
         parts.append(f"{n} {kind.name} layer{'s' if n > 1 else ''} ({how})")
@@ -203,12 +237,15 @@ def _segments(cu: torch.Tensor, total: int) -> list[int]:
 
 def _places(cu: torch.Tensor, total: int, device: torch.device) -> tuple[int, int, torch.Tensor]:
     """(examples, longest, where each row token goes in an [examples * longest] padded batch),
-    once per batch: the index is built on the host from the boundaries and copied over once."""
+    once per batch: the index is built on the host from the boundaries and copied over once,
+    from pinned memory on CUDA (a pageable copy would block the host until the device is idle)."""
     hit = _per_batch.get(cu, ("places", total, device))
     if hit is None:
         sizes = _segments(cu, total)
         longest = max(sizes)
-        index = torch.cat([torch.arange(n) + i * longest for i, n in enumerate(sizes)]).to(device)
+        index = torch.cat([torch.arange(n) + i * longest for i, n in enumerate(sizes)])
+        # pinned, so the copy is queued behind the step's work instead of waiting for the device
+        index = index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index.to(device)
         hit = _per_batch.put(cu, ("places", total, device), (len(sizes), longest, index))
     return hit
 
@@ -279,3 +316,42 @@ def install(decoder: nn.Module) -> dict[str, MixerKind]:
 def fused_linears(model: nn.Module) -> list[str]:
     """Names (in `model`) of the linear layers known mixers' kernels read by weight (`MixerKind.fused`)."""
     return [f"{name}.{sub}" for name, kind in find(model).items() for sub in kind.fused]
+
+
+def read_by_weight(model: nn.Module, adapted: Callable[[nn.Module], bool]) -> str | None:
+    """The first submodule of a known mixer whose weight every path reads directly
+    (`MixerKind.by_weight`) and on which `adapted` finds an adapter, with why, or None."""
+    for name, kind in find(model).items():
+        mixer = model.get_submodule(name)
+        for sub in kind.by_weight:
+            if adapted(getattr(mixer, sub, None)):
+                return (f"{name}.{sub}, whose weight the {kind.name} layer hands its convolution itself, never calling "
+                        "the module, so an adapter there would never run or train")
+    return None
+
+
+def keep_unfused(model: nn.Module, adapted: Callable[[nn.Module], bool]) -> list[str]:
+    """Keep every known mixer of `model` off its fused kernel where `adapted` finds an adapter on
+    a linear that kernel reads by weight (`MixerKind.fused`); returns the mixers' names.
+
+    The fused kernel is what transformers' Mamba-2 layers call in training mode (`self.training
+    and cache is None`: their only use of the flag); their eval forward runs the same kernels
+    unfused and calls `out_proj` as a module, adapter included, at the cost of the fusion. So
+    such a mixer's own `training` stays False while its submodules train (the flag and
+    `train()`, which every `model.train()` calls on each child, are the instance's)."""
+    kept = []
+    for name, kind in find(model).items():
+        mixer = model.get_submodule(name)
+        if any(adapted(getattr(mixer, sub, None)) for sub in kind.fused):
+            if not getattr(mixer, "_raypack_unfused", False):
+                mixer.train = functools.partial(_train_unfused, mixer)
+                mixer._raypack_unfused = True
+            mixer.train(mixer.training)
+            kept.append(name)
+    return kept
+
+
+def _train_unfused(mixer: nn.Module, mode: bool = True) -> nn.Module:
+    nn.Module.train(mixer, mode)  # its submodules (LoRA dropout among them) follow `mode`
+    mixer.training = False
+    return mixer

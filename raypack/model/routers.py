@@ -60,6 +60,8 @@ class RouterCall:
     """[tokens, experts], as the router computed them (grad attached)."""
     selected: torch.Tensor
     """[tokens, top_k] int64: the experts each token was sent to."""
+    layer: int = 0
+    """Which router (its index in `Routers.modules`)."""
 
 
 @dataclass
@@ -80,6 +82,7 @@ class Routers:
     _handles: list[Any] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
+        self._layer = {id(module): i for i, module in enumerate(self.modules)}
         for module in self.modules:
             self._handles.append(module.register_forward_hook(self._record))
 
@@ -96,7 +99,7 @@ class Routers:
         chosen = [o for o in outs if isinstance(o, torch.Tensor) and not o.is_floating_point() and o.dim() >= 1
                   and o.shape[-1] == self.top_k and o.numel() == logits.shape[0] * self.top_k]
         selected = chosen[0].reshape(-1, self.top_k).long() if chosen else logits.detach().topk(self.top_k, -1).indices
-        self._calls.append(RouterCall(logits, selected))
+        self._calls.append(RouterCall(logits, selected, self._layer[id(module)]))
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[list[RouterCall]]:
@@ -107,6 +110,17 @@ class Routers:
             yield calls
         finally:
             self._calls = None
+
+    def per_layer(self, calls: list[RouterCall]) -> list[RouterCall]:
+        """One call per router that ran, in layer order: a router called on its tokens in pieces
+        (model.tiled_mlp_tokens runs the MoE block a tile at a time) has its pieces joined, in
+        the order they ran, which is the tokens' order (kernels._tiled)."""
+        pieces: dict[int, list[RouterCall]] = {}
+        for call in calls:
+            pieces.setdefault(call.layer, []).append(call)
+        return [parts[0] if len(parts) == 1 else
+                RouterCall(torch.cat([c.logits for c in parts]), torch.cat([c.selected for c in parts]), layer)
+                for layer, parts in sorted(pieces.items())]  # fmt: skip
 
     def remove(self) -> None:
         for handle in self._handles:

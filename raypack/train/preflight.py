@@ -155,6 +155,7 @@ def check_model_and_tokenizer(cfg: Config, tok) -> tuple[int, bool, Any]:
     from raypack.model.build import model_config, model_vocab_size  # torch: seconds
     from raypack.model.vision import trains_as_vlm
     from raypack.train.memory import tower_cost
+    from raypack.train.preflight_setup import check_qlora, check_setup
     from raypack.train.router_loss import check_router_setting
 
     m = cfg.model
@@ -162,9 +163,11 @@ def check_model_and_tokenizer(cfg: Config, tok) -> tuple[int, bool, Any]:
     config = model_config(m.name, m.trust_remote_code, vocab_size=len(tok))
     check_packed_model(cfg, config)
     check_kernels(cfg, config)
-    check_adapters(cfg, config)
+    check_qlora(cfg, config)
+    adapted = check_adapters(cfg, config)
     check_freeze(cfg, config)
     check_router_setting(cfg.train, config, m.name)
+    check_setup(cfg, config, adapted)  # what the workers' setup refuses without a forward
     check_vlm_processor(cfg, config, tok)
     vocab = model_vocab_size(config)
     if len(tok) > vocab:
@@ -233,12 +236,13 @@ def check_kernels(cfg: Config, config) -> None:
         liger_loss_available(device)
 
 
-def check_adapters(cfg: Config, config) -> None:
+def check_adapters(cfg: Config, config):
     """With `model.peft`: its target modules exist in the model, the loss can train it (the chunked
-    loss refuses an adapted output head), and QLoRA's bitsandbytes is installed. On the meta device."""
+    loss refuses an adapted output head), and QLoRA's bitsandbytes is installed. On the meta device;
+    returns that adapted model (None without model.peft)."""
     p = cfg.model.peft
     if not p.enabled:
-        return
+        return None
     import importlib.util
 
     from raypack.model.adapters import AdapterError, apply_adapters
@@ -249,6 +253,7 @@ def check_adapters(cfg: Config, config) -> None:
         raise AdapterError("model.peft.method=qlora: needs the bitsandbytes package (pip install bitsandbytes)")
     model = apply_adapters(meta_model(config, cfg.model.trust_remote_code), p, cfg.model.name)
     CausalLMLoss(model, cfg.train.loss)
+    return model
 
 
 def check_freeze(cfg: Config, config) -> None:

@@ -158,9 +158,12 @@ class RouterLoss:
     def sums(self, calls: list[RouterCall], batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """(Σ over the micro-batch's units of their loss, fp32 scalar with grad; the expert load
         [layers, E] fp64) from the router calls of its forward."""
-        if len(calls) != self.layers:
-            raise RuntimeError(f"the model's {self.layers} routers ran {len(calls)} times in one forward; raypack "
-                               "expects each MoE layer's router once (train.router_aux_loss_coef: 0 trains without it)")
+        tokens = batch["router_units"].numel()
+        calls = self.routers.per_layer(calls)
+        if len(calls) != self.layers or any(c.logits.shape[0] != tokens for c in calls):
+            raise RuntimeError(f"the model's {self.layers} routers ran on {_counts(calls)} tokens in one forward of "
+                               f"{tokens}; raypack expects each MoE layer's router to score every token once "
+                               "(train.router_aux_loss_coef: 0 trains without it)")
         if self.coef and calls[0].logits.grad_fn is None and torch.is_grad_enabled():
             raise RuntimeError("the router scores carry no gradient (a reentrant gradient checkpoint?): the router "
                                "loss would train nothing; set train.router_aux_loss_coef: 0")
@@ -174,11 +177,13 @@ class RouterLoss:
         block's router would leave the hooks silent). Refused before training otherwise."""
         with torch.no_grad(), self.routers.capture() as calls:
             forward(**batch)
-        if len(calls) != self.layers:
+        tokens = batch["input_ids"].numel()
+        calls = self.routers.per_layer(calls)
+        if len(calls) != self.layers or any(c.logits.shape[0] != tokens for c in calls):
             raise RouterNotFoundError(
-                f"model.name {name!r}: its {self.layers} routers ran {len(calls)} times in a probe forward (expected "
-                "once each; a kernel or wrapper may replace them), so raypack can't read their scores; set "
-                "train.router_aux_loss_coef: 0 to train it without the router loss")
+                f"model.name {name!r}: its {self.layers} routers ran on {_counts(calls)} tokens in a probe forward of "
+                f"{tokens} (expected every token once each; a kernel or wrapper may replace them), so raypack can't "
+                "read their scores; set train.router_aux_loss_coef: 0 to train it without the router loss")
 
     def read(self, values: dict[str, float], readings: list[float]) -> dict[str, Any]:
         """A step's values from its summed readings (Pending.more): the mean router loss over the
@@ -188,6 +193,10 @@ class RouterLoss:
 
     def describe(self) -> str:
         return f"coefficient {self.coef:g}, per {self.scope.replace('_', '-')}; {self.routers.describe()}"
+
+
+def _counts(calls: list[RouterCall]) -> str:
+    return "none of the" if not calls else ", ".join(str(c.logits.shape[0]) for c in calls)
 
 
 def check_router_setting(train: TrainConfig, config: Any, name: str) -> float:

@@ -423,6 +423,44 @@ def test_freezing_a_vision_tower_a_text_model_lacks(tmp_path, capsys, no_ray):
     assert "model.freeze=['vision']: model.name 'tiny-llama' is not a vision-language model" in err
 
 
+# What the workers' setup refused 30-50 s in, after Ray and the worker group started, refused here
+# (raypack/train/preflight_setup.py; what needs a forward stays in the workers, listed there).
+
+
+def test_tiled_mlps_on_layers_without_an_mlp(tmp_path, capsys, no_ray):
+    err = train(tmp_path, capsys, "model.name=tiny-nemotron_h", "model.tiled_mlp_tokens=8")
+    assert err == ("raypack: error: model.tiled_mlp_tokens: NemotronHBlock has no MLP under a name raypack knows (mlp, "
+                   "feed_forward, block_sparse_moe); set it to 0\n")
+
+
+def test_a_router_loss_coefficient_on_a_model_that_builds_no_router(tmp_path, capsys, no_ray):
+    """Nemotron-H's config carries expert settings, so the config check passes; its layers build none."""
+    err = train(tmp_path, capsys, "model.name=tiny-nemotron_h", "train.router_aux_loss_coef=0.01")
+    assert "model.name 'tiny-nemotron_h': train.router_aux_loss_coef=0.01, but it builds no mixture-of-experts layer" in err
+
+
+def test_qlora_on_a_model_built_from_a_config(tmp_path, capsys, no_ray):
+    err = train(tmp_path, capsys, "model.peft.method=qlora", "train.use_gpu=true")
+    assert "model.peft.method=qlora: model.name 'tiny-llama' is built from a config, with no checkpoint" in err
+
+
+def test_lora_on_a_convolution_a_hybrid_layer_reads_by_weight(tmp_path, capsys, no_ray):
+    """A Bamba config folder (no weights): its Mamba-2 layer hands conv1d.weight to the convolution
+    itself on every path, so an adapter there would never run (raypack/model/mixers.py)."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from families import FAMILIES
+
+    config = FAMILIES["bamba"].build_config("bamba")
+    config.vocab_size = 1024
+    config.save_pretrained(tmp_path / "bamba")
+    err = train(tmp_path, capsys, f"model.name={tmp_path / 'bamba'}", "model.peft.method=lora", "model.peft.r=96",
+                "model.peft.alpha=16", "model.peft.target_modules=[in_proj,conv1d]")
+    assert (f"reaches model.layers.0.mamba.conv1d, whose weight the Mamba-2 layer hands its convolution itself, never "
+            "calling the module, so an adapter there would never run or train; leave it out\n") in err
+
+
 INSTRUCTION = {"instruction": "add 2 and 2", "output": "4"}
 
 

@@ -187,3 +187,190 @@ def test_a_gpu_only_kernel_package_on_a_cpu_run_is_refused_before_training(monke
     check_model(FAMILIES["nemotron_h"].build_config("nemotron_h"), device_type="cpu")  # Mamba-2: no fla
     monkeypatch.setitem(mixers._PACKAGES, "fla", False)
     check_model(config, device_type="cpu", name="my-qwen")
+
+
+# --- what the CUDA kernels would do, guarded on the CPU ---------------------------------------------
+
+
+def _stand_in(monkeypatch, family: str, calls: list):
+    """mamba-ssm's fused training kernel as transformers binds it where mamba-ssm imports: it reads
+    out_proj's weight itself (here its output is that weight applied to the projections, enough to
+    show which weights it trains)."""
+    import importlib
+
+    import torch.nn.functional as F
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+
+    def fused(zxbcdt, *args, outproj_weight=None, outproj_bias=None, **kwargs):
+        calls.append(kwargs.get("seq_idx"))
+        return F.linear(zxbcdt[..., :outproj_weight.shape[1]], outproj_weight, outproj_bias)
+
+    monkeypatch.setattr(module, "mamba2_split_conv1d_scan_combined", fused)
+
+
+@pytest.mark.parametrize("family", ["bamba", "granitemoehybrid", "zamba2"])
+def test_lora_on_out_proj_keeps_the_mamba_layer_off_the_fused_kernel(family, monkeypatch):
+    """Bamba, Granite 4 and Zamba 2 hand out_proj.weight to mamba-ssm's fused kernel in training
+    (peft refuses out_proj only for Nemotron-H and Falcon-H1): an adapter there would never run.
+    With out_proj in the target list, the layer takes its unfused forward instead (the fused
+    stand-in is never called) and out_proj's adapter trains; with in_proj alone the fused kernel
+    still runs (what every Mamba-2 layer gets under all-linear)."""
+    from raypack.config import PeftConfig
+    from raypack.model.adapters import apply_adapters
+
+    torch.manual_seed(0)
+    rows, _ = make_rows(([5, 3],), vocab=512)
+    batch = collate_packed(rows)
+    batch.pop("labels")
+    for targets, fused in ((("in_proj", "out_proj"), False), (("in_proj",), True)):
+        calls: list = []
+        _stand_in(monkeypatch, family, calls)
+        model = load_model(FAMILIES[family].build_config(family), attention="sdpa_varlen", dtype="float32")
+        model = apply_adapters(model, PeftConfig(method="lora", r=4, alpha=8, target_modules=targets))
+        model.train()
+        model(**batch).logits.sum().backward()
+        assert bool(calls) == fused, targets
+        out_proj = [p for n, p in model.named_parameters() if "out_proj.lora_B" in n and ".mamba" in n]
+        assert bool(out_proj) == (not fused)
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in out_proj)
+        lora_in = [p for n, p in model.named_parameters() if "in_proj.lora_B" in n]
+        assert lora_in and all(p.grad is not None for p in lora_in)
+        # the mixers' own flag: their submodules (LoRA dropout) still train, and eval() still evaluates
+        mixer = model.get_submodule(next(iter(mixers.find(model))))
+        assert mixer.training is fused and mixer.in_proj.training
+        model.eval()
+        assert not mixer.training and not mixer.in_proj.training
+
+
+def test_an_adapter_on_a_convolution_the_layer_reads_by_weight_is_refused():
+    """Every path (kernels and torch fallback alike) hands the mixer's conv1d.weight to a
+    function: a LoRA layer on it never runs. peft refuses it for Nemotron-H and Falcon-H1, and
+    elsewhere only for ranks that don't divide its groups; raypack refuses it, naming the module.
+    Shown first with peft alone: the adapter gets no gradient."""
+    from peft import get_peft_model
+
+    from raypack.config import PeftConfig
+    from raypack.model.adapters import AdapterError, apply_adapters, lora_config
+
+    torch.manual_seed(0)
+    config = FAMILIES["bamba"].build_config("bamba")
+    cfg = PeftConfig(method="lora", r=96, alpha=8, target_modules=("in_proj", "conv1d"))  # 96: conv1d's groups
+    model = get_peft_model(load_model(config, attention="sdpa_varlen", dtype="float32"), lora_config(cfg))
+    batch = collate_packed(make_rows(([5, 3],), vocab=512)[0])
+    batch.pop("labels")
+    model(**batch).logits.sum().backward()
+    conv = [p for n, p in model.named_parameters() if "conv1d.lora_" in n]
+    assert conv and all(p.grad is None for p in conv)
+    with pytest.raises(AdapterError, match=r"model.peft.target_modules \['in_proj', 'conv1d'\] on tiny-bamba: reaches "
+                                           r"model.layers.0.mamba.conv1d, whose weight the Mamba-2 layer hands its "
+                                           r"convolution itself.*leave it out"):
+        apply_adapters(meta_model(config), cfg, "tiny-bamba")
+
+
+@pytest.fixture
+def kernels_here(monkeypatch):
+    """Stand-in kernel packages put in sys.modules (where importlib finds them, as transformers
+    would); returns `install(name, **attributes)`. The signature checks are read afresh."""
+    import sys
+    import types
+
+    def install(name: str, **attributes):
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):
+            dotted = ".".join(parts[:i])
+            if dotted not in sys.modules or not getattr(sys.modules[dotted], "_stand_in", False):
+                module = types.ModuleType(dotted)
+                module._stand_in = True
+                monkeypatch.setitem(sys.modules, dotted, module)
+                if i > 1:
+                    setattr(sys.modules[".".join(parts[:i - 1])], parts[i - 1], module)
+        for key, value in attributes.items():
+            setattr(sys.modules[name], key, value)
+        monkeypatch.setitem(mixers._PACKAGES, parts[0], True)
+
+    mixers.kernels_problem.cache_clear()
+    yield install
+    mixers.kernels_problem.cache_clear()
+
+
+def _conv_with_seq_idx(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
+                       final_states_out=None, activation=None):  # causal-conv1d 1.4+'s signature
+    pass
+
+
+def _conv_without(x, weight, bias=None, activation=None):  # causal-conv1d before seq_idx
+    pass
+
+
+def test_a_convolution_kernel_without_seq_idx_falls_back_to_the_exact_torch_path(kernels_here, monkeypatch):
+    """transformers passes causal_conv1d_fn only the keywords its signature names: one without
+    seq_idx would get the packed row with the boundaries dropped. The kernels path is taken only
+    where it names seq_idx; the start line says why not, on one line."""
+    short_conv = mixers.KINDS[2]
+    kernels_here("causal_conv1d", causal_conv1d_fn=_conv_with_seq_idx)
+    assert mixers.path(short_conv, "cuda") == "kernels"
+    assert mixers.path(short_conv, "cpu") == "torch"
+    mixers.kernels_problem.cache_clear()
+    kernels_here("causal_conv1d", causal_conv1d_fn=_conv_without)
+    assert mixers.path(short_conv, "cuda") == "torch"
+    found = mixers.find(decoder(meta_model(tiny_config("lfm2"))))
+    line = mixers.describe(found, "cuda")
+    assert "\n" not in line
+    assert line == ("1 short convolution layer (exact torch path, examples as a padded batch: slower; not the "
+                    "kernels: causal_conv1d's causal_conv1d_fn takes no seq_idx, so transformers would drop the "
+                    "boundaries)")  # no causal-conv1d distribution here to name a version
+    from raypack.model import mixer_kernels
+
+    versions = {"causal-conv1d": "1.1.0"}
+    monkeypatch.setattr(mixer_kernels.importlib.metadata, "version", lambda dist: versions[dist] if dist in versions
+                        else (_ for _ in ()).throw(mixer_kernels.importlib.metadata.PackageNotFoundError(dist)))
+    mixers.kernels_problem.cache_clear()
+    assert mixers.kernels_problem(short_conv).startswith("causal-conv1d 1.1.0's causal_conv1d_fn takes no seq_idx")
+
+
+def test_a_catch_all_kwargs_does_not_count_as_taking_the_boundaries(kernels_here):
+    """`**kwargs` in a kernel's signature is filtered out by transformers like any unnamed keyword."""
+    def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, **kwargs):
+        pass
+
+    kernels_here("causal_conv1d", causal_conv1d_fn=_conv_with_seq_idx)
+    kernels_here("fla.ops.gated_delta_rule", chunk_gated_delta_rule=chunk_gated_delta_rule)
+    gated_delta = mixers.KINDS[0]
+    assert mixers.path(gated_delta, "cuda") == "torch"
+    assert "chunk_gated_delta_rule takes no cu_seqlens" in mixers.kernels_problem(gated_delta)
+
+    def with_cu_seqlens(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                        use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
+        pass
+
+    mixers.kernels_problem.cache_clear()
+    kernels_here("fla.ops.gated_delta_rule", chunk_gated_delta_rule=with_cu_seqlens)
+    assert mixers.path(gated_delta, "cuda") == "kernels"
+
+
+def test_mamba_kernels_are_checked_fused_and_unfused(kernels_here):
+    """A Mamba-2 layer calls mamba-ssm's fused kernel in training and its chunked scan in eval
+    (and off the fused path): both must take seq_idx, and the convolution too."""
+    mamba = mixers.KINDS[1]
+
+    def scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
+             cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False):
+        pass
+
+    def fused_without(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, initial_states=None,
+                      dt_limit=(0.0, float("inf")), return_final_states=False, activation="silu",
+                      outproj_weight=None, outproj_bias=None, headdim=None, ngroups=1, norm_before_gate=True):
+        pass
+
+    kernels_here("causal_conv1d", causal_conv1d_fn=_conv_with_seq_idx)
+    kernels_here("mamba_ssm.ops.triton.ssd_combined", mamba_chunk_scan_combined=scan,
+                 mamba_split_conv1d_scan_combined=fused_without)
+    assert mixers.path(mamba, "cuda") == "torch"
+    assert "mamba_split_conv1d_scan_combined takes no seq_idx" in mixers.kernels_problem(mamba)
+    mixers.kernels_problem.cache_clear()
+    kernels_here("mamba_ssm.ops.triton.ssd_combined", mamba_split_conv1d_scan_combined=lambda *a, seq_idx=None: None)
+    assert mixers.path(mamba, "cuda") == "kernels"
+    mixers.kernels_problem.cache_clear()
+    kernels_here("mamba_ssm.ops.triton.ssd_combined", mamba_chunk_scan_combined=None)
+    assert "has no mamba_chunk_scan_combined" in mixers.kernels_problem(mamba)

@@ -170,6 +170,39 @@ def test_lora_on_the_language_model_is_exact(family):
     assert trained and all("lora_" in n and ("language_model" in n or "text_model" in n) for n in trained)
 
 
+@pytest.mark.parametrize("family", TRAINED)
+def test_lora_all_linear_in_both_towers_is_exact(family):
+    """raypack's LoRA as `model.peft.method: lora` applies it by default (all-linear): adapters in
+    the vision tower, the projector and the language model. Every adapter gradient, tower and
+    projector included, packed equals the examples alone (B drawn at random, as above)."""
+    from exactness import random_lora_b
+
+    from raypack.config import PeftConfig
+    from raypack.model.adapters import apply_adapters
+
+    spec = VLM_FAMILIES[family]
+    config, model, ref = _pair(spec)
+    cfg = PeftConfig(method="lora", r=4, alpha=8)
+    model = random_lora_b(apply_adapters(model, cfg))
+    ref = apply_adapters(ref, cfg)
+    ref.load_state_dict(model.state_dict())
+    examples = make_examples(spec, config)
+    errors = vlm_packed_vs_alone(model, ref, examples, collate_vision_packed(with_positions(model, examples)))
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < TOLERANCE, f"{family} + LoRA all-linear: {worst} off by {errors[worst]:.2e}"
+    trained = [n for n, p in model.named_parameters() if p.grad is not None]
+    assert trained and all("lora_" in n for n in trained)
+    towers = {part for part in ("vision", "projector", "language") if any(
+        any(key in n for key in KEYS[part]) for n in trained)}  # fmt: skip
+    assert towers == {"vision", "projector", "language"}, towers
+
+
+KEYS = {"vision": ("visual.blocks", "vision_tower", "vision_model"), "projector": ("merger", "multi_modal_projector",
+                                                                                "connector"),
+        "language": ("language_model", "text_model")}  # fmt: skip
+"""Where each part's weights sit, by the families' names (raypack/model/vision.py's TOWERS, PROJECTORS)."""
+
+
 def test_mrope_without_get_rope_index_is_refused():
     """An mRoPE model whose get_rope_index raypack can't reach (an unknown wrapper) is refused,
     never trained on text positions."""

@@ -187,3 +187,38 @@ def test_a_config_with_expert_settings_that_builds_no_moe_layer_is_dense():
     assert make_router_loss(model, TrainConfig(), "tiny-nemotron_h") is None
     with pytest.raises(RouterNotFoundError, match=r"builds no mixture-of-experts layer"):
         make_router_loss(model, TrainConfig(router_aux_loss_coef=0.01), "tiny-nemotron_h")
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_tiled_mlps_give_the_same_router_loss(family):
+    """model.tiled_mlp_tokens runs each MoE block 5 tokens at a time (recomputed in backward), so
+    each router runs once per tile: the loss joins a router's tiles back (routers.per_layer), and
+    the router loss, the expert load and every gradient equal the untiled model's, packed and
+    padded (a padded batch is tiled as one sequence of its rows' tokens, in their order). The
+    setup probe (12 tokens, 3 tiles) accepts it."""
+    from raypack.model.kernels import tile_mlps
+    from raypack.train.loss import probe_batch
+
+    rows, _ = make_rows(vocab=512)
+    for padded, plain in zip((False, True), models(family)):  # raypack's packed model; eager for padded rows
+        tiled = copy.deepcopy(plain)
+        assert tile_mlps(tiled, 5) == FAMILIES[family].build_config(family).num_hidden_layers
+        results = []
+        for model in (plain, tiled):
+            model.zero_grad()
+            router = router_loss(model, family)
+            batch = collate_packed(rows, padded=padded)
+            batch.update(router.units(batch))
+            with router.routers.capture() as calls:
+                model(**model_kwargs(batch))
+            total, load = router.sums(calls, batch)
+            total.backward()
+            results.append((total.detach(), load, grads(model)))
+            router.routers.remove()
+        (a, load_a, ga), (b, load_b, gb) = results
+        assert rel_err(a, b) < TOL and torch.equal(load_a, load_b), (padded, a.item(), b.item())
+        assert ga.keys() == gb.keys() and ga
+        assert max(rel_err(ga[n], gb[n]) for n in ga) < TOL
+    router = router_loss(tiled, family)
+    probe = {k: v for k, v in probe_batch(512, padded=False).items() if k != "labels"}
+    router.probe(tiled, probe, family)

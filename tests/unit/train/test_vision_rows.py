@@ -163,3 +163,27 @@ def test_a_processor_that_does_not_fit_the_model_is_refused_on_the_worker_too():
     with pytest.raises(InputError, match=r"idefics3_processor': its image processor gives pixel_attention_mask .*"
                                          r"Qwen2_5_VL.* takes image_grid_thw"):
         VisionRows(qwen, {}, str(ASSETS / "idefics3_processor"))
+
+
+def test_images_are_decoded_on_a_pool_once_an_owner_and_give_the_same_batch(monkeypatch):
+    """VisionRows decodes a micro-batch's images on `workers` threads: the same tensors as on one
+    thread, packed and padded; each image owner's bytes are processed once a call (a preference
+    pair's two sequences share their pair's images), here two rows naming the same examples."""
+    from raypack.model.build import load_model
+    from raypack.train.vision_rows import VisionRows
+
+    rows, images, processor = prepared_rows(steps=2)
+    model = load_model("tiny-qwen2_5_vl", attention="auto", dtype="float32")
+    group = [rows[0][0], rows[1][0], rows[0][0]]  # the first row twice: its examples' images once
+    serial, pooled = VisionRows(model, images, processor, workers=1), VisionRows(model, images, processor, workers=2)
+    calls = []
+    original = pooled.tokenize.example_pixels
+    monkeypatch.setattr(pooled.tokenize, "example_pixels", lambda ex, where: calls.append(where) or original(ex, where))
+    for padded in (False, True):
+        a, b = serial(group, padded=padded), pooled(group, padded=padded)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k], k
+    with_images = {e for r in group for e in r["example_ids"] if images.get(e, ([], []))[0]}
+    assert len(calls) == 2 * len(with_images) and len(set(calls)) == len(with_images)
+    assert pooled._pool is not None and serial._pool is None
