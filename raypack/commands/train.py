@@ -14,6 +14,11 @@ evicted, `ray job stop`, Slurm, `kill`) and Ctrl-C stop the workers after their 
 checkpoint, within train.stop_grace_s (raypack/train/stop.py); a second one, or one before
 training, stops at once. Either way the run keeps every checkpoint it registered and none it
 didn't, and the command prints one line saying how to go on and exits 128 + the signal (143, 130).
+
+One command at a time trains a run: it holds the run folder's lock (raypack/runlock.py) from
+before its inputs are checked until it ends, and a second `raypack train` on the same folder (or
+on a trial's folder while its sweep runs) is refused with one line naming the owner's host, pid
+and start; a lock a killed run left behind is taken over, with a line saying so.
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ import argparse
 import signal
 import sys
 
-from raypack import runs, storage
-from raypack.config import load
+from raypack import runlock, runs, storage
+from raypack.config import Config, load
 from raypack.errors import ConfigError
 from raypack.runs import SAVED_CONFIG, absolute_paths, check_rerun, run_dir, saved_config
 from raypack.train.startup import describe
@@ -42,6 +47,12 @@ def run(args: argparse.Namespace) -> int:
     cfg = saved_config(args.resume, args.overrides) if args.resume else load(args.config, args.overrides)
     root = run_dir(absolute_paths(cfg))
     fresh = not storage.exists(root)
+    # The run's folder is this command's until it ends: a second one on it is refused (raypack/runlock.py)
+    with runlock.hold(root, f"run {cfg.run.name!r}", "train", guards=runs.sweep_of(root)):
+        return train(args, cfg, root, fresh)
+
+
+def train(args: argparse.Namespace, cfg: Config, root: str, fresh: bool) -> int:
     try:
         outcome = start(cfg, resume=bool(args.resume), reprepare=args.reprepare)
     except KeyboardInterrupt as e:

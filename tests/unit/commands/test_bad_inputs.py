@@ -421,3 +421,25 @@ def test_bad_image_rows_name_the_file_and_line(tmp_path, capsys, no_ray, command
 def test_freezing_a_vision_tower_a_text_model_lacks(tmp_path, capsys, no_ray):
     err = train(tmp_path, capsys, "model.freeze=[vision]", "--config", str(REPO / "jobs" / "configs" / "tiny_cpu.yaml"))
     assert "model.freeze=['vision']: model.name 'tiny-llama' is not a vision-language model" in err
+
+
+@pytest.mark.parametrize("command", ["train", "sweep"])
+def test_a_run_folder_another_command_holds(tmp_path, capsys, no_ray, command):
+    """A second `raypack train` (or `sweep`) on a folder a live command holds: one line naming the
+    owner, before Ray starts, and the owner's folder as it was."""
+    from lockholder import holder, let_go
+
+    root = tmp_path / "runs" / "r"
+    proc = holder(str(root), command)
+    before = sorted(p.name for p in root.iterdir())
+    try:
+        config = ["--config", str(REPO / "jobs" / "configs" / "sweeps" / "packing_cpu.yaml")] if command == "sweep" else []
+        code = main([command, *config, f"run.storage_path={tmp_path / 'runs'}", "run.name=r"])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1, err
+        what = "sweep" if command == "sweep" else "run"
+        assert err.startswith(f"raypack: error: {what} 'r' in {root} is in use by raypack {command} (pid {proc.pid} on "
+                              "host "), err
+        assert sorted(p.name for p in root.iterdir()) == before
+    finally:
+        let_go(proc)
