@@ -24,8 +24,11 @@ and start; a lock a killed run left behind is taken over, with a line saying so.
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import signal
 import sys
+from pathlib import Path
 
 from raypack import runlock, runs, storage
 from raypack.config import Config, load
@@ -78,7 +81,7 @@ def print_summary(outcome: Outcome) -> None:
         rows.append(("checkpoint", f"{outcome.checkpoint}  ({_holds(outcome.checkpoint)})"))
     tracking = outcome.tracking
     if tracking.tensorboard_dir:
-        rows.append(("tensorboard", f"tensorboard --logdir {tracking.tensorboard_dir}"))
+        rows.append(("tensorboard", tensorboard_command(tracking.tensorboard_dir)))
     if tracking.wandb and tracking.wandb["mode"] == "offline" and (offline := offline_runs(outcome.root)):
         # each start (a resume) writes its own segment of the one W&B run: sync them all
         shown = offline[0] if len(offline) == 1 else offline[0].parent / "offline-run-*"
@@ -89,6 +92,20 @@ def print_summary(outcome: Outcome) -> None:
     width = max(20, *(len(key) for key, _ in rows))  # DPO's eval_rewards/accuracies is 23 long
     for key, text in rows:
         print(f"  {key:<{width}} {text}")
+
+
+def tensorboard_command(logdir: str) -> str:
+    """What shows `logdir` from the user's shell: `tensorboard` where it is on PATH, else the one
+    installed beside this raypack's Python (`.venv/bin/tensorboard` after `make run`, whose venv
+    is not on PATH), else how to install it."""
+    beside = Path(sys.executable).parent / "tensorboard"  # not resolved: a venv's python is a link
+    if shutil.which("tensorboard"):
+        program = "tensorboard"
+    elif beside.is_file():
+        program = os.path.relpath(beside) if beside.absolute().is_relative_to(Path.cwd()) else str(beside)
+    else:
+        return f"pip install tensorboard, then: tensorboard --logdir {logdir}"
+    return f"{program} --logdir {logdir}"
 
 
 def _holds(checkpoint: str) -> str:
