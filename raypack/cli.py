@@ -30,6 +30,7 @@ import sys
 import traceback
 
 from raypack.config import blame, load
+from raypack.config.sections import MAX_IMAGE_PIXELS
 from raypack.errors import ConfigError, InputError
 
 
@@ -91,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image", action="append", metavar="PATH",
                    help="an image (path, URI or base64) before the first message, for a vision-language model; "
                         "repeat for several")  # fmt: skip
+    p.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS, metavar="N",
+                   help=f"most pixels an image may have, read from its header before it is decoded (default: "
+                        f"{MAX_IMAGE_PIXELS}, PIL's limit, as data.max_image_pixels)")  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest answer, in tokens (default: 256)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0 is greedy (default: 0.7)")
     return parser
