@@ -42,11 +42,19 @@ def test_mixers_raypack_does_not_know_stay_refused(family):
         check_packable(model, family)
 
 
-def test_known_mixers_are_refused_under_transformers_own_attention():
-    """model.attention=sdpa loads the model without raypack's mixers: a packed row would leak."""
-    with pytest.raises(UnsupportedModelError, match=r"layer_types conv"):
-        check_model(tiny_config("lfm2"), attention="sdpa")
-    check_model(tiny_config("lfm2"), attention="auto")
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "nemotron_h"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_known_mixers_are_refused_under_transformers_own_attention_naming_the_backend(family, attention):
+    """model.attention=sdpa loads the model without raypack's mixers: a packed row would leak.
+    What to change is the backend (the layers are exact under raypack's), not the strategy alone."""
+    with pytest.raises(UnsupportedModelError) as e:
+        check_model(tiny_config(family), attention=attention)
+    assert f"has {KINDS[family]} layers, which transformers' own attention (model.attention=sdpa or eager) " \
+           "leaves running over the whole packed row" in str(e.value)
+    assert "use model.attention=auto (or sdpa_varlen, torch_varlen, flash_attn), or a padded strategy " \
+           "(pad or pad_sorted)" in str(e.value)
+    assert "layer_types" not in str(e.value)
+    check_model(tiny_config(family), attention="auto")
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h", "lfm2"])
