@@ -39,8 +39,16 @@ def _add_config(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=2e-5 pack.strategy=bfd")
 
 
+DESCRIPTION = ("Supervised fine-tuning of causal language models on packed sequences, exactly as unpacked (no "
+               "example sees another), on Ray: Ray Data tokenizes and packs, Ray Train with DeepSpeed trains, "
+               "Ray Tune sweeps.")
+"""What `raypack --help` says raypack is (the module doc is for readers of this file)."""
+EPILOG = ("Start with: raypack train --config jobs/configs/quickstart.yaml (make run). `raypack COMMAND --help` "
+          "for a command's arguments; `raypack config FIELD` for what a config field means.")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="raypack", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="raypack", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--debug", action="store_true", help="print the traceback of an error too")
     # Also accepted after the command; SUPPRESS keeps the subparser from resetting the flag.
     common = argparse.ArgumentParser(add_help=False)
