@@ -201,6 +201,14 @@ def test_every_code_block_names_its_language():
     assert not unnamed, f"code blocks without a language (bash for commands, text for output): {unnamed}"
 
 
+def test_start_here_links_every_guide():
+    """The docs index's "Start here" names every page of the guides (the nav has them all too)."""
+    start = (DOCS / "index.md").read_text().split("## Start here", 1)[1]
+    linked = set(re.findall(r"\]\((guides/[\w-]+\.md)\)", start))
+    guides = {f"guides/{p.name}" for p in (DOCS / "guides").glob("*.md")}
+    assert guides <= linked, f"missing from Start here: {sorted(guides - linked)}"
+
+
 def test_readme_is_a_landing_page():
     assert len((REPO / "README.md").read_text().splitlines()) <= 200
 
@@ -214,6 +222,10 @@ def test_the_site_builds_strict(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     config = (tmp_path / "site" / "reference" / "config" / "index.html").read_text()
     assert "pack.budget" in config and "Tokens per packed row" in config
+    # long lines in code blocks wrap in the text column, not cut off past it (at 1280 px, both sidebars shown)
+    assert 'href="../../stylesheets/extra.css"' in config
+    css = " ".join((tmp_path / "site" / "stylesheets" / "extra.css").read_text().split())
+    assert ".md-typeset pre > code { white-space: pre-wrap;" in css
     assert "raypack config" in (tmp_path / "site" / "reference" / "cli" / "index.html").read_text()
     results = sorted((REPO / "benchmarks" / "results").glob("*.md"))
     benchmarks = (tmp_path / "site" / "reference" / "benchmarks" / "index.html").read_text()
