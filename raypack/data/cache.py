@@ -39,6 +39,7 @@ import pyarrow.dataset as pads
 
 from raypack import storage
 from raypack.config import Config
+from raypack.config.sections import MAX_IMAGE_PIXELS
 from raypack.data.fingerprint import changed_sources, recorded
 from raypack.data.listing import Sources, source_bytes
 from raypack.data.shards import Prepared
@@ -72,6 +73,10 @@ def tokenized_key(cfg: Config) -> str:
     tokenize = {k: v for k, v in plain["tokenize"].items() if k not in TOKENIZE_SPEED_KNOBS}
     tokenize["max_length"] = cfg.max_length
     data = {k: v for k, v in plain["data"].items() if k not in DATA_NOT_SHAPING}
+    # Which images are bad rows: a limit other than the default keys otherwise; the default keys as
+    # every config did before the field existed, so their cache entries and runs' packed data stand.
+    if cfg.data.max_image_pixels == MAX_IMAGE_PIXELS:
+        del data["max_image_pixels"]
     return _digest({"version": FORMAT_VERSION, "data": data, "tokenize": tokenize})
 
 
