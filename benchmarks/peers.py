@@ -5,7 +5,7 @@
 
 The same model (a random-init Llama saved once; no download), the same data, the same row budget,
 tokens per optimizer step, number of optimizer steps, AdamW (betas 0.9/0.95, eps 1e-8, fused on
-CUDA) and learning-rate schedule (raypack's warmup then cosine, `raypack.train.engine.lr_lambda`,
+CUDA) and learning-rate schedule (raypack's warmup then cosine, `raypack.train.engines.optim.lr_lambda`,
 given to TRL as its scheduler), for each configuration, one after the other, each in a fresh
 process so that its wall time includes its own start-up (CONFIGS below, in the order they run):
 
@@ -145,7 +145,7 @@ def child_trl(args, work: Path, peer: Peer) -> dict:
     from raypack.config import ASSETS
     from raypack.model.attention import attn_implementation_name
     from raypack.model.kernels import liger_installed
-    from raypack.train.engine import lr_lambda
+    from raypack.train.engines.optim import lr_lambda
 
     cuda = torch.cuda.is_available()
     impl = "sdpa" if peer.attention == "sdpa" else attn_implementation_name("auto")
@@ -174,7 +174,7 @@ def child_trl(args, work: Path, peer: Peer) -> dict:
 
     liger = cuda and liger_installed()
     total = args.warmup + args.steps
-    # raypack's optimizer and schedule (raypack/train/engine.py), so that the losses compare.
+    # raypack's optimizer and schedule (raypack/train/engines/deepspeed.py), so that the losses compare.
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
                                   fused=cuda)  # fmt: skip
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(s, warmup=2, total=total, min_ratio=0.1))

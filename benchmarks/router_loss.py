@@ -46,7 +46,7 @@ class OneRank:
     def step(self):
         pass
 
-    def get_global_grad_norm(self):
+    def grad_norm(self):
         return None
 
 

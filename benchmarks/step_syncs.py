@@ -16,7 +16,7 @@ over gloo on the CPU, each running the same steps:
   overlap_comm on one rank, its own clipping, which reads the norm's validity on the host);
 - `after`: raypack's step as its loop runs it (raypack/train/loop.py's `take_step`: the ranks'
   stop votes, `train_step`, the previous step's values read a step late through
-  raypack/train/stepvalues.py) on raypack's DeepSpeed config (raypack/train/engine.py).
+  raypack/train/stepvalues.py) on raypack's DeepSpeed config (raypack/train/engines/deepspeed.py).
 
 Both run DeepSpeed ZeRO-2 with torch AdamW, the chunked loss, gradient clipping at 1.0, one
 packed row per step. `SyncCounter` counts in the main thread (the prefetcher's host work is not
@@ -149,7 +149,7 @@ def baseline_step(engine, step, loss) -> dict[str, float]:
     return {"loss": float(stats[:, 0].sum()) / n_global, "tokens": float(stats[:, 1].sum())}
 
 
-def loop_worker(cfg, engine, scheduler, loss, counts, rank: int, total_steps: int):
+def loop_worker(cfg, engine, loss, counts, rank: int, total_steps: int):
     """The state raypack's loop steps with (raypack/train/loop.py's Worker), for the `after` side:
     its reporter logs each step's values (no trackers; reports, evals and checkpoints come only
     when due, not every step, and are not counted), and its StopWatch votes at every step (no
@@ -163,7 +163,7 @@ def loop_worker(cfg, engine, scheduler, loss, counts, rank: int, total_steps: in
     reporter = Reporter(rank=rank, total_steps=total_steps, report_every=None, static={},
                         gather=counts.gather if counts.world > 1 else None)
     reporter.start_clocks()
-    return Worker(Config(train=cfg), data=None, rank=rank, engine=engine, scheduler=scheduler, loss=loss,
+    return Worker(Config(train=cfg), data=None, rank=rank, engine=engine, loss=loss,
                   state=TrainState(), reporter=reporter, total_steps=total_steps, config={}, counts=counts,
                   stop=StopWatch(rank=rank))
 
@@ -183,7 +183,7 @@ def run_side(side: str, args, device: torch.device, world: int) -> dict:
 
     from benchmarks.loss_memory import build, make_rows
     from raypack.config import TrainConfig
-    from raypack.train import engine as engine_mod
+    from raypack.train.engines import deepspeed as engine_mod
     from raypack.train.loop import log_pending, take_step
     from raypack.train.loss import make_loss
     from raypack.train.prefetch import prepare_step
@@ -199,8 +199,8 @@ def run_side(side: str, args, device: torch.device, world: int) -> dict:
     original = engine_mod.deepspeed_config
     engine_mod.deepspeed_config = lambda *a, **k: config  # setup_engine builds exactly `config`
     try:
-        engine, scheduler = engine_mod.setup_engine(model, cfg, dtype=torch.bfloat16, world_size=world,
-                                                    total_steps=args.warmup + args.steps)
+        engine = engine_mod.setup_engine(model, cfg, dtype=torch.bfloat16, world_size=world,
+                                         total_steps=args.warmup + args.steps)
     finally:
         engine_mod.deepspeed_config = original
     if side == "before" and "unscale_and_clip_grads" in vars(engine.optimizer):
@@ -210,7 +210,7 @@ def run_side(side: str, args, device: torch.device, world: int) -> dict:
     rows = make_rows(args.warmup + args.steps, args.tokens, loss.vocab, seed=args.seed + rank)
     steps = [prepare_step([r], pin=device.type == "cuda") for r in rows]
     counts = HostCounts.open(world, device)
-    worker = loop_worker(cfg, engine, scheduler, loss, counts, rank, len(steps))
+    worker = loop_worker(cfg, engine, loss, counts, rank, len(steps))
     counter = SyncCounter()
     started, first = 0.0, 0
     import warnings

@@ -88,7 +88,7 @@ def image_mismatches() -> list[str]:
 
     errors += [f"deepspeed op {op} is not prebuilt" for op in PREBUILT_OPS if not installed_ops.get(op)]
     import raypack
-    from raypack.train.engine import PRESETS, load_preset
+    from raypack.train.engines.presets import PRESETS, load_preset
 
     if "site-packages" not in raypack.__file__:
         errors.append(f"raypack is imported from {raypack.__file__}, not the installed package")

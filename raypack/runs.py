@@ -62,6 +62,7 @@ def absolute_paths(cfg: Config) -> Config:
         cfg,
         data=dataclasses.replace(
             cfg.data, paths=tuple(local_path(p) for p in cfg.data.paths),
+            sources=tuple(dataclasses.replace(s, paths=tuple(local_path(p) for p in s.paths)) for s in cfg.data.sources),
             cache_path=storage.absolute(cfg.data.cache_path) if cfg.data.cache_path else None),
         tokenize=dataclasses.replace(cfg.tokenize, tokenizer=local_path(cfg.tokenize.tokenizer)),
         model=dataclasses.replace(cfg.model, name=local_path(cfg.model.name)),
@@ -131,6 +132,10 @@ def differences(saved: Config, new: Config, sections: Sequence[str] | None = Non
         if isinstance(x, dict) and isinstance(y, dict):
             for k in x:
                 walk(x[k], y.get(k), f"{key}.{k}" if key else k)
+        elif (isinstance(x, list) and isinstance(y, list) and len(x) == len(y)
+              and all(isinstance(v, dict) for v in x + y)):  # a list of sections: data.sources[1].weight
+            for i, (u, v) in enumerate(zip(x, y)):
+                walk(u, v, f"{key}[{i}]")
         elif x != y:
             out.append(f"{key}: {x!r} there, {y!r} here")
 
@@ -168,6 +173,13 @@ def check_same_config(cfg: Config, root: str) -> None:
     if not storage.exists(path):
         return
     diff = [d for d in differences(saved_config(root), absolute_paths(cfg)) if not d.startswith(RERUN_FIELDS)]
+    mixture = [d for d in diff if d.startswith(("data.sources", "data.examples_per_epoch"))]
+    if mixture:  # the first thing to say: its checkpoints were taken on another draw of the examples
+        raise ConfigError(
+            f"run {cfg.run.name!r} in {root} was started with another mixture ({mixture[0]}): a changed weight or "
+            "source draws other examples, so it is a different run; start it with run.name=NEW_NAME, or continue "
+            f"this one as it was with `raypack train --resume {root}`"
+        )
     if diff:
         raise ConfigError(
             f"run {cfg.run.name!r} in {root} was started with another config ({diff[0]}"

@@ -148,6 +148,12 @@ def coerce(hint: Any, value: Any, name: str) -> Any:
     if origin is Literal:
         check(value in args, name, "one of " + ", ".join(map(repr, args)), value)
         return value
+    if origin is tuple and dataclasses.is_dataclass(args[0]):  # a list of sections (data.sources)
+        check(isinstance(value, (list, tuple)), name, describe(hint), value)
+        return tuple(_element(args[0], v, name, i) for i, v in enumerate(value))
+    if origin is dict:
+        check(isinstance(value, dict), name, describe(hint), value)
+        return {coerce(args[0], k, f"{name} key"): coerce(args[1], v, f"{name}.{k}") for k, v in value.items()}
     if origin is tuple:
         if isinstance(value, (str, int, float)):  # a single value where a list is allowed
             value = [value]
@@ -172,8 +178,24 @@ def coerce(hint: Any, value: Any, name: str) -> Any:
     return value
 
 
+def _element(cls: type, raw: Any, name: str, index: int) -> Any:
+    """Item `index` of a list of sections; an error in it says which item, by the class's own
+    `describe_raw(index, raw)` where it has one (a source: its paths)."""
+    try:
+        return build(cls, raw, f"{name}[{index}].")
+    except ConfigError as e:
+        where = getattr(cls, "describe_raw", None)
+        if where is None:
+            raise
+        raise ConfigError(f"{e} ({where(index, raw)})") from None
+
+
 def describe(hint: Any) -> str:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is tuple and args and dataclasses.is_dataclass(args[0]):
+        return "a list of mappings"
+    if origin is dict:
+        return "a mapping"
     if origin in (typing.Union, types.UnionType):
         return " or ".join("null" if a is type(None) else describe(a) for a in args)
     if origin is Literal:

@@ -40,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
 def _value(cfg: Config, path: str):
     node = cfg.to_dict()
     for part in path.split("."):
-        node = node[part]
+        # an item's field of a list of sections (data.sources.weight): its value in every item
+        node = [item[part] for item in node] if isinstance(node, list) else node[part]
     return node
 
 
@@ -57,6 +58,8 @@ def _field(entry: FieldDoc, cfg: Config, source: str | None) -> str:
         lines.append(f"  allowed: {', '.join([*(_yaml(v) for v in entry.allowed), *(f'or {o}' for o in entry.open)])}")
     lines.append("")
     lines += textwrap.wrap(entry.doc, WIDTH, initial_indent="  ", subsequent_indent="  ") or ["  (no docstring)"]
+    if children := fields_of(entry.path):  # a list of sections: what each item holds
+        lines += ["", "  each item (defaults):", *_children(children, cfg, defaults=True)]
     return "\n".join(lines)
 
 
@@ -68,11 +71,17 @@ def _section(entry: FieldDoc, cfg: Config) -> str:
     if entry.doc:
         lines += textwrap.wrap(entry.doc, WIDTH, initial_indent="  ", subsequent_indent="  ")
     lines.append("")
-    width = max(len(c.path) for c in children)
-    for c in children:
-        first = re.split(r"(?<!e\.g)(?<!i\.e)\.\s", " ".join(c.doc.split()), maxsplit=1)[0].rstrip(".")
-        shown = "(section)" if c.section else _yaml(_value(cfg, c.path))
-        line = f"  {c.path:<{width}}  {shown:<12}  {first}"
-        lines.append(line if len(line) <= WIDTH + 20 else line[: WIDTH + 17] + "...")
+    lines += _children(children, cfg)
     lines.append("\n  `raypack config FIELD` for the whole text of one.")
     return "\n".join(lines)
+
+
+def _children(children: list[FieldDoc], cfg: Config, defaults: bool = False) -> list[str]:
+    """One line a field: its name, value (`defaults`: its default) and the first sentence of its docstring."""
+    lines, width = [], max(len(c.path) for c in children)
+    for c in children:
+        first = re.split(r"(?<!e\.g)(?<!i\.e)\.\s", " ".join(c.doc.split()), maxsplit=1)[0].rstrip(".")
+        shown = "(section)" if c.section else _yaml(c.default if defaults else _value(cfg, c.path))
+        line = f"  {c.path:<{width}}  {shown:<12}  {first}"
+        lines.append(line if len(line) <= WIDTH + 20 else line[: WIDTH + 17] + "...")
+    return lines

@@ -8,7 +8,8 @@ The config and dotted overrides are every other command's (`pack.budget=4096 tra
 the plan is `strategies.make_plan(lengths, cfg.pack, train.num_workers, train.grad_accum)` over
 `prepare.training_examples`, the calls data preparation makes (tokenized, or read back from
 `data.cache_path`, and `data.eval_fraction` held out exactly as training does), so the printed
-plan is the plan training uses. --lengths plans every given length
+plan is the plan training uses; a mixture (`data.sources`) is drawn as training draws it, and a line
+per source says what it contributes (examples, label tokens, shares). --lengths plans every given length
 (no eval hold-out). --strategy compares other strategies under the same config (default: the
 configured `pack.strategy`).
 
@@ -52,20 +53,23 @@ COLUMNS = ("strategy", "packs", "steps", "optimizer_steps", "tokens_per_optimize
 """split_padding: the share of a row's tokens that pads it to a multiple of train.sequence_parallel."""
 
 
-def _from_config(cfg: Config) -> tuple[np.ndarray, np.ndarray, dict, np.ndarray | None]:
-    """Lengths and example ids of the examples a training run plans over (eval held out), the
-    tokenize counts of all of them, and for image data their vision-tower work (patches, Σ patches²)."""
+def _from_config(cfg: Config) -> tuple[np.ndarray, np.ndarray, dict, np.ndarray | None, list[dict]]:
+    """Lengths and example ids of the examples a training run plans over (eval held out, a
+    mixture's draw made), the tokenize counts of all of them, for image data their vision-tower
+    work (patches, Σ patches²), and what each source of a mixture contributes."""
     # Imported here, not at the top: these take 3 s to import on 2 cores (Ray Data and the
     # tokenizer stack), which a dry run over a --lengths file, 0.2 s in all, never needs.
     from raypack.data.cache import tokenized
-    from raypack.data.prepare import training_examples, training_tower
+    from raypack.data.mixture import split
     from raypack.runtime import init_ray
     from raypack.train.preflight import check_data
 
     checked = check_data(cfg)  # before Ray starts
     init_ray()
     tok = tokenized(checked.cfg, checked.sources)
-    return (*training_examples(tok, checked.cfg), tok.stats, training_tower(tok, checked.cfg))
+    parts = split(tok, checked.cfg, checked.sources)  # what prepare.training_examples gives
+    tower = None if tok.tower is None else tok.tower[parts.take]
+    return tok.lengths[parts.take], tok.ids[parts.take], tok.stats, tower, parts.figures(tok)
 
 
 def _load_lengths(path: str) -> np.ndarray:
@@ -90,14 +94,14 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--strategy {name}: looks like a dotted override; put overrides before --strategy")
         check_strategy_name(name, "--strategy")
     counts: dict = {}
-    work = None
+    work, figures = None, []
     if args.lengths:
         lengths = _load_lengths(args.lengths)
         ids = np.arange(len(lengths), dtype=np.int64)
     else:
         # With --json, stdout holds the JSON alone: the progress lines of preparing go to stderr.
         with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-            lengths, ids, counts, work = _from_config(cfg)
+            lengths, ids, counts, work, figures = _from_config(cfg)
     ranks, split, accum = cfg.train.data_parallel, cfg.train.sequence_parallel, cfg.train.grad_accum
     tower = _tower_cost(cfg) if work is not None else None
     extra = tower_extra(work, tower)
@@ -113,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
         stats["tokens_per_optimizer_step"] = float(tokens.sum()) / max(optimizer_steps, 1)
         stats["split_padding"] = float((-tokens % split).sum() / max((tokens + -tokens % split).sum(), 1))
         rows.append({k: stats[k] for k in COLUMNS})
+        if figures:
+            rows[-1]["sources"] = figures
         if counts.get("images"):
             rows[-1].update({k: counts[k] for k in IMAGE_COLUMNS})
             if tower is not None:
@@ -128,6 +134,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"{counted}, {int(np.sum(lengths))} tokens, budget {cfg.pack.budget}, {ranks} ranks x "
           f"{accum} micro-steps per optimizer step, {cfg.train.epochs} epoch(s)"
           + (", a new plan per epoch" if cfg.pack.repack_each_epoch else ", a new step order per epoch"))
+    if figures:
+        from raypack.data.mixture import lines
+
+        print("\n".join(lines(figures, cfg.data.examples_per_epoch)))
     if counts.get("images"):
         print(image_line(counts, tower))
     if split > 1:

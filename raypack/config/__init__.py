@@ -24,6 +24,7 @@ absolute (raypack/runs.py), so resuming it does not depend on where you stand.
 
 from __future__ import annotations
 
+import re
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,15 +36,15 @@ import yaml
 from raypack.errors import ConfigError
 from raypack.typed import build, check as _check, plain, unused
 from raypack.config.sections import (
-    ASSETS, ASSETS_PREFIX, DataConfig, ModelConfig, PackConfig, PeftConfig, RunConfig, TokenizeConfig, TrainConfig,
-    WandbConfig,
+    ASSETS, ASSETS_PREFIX, DataConfig, ModelConfig, PackConfig, PeftConfig, RunConfig, SourceConfig, TokenizeConfig,
+    TrainConfig, WandbConfig,
 )
 from raypack.config.dpo import DpoConfig, check_objective
 from raypack.config.sweep import AshaConfig, TuneConfig
 
 __all__ = [
     "ASSETS", "ASSETS_PREFIX", "AshaConfig", "Config", "DataConfig", "DpoConfig", "ModelConfig", "PackConfig", "PeftConfig",
-    "RunConfig", "TokenizeConfig", "TrainConfig", "TuneConfig", "WandbConfig", "dumps", "load", "loads",
+    "RunConfig", "SourceConfig", "TokenizeConfig", "TrainConfig", "TuneConfig", "WandbConfig", "dumps", "load", "loads",
 ]  # fmt: skip
 
 
@@ -75,10 +76,17 @@ class Config:
                    "weights need CUDA)", "qlora")
             _check(self.train.zero_stage < 3, "model.peft.method", "lora or none with train.zero_stage 3 (qlora "
                    "runs under ZeRO 0-2: its frozen 4-bit weights are not partitioned)", "qlora")
+            # FSDP2 would shard bitsandbytes' packed 4-bit weights as if they were plain tensors
+            _check(self.train.engine == "deepspeed" or self.train.zero_stage == 0, "model.peft.method",
+                   "lora or none with train.engine torch and train.zero_stage 1-3 (qlora's 4-bit weights can't "
+                   "be FSDP2-sharded; use zero_stage 0, DDP, or train.engine deepspeed)", "qlora")
         # Selective checkpointing replays its cache in the recompute by the order of the ops, and ZeRO-3's
         # gathers in the recompute are not the forward's (seen: "_allgather_base_ ... not found in storage").
-        _check(self.model.gradient_checkpointing != "selective" or self.train.zero_stage < 3,
-               "model.gradient_checkpointing", "full, none or auto with train.zero_stage 3", "selective")
+        # FSDP2's gathers happen outside the layer's ops, so the torch engine takes it at zero_stage 3
+        # (tests/ray/train/test_loop.py, torch3-llama-selective).
+        _check(self.model.gradient_checkpointing != "selective" or self.train.zero_stage < 3
+               or self.train.engine == "torch", "model.gradient_checkpointing",
+               "full, none or auto with train.engine deepspeed and train.zero_stage 3", "selective")
 
         # train.precision bf16 keeps the weights in bf16: a float32 or float16 model can't.
         _check(self.train.precision != "bf16" or self.model.dtype in ("auto", "bfloat16"), "model.dtype",
@@ -177,7 +185,7 @@ def _see_reference(message: str) -> str:
     key, _, rest = message.partition(":")
     if not rest.startswith(" unknown key"):
         return ""
-    section = key.rsplit(".", 1)[0] if "." in key else ""
+    section = re.sub(r"\[\d+\]", "", key.rsplit(".", 1)[0]) if "." in key else ""  # data.sources[1]: a list's item
     return f" (`raypack config {section}` lists them)" if section else " (`raypack config` lists every section)"
 
 

@@ -77,6 +77,9 @@ def _walk(cls: type, prefix: str) -> list[FieldDoc]:
             others = tuple(describe(a) for a in args if typing.get_origin(a) is not Literal and a not in (bool, type(None)))
         out.append(FieldDoc(path, describe(hint), _portable(defaults[f.name]), allowed, docs.get(f.name, ""),
                             open=others))
+        item = typing.get_args(hint)[0] if typing.get_origin(hint) is tuple and typing.get_args(hint) else None
+        if dataclasses.is_dataclass(item):  # a list of sections (data.sources): each item's fields
+            out += _walk(item, f"{path}.")
     return out
 
 

@@ -19,11 +19,65 @@ MAX_IMAGE_PIXELS = 178_956_970
 """data.max_image_pixels' default: PIL's limit, past which Image.open raises DecompressionBombError."""
 
 
+Format = Literal["auto", "chat", "instruction", "completion", "tokenized", "preference"]
+EXAMPLE_FIELDS = ("messages", "instruction", "input", "output", "prompt", "completion", "input_ids", "labels",
+                  "chosen", "rejected")
+"""The fields of the example formats (raypack/data/formats.py): what `data.sources[].columns` maps onto."""
+DEFAULT_PATHS = (str(ASSETS / "sample" / "chat.jsonl"),)
+
+
+def source_where(index: int, paths: tuple[str, ...]) -> str:
+    """How every message names a source of `data.sources`: its index and its paths."""
+    return f"data.sources[{index}] (paths: {', '.join(paths)})"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SourceConfig:
+    """One source of a mixture (`data.sources`): its files, its share of each epoch, and how its
+    rows read where that differs from the others'. raypack/data/mixture.py draws the epoch."""
+
+    paths: tuple[str, ...] = ()
+    """Its JSONL, Parquet or `save_to_disk` folders, as `data.paths` takes them."""
+    weight: float | None = None
+    """Its share of each epoch's examples, relative to the other sources' weights (0.5, 0.3, 0.2 and
+    5, 3, 2 mix alike; `data.examples_per_epoch` says how many an epoch holds): a seeded draw of that
+    many of its training examples, without repeats where it holds that many, else every one of them
+    repeated as evenly as the count allows. Give every source a weight, or none: without weights
+    every example of every source trains once per epoch (their concatenation)."""
+    name: str | None = None
+    """What the prepare and plan lines and the eval split's steps call it; null: the file name of its
+    first path, without its extension (with `-N` added where two sources would share one)."""
+    format: Format | None = None
+    """Its example format, as `data.format` names them; null: `data.format`'s."""
+    columns: dict[str, str] = field(default_factory=dict)
+    """Its own column names for the format's fields, `{field: column}`: `{prompt: question,
+    completion: answer}` reads a `question` column as the prompt and `answer` as the completion
+    (LLaMA-Factory's `columns`, Axolotl's `field_*`). Fields not named keep their own names."""
+
+    @staticmethod
+    def describe_raw(index: int, raw) -> str:
+        """Where a source whose mapping doesn't load is, for the loader's message (raypack/typed.py)."""
+        paths = raw.get("paths") if isinstance(raw, dict) else None
+        paths = [paths] if isinstance(paths, str) else paths
+        return f"data.sources[{index}] has paths: {', '.join(map(str, paths))}" if paths else f"data.sources[{index}]"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataConfig:
-    paths: tuple[str, ...] = (str(ASSETS / "sample" / "chat.jsonl"),)
-    """JSONL, Parquet or `save_to_disk` folders; local paths or any URI Ray Data reads."""
-    format: Literal["auto", "chat", "instruction", "completion", "tokenized", "preference"] = "auto"
+    paths: tuple[str, ...] = DEFAULT_PATHS
+    """JSONL, Parquet or `save_to_disk` folders; local paths or any URI Ray Data reads. The
+    one-source form of `data.sources`: give one or the other."""
+    sources: tuple[SourceConfig, ...] = ()
+    """Several datasets mixed by weight, each with its own `paths`, `weight` and, where it differs,
+    `format` and `columns` (docs/guides/data.md#mixtures). Each source's examples are tokenized
+    alike and packed together, globally; its eval split is held out of it alone."""
+    examples_per_epoch: Literal["sum", "first_exhausted", "all_exhausted"] | int = "sum"
+    """How many examples an epoch of a weighted mixture holds, shared out by the weights: `sum`, as
+    many as the sources' training examples together; `first_exhausted`, the most that repeat no
+    example (the source its weight exhausts first gives all of its own); `all_exhausted`, the
+    fewest that show every example at least once (Hugging Face `interleave_datasets`' stopping
+    strategies, LLaMA-Factory's `interleave_under` / `interleave_over`); a number, that many."""
+    format: Format = "auto"
     """Example format; `auto` detects it from the columns of each source. `preference` rows
     (prompt, chosen, rejected) train with `train.objective: dpo`."""
     on_bad_rows: Literal["error", "skip"] = "error"
@@ -62,7 +116,17 @@ class DataConfig:
     parallel across the cluster."""
 
     def __post_init__(self) -> None:
-        _check(len(self.paths) > 0, "data.paths", "at least one path", self.paths)
+        if self.sources:
+            # paths holds its default unless the config set it too; set, it is refused
+            _check(self.paths in (DEFAULT_PATHS, ()), "data.paths", "no paths beside data.sources (data.paths is "
+                   "the one-source form of data.sources: give one or the other; data.paths=[] clears a file's)",
+                   list(self.paths))
+            object.__setattr__(self, "paths", ())
+            self._check_sources()
+        else:
+            _check(len(self.paths) > 0, "data.paths", "at least one path", self.paths)
+            _check(self.examples_per_epoch == "sum", "data.examples_per_epoch", "sum without weighted data.sources "
+                   "(it shares an epoch out by the sources' weights)", self.examples_per_epoch)
         _check(self.max_image_pixels is None or self.max_image_pixels > 0, "data.max_image_pixels",
                "a positive int or null", self.max_image_pixels)
         _check(self.driver_max_mb >= 0, "data.driver_max_mb", "a float >= 0", self.driver_max_mb)
@@ -71,6 +135,39 @@ class DataConfig:
                "a positive int or null", self.eval_max_examples)
         _check(0.0 <= self.max_dropped_fraction <= 1.0, "data.max_dropped_fraction", "a float in [0, 1]",
                self.max_dropped_fraction)
+
+    @property
+    def setting(self) -> str:
+        """The field that names the data, as messages about all of it say: data.paths or data.sources."""
+        return "data.sources" if self.sources else "data.paths"
+
+    def _check_sources(self) -> None:
+        weights = [s.weight for s in self.sources]
+        for i, s in enumerate(self.sources):
+            where = source_where(i, s.paths)
+            _check(len(s.paths) > 0, f"data.sources[{i}].paths", "at least one path", list(s.paths))
+            _check(s.weight is None or s.weight > 0, f"{where}: weight", "a number > 0 (a share of the epoch)",
+                   s.weight)
+            for key, column in s.columns.items():
+                _check(key in EXAMPLE_FIELDS, f"{where}: columns.{key}", "a field of an example format ("
+                       + ", ".join(EXAMPLE_FIELDS) + ")", key)
+                _check(column != "", f"{where}: columns.{key}", "a column name", column)
+            _check(len(set(s.columns.values())) == len(s.columns), f"{where}: columns",
+                   "a different column for each field", s.columns)
+            _check((s.weight is None) == (weights[0] is None), f"{where}: weight",
+                   "a weight on every source or on none" + (" (data.sources[0] has one)" if weights[0] else ""),
+                   s.weight)
+        n = self.examples_per_epoch
+        if weights[0] is None:
+            _check(n == "sum", "data.examples_per_epoch", "sum without weights on data.sources (it shares an epoch "
+                   "out by the weights)", n)
+        elif not isinstance(n, str):
+            _check(n > 0, "data.examples_per_epoch", "a positive int, sum, first_exhausted or all_exhausted", n)
+            for i, s in enumerate(self.sources):  # the draw's own check, where no data is needed to make it
+                quota = s.weight / sum(weights) * n
+                _check(quota >= 1, f"{source_where(i, s.paths)}: weight", f"a share of data.examples_per_epoch={n} "
+                       "of at least one example (raise the weight or the examples per epoch)",
+                       f"{s.weight:g} of {sum(weights):g}, {quota:.2g} examples")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -225,22 +322,31 @@ class TrainConfig:
     """Logical CPUs each worker reserves."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
     """How workers spread over nodes; SPREAD puts ranks on different nodes where it can."""
+    engine: Literal["deepspeed", "torch"] = "deepspeed"
+    """What trains the model: `deepspeed` (ZeRO with its JSON presets and offload) or `torch`, torch's
+    own data parallelism (DDP at zero_stage 0, the bare model on one rank; FSDP2 at 1-3), without
+    DeepSpeed (raypack/train/engines/). The default stays deepspeed until a GPU has measured the two
+    side by side (docs/guides/engines.md)."""
     zero_stage: Literal[0, 1, 2, 3] = 2
-    """DeepSpeed ZeRO stage."""
+    """What each rank keeps whole, on either engine: 0 everything (replicated); 1-2 the weights,
+    sharded optimizer state and gradients (DeepSpeed's ZeRO-1/2; FSDP2 without resharding after
+    the forward); 3 the weights sharded too (ZeRO-3; FSDP2 resharding after each layer's forward)."""
     deepspeed_preset: str | None = None
     """A DeepSpeed JSON preset by name (raypack/configs/deepspeed/<name>.json) or a path, overlaid by this config."""
     offload_optimizer: bool = False
-    """ZeRO optimizer state offload to CPU."""
+    """Optimizer state offload to CPU (DeepSpeed's CPU Adam; on the torch engine FSDP2's
+    CPUOffloadPolicy, which keeps the sharded weights and gradients on the host with it)."""
     offload_params: bool = False
-    """ZeRO-3 parameter offload to CPU."""
+    """ZeRO-3 parameter offload to CPU (on the torch engine, the same CPUOffloadPolicy)."""
     optimizer: Literal["torch", "deepspeed"] = "torch"
-    """`torch` passes torch AdamW (fused on CUDA) and skips DeepSpeed's JIT op builds."""
+    """`torch` passes torch AdamW (fused on CUDA) and skips DeepSpeed's JIT op builds; `deepspeed`
+    (train.engine deepspeed only) takes DeepSpeed's own."""
     precision: Literal["mixed", "bf16"] = "mixed"
     """`mixed`: bf16 (or model.dtype's) weights and gradients, fp32 master weights and Adam moments
     (16 bytes a trained parameter before ZeRO shards them). `bf16`: weights, master weights, gradients
     and moments all in bf16, as a bf16-loaded model trains under TRL (DeepSpeed's
     bf16_master_weights_and_grads and bf16_optimizer_states), updated by torch-optimi's AdamW with
-    Kahan compensation, so updates below half a bf16 ulp still add up (raypack/train/engine.py).
+    Kahan compensation, so updates below half a bf16 ulp still add up (raypack/train/engines/optim.py).
     Needs model.dtype auto or bfloat16, ZeRO 1-3, the torch optimizer and no optimizer offload."""
     lr: float = 1e-3
     """Peak learning rate."""
@@ -332,11 +438,14 @@ class TrainConfig:
         _check(self.max_steps is None or self.max_steps > 0, "train.max_steps", "a positive int or null", self.max_steps)
         _check(self.report_every_steps is None or self.report_every_steps > 0, "train.report_every_steps",
                "a positive int or null (chosen as the run goes)", self.report_every_steps)
-        if self.precision == "bf16":
+        if self.engine == "torch":
+            self._check_torch_engine()
+        if self.precision == "bf16" and self.engine == "deepspeed":
             # DeepSpeed keeps bf16 master weights only in a ZeRO optimizer (stage 1-3), and with
             # optimizer offload only in its CPU Adam, which rounds every update to nearest.
             _check(self.zero_stage > 0, "train.precision", "mixed with train.zero_stage 0 (bf16 master weights "
-                   "live in ZeRO's optimizer, stages 1-3)", self.precision)
+                   "live in ZeRO's optimizer, stages 1-3; train.engine torch trains bf16 weights at stage 0)",
+                   self.precision)
             _check(not self.offload_optimizer and self.optimizer == "torch", "train.precision",
                    "mixed with train.offload_optimizer or train.optimizer: deepspeed (DeepSpeed's CPU Adam rounds "
                    "bf16 updates to nearest and loses the small ones)", self.precision)
@@ -363,6 +472,17 @@ class TrainConfig:
         _check(not self.compile or self.zero_stage < 3, "train.compile", "false with train.zero_stage 3", self.compile)
         _check(not self.compile or self.sequence_parallel == 1, "train.compile",
                "false with train.sequence_parallel > 1", self.compile)
+
+    def _check_torch_engine(self) -> None:
+        """What only DeepSpeed does, refused on the torch engine (train.engine: torch)."""
+        _check(self.deepspeed_preset is None, "train.deepspeed_preset", "null with train.engine torch (a DeepSpeed "
+               "preset configures DeepSpeed's engine only)", self.deepspeed_preset)
+        _check(self.optimizer == "torch", "train.optimizer", "torch with train.engine torch (DeepSpeed's own "
+               "Adam needs its engine)", self.optimizer)
+        # FSDP2's CPUOffloadPolicy offloads the shards of a sharded model: DDP has no such policy
+        _check(not self.offload_optimizer or self.zero_stage > 0, "train.offload_optimizer",
+               "false with train.engine torch and train.zero_stage 0 (offload is FSDP2's, zero_stage 1-3)",
+               self.offload_optimizer)
 
     @property
     def data_parallel(self) -> int:

@@ -8,7 +8,8 @@ same pack config pack once; without it, a run's packed rows are `<run>/packed/`:
     tokenized_key: data (less the eval split and cache_path), tokenize (less its speed knobs),
                    the effective max_length (Config.max_length)
     packed_key:    tokenized_key, pack, the eval split (data.eval_fraction, eval_max_examples),
-                   ranks, grad_accum
+                   ranks, grad_accum, and a mixture's draw (each source's weight and name,
+                   data.examples_per_epoch): a changed weight packs again from the same tokens
 
 Both hash the config's canonical values (`Config.to_dict()`: every value in its field's type),
 never its text, so a saved config that reloads (a float written `8` comes back as `8.0`) keys the
@@ -56,6 +57,10 @@ TOKENIZE_SPEED_KNOBS = ("batch_size", "num_actors", "num_cpus")
 DATA_NOT_SHAPING = ("eval_fraction", "eval_max_examples", "cache_path", "max_dropped_fraction", "driver_max_mb")
 """data fields that shape no tokenized row (the split is the packed key's, the rest are where and
 whether): left out of the tokenized key, so that setting them never re-tokenizes or blocks a resume."""
+MIXTURE_DRAW = ("examples_per_epoch",)
+"""data fields (with each source's weight and name) that choose which tokenized rows an epoch
+draws: the packed key's, not the tokenized key's, so a changed weight packs again from the same
+tokenized rows."""
 MANIFEST = "manifest.json"
 
 
@@ -72,7 +77,11 @@ def tokenized_key(cfg: Config) -> str:
     plain = cfg.to_dict()
     tokenize = {k: v for k, v in plain["tokenize"].items() if k not in TOKENIZE_SPEED_KNOBS}
     tokenize["max_length"] = cfg.max_length
-    data = {k: v for k, v in plain["data"].items() if k not in DATA_NOT_SHAPING}
+    data = {k: v for k, v in plain["data"].items() if k not in DATA_NOT_SHAPING + MIXTURE_DRAW}
+    if cfg.data.sources:  # what reads each source's rows; the draw (weights, names) is the packed key's
+        data["sources"] = [{k: v for k, v in s.items() if k in ("paths", "format", "columns")} for s in data["sources"]]
+    else:  # the one-source form keys as it did before data.sources existed
+        del data["sources"]
     # Which images are bad rows: a limit other than the default keys otherwise; the default keys as
     # every config did before the field existed, so their cache entries and runs' packed data stand.
     if cfg.data.max_image_pixels == MAX_IMAGE_PIXELS:
@@ -98,6 +107,9 @@ def packed_key(cfg: Config, num_ranks: int, tower=None) -> str:
         "epochs": [cfg.train.epochs, cfg.train.max_steps] if cfg.pack.repack_each_epoch else None,
         # only for a VLM's run: other runs key as they did before the tower was weighed
         **({"tower": tower.key()} if tower is not None else {}),
+        # only for a mixture: which examples an epoch draws, and what the figures call each source
+        **({"mixture": {"sources": [{k: s[k] for k in ("weight", "name")} for s in plain["data"]["sources"]],
+                        "examples_per_epoch": plain["data"]["examples_per_epoch"]}} if cfg.data.sources else {}),
     })
 
 
@@ -146,6 +158,9 @@ class Tokenized:
     tower: np.ndarray | None = None
     """Image data only: every example's vision-tower patches and Σ patches² (rows of 2, in the
     order of `ids`), what the plan's balance counts (raypack/data/tower.py)."""
+    labels: np.ndarray | None = None
+    """Every example's label tokens, in the order of `ids`; None for a cache entry tokenized before
+    they were kept."""
 
 
 def tokenized(cfg: Config, sources: Sources, vocab_size: int | None = None, scratch: str | None = None) -> Tokenized:
@@ -162,13 +177,15 @@ def tokenized(cfg: Config, sources: Sources, vocab_size: int | None = None, scra
         changes = changed_sources(saved.get("sources", {}), sources.fingerprint)
         if not changes:
             images = bool(saved["stats"].get("images"))
-            table = _columns_of(saved["data_dir"], ["example_id", "length", *(["image_grid_thw"] if images else [])])
+            table = _columns_of(saved["data_dir"], ["example_id", "length", *(["image_grid_thw"] if images else [])],
+                                optional=["label_tokens"])
             order = np.argsort(table["example_id"].to_numpy(), kind="stable")
             lengths, ids = ordered(table["length"].to_numpy(), table["example_id"].to_numpy())
             tower = grid_work(table["image_grid_thw"])[order] if images else None
+            labels = table["label_tokens"].to_numpy()[order] if "label_tokens" in table.column_names else None
             print(f"[raypack] reusing tokenized data in {saved['data_dir']}", flush=True)
             return Tokenized(saved["key"], saved["data_dir"], lengths, ids, saved["stats"], True, time.perf_counter() - t0,
-                             tower)
+                             tower, labels)
         print(f"[raypack] the sources changed since {folder} was tokenized ({changes[0]}): tokenizing again", flush=True)
 
     where = " in this process (data.driver_max_mb)" if on_driver(cfg, source_bytes(sources)) else ""
@@ -186,9 +203,12 @@ def tokenized(cfg: Config, sources: Sources, vocab_size: int | None = None, scra
         if data_dir:
             storage.remove_dir(data_dir)
         raise
-    stats = {k: v for k, v in dataclasses.asdict(tok_stats).items() if k not in ("lengths", "ids", "tower")}
+    arrays = ("lengths", "ids", "tower", "label_counts")  # the planner's, kept beside the counts, not in them
+    stats = {k: v for k, v in dataclasses.asdict(tok_stats).items() if k not in arrays}
     lengths, ids = ordered(tok_stats.lengths, tok_stats.ids)
-    tower = None if tok_stats.tower is None else tok_stats.tower[np.argsort(tok_stats.ids, kind="stable")]
+    order = np.argsort(tok_stats.ids, kind="stable")
+    tower = None if tok_stats.tower is None else tok_stats.tower[order]
+    labels = tok_stats.label_counts[order] if len(tok_stats.label_counts) == len(order) else None
     print(f"[raypack] {tok_stats.examples_in} examples: {tok_stats.examples_out} rows, {tok_stats.tokens} tokens "
           f"({tok_stats.label_tokens} with loss); dropped {tok_stats.dropped} over {tok_stats.max_length} tokens and "
           f"{tok_stats.no_labels} without a label token, truncated {tok_stats.truncated}, split {tok_stats.split}, "
@@ -200,18 +220,20 @@ def tokenized(cfg: Config, sources: Sources, vocab_size: int | None = None, scra
         commit(folder, {"key": key, "data_dir": data_dir, "stats": stats, "sources": recorded(sources.fingerprint),
                         "seconds": time.perf_counter() - t0})
         print(f"[raypack] tokenized {len(ids)} examples into {data_dir}", flush=True)
-    return Tokenized(key, data_dir, lengths, ids, stats, False, time.perf_counter() - t0, tower)
+    return Tokenized(key, data_dir, lengths, ids, stats, False, time.perf_counter() - t0, tower, labels)
 
 
-def _columns_of(data_dir: str, columns: list[str]) -> pa.Table:
+def _columns_of(data_dir: str, columns: list[str], optional: list[str] = ()) -> pa.Table:
     """`columns` of a cached entry's rows, read here by pyarrow's threads: the planner's input,
-    which the driver holds anyway, without the seconds a Ray Data read takes to start."""
+    which the driver holds anyway, without the seconds a Ray Data read takes to start; and those
+    of `optional` that its files have (an entry tokenized before they were kept lacks them)."""
     fs, path = storage.resolve(data_dir)
     files = storage.list_files(data_dir, ".parquet")  # fs paths: the folder's other files left out
     if not files:
         raise InputError(f"data.cache_path: {data_dir} holds no tokenized rows, though the cache's manifest names it; "
                          "delete that cache entry to tokenize again")
-    return pads.dataset(files, filesystem=fs, format="parquet").to_table(columns=columns)
+    dataset = pads.dataset(files, filesystem=fs, format="parquet")
+    return dataset.to_table(columns=[*columns, *(c for c in optional if c in dataset.schema.names)])
 
 
 def supervised(tok: Tokenized, cfg: Config) -> None:
@@ -238,6 +260,6 @@ def reusable(cfg: Config, num_ranks: int, root: str, sources: Sources, reprepare
         return None
     more = f" (and {len(changes) - 1} more changes)" if len(changes) > 1 else ""
     raise SourcesChangedError(
-        f"data.paths changed since this run's data was prepared in {root}: {changes[0]}{more}. "
+        f"{cfg.data.setting} changed since this run's data was prepared in {root}: {changes[0]}{more}. "
         "Start a new run with run.name=NEW_NAME, or re-prepare this one with `raypack train --reprepare`"
     )

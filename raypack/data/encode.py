@@ -62,7 +62,9 @@ from raypack.errors import InputError
 MAX_PIECES = 1 << 10
 # Row flags, kept in a column until tokenize's stats pass has counted them.
 OK, TRUNCATED, SPLIT, DROPPED = 0, 1, 2, 3
-COLUMNS = ["example_id", "input_ids", "labels", "length", "images", "image_grid_thw"]
+COLUMNS = ["example_id", "input_ids", "labels", "length", "label_tokens", "images", "image_grid_thw"]
+"""The tokenized rows' columns; `label_tokens`: the row's tokens the loss sees (what a mixture's
+sources contribute is counted from it, raypack/data/mixture.py)."""
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 OUT_SCHEMA = pa.schema(
     [
@@ -396,7 +398,8 @@ class Encoder:
 def kept_rows(table: pa.Table) -> pa.Table:
     """The output columns of the rows that train: not dropped for length, with a label token."""
     keep = pc.and_(pc.not_equal(table["_flag"], DROPPED), pc.greater(table["_label_tokens"], 0))
-    return table.filter(keep).select(COLUMNS)
+    kept = table.filter(keep)
+    return kept.append_column("label_tokens", kept["_label_tokens"]).select(COLUMNS)
 
 
 def counts(table: pa.Table) -> dict:
@@ -433,6 +436,7 @@ def counts(table: pa.Table) -> dict:
         "vision_patches": int(table["_vision_patches"].to_numpy()[kept].sum()),
         "lengths": table["length"].to_numpy()[kept],
         "ids": eid[kept],
+        "label_counts": label_tokens[kept],
         # per kept row, the vision tower's patches and Σ patches² (data/tower.py): image data only
         **({"tower": grid_work(table["image_grid_thw"])[kept]} if table["images"].null_count < table.num_rows else {}),
     }

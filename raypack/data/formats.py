@@ -15,6 +15,9 @@ columns (Parquet, Arrow) pick it, and a later record of another format is an err
 Token ids (and labels other than -100) must be below the model's vocabulary size when the caller
 knows it.
 
+A source of `data.sources` may name the fields otherwise (`columns: {prompt: question}`):
+`renamed` reads its records, and its Parquet columns, as the format's fields before detection.
+
 raypack/data/sources.py reads the records and adds where each one came from to the messages.
 `tokenized_columns` is `validate` for a whole Arrow table of tokenized rows at once: a Parquet
 source of pre-tokenized examples is checked without turning every token into a Python int
@@ -24,6 +27,7 @@ benchmarks/prepare_scale.py), with the same messages for the same rows.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -67,6 +71,22 @@ def detect(keys, declared: str, where: str) -> str:
         "`instruction`/`input`/`output`, `prompt`/`completion`, `input_ids` (+ `labels`) or `chosen`/`rejected` "
         "(+ `prompt`), or set data.format"
     )
+
+
+def renames(unit: dict) -> dict[str, str]:
+    """{column: field} of a unit whose source names its fields otherwise (`data.sources[].columns`)."""
+    columns = unit.get("columns") or ""
+    return {column: name for name, column in json.loads(columns).items()} if columns else {}
+
+
+def renamed(rec, names: dict[str, str]):
+    """A record with its source's column names read as the format's fields: a named column wins
+    over one that already has the field's name."""
+    if not names or not isinstance(rec, dict):
+        return rec
+    taken = set(names.values())
+    out = {k: v for k, v in rec.items() if k not in taken or k in names}
+    return {names.get(k, k): v for k, v in out.items()}
 
 
 def _string(rec: dict[str, Any], key: str, fmt: str, optional: bool = False) -> str:

@@ -9,7 +9,8 @@ those at most `data.eval_max_examples` examples, the lowest first. So the same e
 out on every run and resume, whatever the order of the ids or the number of workers that made
 them; raising the cap or the fraction only adds examples; and the pieces of a split example never
 straddle train and eval (the hash is of the source row, not the piece). `raypack plan --config`
-asks the same question, so it shows the plan training uses.
+asks the same question, so it shows the plan training uses. A mixture's split
+(`data.sources`) is each source's own: the fraction and the cap apply to its examples alone.
 """
 
 from __future__ import annotations
@@ -50,21 +51,30 @@ def is_eval(example_ids: np.ndarray, fraction: float, seed: int, cap: int | None
     return held
 
 
-def held_out_mask(ids: np.ndarray, cfg: Config) -> np.ndarray:
+def held_out_mask(ids: np.ndarray, cfg: Config, owner: np.ndarray | None = None) -> np.ndarray:
     """Which examples (by example_id) are held out for eval: `data.eval_fraction` of them, at most
     `data.eval_max_examples`, seeded by `pack.seed`; none when that would hold out every example
-    (no eval loss is reported then)."""
+    (no eval loss is reported then). `owner`: a mixture's source of each example
+    (data/mixture.py), whose split is then each source's own, of its examples alone, capped alone."""
+    if owner is not None:
+        held = np.zeros(len(ids), dtype=bool)
+        for k in np.unique(owner):
+            mine = owner == k
+            held[mine] = held_out_mask(ids[mine], cfg)
+        return held
     held_out = is_eval(ids, cfg.data.eval_fraction, cfg.pack.seed, cfg.data.eval_max_examples)
     if held_out.all():
         held_out[:] = False
     return held_out
 
 
-def held_out_line(ids: np.ndarray, held_out: np.ndarray, cfg: Config) -> str:
-    """The prepare summary's line: how many of the examples `ids` were held out for eval, and why."""
+def held_out_line(ids: np.ndarray, held_out: np.ndarray, cfg: Config, owner: np.ndarray | None = None) -> str:
+    """The prepare summary's line: how many of the examples `ids` were held out for eval, and why
+    (`owner`: a mixture's source of each, each source's split its own)."""
     d, n, total = cfg.data, int(held_out.sum()), len(ids)
-    setting = f"data.eval_fraction={d.eval_fraction:g}"
-    uncapped = int(is_eval(ids, d.eval_fraction, cfg.pack.seed).sum())
+    setting = f"data.eval_fraction={d.eval_fraction:g}" + (", of each source" if owner is not None else "")
+    every = [owner == k for k in np.unique(owner)] if owner is not None else [np.ones(len(ids), dtype=bool)]
+    uncapped = sum(int(is_eval(ids[m], d.eval_fraction, cfg.pack.seed).sum()) for m in every)
     if n == 0 and total and uncapped == total:
         why = f"{setting} would hold out every one, so none are; no eval loss is reported"
     elif n == 0:

@@ -2,7 +2,8 @@
 
 Input rows: `example_id` (int64, unique, not dense), `input_ids` / `labels` (list<int32>,
 labels unshifted with -100 masking) and `length`. Plan index i is the i-th smallest example_id
-(`raypack.data.tokenize.lengths_and_ids` builds both arrays in that order).
+(`raypack.data.tokenize.lengths_and_ids` builds both arrays in that order), or for a mixture that
+repeats examples the i-th of its draw, in which an id may stand more than once (`plan_routing`).
 
 Output: Parquet under `out_dir/rank=<r>/`, one row per (rank, step), in row groups of
 `group_rows` rows (whole optimizer steps; see raypack/data/shards.py for why), read back in step
@@ -130,12 +131,20 @@ class Router:
 
 
 def plan_routing(plan, example_ids: np.ndarray) -> dict[str, np.ndarray]:
-    n = len(example_ids)
+    """Where each example's pieces go, by example id. An id may stand at several plan indexes (a
+    mixture's draw repeats examples, raypack/data/mixture.py): its row then yields the pieces of
+    every one of them."""
+    ids = np.asarray(example_ids, dtype=np.int64)
+    if (np.diff(ids) > 0).all():  # ids in order, none repeated: the plan's index is the row's
+        example = plan.example
+    else:
+        ids, index = np.unique(ids, return_inverse=True)
+        example = index[plan.example]
     pack_first = np.searchsorted(plan.pack, plan.pack)  # entries are ordered by pack
-    by_example = np.argsort(plan.example, kind="stable")
-    count = np.bincount(plan.example, minlength=n)
+    by_example = np.argsort(example, kind="stable")
+    count = np.bincount(example, minlength=len(ids))
     return {
-        "ids": np.asarray(example_ids, dtype=np.int64),
+        "ids": ids,
         "first": np.concatenate(([0], np.cumsum(count)[:-1])).astype(np.int64),
         "count": count.astype(np.int64),
         "start": plan.start[by_example],

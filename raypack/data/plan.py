@@ -214,3 +214,19 @@ def fold_accumulation(plan: Plan, num_ranks: int, accum: int) -> Plan:
         rank=plan.rank % num_ranks,
         step=plan.step * accum + plan.rank // num_ranks,
     )
+
+
+def stack_steps(plans: list[Plan], sizes: list[int]) -> Plan:
+    """Plans over consecutive parts of one lengths array (plan k's example i is example i of part
+    k, which holds sizes[k] examples) as one plan whose steps are plan 0's, then plan 1's, ...: a
+    mixture's eval packs, one source's examples to a step (raypack/data/prepare.py), so each
+    step's loss is one source's."""
+    first = plans[0]
+    offsets, steps = np.cumsum([0, *sizes[:-1]]), np.cumsum([0, *[p.num_steps for p in plans[:-1]]])
+    step = np.concatenate([p.step + s for p, s in zip(plans, steps)])
+    rank = np.concatenate([p.rank for p in plans])
+    return dataclasses.replace(
+        first, num_steps=sum(p.num_steps for p in plans), step=step, rank=rank, pack=step * first.num_ranks + rank,
+        example=np.concatenate([p.example + o for p, o in zip(plans, offsets)]),
+        start=np.concatenate([p.start for p in plans]), end=np.concatenate([p.end for p in plans]),
+        seconds=sum(p.seconds for p in plans))

@@ -1,7 +1,7 @@
 """Driver-side data preparation: tokenize, hold out eval, plan globally, write per-rank packs.
 
     tok = tokenized(cfg, sources)            # raypack/data/cache.py: tokenize, or reuse the cache
-    lengths, ids = training_examples(tok, cfg)   # eval held out: what the plan covers
+    lengths, ids = training_examples(tok, cfg, sources)   # eval held out, a mixture drawn: what the plan covers
     prepared = prepare(cfg, num_ranks, root, sources)    # all of it, into root
 
     tokenized ──> split by example_id hash ──> make_plan (lengths only) ──> materialize
@@ -16,6 +16,11 @@ gets its own plan and rows under `<root>/train_epoch=E/` instead. The folder's m
 everything that shaped it (raypack/data/cache.py), so a resumed run or a restarted worker group
 reuses it instead of re-planning. What the workers get is a `shards.Prepared` record; they read
 their rows with `shards.py` alone.
+
+A mixture (`data.sources`, raypack/data/mixture.py) holds its eval split out per source, packs
+its draw (some examples repeated, some left out) globally like any data, says what each source
+contributes, and packs the eval rows a source at a time, so each eval step is one source's
+(`Prepared.eval_sources`).
 
 Before packing it refuses data that trains on nothing: no example with a label token, or a rank
 that would get none (more ranks x grad_accum than examples).
@@ -33,11 +38,12 @@ from raypack import storage
 from raypack.config import Config
 from raypack.data.cache import Tokenized, commit, fresh_folder, packed_key, reusable, supervised, tokenized, tokenized_key
 from raypack.data.fingerprint import recorded
-from raypack.data.holdout import held_out_line, held_out_mask
+from raypack.data.holdout import held_out_line
 from raypack.data.listing import Sources
+from raypack.data.mixture import print_mixture, split
 from raypack.data.pack import materialize
 from raypack.data.pairs import check_pair_ids
-from raypack.data.plan import Plan
+from raypack.data.plan import Plan, stack_steps
 from raypack.data.shards import Prepared, group_steps_for
 from raypack.data.strategies import make_plan
 from raypack.data.tokenize import on_driver
@@ -46,17 +52,18 @@ from raypack.data.vision_pairs import KIND as PAIR_KIND
 from raypack.errors import InputError
 
 
-def training_examples(tok: Tokenized, cfg: Config) -> tuple[np.ndarray, np.ndarray]:
+def training_examples(tok: Tokenized, cfg: Config, sources: Sources) -> tuple[np.ndarray, np.ndarray]:
     """Lengths and example ids (in example_id order) of the examples a run trains on: `tok`'s,
-    less those held out for eval. What `raypack plan --config` plans, and what prepare packs."""
-    train = ~held_out_mask(tok.ids, cfg)
-    return tok.lengths[train], tok.ids[train]
+    less those held out for eval, as a mixture draws them. What `raypack plan --config` plans,
+    and what prepare packs."""
+    take = split(tok, cfg, sources).take
+    return tok.lengths[take], tok.ids[take]
 
 
-def training_tower(tok: Tokenized, cfg: Config) -> np.ndarray | None:
+def training_tower(tok: Tokenized, cfg: Config, sources: Sources) -> np.ndarray | None:
     """The vision tower's work (patches, Σ patches²) of the examples `training_examples` gives, in
     its order; None for data without images."""
-    return None if tok.tower is None else tok.tower[~held_out_mask(tok.ids, cfg)]
+    return None if tok.tower is None else tok.tower[split(tok, cfg, sources).take]
 
 
 def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_size: int | None = None,
@@ -73,6 +80,7 @@ def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_s
     found = reusable(cfg, num_ranks, root, sources, reprepare, tower)
     if found is not None:
         print(f"[raypack] reusing packed data in {root}", flush=True)
+        print_mixture(found.stats.get("sources"), cfg.data)
         return found
 
     t0 = time.perf_counter()
@@ -88,14 +96,19 @@ def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_s
             raise ValueError("prepare: the tokenized examples passed in were made with another data or tokenize config")
         else:
             supervised(tok, cfg)
-        held_out = held_out_mask(tok.ids, cfg)
-        print(held_out_line(tok.ids, held_out, cfg), flush=True)
+        parts = split(tok, cfg, sources)
+        held_out = parts.held_out
+        print(held_out_line(tok.ids, held_out, cfg, parts.owner), flush=True)
+        figures = parts.figures(tok)
+        print_mixture(figures, cfg.data)
         files = storage.file_sizes(tok.data_dir, ".parquet")
         held_ids = np.sort(tok.ids[held_out])
-        train = (files, (held_ids, False) if len(held_ids) else None)
+        train_lengths, train_ids = tok.lengths[parts.take], tok.ids[parts.take]
+        drawn = parts.mixture is not None and parts.mixture.weights is not None
+        # the rows to route: those drawn (a weighted mixture leaves some out), else all but eval's
+        train = (files, (np.unique(train_ids), True) if drawn else (held_ids, False) if len(held_ids) else None)
         evals = (files, (held_ids, True)) if len(held_ids) else None
-        train_lengths, train_ids = tok.lengths[~held_out], tok.ids[~held_out]
-        train_tower = training_tower(tok, cfg)
+        train_tower = None if tok.tower is None else tok.tower[parts.take]
         extra = tower_extra(train_tower, tower)
 
         images_dir = None
@@ -106,13 +119,15 @@ def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_s
         if train_tower is not None and tower is not None:
             stats.update(tower_stats(plan, tower, train_tower, train_lengths))
         _check_every_rank_trains(plan, rank_labels, cfg, num_ranks, len(train_ids))
-        with_images = _image_ids(images_dir) if images_dir and cfg.train.zero_stage == 3 else None
+        with_images = _image_ids(images_dir) if images_dir and gathers_per_module(cfg) else None
         if with_images is not None:
             check_every_pack_sees_images(plan, train_ids, with_images, "train")
-        eval_dir = None
+        eval_dir, eval_sources = None, []
         if evals is not None:
-            eval_plan = _pack_eval(evals, tok.lengths[held_out], tok.ids[held_out], cfg, num_ranks, f"{out}/eval",
-                                   plan.padded)  # fmt: skip
+            owner = None if parts.owner is None else parts.owner[held_out]
+            eval_plan, eval_sources = _pack_eval(evals, tok.lengths[held_out], tok.ids[held_out], cfg, num_ranks,
+                                                 f"{out}/eval", plan.padded, owner,
+                                                 parts.mixture.names if parts.mixture else ())
             if with_images is not None:
                 check_every_pack_sees_images(eval_plan, tok.ids[held_out], with_images, "eval")
             eval_dir = f"{out}/eval"
@@ -142,9 +157,10 @@ def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_s
         order_seed=cfg.pack.seed,
         epochs=epochs,
         images_dir=images_dir,
+        eval_sources=eval_sources,
         stats={**tok.stats, **stats, "tokenize_reused": tok.reused, "tokenize_s": tok.seconds,
                "prepare_s": time.perf_counter() - t0, "train_examples": len(train_ids),
-               "eval_examples": int(held_out.sum())},
+               "eval_examples": int(held_out.sum()), **({"sources": figures} if figures else {})},
     )
     # with large files' content hashes, so that touching one later doesn't refuse this data
     commit(root, {"fingerprint": prepared.fingerprint, "sources": recorded(sources.fingerprint),
@@ -164,7 +180,7 @@ def check_images_trainable(cfg: Config, stats: dict[str, Any], vision_model: boo
 
     formats = stats.get("formats", {})
     rows = formats.get("vision", 0) + formats.get(PAIR_KIND, 0)
-    where = f"data.paths: {stats['images']} images in {rows} {'vision' if formats.get('vision') else 'preference'} rows"
+    where = f"{cfg.data.setting}: {stats['images']} images in {rows} {'vision' if formats.get('vision') else 'preference'} rows"
     if not vision_model:
         raise InputError(f"{where}, but model.name {cfg.model.name!r} trains as a text-only model (no vision tower, "
                          "or a checkpoint transformers loads as its causal LM, as Qwen3.5's and Gemma 3's): it would "
@@ -176,9 +192,16 @@ def check_images_trainable(cfg: Config, stats: dict[str, Any], vision_model: boo
     if cfg.train.sequence_parallel > 1:
         raise InputError(f"{where}: train.sequence_parallel={cfg.train.sequence_parallel} doesn't carry images "
                          "to the shards of a row yet; set it to 1")
-    if cfg.train.zero_stage == 3 and cfg.pack.repack_each_epoch:  # check_every_pack_sees_images covers epoch 1's
+    if gathers_per_module(cfg) and cfg.pack.repack_each_epoch:  # check_every_pack_sees_images covers epoch 1's
         raise InputError(f"{where}: train.zero_stage=3 with pack.repack_each_epoch: each epoch's plan would need "
                          "an image in every micro-batch, which raypack checks for one plan only; repack once")
+
+
+def gathers_per_module(cfg: Config) -> bool:
+    """Whether every rank's forward must run the same modules: DeepSpeed's ZeRO-3 gathers each
+    module's weights with the other ranks as it runs. The torch engine's FSDP2 keeps a VLM's
+    vision tower in the root unit, gathered on every rank whatever runs (raypack/train/engines/torch.py)."""
+    return cfg.train.zero_stage == 3 and cfg.train.engine == "deepspeed"
 
 
 def _image_ids(images_dir: str) -> np.ndarray:
@@ -227,15 +250,16 @@ def write_images(files: list[tuple[str, int]], out_dir: str) -> str:
 
 
 def _pack(rows, lengths, ids, cfg: Config, num_ranks: int, out_dir: str,
-          epoch: int = 0, extra=None) -> tuple[Plan, dict[str, Any], list[int]]:
-    """Plan `lengths` and write the rows under `out_dir`: (plan, its stats, label tokens per rank).
-    `rows`: (the tokenized Parquet files, which of their examples: see `pack.route_file`);
-    `extra`: make_plan's (the vision tower's work)."""
+          epoch: int = 0, extra=None, plan: Plan | None = None) -> tuple[Plan, dict[str, Any], list[int]]:
+    """Plan `lengths` (or take `plan`, made for them) and write the rows under `out_dir`: (plan,
+    its stats, label tokens per rank). `rows`: (the tokenized Parquet files, which of their
+    examples: see `pack.route_file`); `extra`: make_plan's (the vision tower's work)."""
     accum = cfg.train.grad_accum
     pairs = cfg.train.objective == "dpo"
     if pairs:
         check_pair_ids(ids)
-    plan = make_plan(lengths, cfg.pack, num_ranks, accum, epoch=epoch, pairs=pairs, extra=extra)
+    if plan is None:
+        plan = make_plan(lengths, cfg.pack, num_ranks, accum, epoch=epoch, pairs=pairs, extra=extra)
     stats = plan.stats()
     stats["packing_efficiency"] = stats.pop("efficiency")
     files, select = rows
@@ -247,24 +271,37 @@ def _pack(rows, lengths, ids, cfg: Config, num_ranks: int, out_dir: str,
 
 def _check_every_rank_trains(plan: Plan, rank_labels: list[int], cfg: Config, num_ranks: int, examples: int) -> None:
     if plan.num_steps < cfg.train.grad_accum:
-        raise InputError(f"data.paths: {examples} examples make no full optimizer step for {num_ranks} ranks")
+        raise InputError(f"{cfg.data.setting}: {examples} examples make no full optimizer step for {num_ranks} ranks")
     idle = [r for r, n in enumerate(rank_labels) if n == 0]
     if idle:
         # Its gradients would be zeros averaged into every step: not wrong, but not what was asked.
         raise InputError(
-            f"data.paths: rank {idle[0]} of {num_ranks} gets no label token to train on "
+            f"{cfg.data.setting}: rank {idle[0]} of {num_ranks} gets no label token to train on "
             f"({examples} training examples for {num_ranks} ranks x {cfg.train.grad_accum} "
             "micro-batches); add data or lower train.num_workers or train.grad_accum"
         )
 
 
-def _pack_eval(rows, lengths, ids, cfg: Config, num_ranks: int, out_dir: str, padded: bool) -> Plan:
+def _pack_eval(rows, lengths, ids, cfg: Config, num_ranks: int, out_dir: str, padded: bool,
+               owner: np.ndarray | None = None, names: tuple[str, ...] = ()) -> tuple[Plan, list[dict[str, Any]]]:
     """Eval packs with one exact strategy whatever trains: whole examples, positions reset (pad
     for padded runs, whose model attends with a padding mask), so eval loss compares across the
-    strategies of a sweep."""
+    strategies of a sweep. A mixture's (`owner`: each example's source) are planned a source at
+    a time, its steps after the previous source's, so that every eval step is one source's:
+    returns the plan and each source's steps (`shards.Prepared.eval_sources`)."""
     pack = dataclasses.replace(cfg.pack, strategy="pad" if padded else "bfd", repack_each_epoch=False)
     eval_cfg = dataclasses.replace(cfg, pack=pack, train=dataclasses.replace(cfg.train, grad_accum=1))
-    return _pack(rows, lengths, ids, eval_cfg, num_ranks, out_dir)[0]
+    if owner is None:
+        return _pack(rows, lengths, ids, eval_cfg, num_ranks, out_dir)[0], []
+    order = np.argsort(owner, kind="stable")  # a source's examples together, each in example_id order
+    parts = [k for k in range(len(names)) if (owner == k).any()]
+    pairs = cfg.train.objective == "dpo"  # a pair's two rows, one item of each source's plan
+    plans = [make_plan(lengths[owner == k], eval_cfg.pack, num_ranks, pairs=pairs) for k in parts]
+    stacked = stack_steps(plans, [int((owner == k).sum()) for k in parts])
+    plan = dataclasses.replace(stacked, example=order[stacked.example])  # indexes into `ids` as given
+    _pack(rows, lengths, ids, eval_cfg, num_ranks, out_dir, plan=plan)
+    first = np.cumsum([0, *[p.num_steps for p in plans]])
+    return plan, [{"name": names[k], "steps": [int(first[i]), int(first[i + 1])]} for i, k in enumerate(parts)]
 
 
 def _repacked_epochs(rows, lengths, ids, cfg: Config, num_ranks: int, root: str, first: Plan,

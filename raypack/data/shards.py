@@ -74,6 +74,9 @@ class Prepared:
     epoch order; empty when every epoch reads `train_dir`."""
     images_dir: str | None = None
     """Vision rows' images and grids by example_id (`prepare.write_images`); None: text only."""
+    eval_sources: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """A mixture's eval steps, one source at a time: {"name", "steps": [first, stop]} in step
+    order, every eval row of those steps (on every rank) that source's; empty for data.paths."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -94,6 +97,13 @@ class Prepared:
         own count), or `max_steps` if fewer."""
         total = sum(self.epoch_rows(e)[1] // grad_accum for e in range(epochs))
         return min(total, max_steps) if max_steps else total
+
+    def eval_source(self, step: int) -> str | None:
+        """The name of the mixture's source whose examples eval step `step` holds; None for data.paths."""
+        for source in self.eval_sources:
+            if source["steps"][0] <= step < source["steps"][1]:
+                return source["name"]
+        return None
 
     def report_stats(self, epoch: int = 0) -> dict[str, float]:
         """Plan statistics reported with every ray.train.report: efficiency, padding, and the

@@ -3,7 +3,9 @@
     ds, report = read_sources_with_report(cfg.data, sources)  # good rows; report.bad_rows, .formats
     check_rows_here(cfg.data, sources, vocab_size)            # every row validated here, no Ray
 
-`sources` is the command's one listing of `data.paths` (raypack/data/listing.py). Each input file is one or more read units (a JSONL file or a newline-aligned byte range of a large
+`sources` is the command's one listing of `data.paths` (raypack/data/listing.py); a read unit of
+a mixture's source reads by that source's `format`, and with its `columns` renamed to the format's
+fields (`renamed`). Each input file is one or more read units (a JSONL file or a newline-aligned byte range of a large
 one, a Parquet row group, an Arrow file of a `save_to_disk` folder) that a Ray task parses and
 validates, so every row keeps its file and its line or row number. That gives every example a stable identity and every bad row an error that
 says where it is:
@@ -40,7 +42,7 @@ import ray
 
 from raypack.config import DataConfig
 from raypack.config.sections import MAX_IMAGE_PIXELS
-from raypack.data.formats import ONE_FORMAT, FormatError, detect, tokenized_columns, validate
+from raypack.data.formats import ONE_FORMAT, FormatError, detect, renamed, renames, tokenized_columns, validate
 from raypack.data.images import ImageError, has_images, read_record
 from raypack.data.listing import MAX_ROWS, Sources, read_units
 from raypack.data.vision_pairs import KIND as PAIR_KIND, read_pair_record
@@ -114,6 +116,7 @@ def row_location(eid: int, files: list[tuple[str, str]]) -> str:
 def _records(unit: dict, table: pa.Table | None = None):
     """(row, where, record-or-FormatError) for every row of a unit (of `table`, if already read),
     plus the column names for detection."""
+    names = renames(unit)
     fs, p = resolve(unit["path"])
     path = unit["path"]
     if unit["kind"] == "jsonl":
@@ -129,7 +132,7 @@ def _records(unit: dict, table: pa.Table | None = None):
             if not line.strip():  # blank lines (a trailing newline) are not examples
                 continue
             try:
-                rows.append((i, row_name(path, "jsonl", i), json.loads(line)))
+                rows.append((i, row_name(path, "jsonl", i), renamed(json.loads(line), names)))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 rows.append((i, row_name(path, "jsonl", i), FormatError(f"malformed JSON ({e})")))
         if stop < 0 and not rows:
@@ -137,7 +140,7 @@ def _records(unit: dict, table: pa.Table | None = None):
         if len(lines) > MAX_ROWS:
             raise SourceError(f"{path}: more than {MAX_ROWS} lines in one file; split the file")
         if unit["keys"]:  # a chunk: the fields of the file's first object (see _jsonl_units)
-            return rows, json.loads(unit["keys"])
+            return rows, list(renamed(dict.fromkeys(json.loads(unit["keys"])), names))
         first = next((r for _, _, r in rows if isinstance(r, dict)), {})
         return rows, first.keys()
     table = table if table is not None else _table(unit)
@@ -147,14 +150,20 @@ def _records(unit: dict, table: pa.Table | None = None):
 
 
 def _table(unit: dict) -> pa.Table:
-    """The rows of a Parquet or Arrow unit."""
+    """The rows of a Parquet or Arrow unit (its columns named as its source's `columns` say)."""
     fs, p = resolve(unit["path"])
     if unit["kind"] == "parquet":
-        return pq.ParquetFile(p, filesystem=fs).read_row_group(unit["row_group"])
-    with fs.open_input_file(p) as f:
-        table = pa.ipc.open_stream(f).read_all()
-    if table.num_rows == 0:
-        raise SourceError(f"{unit['path']}: empty file (no rows)")
+        table = pq.ParquetFile(p, filesystem=fs).read_row_group(unit["row_group"])
+    else:
+        with fs.open_input_file(p) as f:
+            table = pa.ipc.open_stream(f).read_all()
+        if table.num_rows == 0:
+            raise SourceError(f"{unit['path']}: empty file (no rows)")
+    names = renames(unit)
+    if names:
+        # a column named in `columns` wins over one that already has the field's name (as `renamed`)
+        keep = [c for c in table.column_names if c in names or c not in set(names.values())]
+        table = table.select(keep).rename_columns([names.get(c, c) for c in keep])
     return table
 
 
@@ -185,15 +194,16 @@ def read_unit(batch: dict[str, np.ndarray], declared: str, vocab_size: int | Non
     for k in range(len(batch["path"])):
         unit = {key: batch[key][k] for key in batch}
         unit["row_offset"] = int(unit["row_offset"])
+        declared_here = unit.get("format") or declared  # a source's own format, else data.format
         try:
             table = None if unit["kind"] == "jsonl" else _table(unit)
-            if table is not None and detect(table.column_names, declared, unit["path"]) == "tokenized":
+            if table is not None and detect(table.column_names, declared_here, unit["path"]) == "tokenized":
                 if (fast := _tokenized_unit(unit, table, vocab_size)) is not None:
                     tables += [pa.Table.from_pydict(out, schema=SCHEMA), fast]
                     out = {name: [] for name in SCHEMA.names}
                     continue
             rows, keys = _records(unit, table)
-            fmt = detect(keys, declared, unit["path"])
+            fmt = detect(keys, declared_here, unit["path"])
         except (SourceError, FormatError) as e:
             # A file-level problem travels as a row: an exception raised in a Ray task reaches the
             # driver wrapped, with its type and message buried in a traceback dump.
@@ -201,7 +211,7 @@ def read_unit(batch: dict[str, np.ndarray], declared: str, vocab_size: int | Non
                 out[name].append(None)
             out["example_id"][-1], out["error"][-1], out["fatal"][-1] = example_id(int(unit["file_index"]), 0), str(e), True
             continue
-        detected = "" if declared != "auto" else "first row" if unit["kind"] == "jsonl" else "columns"
+        detected = "" if declared_here != "auto" else "first row" if unit["kind"] == "jsonl" else "columns"
         for row, at, rec in rows:
             kind = fmt
             try:
@@ -234,7 +244,7 @@ def _drop_bad(batch: pa.Table) -> pa.Table:
 def read_rows(cfg: DataConfig, sources: Sources, vocab_size: int | None = None) -> ray.data.Dataset:
     """Every row of `sources` in SCHEMA, bad ones carrying `error` (and `fatal` for a file-level
     problem), as a lazy dataset that streams into the next stage."""
-    units = read_units(sources.files)
+    units = read_units(sources.files, sources.reading)
     return ray.data.from_items(units, override_num_blocks=len(units)).map_batches(
         read_unit, batch_size=1, num_cpus=0.5,
         fn_kwargs={"declared": cfg.format, "vocab_size": vocab_size, "max_image_pixels": cfg.max_image_pixels},
@@ -246,7 +256,7 @@ def rows_here(cfg: DataConfig, sources: Sources, vocab_size: int | None = None) 
     SCHEMA, bad rows flagged as `read_rows` flags them. Raises the SourceError that reading them
     with Ray would (the first bad row in file order), unless data.on_bad_rows=skip lets them by."""
     tables = [read_unit({k: [v] for k, v in unit.items()}, cfg.format, vocab_size, cfg.max_image_pixels)
-              for unit in read_units(sources.files)]
+              for unit in read_units(sources.files, sources.reading)]
     rows, errors, fatal = 0, [], []
     for table in tables:
         bad = pc.is_valid(table["error"])
@@ -258,10 +268,14 @@ def rows_here(cfg: DataConfig, sources: Sources, vocab_size: int | None = None) 
     return tables
 
 
-def check_rows_here(cfg: DataConfig, sources: Sources, vocab_size: int | None = None) -> int:
+def check_rows_here(cfg: DataConfig, sources: Sources, vocab_size: int | None = None) -> np.ndarray:
     """`rows_here`, for small local data, so that a bad row fails in a second instead of after
-    Ray starts; returns the number of good rows."""
-    return sum(pc.sum(pc.is_null(t["error"]).cast(pa.int64())).as_py() or 0 for t in rows_here(cfg, sources, vocab_size))
+    Ray starts; returns the number of good rows of each file (in `sources.files` order)."""
+    good = np.zeros(len(sources.files), dtype=np.int64)
+    for t in rows_here(cfg, sources, vocab_size):
+        if t.num_rows:
+            good[locate(t["example_id"][0].as_py())[0]] += pc.sum(pc.is_null(t["error"]).cast(pa.int64())).as_py() or 0
+    return good
 
 
 def _raise_bad_rows(errors: list[tuple[int, str]], fatal: list[tuple[int, str]], on_bad_rows: str, good: int) -> None:

@@ -99,6 +99,8 @@ class TokenizeStats:
     """Every output row's length, in no particular order (what the planner needs)."""
     ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64), repr=False)
     """Every output row's example_id, in the order of `lengths`."""
+    label_counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32), repr=False)
+    """Every output row's label tokens, in the order of `lengths`."""
     tower: np.ndarray | None = field(default=None, repr=False)
     """Image data only: every output row's vision-tower patches and Σ patches² (rows of 2, in the
     order of `lengths`; zeros for text rows), what the plan's balance counts (data/tower.py)."""
@@ -337,6 +339,7 @@ def gather_stats(batches: list[dict], tok, max_length: int, sources: Sources) ->
     stats.bad_examples = [msg for _, msg in sorted(e for b in batches for e in b["bad_examples"])[:5]]
     stats.lengths = np.concatenate([b["lengths"] for b in batches]) if batches else np.zeros(0, np.int32)
     stats.ids = np.concatenate([b["ids"] for b in batches]) if batches else np.zeros(0, np.int64)
+    stats.label_counts = np.concatenate([b["label_counts"] for b in batches]) if batches else np.zeros(0, np.int32)
     if any("tower" in b for b in batches):
         stats.tower = np.concatenate([b.get("tower", np.zeros((len(b["lengths"]), 2))) for b in batches])
     stats.examples_out, stats.tokens = len(stats.lengths), int(stats.lengths.sum())
@@ -357,7 +360,7 @@ def require_supervised(stats: TokenizeStats, cfg: Config) -> None:
     causes = drop_causes(stats, cfg)
     if stats.label_tokens == 0:
         raise TokenizeError(
-            f"data.paths: nothing to train on: of {stats.examples_in} examples, "
+            f"{cfg.data.setting}: nothing to train on: of {stats.examples_in} examples, "
             + ("; ".join(text for _, text in causes) or "none are left")
         )
     rows = stats.examples_in + stats.bad_rows
@@ -366,7 +369,7 @@ def require_supervised(stats: TokenizeStats, cfg: Config) -> None:
     if rows and lost / rows > limit:
         n, text = max(causes)
         raise TokenizeError(
-            f"data.paths: {lost} of {rows} source rows ({lost / rows:.0%}) would not train, more than "
+            f"{cfg.data.setting}: {lost} of {rows} source rows ({lost / rows:.0%}) would not train, more than "
             f"data.max_dropped_fraction={limit:g}; the largest cause: {n} {text.split(' ', 1)[1]}. Change that "
             "setting, fix the data, or raise data.max_dropped_fraction to train on the rest"
         )
@@ -378,7 +381,7 @@ def require_supervised(stats: TokenizeStats, cfg: Config) -> None:
     if tokens and lost.get("over_length", 0) / tokens > limit:
         n = lost["over_length"]
         raise TokenizeError(
-            f"data.paths: {n} of {tokens} label tokens ({n / tokens:.0%}) are in examples longer than {cut}, which "
+            f"{cfg.data.setting}: {n} of {tokens} label tokens ({n / tokens:.0%}) are in examples longer than {cut}, which "
             f"tokenize.overlength=drop dropped: more than data.max_dropped_fraction={limit:g}. Raise that length, use "
             "tokenize.overlength=truncate or split, or raise data.max_dropped_fraction to train on the rest"
         )

@@ -144,9 +144,12 @@ def weights_digest(model: nn.Module, frozen_only: bool = False) -> int:
 
 
 def _held(p: nn.Parameter) -> torch.Tensor:
-    """The values of `p` this rank holds: all of them, or under ZeRO-3 its slice of the flattened
+    """The values of `p` this rank holds: all of them; under ZeRO-3 its slice of the flattened
     tensor without the padding DeepSpeed adds to the last slices (left uninitialized, so it would
-    change the checksum from one start to the next)."""
+    change the checksum from one start to the next); under FSDP2 its dim-0 shard (a DTensor's local
+    part, without FSDP2's padding)."""
+    if hasattr(p.data, "to_local"):
+        return p.data.to_local()
     part = getattr(p, "ds_tensor", None)
     if part is None:
         return p.data
@@ -155,13 +158,22 @@ def _held(p: nn.Parameter) -> torch.Tensor:
     return part.reshape(-1)[:max(0, min(size, p.ds_numel - rank * size))]
 
 
-def expected_digests(model: nn.Module, world_size: int, zero3: bool) -> list[int]:
+def expected_digests(model: nn.Module, world_size: int, layout: str) -> list[int]:
     """What `frozen_digest` returns on each of `world_size` ranks that trained `model` (its frozen
-    weights whole, here on one process): the same on every rank, or under ZeRO-3 each rank's slice
-    of every flattened tensor, as DeepSpeed partitions them (the numel padded up to a multiple of
-    the world size, the padding left out)."""
-    if not zero3:
+    weights whole, here on one process), by how the ranks held them (`layout`): `replicated`, the
+    same on every rank; `zero3`, each rank's slice of every flattened tensor, as DeepSpeed partitions
+    them (the numel padded up to a multiple of the world size, the padding left out); `fsdp`, each
+    rank's dim-0 chunk, as FSDP2 shards them (torch.chunk, an empty one past the last)."""
+    if layout == "replicated":
         return [frozen_digest(model)] * world_size
+    if layout == "fsdp":
+        def chunk(t: torch.Tensor, rank: int) -> torch.Tensor:
+            chunks = torch.chunk(t, world_size, dim=0)
+            return chunks[rank] if rank < len(chunks) else t.new_empty(0)
+
+        return [tensor_digest(chunk(p.data, rank) for _, p in _frozen(model)) for rank in range(world_size)]
+    if layout != "zero3":
+        raise ValueError(f"expected_digests: layout {layout!r}; expected replicated, zero3 or fsdp")
     flat = [p.data.reshape(-1) for _, p in _frozen(model)]
     sizes = [-(-t.numel() // world_size) for t in flat]  # DeepSpeed's partition size
     return [tensor_digest(t[rank * size:(rank + 1) * size] for t, size in zip(flat, sizes)) for rank in range(world_size)]

@@ -3,11 +3,12 @@
     state = restore(engine, rank, data.fingerprint)        # the last reported checkpoint, if any
     report_and_checkpoint(engine, state, metrics, rank, checkpoint=True, final=False)
 
-A checkpoint folder (one `ray.train.Checkpoint`) holds DeepSpeed's state under one fixed tag
-(weights, optimizer, schedule, and the `TrainState` as its client state), one step log per rank
+A checkpoint folder (one `ray.train.Checkpoint`) holds the engine's state under its tag (`ds/`
+for DeepSpeed, `torch/` for the torch engine: weights, optimizer, schedule, and the `TrainState`
+as its client state; raypack/train/engines/), one step log per rank
 (`steps_rank<R>.npz`: the example ids of every optimizer step that rank took, 8 bytes an
 example), and, at the last step, a Hugging Face `model/` folder with the tokenizer beside it.
-With LoRA (`model.peft`) the DeepSpeed state holds the adapters and their optimizer state only,
+With LoRA (`model.peft`) the engine state holds the adapters and their optimizer state only,
 not the frozen base weights (they are loaded again from where they came from, and a checksum of
 them travels in the TrainState, so a resume onto other base weights is refused); the last
 checkpoint holds `adapter/` (peft's format), the merged `model/` and, for a base built from a
@@ -16,15 +17,16 @@ The data position (epoch, micro-step within that epoch's order) and the packed d
 fingerprint travel in the TrainState, so a restarted worker group resumes exactly after the last
 checkpointed step, and a resume onto other packed data is refused.
 
-Offline, on the CPU and without Ray, `read_saved(folder)` reads a checkpoint's DeepSpeed state
+A checkpoint resumes only on the engine that wrote it (each reads only its own layout): a resume
+with the other train.engine is refused, naming both.
+
+Offline, on the CPU and without Ray, `read_saved(folder)` reads a checkpoint's engine state
 back: the TrainState and the trained weights whole (what `raypack export` writes out).
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
-import os
+import json
 import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -36,9 +38,9 @@ import torch
 
 from raypack.errors import InputError
 from raypack.model.adapters import is_peft_model, save_adapted
+from raypack.train import engines
+from raypack.train.engines import Engine
 from raypack.train.metrics import Totals
-
-CKPT_TAG = "ds"  # one fixed DeepSpeed tag: every Ray checkpoint folder holds exactly one
 
 
 @dataclass
@@ -61,7 +63,7 @@ class TrainState:
     """With adapters: every rank's checksum of its frozen base weights (`adapters.frozen_digest`)."""
 
     def to_client_state(self) -> dict[str, Any]:
-        """What a DeepSpeed checkpoint carries (the step log goes to its own file)."""
+        """What the engine's checkpoint carries (the step log goes to its own file)."""
         return {k: v for k, v in asdict(self).items() if k != "steps_log"}
 
     @classmethod
@@ -70,16 +72,17 @@ class TrainState:
         return cls(**{k: v for k, v in saved.items() if k in known}, totals=Totals(**saved.get("totals", {})))
 
 
-def restore(engine, rank: int, plan: str, base_digest: list[int] | None = None) -> TrainState:
+def restore(engine: Engine, rank: int, plan: str, base_digest: list[int] | None = None) -> TrainState:
     """Load the last reported checkpoint, if any: weights, optimizer, schedule and data position.
     `base_digest`: with adapters, the checksums of the frozen base weights this run loaded."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return TrainState(plan=plan, base_digest=base_digest or [])
     with checkpoint.as_directory() as path:
+        check_engine(path, engine.name, checkpoint.path)
         # With adapters the checkpoint leaves the frozen base weights out (see the module doc).
-        _, client = engine.load_checkpoint(path, tag=CKPT_TAG, load_module_strict=not is_peft_model(engine.module))
-        state = TrainState.from_client_state(client["train_state"])
+        client = engine.load(Path(path), frozen=is_peft_model(engine.module))
+        state = TrainState.from_client_state(client)
         state.steps_log = read_steps_log(Path(path) / f"steps_rank{rank}.npz")
     if state.plan != plan:
         # The position is an index into one plan's packs; on another plan it would skip or
@@ -98,8 +101,17 @@ def restore(engine, rank: int, plan: str, base_digest: list[int] | None = None) 
     return state
 
 
+def check_engine(path: str | Path, engine: str, where: str) -> None:
+    """Refuse a checkpoint another train.engine wrote: each engine reads only its own layout."""
+    saved = engines.saved_by(path)
+    if saved is not None and saved != engine:
+        raise InputError(f"checkpoint {where} was written by train.engine {saved}, but this run trains with "
+                         f"train.engine {engine}, which can't read it; resume with train.engine: {saved}, or start "
+                         "a new run.name (or export the checkpoint and train from the exported model/)")
+
+
 def report_and_checkpoint(
-    engine, state: TrainState, metrics: dict, rank: int, checkpoint: bool, final: bool, tokenizer=None,
+    engine: Engine, state: TrainState, metrics: dict, rank: int, checkpoint: bool, final: bool, tokenizer=None,
     merge: bool = True, trust_remote_code: bool = False,
 ) -> None:
     """Report `metrics`, with a checkpoint if due; the final one also holds a Hugging Face
@@ -110,11 +122,10 @@ def report_and_checkpoint(
         return
     adapters = is_peft_model(engine.module)
     with tempfile.TemporaryDirectory(prefix="raypack-ckpt-") as path:
-        engine.save_checkpoint(path, tag=CKPT_TAG, client_state={"train_state": state.to_client_state()},
-                               exclude_frozen_parameters=adapters)
+        engine.save(Path(path), state.to_client_state(), frozen=adapters)
         write_steps_log(Path(path) / f"steps_rank{rank}.npz", state.steps_log)
         if final:
-            state_dict = full_state_dict(engine)
+            state_dict = engine.full_state_dict()
             if rank == 0 and adapters:
                 save_adapted(engine.module, state_dict, path, merge=merge, tokenizer=tokenizer,
                              trust_remote_code=trust_remote_code)
@@ -143,18 +154,18 @@ def read_steps_log(path: Path) -> list[tuple[int, int, list[int]]]:
     return [(int(s), int(e), z["example_ids"][o[i]:o[i + 1]].tolist()) for i, (s, e) in enumerate(zip(z["step"], z["epoch"]))]
 
 
-def full_state_dict(engine) -> dict:
-    """The model's whole state dict: gathered from every rank's partition under ZeRO-3 (a
-    collective: every rank calls it, and rank 0 gets the tensors)."""
-    if engine.zero_optimization_stage() == 3:
-        return engine._zero3_consolidated_16bit_state_dict()
-    return engine.module.state_dict()
-
-
 def save_hf_model(model, state: dict, path: Path, tokenizer=None) -> None:
     """A plain Hugging Face folder next to the DeepSpeed state, loadable with from_pretrained:
     the model, and the tokenizer it was trained with."""
     model.save_pretrained(path, state_dict=state, safe_serialization=True)
+    floats = {t.dtype for t in state.values() if t.is_floating_point()}
+    if len(floats) == 1 and (saved := floats.pop()) != model.dtype:
+        # The torch engine trains fp32 master weights and saves them in the dtype it computed in;
+        # transformers writes the module's own dtype into config.json, which from_pretrained
+        # ("auto") would load the weights in.
+        config = json.loads((Path(path) / "config.json").read_text())
+        config["dtype"] = str(saved).removeprefix("torch.")
+        (Path(path) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
 
@@ -164,44 +175,37 @@ def save_hf_model(model, state: dict, path: Path, tokenizer=None) -> None:
 
 @dataclass
 class Saved:
-    """What one checkpoint's DeepSpeed state holds, read on the CPU (`read_saved`)."""
+    """What one checkpoint's engine state holds, read on the CPU (`read_saved`)."""
 
     state: TrainState
+    engine: str
+    """The train.engine that wrote it."""
     zero_stage: int
     world_size: int
     dtype: torch.dtype
-    """The dtype the model trained in (DeepSpeed's bf16/fp16 setting)."""
+    """The dtype the model trained in (DeepSpeed's bf16/fp16 setting, the torch engine's compute dtype)."""
     weights: dict[str, torch.Tensor]
-    """The trained weights, whole: fp32 master weights under ZeRO 1-3; under ZeRO-0 (no master
-    copy outside the optimizer) the module's own, in `dtype`. With adapters, those alone."""
+    """The trained weights, whole: fp32 master weights under DeepSpeed's ZeRO 1-3 and the torch
+    engine's precision mixed; under ZeRO-0 (no master copy outside the optimizer) the module's own,
+    in `dtype`. With adapters, those alone."""
+
+    @property
+    def layout(self) -> str:
+        """How each rank held the frozen weights (adapters.expected_digests)."""
+        return digest_layout(self.engine, self.zero_stage)
+
+
+def digest_layout(engine: str, zero_stage: int) -> str:
+    """`replicated`, DeepSpeed's `zero3` flat partitions, or FSDP2's `fsdp` dim-0 shards."""
+    if engine == "torch":
+        return "fsdp" if zero_stage > 0 else "replicated"
+    return "zero3" if zero_stage == 3 else "replicated"
 
 
 def read_saved(folder: str | Path, adapters: bool) -> Saved:
-    """The DeepSpeed state of the checkpoint in `folder` (local), its weights consolidated from
-    every rank's shard by DeepSpeed's own `zero_to_fp32`. `adapters`: the run trained adapters,
-    so the frozen base weights are not in it (see the module doc)."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed warns, on import, that it found no GPU
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    ds = Path(folder) / CKPT_TAG
-    # rank 0's model states: one file under ZeRO 0-2, one per rank under ZeRO-3
-    first = next((f for f in (ds / "mp_rank_00_model_states.pt", ds / "zero_pp_rank_0_mp_rank_00_model_states.pt")
-                  if f.exists()), None)
-    if first is None:
-        raise InputError(f"{folder}: no DeepSpeed state in {CKPT_TAG}/ (is it a raypack checkpoint, copied whole?)")
-    # mmap: under ZeRO 0-2 this file holds the whole module, of which only ZeRO-0 needs the tensors
-    saved = torch.load(first, map_location="cpu", mmap=True, weights_only=False)
-    ds_config = saved["ds_config"]
-    stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
-    dtype = (torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else
-             torch.float16 if ds_config.get("fp16", {}).get("enabled") else torch.float32)
-    if stage == 0:
-        # zero_to_fp32 reads ZeRO's partitioned optimizer state, which stage 0 doesn't write
-        weights = dict(saved["module"])
-    else:
-        # It prints every step and draws a progress bar; what it found is reported by the caller.
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            weights = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=CKPT_TAG,
-                                                               exclude_frozen_parameters=adapters)
-    return Saved(TrainState.from_client_state(saved["train_state"]), stage, int(saved["dp_world_size"]), dtype, weights)
+    """The engine state of the checkpoint in `folder` (local), its weights put together from every
+    rank's shard by the engine's own reader (DeepSpeed's `zero_to_fp32`, torch.distributed.checkpoint).
+    `adapters`: the run trained adapters, so the frozen base weights are not in it."""
+    saved = engines.read_offline(folder, adapters)
+    return Saved(TrainState.from_client_state(saved.state), saved.engine, saved.zero_stage, saved.world_size,
+                 saved.dtype, saved.weights)

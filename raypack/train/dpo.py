@@ -240,7 +240,7 @@ class DPOLoss:
         engine.step()
         parts = [total.reshape(1).double(), stats] + ([torch.stack(routed).sum(0)] if routed else [])
         sums = counts.reduce(torch.cat(parts))  # one device all_reduce, not waited for
-        return Pending.enqueued(number, host, sums[0], engine.get_global_grad_norm(), timer, extra=sums[1:],
+        return Pending.enqueued(number, host, sums[0], engine.grad_norm(), timer, extra=sums[1:],
                                 names=METRICS, per="pairs", more=self.router.read if self.router else None)
 
     def step_counts(self, counts: HostCounts, step: PairStep, stop: StopWatch | None = None,

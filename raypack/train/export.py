@@ -5,7 +5,7 @@
     done = export(run, best="eval_loss")                       # the lowest eval_loss reported
 
     RUN/checkpoint_manager_snapshot.json ─> which checkpoint: step N, the lowest eval_loss, or the last
-    RUN/checkpoint_*/ds/ (from a URI: downloaded) ─> checkpoint.read_saved ─> the weights, whole
+    RUN/checkpoint_*/ds/ or torch/ (from a URI: downloaded) ─> checkpoint.read_saved ─> the weights, whole
     RUN/raypack_config.yaml ─> the model's skeleton, the tokenizer and the chat template it trained with
         ─> OUT/model/            a full fine-tune: weights and tokenizer, as the final checkpoint's model/
            OUT/adapter/, model/, base/    LoRA: the final checkpoint's layout (adapters.save_adapted)
@@ -45,7 +45,8 @@ from raypack.errors import ConfigError, InputError
 from raypack.model.adapters import apply_adapters, expected_digests, save_adapted
 from raypack.model.build import load_model, meta_model, model_config, resolve_dtype
 from raypack.model.vision import ProcessorParts, trains_as_vlm
-from raypack.train.checkpoint import CKPT_TAG, Saved, read_saved
+from raypack.train.checkpoint import Saved, read_saved
+from raypack.train.engines import ENGINES
 
 EXPORT_INFO = "raypack_export.json"
 """Written into the output folder: which run, checkpoint and step it came from, in which dtype."""
@@ -122,7 +123,8 @@ def default_out(root: str, step: int) -> str:
 
 
 @contextmanager
-def local_checkpoint(root: str, name: str, parts: tuple[str, ...] = ("latest", CKPT_TAG)) -> Iterator[Path]:
+def local_checkpoint(root: str, name: str,
+                     parts: tuple[str, ...] = ("latest", *(tag for _, tag in ENGINES.values()))) -> Iterator[Path]:
     """The checkpoint folder on this machine: as it is when local; from a URI, `parts` of it
     downloaded into a temporary folder removed on exit (not the final model/ it may also hold)."""
     path = f"{root}/{name}"
@@ -184,8 +186,8 @@ def export(
                               f"{saved.state.step}; the folder was changed after the run")
         out_dtype = resolve_dtype(dtype) if dtype else saved.dtype
         name = str(out_dtype).removeprefix("torch.")
-        log(f"[raypack] read the ZeRO-{saved.zero_stage} state of {saved.world_size} rank(s): {len(saved.weights)} "
-            f"tensors{' (the adapters)' if peft.enabled else ''}; writing {name} weights to {out}")
+        log(f"[raypack] read the {saved.engine} engine's state (zero_stage {saved.zero_stage}) of {saved.world_size} "
+            f"rank(s): {len(saved.weights)} tensors{' (the adapters)' if peft.enabled else ''}; writing {name} weights to {out}")
         folders, base = _write(cfg, saved, tokenizer, root, staging, out, out_dtype, merge, adapter_only, log)
         info = {"run": root, "checkpoint": chosen.name, "step": chosen.step, "dtype": name, "folders": folders,
                 "metrics": chosen.metrics}
@@ -306,7 +308,7 @@ def adapted_model(cfg: Config, saved: Saved, vocab_size: int, root: str, log: Ca
     tried = []
     for what, build in _base_sources(cfg, root, vocab_size, saved.dtype):
         model = apply_adapters(build(), m.peft, m.name)
-        if expected_digests(model, saved.world_size, zero3=saved.zero_stage == 3) == recorded:
+        if expected_digests(model, saved.world_size, saved.layout) == recorded:
             log(f"[raypack] base weights from {what}: their checksums match the checkpoint's")
             _load_adapters(model, saved, assign=False)
             return model

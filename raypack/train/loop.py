@@ -12,8 +12,9 @@ after the last checkpointed step: the steps lost with a failure are redone, and 
 skipped or trained twice in an epoch by the final model.
 
 Loss: one optimizer step's loss is Σ token losses / N, where N counts the label tokens of all its
-micro-batches on all ranks. DeepSpeed divides each backward by the accumulation steps and averages
-gradients over ranks, so each micro-batch's summed loss is scaled by world·accum/N to undo both.
+micro-batches on all ranks. The engine (DeepSpeed's or torch's, raypack/train/engines/) divides
+each backward by the accumulation steps and averages gradients over ranks, so each micro-batch's
+summed loss is scaled by world·accum/N to undo both.
 The token losses come from raypack/train/loss.py (chunked: no [tokens, vocab] logits). An MoE
 model's router load-balancing loss (raypack/train/router_loss.py) rides in the same backward: each
 micro-batch's sum over its units (examples) scaled by coef·world·accum/U, U the step's units on
@@ -39,11 +40,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import deepspeed
 import ray.train
 import torch
 import torch.distributed as dist
-from transformers.integrations import HfDeepSpeedConfig
 
 from raypack.config import Config
 from raypack.data.encode import load_image_processor, load_tokenizer
@@ -58,7 +57,8 @@ from raypack.model.ulysses import SequenceGroup, sequence_parallel
 from raypack.model import mixers
 from raypack.model.traits import decoder
 from raypack.model.vision import ProcessorParts, freeze, trains_as_vlm
-from raypack.train.engine import deepspeed_config, model_dtype, setup_engine, skip_shm_build
+from raypack.train import engines
+from raypack.train.engines import Engine
 from raypack.train.handoff import receive
 from raypack.train.checkpoint import TrainState, report_and_checkpoint, restore
 from raypack.train.dpo import DPOLoss, reporter_fields
@@ -84,29 +84,26 @@ def setup(cfg: Config, data: Prepared, world_size: int, clock: Startup | None = 
     clock = clock or Startup()
     torch.manual_seed(cfg.train.seed)
     m = cfg.model
-    dtype = model_dtype(cfg.train, m.dtype)
-    zero3 = None
-    if cfg.train.zero_stage == 3:
-        # While this object lives, transformers builds the model under deepspeed.zero.Init, so
-        # each rank materializes only its partition instead of the whole model (8 x 140 GB for 70B).
-        skip_shm_build()  # before DeepSpeed's backend starts (engine.py)
-        deepspeed.init_distributed()  # joins Ray Train's process group; the config checks world size
-        zero3 = HfDeepSpeedConfig(deepspeed_config(cfg.train, dtype=dtype, world_size=world_size))
+    compute = engines.compute_dtype(cfg.train, m.dtype)
+    dtype = engines.weights_dtype(cfg.train, m.dtype, adapters=m.peft.enabled)
     mode, why = resolve_checkpointing(cfg, "cuda" if cfg.train.use_gpu else "cpu", local_ranks,
                                       patches=data.stats.get("widest_patches"))
     if rank == 0:
         print(f"[raypack] gradient checkpointing: {mode} ({why})", flush=True)
-    model = load_model(
-        m.name,
-        # Padded batches carry an attention_mask, which the model's own SDPA handles; packed rows
-        # need a varlen attention. The packed data knows which it is.
-        attention="sdpa" if data.padded else m.attention,
-        dtype=dtype,
-        trust_remote_code=m.trust_remote_code,
-        gradient_checkpointing=mode,
-        vocab_size=data.vocab_size,
-        quantization=quantization_config(dtype) if m.peft.method == "qlora" else None,
-    )
+    # Under ZeRO-3 (zero.Init) and FSDP2 (the meta device on ranks > 0) no rank's GPU holds the
+    # whole model at any time (8 x 140 GB for 70B otherwise): engines.building.
+    with engines.building(cfg.train, dtype=compute, world_size=world_size):
+        model = load_model(
+            m.name,
+            # Padded batches carry an attention_mask, which the model's own SDPA handles; packed rows
+            # need a varlen attention. The packed data knows which it is.
+            attention="sdpa" if data.padded else m.attention,
+            dtype=dtype,
+            trust_remote_code=m.trust_remote_code,
+            gradient_checkpointing=mode,
+            vocab_size=data.vocab_size,
+            quantization=quantization_config(compute) if m.peft.method == "qlora" else None,
+        )
     if rank == 0 and not data.padded and (found := mixers.find(decoder(model))):
         device_type = "cuda" if cfg.train.use_gpu else "cpu"
         print(f"[raypack] token mixers besides attention: {mixers.describe(found, device_type)}", flush=True)
@@ -124,10 +121,9 @@ def setup(cfg: Config, data: Prepared, world_size: int, clock: Startup | None = 
         compile_layers(model)  # compiled at the first use: seconds, once per layer class
     total = data.total_steps(cfg.train.grad_accum, cfg.train.epochs, cfg.train.max_steps)
     clock.mark("model")
-    engine, scheduler = setup_engine(model, cfg.train, dtype=model.dtype, world_size=world_size, total_steps=total)
-    del zero3
-    clock.mark("deepspeed")
-    return engine, scheduler, total
+    engine = engines.build(model, cfg.train, dtype=compute, world_size=world_size, total_steps=total)
+    clock.mark("engine")
+    return engine, total
 
 
 # --- one optimizer step -----------------------------------------------------------------------
@@ -208,9 +204,9 @@ def train_step(engine, step: StepBatch, loss: CausalLMLoss, counts: HostCounts, 
     if router is None:
         loss_sum = forward_backward(engine, step.batches, scale, loss, offload)
         engine.step()
-        return Pending.enqueued(number, host, counts.reduce(loss_sum), engine.get_global_grad_norm(), timer)
+        return Pending.enqueued(number, host, counts.reduce(loss_sum), engine.grad_norm(), timer)
     # The step's router loss is the mean over its U units: each unit's sum weighs coef / U once
-    # DeepSpeed has divided by the micro-batches and averaged over the ranks.
+    # the engine has divided by the micro-batches and averaged over the ranks.
     host["router_units"] = units
     sums: list[torch.Tensor] = []
     loss_sum = forward_backward(engine, step.batches, scale, loss, offload, router,
@@ -218,26 +214,38 @@ def train_step(engine, step: StepBatch, loss: CausalLMLoss, counts: HostCounts, 
     engine.step()
     # one device all_reduce: the loss, the router loss and the expert load, not waited for
     summed = counts.reduce(torch.cat([loss_sum.double().reshape(1), torch.stack(sums).sum(0)]))
-    return Pending.enqueued(number, host, summed[0], engine.get_global_grad_norm(), timer, extra=summed[1:],
+    return Pending.enqueued(number, host, summed[0], engine.grad_norm(), timer, extra=summed[1:],
                             more=router.read)
 
 
 @torch.no_grad()
-def evaluate(engine, data: Prepared, group: SequenceGroup, loss: CausalLMLoss, collate=prepare_step) -> float | None:
-    """Token-mean loss over the held-out packs of every rank (of every group's shards). `collate`:
-    prefetch.prepare_step, or a VLM run's (the worker's `collate`)."""
+def evaluate(engine, data: Prepared, group: SequenceGroup, loss: CausalLMLoss, collate=prepare_step) -> dict:
+    """{"eval_loss": the token-mean loss over the held-out packs of every rank (of every group's
+    shards)}, None without them; a mixture's (`data.eval_sources`) each source's too, as
+    `eval_<name>_loss` (Hugging Face Trainer's name for a dict of eval sets): its eval steps hold its
+    examples alone. `collate`: prefetch.prepare_step, or a VLM run's (the worker's `collate`)."""
     if not data.eval_dir:
-        return None
+        return {"eval_loss": None}
     engine.eval()
+    names = [s["name"] for s in data.eval_sources]
     total, labels = torch.zeros((), dtype=torch.float64, device=engine.device), 0
+    per = torch.zeros(2 * len(names), dtype=torch.float64, device=engine.device)  # loss sums, label tokens
     rows = functools.partial(iter_rank_packs, data.eval_dir, data_rank(dist.get_rank(), group.size))
     with _steps(data, engine.device, group, rows, 1, collate) as steps:
-        for step in steps:
+        for i, step in enumerate(steps):
+            value = loss(engine, to_device(step.batches[0], engine.device))  # no sync per batch
             labels += step.label_tokens
-            total += loss(engine, to_device(step.batches[0], engine.device))  # no sync per batch
+            total += value
+            if names:
+                k = names.index(data.eval_source(i))
+                per[2 * k] += value
+                per[2 * k + 1] += step.label_tokens
     engine.train()
-    summed = global_count([float(total), labels], engine.device).sum(0)
-    return float(summed[0] / summed[1].clamp_min(1))
+    summed = global_count([float(total), labels, *per.tolist()], engine.device).sum(0)
+    out = {"eval_loss": float(summed[0] / summed[1].clamp_min(1))}
+    out.update({f"eval_{n}_loss": float(summed[2 + 2 * k] / summed[3 + 2 * k]) for k, n in enumerate(names)
+                if summed[3 + 2 * k] > 0})
+    return out
 
 
 def _steps(data: Prepared, device: torch.device, group: SequenceGroup, rows, accum: int, collate=prepare_step):
@@ -262,8 +270,7 @@ class Worker:
     cfg: Config
     data: Prepared
     rank: int
-    engine: Any
-    scheduler: Any
+    engine: Engine
     loss: CausalLMLoss
     state: TrainState
     reporter: Reporter
@@ -313,7 +320,7 @@ def setup_worker(config: dict) -> Worker:
     clock.mark("received")
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    engine, scheduler, total_steps = setup(cfg, data, world, clock, rank, ctx.get_local_world_size())
+    engine, total_steps = setup(cfg, data, world, clock, rank, ctx.get_local_world_size())
     host_counts = HostCounts.open(world, engine.device)
     # Probes the model once (a short forward on every rank): a model the chunked loss can't
     # reproduce exactly stops here, before any step.
@@ -367,7 +374,7 @@ def setup_worker(config: dict) -> Worker:
               f"row's tokens split {group.size} ways, at most {-(-cfg.pack.budget // group.size)} a worker", flush=True)
     collate = prepare_step if images is None else functools.partial(prepare_step, collate=images)
     clock.mark("setup")
-    return Worker(cfg, data, rank, engine, scheduler, loss, state, reporter, total_steps, config, group, router,
+    return Worker(cfg, data, rank, engine, loss, state, reporter, total_steps, config, group, router,
                   tokenizer, host_counts, clock=clock, stop=StopWatch(config.get("stop_key"), rank, t.stop_checkpoint_after_s,
                                                            checkpoint_step=state.step), collate=collate)
 
@@ -428,7 +435,7 @@ def take_step(w: Worker, step, epoch: int, wait_s: float) -> bool:
                              stop=w.stop, router=w.router)
     if pending is None:
         return False
-    pending.host["lr"] = w.scheduler.get_last_lr()[0]
+    pending.host["lr"] = w.engine.scheduler.get_last_lr()[0]
     if w.cfg.train.compile:  # graphs Dynamo compiled so far: a count that grows is recompiling
         pending.host["compiled_graphs"] = float(compiled_graphs())
     if pending.host["skipped_steps"] and w.rank == 0:
@@ -483,7 +490,7 @@ def after_step(w: Worker, epoch: int) -> None:
         if isinstance(w.loss, DPOLoss):  # eval_loss and TRL's eval_rewards/...
             extra.update(w.loss.evaluate(w.engine, w.data, w.data_rank))
         else:
-            extra["eval_loss"] = evaluate(w.engine, w.data, w.group, w.loss, w.collate)
+            extra.update(evaluate(w.engine, w.data, w.group, w.loss, w.collate))
         w.reporter.exclude(time.perf_counter() - t_eval)
     metrics = w.reporter.summary(step, epoch, extra)
     if final:  # after the trackers had theirs: a dict of phases, not a scalar

@@ -311,7 +311,7 @@ def chunk_tokens(cfg: Config, vocab: int) -> int:
 
 def preset_zero(cfg: Config) -> dict[str, Any]:
     """The `zero_optimization` section of the run's DeepSpeed preset (bucket sizes, live params)."""
-    from raypack.train.presets import load_preset  # JSON only: no DeepSpeed import
+    from raypack.train.engines.presets import load_preset  # JSON only: no DeepSpeed import
 
     return load_preset(cfg.train.deepspeed_preset).get("zero_optimization", {})
 
@@ -421,8 +421,9 @@ def choose_checkpointing(cfg: Config, arch: Arch, capacity: float, device_type: 
     m = cfg.model
     if m.gradient_checkpointing != "auto":
         return m.gradient_checkpointing, "as configured"
-    # selective is refused with tiled MLPs (they drop what it keeps) and under ZeRO-3 (config/__init__.py)
-    selective = selective and not (m.tiled_mlp_tokens or cfg.train.zero_stage == 3)
+    # selective is refused with tiled MLPs (they drop what it keeps) and under DeepSpeed's ZeRO-3 (config/__init__.py)
+    zero3 = cfg.train.zero_stage == 3 and cfg.train.engine == "deepspeed"
+    selective = selective and not (m.tiled_mlp_tokens or zero3)
     modes = [c for c in CHECKPOINTING if selective or c != "selective"]
     usable, unit = usable_bytes(capacity, device_type), GB
     sizes = {c: estimate(cfg, arch, checkpointing=c, padded=padded, patches=patches).total for c in modes}

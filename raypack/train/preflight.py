@@ -8,9 +8,10 @@ Ray instance starts or a file is written. In order, cheapest first:
 
 1. `pack.strategy` (and `tune.strategies`) name registered strategies with the traits the
    config's options need (`strategies.check_strategies`);
-2. every path in `data.paths` exists or its URI answers, is a known file type (a folder holds
-   some), and each file's format is told from its first record. The listing is made here, once
-   (`listing.Sources`), and every later stage of the command is handed it;
+2. every path in `data.paths` (or in each of `data.sources`, whose messages name the source)
+   exists or its URI answers, is a known file type (a folder holds some), and each file's format
+   is told from its first record (read by its source's `format` and `columns`). The listing is
+   made here, once (`listing.Sources`), and every later stage of the command is handed it;
 3. `tokenize.tokenizer` loads, with a chat template if a file holds chats;
 4. `model.name` resolves to a config (a tiny family, a local folder or the hub; no weights are
    loaded) of a causal LM that, if the strategy packs, trains exactly on packed rows with the
@@ -20,7 +21,8 @@ Ray instance starts or a file is written. In order, cheapest first:
    loss can train them (`check_adapters`);
 5. small local data (up to `ROW_CHECK_BYTES`): every row, as the Ray read would check it,
    pre-tokenized ids against the model's vocabulary included; larger data is checked row by row
-   while Ray reads it, with the same messages;
+   while Ray reads it, with the same messages. A weighted mixture whose weights give a source
+   less than one example of those rows is refused here too (data/mixture.py);
 6. a run that already packed its data: its sources have not changed since (`prepare.reusable`).
 
 The most common mistakes (a config value, a path) are checked first, before the imports that
@@ -35,13 +37,15 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from raypack import storage
 from raypack.config import Config
-from raypack.data.formats import FormatError, detect
+from raypack.data.formats import FormatError, detect, renamed, renames
 from raypack.data.listing import Sources, source_bytes
+from raypack.data.mixture import Mixture
 from raypack.data.shards import Prepared
 from raypack.data.sources import check_rows_here
 from raypack.data.strategies import STRATEGIES, check_strategies
@@ -98,7 +102,7 @@ def check_data(cfg: Config, *, rows: bool = True) -> Checked:
     vocabulary bound on token ids)."""
     check_strategies(cfg)
     cfg = absolute_paths(cfg)
-    sources = Sources.of(cfg.data.paths)
+    sources = Sources.of_data(cfg.data)
     checked = Checked(cfg=cfg, sources=sources, formats=source_formats(cfg, sources))
     check_objective_formats(cfg, checked.formats)
     if rows:
@@ -135,7 +139,12 @@ def _tokenizer(cfg: Config, sources: Sources, formats: dict[str, str]):
 def _check_rows(checked: Checked, vocab_size: int | None) -> None:
     local = all(not storage.is_uri(p) for p in checked.formats)
     if local and (source_bytes(checked.sources) or 0) <= ROW_CHECK_BYTES:
-        check_rows_here(checked.cfg.data, checked.sources, vocab_size)
+        good = check_rows_here(checked.cfg.data, checked.sources, vocab_size)
+        mixture = Mixture.of(checked.cfg.data, checked.sources)
+        if mixture is not None and mixture.weights is not None:
+            # The most rows each source can give: a weight whose share of those is under one
+            # example is under one in the draw, which sees fewer (data/mixture.py, Mixture.counts).
+            mixture.counts(np.bincount(checked.sources.owners, weights=good, minlength=len(mixture.names)), most=True)
 
 
 def check_model_and_tokenizer(cfg: Config, tok) -> tuple[int, bool, Any]:
@@ -256,16 +265,23 @@ def check_freeze(cfg: Config, config) -> None:
 
 
 def source_formats(cfg: Config, sources: Sources) -> dict[str, str]:
-    """{file: format} for every source file, from its first record (or `data.format`)."""
+    """{file: format} for every source file, from its first record (or `data.format`, or its
+    source's `format`); a file of `data.sources` whose format can't be told names its source."""
     out = {}
-    for path, kind in sources.files:
+    for i, (path, kind) in enumerate(sources.files):
+        declared, columns = sources.reading[i] if sources.reading else (cfg.data.format, "")
+        source = f"{sources.where(i)}: " if sources.owners else ""
         try:
             fields = _first_record(path, kind)
-            out[path] = detect(list(fields), cfg.data.format, path) if fields is not None else cfg.data.format
+            if fields is not None and columns:  # read as the source names its fields (sources.renamed)
+                fields = renamed(fields, renames({"columns": columns}))
+            out[path] = detect(list(fields), declared, path) if fields is not None else declared
         except FormatError as e:
-            raise SourceError(str(e)) from None
+            message = str(e).replace("or set data.format", f"or set data.sources[{sources.owners[i]}].format "
+                                     "or its columns") if sources.owners else str(e)
+            raise SourceError(source + message) from None
         except OSError as e:
-            raise SourceError(f"{path}: can't read it ({str(e).strip().splitlines()[0]})") from e
+            raise SourceError(f"{source}{path}: can't read it ({str(e).strip().splitlines()[0]})") from e
     return out
 
 

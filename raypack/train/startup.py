@@ -16,11 +16,11 @@ a worker's compare: one machine, or nodes whose clocks agree):
 | Ray start | driver | preflight, ray | `init_ray`: a local instance started, or a cluster joined |
 | data preparation | driver | prepare, data | tokenize, plan and pack (or find them prepared) |
 | worker group | workers | fit, worker | Ray Train's controller, the placement group, the worker processes, the process group |
-| worker imports | workers | worker, imports | torch, transformers and DeepSpeed in each worker (raypack.train.loop) |
+| worker imports | workers | worker, imports | torch and transformers (and DeepSpeed, for its engine) in each worker (raypack.train.loop) |
 | waiting for data | workers | imports, received | until the driver hands over the prepared data |
 | model load | workers | received, model | the model built or read, kernels and adapters applied |
-| DeepSpeed init | workers | model, deepspeed | `deepspeed.initialize`: the optimizer, ZeRO's flat buffers |
-| worker setup | workers | deepspeed, setup | the loss probe, the checkpoint restored, trackers, the tokenizer |
+| engine init | workers | model, engine | the engine (raypack/train/engines/): `deepspeed.initialize` and ZeRO's flat buffers, or FSDP2's sharding; the optimizer |
+| worker setup | workers | engine, setup | the loss probe, the checkpoint restored, trackers, the tokenizer |
 | first step | workers | setup, first_step | the first optimizer step, until its loss is read |
 
 With train.overlap_start the worker group starts as the data preparation does
@@ -40,11 +40,11 @@ PHASES = (
     ("python and imports", "process", "start"), ("preflight", "start", "preflight"), ("Ray start", "preflight", "ray"),
     ("data preparation", "prepare", "data"), ("worker group", "fit", "worker"), ("worker imports", "worker", "imports"),
     ("waiting for data", "imports", "received"), ("model load", "received", "model"),
-    ("DeepSpeed init", "model", "deepspeed"), ("worker setup", "deepspeed", "setup"), ("first step", "setup", "first_step"),
+    ("engine init", "model", "engine"), ("worker setup", "engine", "setup"), ("first step", "setup", "first_step"),
 )  # fmt: skip
 """(phase, the mark it begins at, the mark it ends at)."""
 MARKS = ("process", "start", "preflight", "ray", "prepare", "fit", "data", "worker", "imports", "received", "model",
-         "deepspeed", "setup", "first_step")
+         "engine", "setup", "first_step")
 TOTAL = "to the first step"
 """The key of the whole: from the process's start (or `start`) to the first step's end."""
 

@@ -93,7 +93,7 @@ def prepare_sweep_data(base: Config, sources: Sources, cache: str) -> SweepData:
             out.tokenizations += not tok.reused
             out.examples = max(out.examples, len(tok.ids))
         tok = tokenizations[key]
-        train_lengths, _ = training_examples(tok, cfg)
+        train_lengths, _ = training_examples(tok, cfg, sources)
         # a DPO pair is one item of the plan: its two rows, chosen and rejected
         out.mean_length[budget] = float(train_lengths.mean()) * (2 if base.train.objective == "dpo" else 1)
         name = f"{strategy}/{budget}"

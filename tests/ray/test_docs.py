@@ -22,7 +22,8 @@ def _bundled(command) -> bool:
         return False
     cfg = load(REPO / args.config, args.overrides)
     return (cfg.model.name.startswith("tiny-") and cfg.tokenize.tokenizer.startswith((ASSETS_PREFIX, str(ASSETS)))
-            and all(p.startswith((ASSETS_PREFIX, str(ASSETS))) for p in cfg.data.paths))
+            and all(p.startswith((ASSETS_PREFIX, str(ASSETS)))
+                    for p in (*cfg.data.paths, *(q for s in cfg.data.sources for q in s.paths))))
 
 
 RUNNABLE = [c for c in ALL if _bundled(c)]
@@ -37,3 +38,14 @@ def test_docs_command_runs(command, ray_local, monkeypatch, capsys):
     monkeypatch.chdir(REPO)
     assert main(words(command)[1:]) == 0, capsys.readouterr().err[-2000:]
     assert capsys.readouterr().out.strip()
+
+
+def test_the_mixture_guide_quotes_what_raypack_plan_prints(ray_local, monkeypatch, capsys):
+    """docs/guides/data.md's mixture lines are the output of the command above them, as printed."""
+    monkeypatch.chdir(REPO)
+    page = (REPO / "docs" / "guides" / "data.md").read_text()
+    command = "raypack plan --config jobs/configs/mixture.yaml"
+    quoted = page.split(command, 1)[1].split("```text\n", 1)[1].split("```", 1)[0].splitlines()
+    assert main(command.split()[1:]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert quoted and all(line in out for line in quoted), (quoted, out)

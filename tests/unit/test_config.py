@@ -233,3 +233,53 @@ def test_router_aux_loss_settings_load_and_round_trip():
     assert (cfg.train.router_aux_loss_coef, cfg.train.router_aux_loss) == (0.01, "micro_batch")
     assert loads(dumps(cfg)) == cfg
     assert load(None, ["train.router_aux_loss_coef=0"]).train.router_aux_loss_coef == 0.0
+
+
+MIXTURE = """
+data:
+  sources:
+    - paths: [chat.jsonl]
+      weight: 2
+    - paths: qa.parquet
+      weight: 1
+      format: completion
+      columns: {prompt: question, completion: answer}
+  examples_per_epoch: 300
+"""
+
+
+def test_data_sources_load_and_round_trip():
+    cfg = loads(MIXTURE)
+    first, second = cfg.data.sources
+    assert cfg.data.paths == () and first.paths == ("chat.jsonl",) and first.weight == 2.0
+    assert second.paths == ("qa.parquet",) and second.columns == {"prompt": "question", "completion": "answer"}
+    assert loads(dumps(cfg)) == cfg and loads(dumps(cfg), saved=True) == cfg
+    assert cfg.data.examples_per_epoch == 300 and loads(MIXTURE.replace("300", "all_exhausted")).data.examples_per_epoch \
+        == "all_exhausted"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("data: {paths: [x.jsonl], sources: [{paths: [a.jsonl]}]}",
+     r"data.paths: expected no paths beside data.sources \(data.paths is the one-source form of data.sources: give one "
+     r"or the other; data.paths=\[\] clears a file's\), got \['x.jsonl'\]"),
+    ("data: {sources: [{paths: [a.jsonl], wieght: 2}]}",
+     r"data.sources\[0\].wieght: unknown key; did you mean data.sources\[0\].weight\? .* \(data.sources\[0\] has paths: "
+     r"a.jsonl\) \(`raypack config data.sources` lists them\)"),
+    ("data: {sources: [{paths: [a.jsonl], weight: 1}, {paths: [b.jsonl], weight: 0}]}",
+     r"data.sources\[1\] \(paths: b.jsonl\): weight: expected a number > 0 \(a share of the epoch\), got 0.0"),
+    ("data: {sources: [{paths: [a.jsonl], weight: 1}, {paths: [b.jsonl]}]}",
+     r"data.sources\[1\] \(paths: b.jsonl\): weight: expected a weight on every source or on none"),
+    ("data: {sources: [{paths: [a.jsonl]}], examples_per_epoch: 10}",
+     r"data.examples_per_epoch: expected sum without weights on data.sources"),
+    ("data: {examples_per_epoch: first_exhausted}", r"data.examples_per_epoch: expected sum without weighted data.sources"),
+    ("data: {sources: [{paths: [a.jsonl], weight: 1}, {paths: [b.jsonl], weight: 99}], examples_per_epoch: 50}",
+     r"data.sources\[0\] \(paths: a.jsonl\): weight: expected a share of data.examples_per_epoch=50 of at least one "
+     r"example .*got '1 of 100, 0.5 examples'"),
+    ("data: {sources: [{paths: [a.jsonl], columns: {answer: completion}}]}",
+     r"data.sources\[0\] \(paths: a.jsonl\): columns.answer: expected a field of an example format"),
+    ("data: {sources: [{paths: []}]}", r"data.sources\[0\].paths: expected at least one path"),
+    ("data: {sources: {paths: [a.jsonl]}}", r"data.sources: expected a list of mappings"),
+])  # fmt: skip
+def test_bad_sources_are_refused_naming_the_source(text, message):
+    with pytest.raises(ConfigError, match=message):
+        loads(text)

@@ -281,3 +281,12 @@ def test_the_run_name_check_finds_the_guides_runs():
     assert kinds == {"train", "sweep"} and len(runs) >= 20, runs
     pages = {command.page for command, *_ in runs}
     assert {"docs/guides/hybrid-models.md", "docs/guides/moe.md", "docs/guides/vision.md"} <= pages
+
+
+def test_the_mixture_guide_shows_the_shipped_config():
+    """The data section docs/guides/data.md shows is jobs/configs/mixture.yaml's, comments and all
+    (the config the guide's `raypack plan` runs, tests/ray/test_docs.py)."""
+    page = (DOCS / "guides" / "data.md").read_text().split("## Mixtures", 1)[1]
+    shown = page.split("```yaml\n", 1)[1].split("```", 1)[0]
+    config = (REPO / "jobs" / "configs" / "mixture.yaml").read_text()
+    assert shown.startswith("data:\n") and shown in config

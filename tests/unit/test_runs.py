@@ -165,3 +165,22 @@ def test_orphan_checkpoints_are_the_folders_ray_never_registered(tmp_path):
     (root / CHECKPOINTS).write_text(_json.dumps({"checkpoint_results": [
         {"checkpoint_dir_name": "checkpoint_a"}, {"checkpoint_dir_name": "checkpoint_b"}]}))
     assert orphan_checkpoints(str(root)) == [f"{root}/checkpoint_c"]
+
+
+def test_a_mixture_run_started_again_with_another_weight_is_a_different_run(tmp_path, monkeypatch):
+    """The saved config of a mixture reloads with every source's paths absolute; the same run name
+    with a changed weight is refused naming the source's field, as another mixture."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.jsonl").write_text("")
+    (tmp_path / "b.jsonl").write_text("")
+    sources = "data.sources=[{paths: [a.jsonl], weight: 0.7}, {paths: [b.jsonl], weight: 0.3}]"
+    cfg = load(None, [sources, "run.storage_path=out", "run.name=mix"])
+    save_config(cfg)
+    assert saved_config(run_dir(cfg)).data.sources[1].paths == (str(tmp_path / "b.jsonl"),)
+    check_same_config(cfg, run_dir(cfg))  # the same config again: fine
+    changed = load(None, [sources.replace("0.3", "0.4"), "run.storage_path=out", "run.name=mix"])
+    with pytest.raises(ConfigError, match=rf"^run 'mix' in {run_dir(cfg)} was started with another mixture "
+                                          r"\(data.sources\[1\].weight: 0.3 there, 0.4 here\): a changed weight or "
+                                          r"source draws other examples, so it is a different run; start it with "
+                                          r"run.name=NEW_NAME"):
+        check_same_config(changed, run_dir(cfg))

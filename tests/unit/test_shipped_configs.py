@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from raypack.config import load
-from raypack.train.engine import PRESETS as PRESET_DIR
+from raypack.train.engines.presets import PRESETS as PRESET_DIR
 from raypack.tune.space import check as check_sweep
 
 from paths import REPO

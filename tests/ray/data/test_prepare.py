@@ -5,7 +5,8 @@
 - `pack.repack_each_epoch` writes one plan per epoch, each covering every training example
   once, with different packs, and no more epochs than `train.max_steps` can use;
 - packed data is reused only while its sources are unchanged, and data that trains on nothing
-  is refused before anything is packed.
+  is refused before anything is packed;
+- small data prepared in the driver is what Ray prepares, a mixture of sources included.
 """
 
 from __future__ import annotations
@@ -210,3 +211,30 @@ def test_small_data_prepared_in_the_driver_is_what_ray_prepares(ray_local, tmp_p
                        {k: v for k, v in prepared.stats.items() if k not in timing}, prepared.steps_per_rank)
     assert made[0][0], "nothing packed"
     assert made[16] == made[0]
+
+
+def test_a_mixture_prepared_in_the_driver_is_what_ray_prepares(ray_local, tmp_path):
+    """data.sources through both ways: three formats, one under its own column names and one
+    declared, weights that repeat one source and draw from the others, each source's eval split.
+    Ray Data's read tasks read each unit by its source's format and columns as the driver does."""
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text("".join(json.dumps({"question": f"what is {i} + 1?", "answer": f" {i + 1}"}) + "\n" for i in range(40)))
+    mixture = json.dumps([{"paths": [str(ASSETS / "sample" / "chat.jsonl")], "weight": 0.5},
+                          {"paths": [str(ASSETS / "sample" / "instruction.jsonl")], "weight": 0.3, "format": "instruction"},
+                          {"paths": [str(qa)], "weight": 0.2, "name": "qa",
+                           "columns": {"prompt": "question", "completion": "answer"}}])
+    made = {}
+    for limit in (0, 16):
+        cfg = absolute_paths(load(CONFIG, ["data.paths=[]", f"data.sources={mixture}", f"run.storage_path={tmp_path}", "pack.budget=256",
+                                           "data.eval_fraction=0.2", f"data.driver_max_mb={limit}"]))
+        root = tmp_path / f"packed{limit}"
+        prepared = prepare(cfg, 2, str(root), Sources.of_data(cfg.data))
+        timing = ("tokenize_s", "prepare_s", "tokenize_reused", "seconds")
+        made[limit] = (_written(root / "train"), _written(root / "eval"),
+                       {k: v for k, v in prepared.stats.items() if k not in timing}, prepared.steps_per_rank,
+                       prepared.eval_sources)
+    assert made[16] == made[0]
+    figures, eval_sources = made[0][2]["sources"], made[0][4]
+    total = sum(f["available"] for f in figures)  # 510 after the eval splits: 255, 153, 102 exactly
+    assert [f["examples"] for f in figures] == [total * 5 // 10, total * 3 // 10, total * 2 // 10] == [255, 153, 102]
+    assert [s["name"] for s in eval_sources] == ["chat", "instruction", "qa"]

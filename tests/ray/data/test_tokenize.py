@@ -39,7 +39,7 @@ def test_tokenize_contract_and_overlength_counts(ray_local):
     )
     ds, stats = tokenize_dataset(base, Sources.of(base.data.paths))
     table = pa.concat_tables(ds.to_arrow_refs() and [ray_local.get(r) for r in ds.to_arrow_refs()])
-    assert table.schema.names == ["example_id", "input_ids", "labels", "length", "images", "image_grid_thw"]
+    assert table.schema.names == ["example_id", "input_ids", "labels", "length", "label_tokens", "images", "image_grid_thw"]
     assert str(table.schema.field("example_id").type) == "int64" and str(table.schema.field("length").type) == "int32"
     assert str(table.schema.field("input_ids").type) == str(table.schema.field("labels").type) == "list<item: int32>"
     rows = table.to_pydict()

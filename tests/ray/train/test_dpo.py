@@ -78,7 +78,7 @@ def dpo_loop(config):
 
     from raypack.config import TrainConfig
     from raypack.train.dpo import DPOLoss
-    from raypack.train.engine import setup_engine
+    from raypack.train.engines.deepspeed import setup_engine
     from raypack.train.loop import global_count
     from raypack.train.loss import make_loss
     from raypack.train.stepvalues import HostCounts
@@ -90,7 +90,7 @@ def dpo_loop(config):
         stage, _, _, extra = CASES[case]
         cfg = TrainConfig(num_workers=2, zero_stage=stage, grad_accum=2, grad_clip=0.0, warmup_steps=0,
                           deepspeed_preset=config["preset"])
-        engine, _ = setup_engine(build(case), cfg, dtype=torch.float32, world_size=2, total_steps=1)
+        engine = setup_engine(build(case), cfg, dtype=torch.float32, world_size=2, total_steps=1)
         base = make_loss(engine, "chunked", chunk_tokens=7)
         if extra.get("lora"):  # the reference on the fly: the base with the adapters off
             loss = DPOLoss(base, DPO, global_count, adapters_off=engine.module.disable_adapter)

@@ -58,7 +58,7 @@ def loop(config):
     import ray.train
 
     from raypack.model.build import load_model
-    from raypack.train.engine import setup_engine
+    from raypack.train.engines.deepspeed import setup_engine
     from raypack.train.loop import forward_backward, global_count
     from raypack.train.loss import make_loss
     from raypack.train.prefetch import prepare_step
@@ -69,7 +69,7 @@ def loop(config):
         rows, images, processor = pickle.load(f)
     torch.manual_seed(0)
     model = load_model("tiny-qwen2_5_vl", attention="auto", dtype="float32")
-    engine, _ = setup_engine(model, _train_config(), dtype=torch.float32, world_size=2, total_steps=STEPS)
+    engine = setup_engine(model, _train_config(), dtype=torch.float32, world_size=2, total_steps=STEPS)
     loss_fn = make_loss(engine, "chunked")
     collate = functools.partial(prepare_step, collate=VisionRows(engine.module, images, processor))
     losses = []
@@ -110,7 +110,7 @@ def dpo_step(config, stage: int) -> dict:
     from raypack.config import TrainConfig
     from raypack.train.dpo import DPOLoss
     from raypack.train.dpo_reference import rows_logps
-    from raypack.train.engine import setup_engine
+    from raypack.train.engines.deepspeed import setup_engine
     from raypack.train.loop import global_count
     from raypack.train.loss import make_loss
     from raypack.train.stepvalues import HostCounts
@@ -121,7 +121,7 @@ def dpo_step(config, stage: int) -> dict:
         rows, images, processor, reference = pickle.load(f)
     cfg = TrainConfig(num_workers=2, zero_stage=stage, grad_accum=2, grad_clip=0.0, warmup_steps=0,
                       deepspeed_preset=config["preset"])  # fmt: skip
-    engine, _ = setup_engine(_dpo_policy("auto"), cfg, dtype=torch.float32, world_size=2, total_steps=1)
+    engine = setup_engine(_dpo_policy("auto"), cfg, dtype=torch.float32, world_size=2, total_steps=1)
     collate = VisionRows(engine.module, images, processor)
     loss = DPOLoss(make_loss(engine, "chunked", chunk_tokens=7), DPO, global_count, reference=reference,
                    collate=collate)  # fmt: skip
@@ -162,7 +162,7 @@ def test_packed_vlm_steps_equal_pad_one_example_a_micro_batch_on_two_ranks(ray_l
 
     from raypack.data.vision_collate import collate_vision_padded
     from raypack.model.build import load_model
-    from raypack.train.engine import make_optimizer
+    from raypack.train.engines.optim import make_optimizer
     from raypack.train.loss import token_loss_sum
     from raypack.train.vision_rows import VisionRows
 

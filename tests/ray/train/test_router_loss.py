@@ -53,7 +53,7 @@ def moe_loop(config):
     import ray.train
 
     from raypack.config import TrainConfig
-    from raypack.train.engine import setup_engine
+    from raypack.train.engines.deepspeed import setup_engine
     from raypack.train.loop import train_step
     from raypack.train.loss import make_loss
     from raypack.train.prefetch import prepare_step
@@ -65,7 +65,7 @@ def moe_loop(config):
     for stage, packed in CASES:
         cfg = TrainConfig(num_workers=2, zero_stage=stage, grad_accum=2 if packed else 3, grad_clip=0.0,
                           warmup_steps=0, lr=1e-2, deepspeed_preset=config["preset"], router_aux_loss_coef=COEF)
-        engine, _ = setup_engine(build_model(), cfg, dtype=torch.float32, world_size=2, total_steps=len(STEPS))
+        engine = setup_engine(build_model(), cfg, dtype=torch.float32, world_size=2, total_steps=len(STEPS))
         loss = make_loss(engine, "chunked", chunk_tokens=7)
         router = make_router_loss(engine.module, cfg, "tiny-qwen3_moe")
         counts = HostCounts.open(2, engine.device)

@@ -52,7 +52,7 @@ def loop(config):
 
     from raypack.config import TrainConfig
     from raypack.model.ulysses import sequence_parallel
-    from raypack.train.engine import setup_engine
+    from raypack.train.engines.deepspeed import setup_engine
     from raypack.train.loop import forward_backward, global_count
     from raypack.train.loss import make_loss
     from raypack.train.prefetch import prepare_step
@@ -64,7 +64,7 @@ def loop(config):
     for case in config["cases"]:
         cfg = TrainConfig(num_workers=4, sequence_parallel=2, zero_stage=CASES[case][0], grad_accum=2, grad_clip=0.0,
                           warmup_steps=0, deepspeed_preset=config["preset"])
-        engine, _ = setup_engine(build(case), cfg, dtype=torch.float32, world_size=4, total_steps=1)
+        engine = setup_engine(build(case), cfg, dtype=torch.float32, world_size=4, total_steps=1)
         loss_fn = make_loss(engine, "chunked", chunk_tokens=7)
         probe_split(engine, group, loss_fn)
         # the group's first rank reads its data rank's rows; the shards are scattered to the others

@@ -4,7 +4,9 @@
   took cover every training example exactly once;
 - a run stopped early resumes (same name) and finishes, with metrics, TensorBoard events and a
   Hugging Face model and its tokenizer in the final checkpoint;
-- bad input found in a worker (an InputError) ends the run at once: it is not retried.
+- bad input found in a worker (an InputError) ends the run at once: it is not retried;
+- a mixture of three sources trains, through a resume, exactly what its weights drew; another
+  weight on the same run is refused.
 """
 
 from __future__ import annotations
@@ -362,3 +364,62 @@ def test_a_request_the_local_instance_can_never_meet_fails_in_seconds(ray_local,
         trainer.start(cfg)
     assert time.perf_counter() - t0 < 60, "preflight and the check took more than a minute"
     assert not Path(run_dir(cfg)).exists()
+
+
+def test_a_mixture_trains_each_draw_once_resumes_and_a_changed_weight_is_another_run(ray_local, tmp_path, capsys):
+    """Three sources in three formats, weighted 0.5 / 0.3 / 0.2: a run stopped at step 3 and
+    resumed trains exactly the draw, every drawn example as often as it was drawn (the chats,
+    fewer than their share, two or three times each), none of the eval examples, each step once;
+    the same run with another weight is refused before Ray starts, as another mixture."""
+    from collections import Counter
+
+    from raypack.config import ASSETS
+    from raypack.data.shards import iter_rank_packs
+    from raypack.data.sources import locate
+    from raypack.errors import ConfigError
+    from raypack.runs import run_dir, saved_config
+
+    paths = []
+    for name, rows in (("chat", 8), ("instruction", 14), ("completion", 14)):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join((ASSETS / "sample" / f"{name}.jsonl").read_text().splitlines(keepends=True)[:rows]))
+        paths.append(str(path))
+    weights = (0.5, 0.3, 0.2)
+
+    def mixture(*w):
+        return "data.sources=[" + ", ".join(f"{{paths: [{p}], weight: {x}}}" for p, x in zip(paths, w)) + "]"
+
+    name = f"mix-{uuid.uuid4().hex[:6]}"
+    cfg = tiny_cfg(tmp_path, "data.paths=[]", mixture(*weights), "data.eval_fraction=0.2", "pack.budget=512",
+                   "train.max_steps=3", name=name)
+    first = trainer.start(cfg).result
+    assert first.metrics["step"] == 3
+    resumed = trainer.start(saved_config(run_dir(cfg), ["train.max_steps=null"]), resume=True).result
+    assert resumed.error is None and np.isfinite(resumed.metrics["eval_loss"])
+    # each source's own eval loss beside the whole's, which is their label-token-weighted mean
+    # (the draw holds out 4 chats, no instruction and 3 completions at this seed)
+    assert "eval_instruction_loss" not in resumed.metrics
+    per = [resumed.metrics[f"eval_{n}_loss"] for n in ("chat", "completion")]
+    assert all(np.isfinite(per)) and min(per) <= resumed.metrics["eval_loss"] <= max(per), per
+
+    out = capsys.readouterr().out  # each start says what each source gives, the resume from the packed data's record
+    assert out.count("[raypack] mixture of 3 sources: ") == 2 and out.count("[raypack]   chat         weight 0.5, ") == 2
+    ids, steps = trained_ids(Path(resumed.checkpoint.path))
+    assert steps == [list(range(1, resumed.metrics["step"] + 1))] * 2  # each step once, through the resume
+    packed = Path(run_dir(cfg)) / "packed"
+    drawn = Counter(i for r in range(2) for row in iter_rank_packs(str(packed / "train"), r) for i in row["example_ids"])
+    held = {i for r in range(2) for row in iter_rank_packs(str(packed / "eval"), r) for i in row["example_ids"]}
+    trained = Counter(ids)
+    assert trained == drawn and not held & set(trained)
+    per_source = [Counter({i: n for i, n in trained.items() if locate(i)[0] == k}) for k in range(3)]
+    total = sum(trained.values())
+    for k, (w, counts) in enumerate(zip(weights, per_source)):
+        assert abs(sum(counts.values()) - w * total) < 1, (k, sum(counts.values()), total)
+        assert max(counts.values()) - min(counts.values()) <= 1  # repeats spread evenly
+    assert max(per_source[0].values()) >= 2 and max(per_source[2].values()) == 1  # chats repeated, completions not
+
+    with pytest.raises(ConfigError, match=r"was started with another mixture \(data.sources\[1\].weight: 0.3 there, "
+                                          r"0.4 here\): a changed weight or source draws other examples, so it is a "
+                                          r"different run"):
+        trainer.start(tiny_cfg(tmp_path, "data.paths=[]", mixture(0.5, 0.4, 0.2), "data.eval_fraction=0.2",
+                               "pack.budget=512", "train.max_steps=3", name=name))

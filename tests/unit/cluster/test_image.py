@@ -208,7 +208,7 @@ def test_presets_ship_in_the_wheel_and_load_from_it(tmp_path):
     # Import raypack from the unpacked wheel only (cwd and path away from the source tree).
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
-    code = ("import json, raypack.train.engine as e; assert str(e.PRESETS).startswith(%r), e.PRESETS; "
+    code = ("import json, raypack.train.engines.presets as e; assert str(e.PRESETS).startswith(%r), e.PRESETS; "
             "print(json.dumps(e.load_preset('zero3')))" % str(site))
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                             env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp")})

@@ -448,3 +448,52 @@ def test_a_run_folder_another_command_holds(tmp_path, capsys, no_ray, command):
         assert sorted(p.name for p in root.iterdir()) == before
     finally:
         let_go(proc)
+
+
+INSTRUCTION = {"instruction": "add 2 and 2", "output": "4"}
+
+
+def sources(*items: tuple[str, str]) -> str:
+    """A data.sources override: each item (path, the rest of its mapping in YAML flow)."""
+    return "data.sources=[" + ", ".join(f"{{paths: [{p}]{', ' + rest if rest else ''}}}" for p, rest in items) + "]"
+
+
+@pytest.mark.parametrize("case", ["unknown field", "weight 0", "a weight on one source only", "share under one example",
+                                  "format not told", "missing path"])
+def test_a_bad_source_of_a_mixture_is_named_by_index_and_paths(tmp_path, capsys, no_ray, case):
+    chat = jsonl(tmp_path / "chat.jsonl", *[GOOD] * 50)
+    inst = jsonl(tmp_path / "inst.jsonl", *[INSTRUCTION] * 5)
+    where = f"data.sources[1] (paths: {inst})"
+    override, expected = {
+        "unknown field": (sources((chat, "weight: 1"), (inst, "wieght: 1")),
+                          f"data.sources[1].wieght: unknown key; did you mean data.sources[1].weight?"),
+        "weight 0": (sources((chat, "weight: 1"), (inst, "weight: 0")),
+                     f"{where}: weight: expected a number > 0 (a share of the epoch), got 0.0"),
+        "a weight on one source only": (sources((chat, "weight: 1"), (inst, "")),
+                                        f"{where}: weight: expected a weight on every source or on none"),
+        # 55 rows at most, of which 1 / 1001 is 0.055 of an example: too few whatever eval and tokenize leave
+        "share under one example": (sources((chat, "weight: 1000"), (inst, "weight: 1")),
+                                    f"{where}: weight 1 of 1001 names at most 0.055 of the at most 55 examples of an "
+                                    "epoch (data.examples_per_epoch=sum), less than one; raise its weight"),
+        "format not told": (sources((chat, ""), (jsonl(tmp_path / "odd.jsonl", {"question": "2+2?", "answer": "4"}), "")),
+                            f"data.sources[1] (paths: {tmp_path / 'odd.jsonl'}): {tmp_path / 'odd.jsonl'}: can't tell "
+                            "the format from the fields ['answer', 'question']"),
+        "missing path": (sources((chat, ""), (tmp_path / "typo.jsonl", "")),
+                         f"data.sources[1] (paths: {tmp_path / 'typo.jsonl'}): {tmp_path / 'typo.jsonl'}: no such file "
+                         "or folder"),
+    }[case]
+    err = train(tmp_path, capsys, override)
+    assert expected in err, err
+    if case == "format not told":
+        assert err.endswith("or set data.sources[1].format or its columns\n")
+
+
+def test_the_same_mixture_fixed_passes(tmp_path, capsys, no_ray):
+    """Guard the guards: each source above, made right, gets past every check to the first Ray call."""
+    chat = jsonl(tmp_path / "chat.jsonl", *[GOOD] * 50)
+    inst = jsonl(tmp_path / "inst.jsonl", *[INSTRUCTION] * 5)
+    odd = jsonl(tmp_path / "odd.jsonl", {"question": "2+2?", "answer": "4"})
+    fixed = sources((chat, "weight: 20"), (inst, "weight: 1"),
+                    (odd, "weight: 1, columns: {prompt: question, completion: answer}"))
+    with pytest.raises(AssertionError, match="Ray was started"):
+        main(["train", f"run.storage_path={tmp_path}", fixed])

@@ -58,3 +58,12 @@ def test_unknown_key_in_a_run_points_to_the_reference(capsys):
     assert main(["config", "pack.budgt=3"]) == 2
     err = capsys.readouterr().err
     assert "did you mean pack.budget?" in err and "`raypack config pack` lists them" in err
+
+
+def test_a_list_of_sections_lists_its_items_fields_and_each_items_value(capsys):
+    assert main(["config", "data.sources"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("data.sources: a list of mappings\n  default: []\n") and "  each item (defaults):\n" in out
+    assert "  data.sources.weight   null " in out and "  data.sources.columns  {} " in out
+    assert main(["config", "--config", str(REPO / "jobs/configs/mixture.yaml"), "data.sources.weight"]) == 0
+    assert "  value:   [0.5, 0.3, 0.2] (from " in capsys.readouterr().out

@@ -6,9 +6,10 @@ import dataclasses
 
 import pytest
 
-from raypack.config import ASSETS, Config, TrainConfig
+from raypack.config import ASSETS, Config, SourceConfig, TrainConfig
 from raypack.config.reference import field_docstrings, lookup, reference
 from raypack.errors import ConfigError
+from raypack.typed import plain
 
 
 def _all_fields(cls: type, prefix: str = "") -> list[str]:
@@ -17,6 +18,8 @@ def _all_fields(cls: type, prefix: str = "") -> list[str]:
         out.append(prefix + f.name)
         if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
             out += _all_fields(f.default_factory, f"{prefix}{f.name}.")
+        elif f.name == "sources":  # a list of sections: its items' fields are listed under it
+            out += _all_fields(SourceConfig, f"{prefix}{f.name}.")
     return out
 
 
@@ -28,6 +31,8 @@ def test_reference_lists_every_field_of_every_section_with_its_default():
         if e.section:
             continue
         node = defaults
+        if e.path.startswith("data.sources."):  # an item's field: its default in an item
+            node = {"data": {"sources": plain(SourceConfig())}}
         for part in e.path.split("."):
             node = node[part]
         if e.path in ("data.paths", "tokenize.tokenizer"):  # shown as a config names the bundled assets

@@ -60,3 +60,22 @@ def test_the_image_pixel_limit_keys_the_data_only_when_it_is_not_the_default():
     assert tokenized_key(load(None, ["data.max_image_pixels=178956970"])) == tokenized_key(load(None))
     assert tokenized_key(load(None, ["data.max_image_pixels=1000"])) != tokenized_key(load(None))
     assert tokenized_key(load(None, ["data.max_image_pixels=null"])) != tokenized_key(load(None))
+
+
+def test_a_mixtures_weights_shape_the_packed_key_and_its_sources_the_tokenized_key():
+    """A changed weight, name or epoch size draws other examples from the same tokens: the same
+    tokenized entry, another packed one (a different run); a source's paths, format or column
+    names shape the tokens themselves."""
+    from raypack.config import load
+    from raypack.data.cache import packed_key, tokenized_key
+
+    def mix(second: str = '{paths: [b.jsonl], weight: 1}', *more: str):
+        return load(None, [f"data.sources=[{{paths: [a.jsonl], weight: 2}}, {second}]", *more])
+
+    base = mix()
+    for other in (mix('{paths: [b.jsonl], weight: 1.5}'), mix('{paths: [b.jsonl], weight: 1, name: bee}'),
+                  mix('{paths: [b.jsonl], weight: 1}', "data.examples_per_epoch=all_exhausted")):
+        assert tokenized_key(other) == tokenized_key(base) and packed_key(other, 2) != packed_key(base, 2)
+    for other in (mix('{paths: [c.jsonl], weight: 1}'), mix('{paths: [b.jsonl], weight: 1, format: completion}'),
+                  mix('{paths: [b.jsonl], weight: 1, columns: {prompt: q}}')):
+        assert tokenized_key(other) != tokenized_key(base)

@@ -160,7 +160,7 @@ def test_tokenized_rows_column_wise_match_the_per_row_path(monkeypatch, overleng
     slow = enc.encode_table(table)
     assert kept_rows(fast).equals(kept_rows(slow))
     got, want = counts(fast), counts(slow)
-    for key in ("lengths", "ids"):
+    for key in ("lengths", "ids", "label_counts"):
         assert got.pop(key).tolist() == want.pop(key).tolist()
     assert got == want
     assert fast.num_rows == slow.num_rows or overlength == "split"
@@ -220,7 +220,7 @@ def test_call_drops_internal_columns_and_reports_counts():
     enc = Encoder(TOK, None, "auto", "drop", 32, report=lambda key, c: seen.update({key: c}))
     recs = [{"prompt": "a " * n, "completion": "b " * n} for n in (3, 40, 5)]
     out = enc(batch(recs, "completion"))
-    assert out.schema.names == ["example_id", "input_ids", "labels", "length", "images", "image_grid_thw"]
+    assert out.schema.names == ["example_id", "input_ids", "labels", "length", "label_tokens", "images", "image_grid_thw"]
     assert out.num_rows == 2 and out["images"].null_count == 2  # text rows: no images
     ((key, c),) = seen.items()
     assert key == (0, 3) and c["dropped"] == 1 and c["lengths"].tolist() == out["length"].to_pylist()

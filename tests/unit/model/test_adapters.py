@@ -108,13 +108,13 @@ def test_expected_digests_are_each_ranks_slice_without_padding(monkeypatch):
     (That these are DeepSpeed's own partitions is checked on a real ZeRO-3 run, tests/ray/commands/test_export.py.)"""
     model = apply_adapters(tiny(), LORA)
     whole = frozen_digest(model)
-    assert expected_digests(model, 2, zero3=False) == [whole, whole]
-    assert expected_digests(model, 1, zero3=True) == [whole]
+    assert expected_digests(model, 2, "replicated") == [whole, whole]
+    assert expected_digests(model, 1, "zero3") == [whole]
     frozen = [p for _, p in sorted(model.named_parameters(), key=lambda i: i[0]) if not p.requires_grad]
-    halves = expected_digests(model, 2, zero3=True)
+    halves = expected_digests(model, 2, "zero3")
     assert halves == [tensor_digest(p.data.reshape(-1).chunk(2)[r] for p in frozen) for r in (0, 1)]
     assert any(p.numel() == 64 for p in frozen)  # a norm: 22 weights a rank of 3, the last one's padded by 2
-    thirds = expected_digests(model, 3, zero3=True)
+    thirds = expected_digests(model, 3, "zero3")
     # Rank 2 as ZeRO-3 holds it: its slices, the last ones padded with whatever was in memory.
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 2)

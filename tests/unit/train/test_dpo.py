@@ -51,7 +51,7 @@ class OneRankEngine:
     def step(self) -> None:
         pass
 
-    def get_global_grad_norm(self):
+    def grad_norm(self):
         return None
 
 
@@ -210,8 +210,10 @@ def test_family_packed_dpo_equals_each_pair_alone(family):
     errors = grad_errors(model, {n: p.grad for n, p in alone.named_parameters() if p.grad is not None})
     # A gated delta rule's A_log gradient sums every token's decay with cancellation and amplifies
     # rounding (tests/families.py, qwen3_5_moe): two unpacked runs that differ only in rounding differ
-    # in it by 3.5e-5, so it gets that bound; every other gradient keeps the family's.
-    bound = {n: max(TOLERANCE, FAMILIES[family].tolerance, 5e-5 if n.endswith("A_log") else 0.0) for n in errors}
+    # in it by 3.5e-5, so it gets that bound; dt_bias enters the same decay (softplus(a + dt_bias))
+    # and sums the same way (2.7e-5 seen on this machine's CPU). Every other gradient keeps the family's.
+    decay = ("A_log", "dt_bias")
+    bound = {n: max(TOLERANCE, FAMILIES[family].tolerance, 5e-5 if n.endswith(decay) else 0.0) for n in errors}
     worst = max(errors, key=lambda n: errors[n] / bound[n])
     assert errors[worst] < bound[worst], f"{family}: {worst} off by {errors[worst]:.2e}"
 

@@ -35,7 +35,7 @@ class RecordingEngine:
     def step(self):
         self.calls.append("step")
 
-    def get_global_grad_norm(self):
+    def grad_norm(self):
         return torch.tensor(0.5)
 
 

@@ -195,13 +195,13 @@ def test_weights_and_optimizer_state_are_what_deepspeed_holds(precision, one_ran
     Kahan's compensation in bf16)."""
     import torch
 
-    from raypack.train.engine import setup_engine
+    from raypack.train.engines.deepspeed import setup_engine
 
     c = load(None, ["train.num_workers=1", "train.zero_stage=2", f"train.precision={precision}", "model.dtype=bfloat16",
                     "model.gradient_checkpointing=none"])  # activations aside: weights and optimizer state here
     arch = Arch.from_config(model_config("tiny-llama"))
     model = load_model("tiny-llama", dtype="bfloat16")
-    engine, _ = setup_engine(model, c.train, dtype=torch.bfloat16, world_size=1, total_steps=1)
+    engine = setup_engine(model, c.train, dtype=torch.bfloat16, world_size=1, total_steps=1)
     ids = torch.randint(0, arch.vocab, (1, 16))
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()

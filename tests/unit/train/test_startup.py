@@ -18,15 +18,15 @@ from raypack.train.startup import TOTAL, Startup, describe, process_start
 def test_phases_run_between_their_marks_and_the_total_from_the_process_start():
     marks = {"process": 100.0, "start": 103.0, "preflight": 104.0, "ray": 110.0, "prepare": 110.0, "data": 130.0,
              "fit": 130.5, "worker": 150.0, "imports": 158.0, "received": 158.0, "model": 159.0,
-             "deepspeed": 163.0, "setup": 164.0, "first_step": 166.0}
+             "engine": 163.0, "setup": 164.0, "first_step": 166.0}
     phases = Startup(marks).phases()
     assert list(phases) == ["python and imports", "preflight", "Ray start", "data preparation", "worker group",
-                            "worker imports", "waiting for data", "model load", "DeepSpeed init", "worker setup",
+                            "worker imports", "waiting for data", "model load", "engine init", "worker setup",
                             "first step", TOTAL]
     assert phases["data preparation"] == 20.0 and phases["worker group"] == 19.5 and phases[TOTAL] == 66.0
     assert describe(phases).startswith("66.0 s to the first step: python and imports 3.0, preflight 1.0,")
     # a worker that has no driver marks (a test's loop) reports what it has, and no total
-    assert Startup({"deepspeed": 1.0, "setup": 3.0}).phases() == {"worker setup": 2.0}
+    assert Startup({"engine": 1.0, "setup": 3.0}).phases() == {"worker setup": 2.0}
     with pytest.raises(ValueError, match="unknown start-up mark 'tokenize'"):
         Startup().mark("tokenize")
 
@@ -46,7 +46,7 @@ def test_deepspeeds_shm_all_reduce_is_not_built(monkeypatch):
 
     ds_torch = importlib.import_module("deepspeed.comm.torch")  # DeepSpeed's backend module, not torch
 
-    from raypack.train.engine import skip_shm_build
+    from raypack.train.engines.deepspeed import skip_shm_build
 
     built = []
     monkeypatch.setattr(ds_torch.get_accelerator().create_op_builder("ShareMemCommBuilder").__class__, "load",
@@ -64,7 +64,7 @@ dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=
 from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
 from raypack.config import TrainConfig
 from raypack.model.build import load_model
-from raypack.train.engine import setup_engine
+from raypack.train.engines.deepspeed import setup_engine
 setup_engine(load_model("tiny-llama"), TrainConfig(num_workers=1, zero_stage=2), dtype=torch.float32, world_size=1,
              total_steps=1)
 from deepspeed.runtime.zero.muon import original_muon
@@ -88,7 +88,7 @@ def test_deepspeed_init_imports_no_inductor():
 def test_muon_functions_compile_on_their_first_call(monkeypatch):
     import torch
 
-    from raypack.train.engine import _compile_on_first_call
+    from raypack.train.engines.deepspeed import _compile_on_first_call
 
     compiled = []
     monkeypatch.setattr(torch, "compile", lambda fn: compiled.append(fn) or (lambda x: fn(x) + 1))

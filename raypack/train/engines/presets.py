@@ -1,6 +1,6 @@
 """DeepSpeed JSON presets: found by name in the package (raypack/configs/deepspeed/) or by path.
 
-Kept apart from engine.py, which imports DeepSpeed: the memory estimate (`raypack plan`,
+Kept apart from deepspeed.py, which imports DeepSpeed: the memory estimate (`raypack plan`,
 cluster/memory.py) reads the presets' bucket sizes without the training stack's imports.
 """
 
@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-PRESETS = Path(__file__).resolve().parents[1] / "configs" / "deepspeed"
+PRESETS = Path(__file__).resolve().parents[2] / "configs" / "deepspeed"
 """The shipped presets, inside the package: found wherever raypack is installed."""
 
 

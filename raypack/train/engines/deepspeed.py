@@ -1,4 +1,4 @@
-"""DeepSpeed config and engine: one place where the JSON presets meet the typed config.
+"""The DeepSpeed engine (train.engine: deepspeed): ZeRO 0-3, where the JSON presets meet the typed config.
 
 A lean step: every DeepSpeed setting that costs time and buys nothing is off (read in DeepSpeed
 0.19.8's engine.py, utils/timer.py and runtime/zero/stage_1_and_2.py):
@@ -24,12 +24,13 @@ uses, each seconds before the first step: the JIT build of a shared-memory all-r
 (`skip_shm_build`), and the Inductor import that its Muon module's `torch.compile` decorators bring
 (`import_muon_uncompiled`).
 
-Precision (`train.precision`): `mixed` keeps fp32 master weights and Adam moments; `bf16` asks
-DeepSpeed for bf16 master weights, gradients and moments (`bf16_master_weights_and_grads`,
-`bf16_optimizer_states`) and passes torch-optimi's AdamW with Kahan summation: each parameter's
-compensation buffer (bf16) keeps the part of an update that rounding to bf16 lost, so a run of
-updates below half an ulp still moves the weight, where plain bf16 AdamW (TRL on a bf16 model)
-drops them.
+Precision (`train.precision`): `mixed` keeps fp32 master weights and Adam moments beside the
+model's bf16 weights; `bf16` asks DeepSpeed for bf16 master weights, gradients and moments
+(`bf16_master_weights_and_grads`, `bf16_optimizer_states`) and passes torch-optimi's AdamW with
+Kahan summation (raypack/train/engines/optim.py).
+
+Checkpoints: DeepSpeed's own `save_checkpoint` under the tag `ds` (its model and ZeRO partition
+files, one set per rank), read back offline by its `zero_to_fp32` (`read_offline`).
 
 A preset under raypack/configs/deepspeed/ holds what a cluster operator tunes (bucket sizes, overlap,
 offload devices). The typed `TrainConfig` then overwrites every key it owns, so no value is left
@@ -40,23 +41,26 @@ cluster image).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import math
+import io
+import os
 import types
+from pathlib import Path
 from typing import Any
 
 import deepspeed
 import torch
 
 from raypack.config import TrainConfig
+from raypack.errors import InputError
 from raypack.model.build import resolve_dtype
-from raypack.train.presets import PRESETS, find_auto, load_preset
+from raypack.train.engines.base import Engine, SavedWeights, param_groups
+from raypack.train.engines.optim import BETAS, EPS, make_optimizer, schedule
+from raypack.train.engines.presets import find_auto, load_preset
 
-__all__ = ["PRESETS", "clip_without_reading", "deepspeed_config", "import_muon_uncompiled", "load_preset", "lr_lambda",
-           "make_optimizer", "model_dtype", "setup_engine", "skip_shm_build"]
-
-BETAS = (0.9, 0.95)
-EPS = 1e-8
+__all__ = ["DeepSpeedEngine", "building", "clip_without_reading", "deepspeed_config", "import_muon_uncompiled",
+           "model_dtype", "read_offline", "setup_engine", "skip_shm_build"]
 
 
 def deepspeed_config(cfg: TrainConfig, *, dtype: torch.dtype, world_size: int) -> dict[str, Any]:
@@ -109,28 +113,6 @@ def deepspeed_config(cfg: TrainConfig, *, dtype: torch.dtype, world_size: int) -
 def model_dtype(cfg: TrainConfig, dtype: str) -> torch.dtype:
     """The weights' dtype: model.dtype's, or bf16 for train.precision bf16 (the config refuses another)."""
     return torch.bfloat16 if cfg.precision == "bf16" else resolve_dtype(dtype)
-
-
-def make_optimizer(groups: list[dict[str, Any]], cfg: TrainConfig) -> torch.optim.Optimizer:
-    """raypack's AdamW for `groups`: torch's (fused on CUDA), or torch-optimi's with Kahan summation
-    for train.precision bf16 (DeepSpeed hands it its bf16 master partitions)."""
-    if cfg.precision == "bf16":
-        import optimi
-
-        # foreach on the CPU; its Triton kernel where CUDA and Triton are (optimi's own choice)
-        return optimi.AdamW(groups, lr=cfg.lr, betas=BETAS, eps=EPS, weight_decay=cfg.weight_decay, kahan_sum=True,
-                            triton=None if torch.cuda.is_available() else False)
-    # weight_decay: a group that doesn't say takes the config's, not torch's own default of 0.01
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=BETAS, eps=EPS, weight_decay=cfg.weight_decay,
-                             fused=torch.cuda.is_available())
-
-
-def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warmup to 1, then cosine decay to `min_ratio` at `total` optimizer steps."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 SHM_OP = "deepspeed_shm_comm"
@@ -192,23 +174,16 @@ def _compile_on_first_call(fn):
     return call
 
 
-def setup_engine(model: torch.nn.Module, cfg: TrainConfig, *, dtype: torch.dtype, world_size: int, total_steps: int):
-    """`deepspeed.initialize` with raypack's optimizer and schedule. Returns (engine, scheduler)."""
+def setup_engine(model: torch.nn.Module, cfg: TrainConfig, *, dtype: torch.dtype, world_size: int,
+                 total_steps: int) -> DeepSpeedEngine:
+    """`deepspeed.initialize` with raypack's optimizer and schedule, behind the engine seam."""
     skip_shm_build()
     import_muon_uncompiled()
     ds_config = deepspeed_config(cfg, dtype=dtype, world_size=world_size)
     optimizer = None
     if "optimizer" not in ds_config:
         # A torch optimizer avoids DeepSpeed's JIT Adam builds (85-105 s each on 2 cores).
-        decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim < 2]
-        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        optimizer = make_optimizer(groups, cfg)
-
-    def schedule(opt):
-        return torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda step: lr_lambda(step, warmup=cfg.warmup_steps, total=total_steps, min_ratio=cfg.min_lr_ratio)
-        )
+        optimizer = make_optimizer(param_groups(model, cfg.weight_decay), cfg)
 
     # The schedule is built on DeepSpeed's wrapped optimizer and stepped by engine.step() at each
     # accumulation boundary; save/load_checkpoint carry its state.
@@ -216,11 +191,115 @@ def setup_engine(model: torch.nn.Module, cfg: TrainConfig, *, dtype: torch.dtype
         model=model,
         optimizer=optimizer,
         model_parameters=None if optimizer is not None else [p for p in model.parameters() if p.requires_grad],
-        lr_scheduler=schedule,
+        lr_scheduler=lambda opt: schedule(opt, cfg, total_steps),
         config=ds_config,
     )
     clip_without_reading(engine.optimizer)
-    return engine, scheduler
+    return DeepSpeedEngine(engine, scheduler, dtype)
+
+
+class DeepSpeedEngine(Engine):
+    """DeepSpeed's engine behind the seam: its own calls, and its checkpoints under one fixed tag."""
+
+    name = "deepspeed"
+    tag = "ds"  # one fixed DeepSpeed tag: every Ray checkpoint folder holds exactly one
+
+    def __init__(self, ds, scheduler, compute_dtype: torch.dtype) -> None:
+        self.ds = ds
+        """DeepSpeed's own engine (tests read its optimizer's partitions)."""
+        self.module = ds.module
+        self.optimizer = ds.optimizer
+        """DeepSpeed's optimizer (ZeRO's wrapper around raypack's AdamW, or its own)."""
+        self.device = ds.device
+        self.scheduler = scheduler
+        self.compute_dtype = compute_dtype
+        self.zero_stage = ds.zero_optimization_stage()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.ds(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.ds.backward(loss)
+
+    def step(self) -> None:
+        self.ds.step()
+
+    def grad_norm(self):
+        return self.ds.get_global_grad_norm()
+
+    def train(self, mode: bool = True) -> None:
+        self.ds.train(mode)
+
+    def eval(self) -> None:
+        self.ds.eval()
+
+    def save(self, folder: Path, state: dict[str, Any], *, frozen: bool) -> None:
+        self.ds.save_checkpoint(str(folder), tag=self.tag, client_state={"train_state": state},
+                                exclude_frozen_parameters=frozen)
+
+    def load(self, folder: Path, *, frozen: bool) -> dict[str, Any]:
+        # With adapters the checkpoint leaves the frozen base weights out.
+        _, client = self.ds.load_checkpoint(str(folder), tag=self.tag, load_module_strict=not frozen)
+        return client["train_state"]
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        if self.zero_stage == 3:
+            return self.ds._zero3_consolidated_16bit_state_dict()
+        return self.module.state_dict()
+
+    def destroy(self) -> None:
+        self.ds.destroy()
+
+
+@contextlib.contextmanager
+def building(cfg: TrainConfig, *, dtype: torch.dtype, world_size: int):
+    """Where the model is built: under ZeRO-3, inside transformers' `HfDeepSpeedConfig`, so that
+    from_pretrained and from_config build it under `deepspeed.zero.Init` and each rank materializes
+    only its partition (8 x 140 GB for 70B otherwise)."""
+    if cfg.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations import HfDeepSpeedConfig
+
+    skip_shm_build()  # before DeepSpeed's backend starts
+    deepspeed.init_distributed()  # joins Ray Train's process group; the config checks world size
+    zero3 = HfDeepSpeedConfig(deepspeed_config(cfg, dtype=dtype, world_size=world_size))
+    try:
+        yield
+    finally:
+        del zero3
+
+
+def read_offline(folder: Path, adapters: bool) -> SavedWeights:
+    """The DeepSpeed state in folder/ds, its weights consolidated from every rank's shard by
+    DeepSpeed's own `zero_to_fp32`. `adapters`: the run trained adapters, so the frozen base
+    weights are not in it."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed warns, on import, that it found no GPU
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    ds = Path(folder) / DeepSpeedEngine.tag
+    # rank 0's model states: one file under ZeRO 0-2, one per rank under ZeRO-3
+    first = next((f for f in (ds / "mp_rank_00_model_states.pt", ds / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+                  if f.exists()), None)
+    if first is None:
+        raise InputError(f"{folder}: no DeepSpeed state in {DeepSpeedEngine.tag}/ (is it a raypack checkpoint, "
+                         "copied whole?)")
+    # mmap: under ZeRO 0-2 this file holds the whole module, of which only ZeRO-0 needs the tensors
+    saved = torch.load(first, map_location="cpu", mmap=True, weights_only=False)
+    ds_config = saved["ds_config"]
+    stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
+    dtype = (torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else
+             torch.float16 if ds_config.get("fp16", {}).get("enabled") else torch.float32)
+    if stage == 0:
+        # zero_to_fp32 reads ZeRO's partitioned optimizer state, which stage 0 doesn't write
+        weights = dict(saved["module"])
+    else:
+        # It prints every step and draws a progress bar; what it found is reported by the caller.
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            weights = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=DeepSpeedEngine.tag,
+                                                               exclude_frozen_parameters=adapters)
+    return SavedWeights(saved["train_state"], DeepSpeedEngine.name, stage, int(saved["dp_world_size"]), dtype, weights)
 
 
 def clip_without_reading(optimizer) -> bool:

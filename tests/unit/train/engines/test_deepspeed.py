@@ -11,7 +11,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from raypack.config import TrainConfig
-from raypack.train.engine import deepspeed_config, lr_lambda
+from raypack.train.engines.deepspeed import deepspeed_config
+from raypack.train.engines.optim import lr_lambda
 
 
 def test_typed_config_overlays_preset_and_leaves_no_auto():
@@ -59,7 +60,7 @@ def test_zero12_clipping_matches_deepspeeds_bit_for_bit_without_reading_the_devi
     same gradients come out of both, for a valid norm, inf, NaN and DeepSpeed's -1 sentinel."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from raypack.train.engine import _unscale_and_clip_grads
+    from raypack.train.engines.deepspeed import _unscale_and_clip_grads
 
     owner = types.SimpleNamespace(clip_grad=clip_grad, loss_scale=loss_scale, device=torch.device("cpu"))
     grads = [torch.randn(37, generator=torch.Generator().manual_seed(0)), [torch.randn(5), torch.randn(3)]]
@@ -110,7 +111,7 @@ def test_bf16_precisions_adamw_keeps_the_updates_rounding_drops():
     """1000 AdamW steps of 1e-4 on a bf16 weight of 1.0, where an ulp is 2^-7: each update is below
     half an ulp. torch's AdamW on bf16 weights (TRL on a bf16-loaded model) rounds every one away;
     raypack's (torch-optimi's, Kahan-summed) lands where fp32 weights do, within an ulp."""
-    from raypack.train.engine import make_optimizer
+    from raypack.train.engines.optim import make_optimizer
 
     def train(dtype, optimizer):
         w = torch.nn.Parameter(torch.ones(64, dtype=dtype))
@@ -136,7 +137,7 @@ def test_a_zero2_engine_clips_as_deepspeed_does(one_rank_group):
     to clip): its step's weights equal, bit for bit, those of the same engine with DeepSpeed's own
     clipping put back, and its gradient norm is the one DeepSpeed computed."""
     from raypack.model.build import load_model
-    from raypack.train.engine import setup_engine
+    from raypack.train.engines.deepspeed import setup_engine
 
     cfg = TrainConfig(num_workers=1, zero_stage=2, grad_clip=0.05, warmup_steps=0, lr=1e-2)
     ids = torch.randint(3, 256, (1, 24), generator=torch.Generator().manual_seed(0))
@@ -144,14 +145,14 @@ def test_a_zero2_engine_clips_as_deepspeed_does(one_rank_group):
     for clipping in ("raypack", "deepspeed"):
         torch.manual_seed(0)
         model = load_model("tiny-llama", dtype="bfloat16", vocab_size=256)
-        engine, _ = setup_engine(model, cfg, dtype=torch.bfloat16, world_size=1, total_steps=2)
+        engine = setup_engine(model, cfg, dtype=torch.bfloat16, world_size=1, total_steps=2)
         swapped = "unscale_and_clip_grads" in vars(engine.optimizer)
         assert swapped, "setup_engine left ZeRO-2's clipping as it was"
         if clipping == "deepspeed":
             del engine.optimizer.unscale_and_clip_grads
         engine.backward(engine(input_ids=ids, labels=ids).loss)
         engine.step()
-        norm = float(engine.get_global_grad_norm())
+        norm = float(engine.grad_norm())
         assert norm > cfg.grad_clip, "the step did not clip: the test shows nothing"
         after[clipping] = (norm, {n: p.detach().clone() for n, p in engine.module.named_parameters()})
         engine.destroy()
