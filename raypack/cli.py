@@ -30,6 +30,7 @@ import sys
 import traceback
 
 from raypack.config import blame, load
+from raypack.config.sections import MAX_IMAGE_PIXELS
 from raypack.errors import ConfigError, InputError
 
 
@@ -38,8 +39,16 @@ def _add_config(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=2e-5 pack.strategy=bfd")
 
 
+DESCRIPTION = ("Supervised fine-tuning of causal language models on packed sequences, exactly as unpacked (no "
+               "example sees another), on Ray: Ray Data tokenizes and packs, Ray Train with DeepSpeed trains, "
+               "Ray Tune sweeps.")
+"""What `raypack --help` says raypack is (the module doc is for readers of this file)."""
+EPILOG = ("Start with: raypack train --config jobs/configs/quickstart.yaml (make run). `raypack COMMAND --help` "
+          "for a command's arguments; `raypack config FIELD` for what a config field means.")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="raypack", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="raypack", description=DESCRIPTION, epilog=EPILOG)
     parser.add_argument("--debug", action="store_true", help="print the traceback of an error too")
     # Also accepted after the command; SUPPRESS keeps the subparser from resetting the flag.
     common = argparse.ArgumentParser(add_help=False)
@@ -91,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image", action="append", metavar="PATH",
                    help="an image (path, URI or base64) before the first message, for a vision-language model; "
                         "repeat for several")  # fmt: skip
+    p.add_argument("--max-image-pixels", type=int, default=MAX_IMAGE_PIXELS, metavar="N",
+                   help=f"most pixels an image may have, read from its header before it is decoded (default: "
+                        f"{MAX_IMAGE_PIXELS}, PIL's limit, as data.max_image_pixels)")  # fmt: skip
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest answer, in tokens (default: 256)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; 0 is greedy (default: 0.7)")
     return parser

@@ -80,6 +80,13 @@ def run_dir(cfg: Config) -> str:
     return f"{storage_path(cfg)}/{cfg.run.name}"
 
 
+def sweep_of(root: str) -> tuple[str, ...]:
+    """The sweep folder a trial's run folder `root` (<sweep>/runs/<trial>) lies in, if it does: (folder,), else ()."""
+    parent, _, _ = root.rpartition("/")
+    sweep, _, runs = parent.rpartition("/")
+    return (sweep,) if runs == "runs" and sweep and storage.exists(f"{sweep}/{SWEEP_CONFIG}") else ()
+
+
 def at(cfg: Config, folder: str) -> Config:
     """`cfg` with its run placed at `folder` (storage_path = its parent, name = its last part)."""
     parent, _, name = storage.absolute(folder).rpartition("/")

@@ -39,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
         with model_of(args.target) as target:
             folder = model_folder(target)
             say(f"loading {folder}")
-            chat = Chat.load(folder, max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+            chat = Chat.load(folder, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             max_image_pixels=args.max_image_pixels)
             images = list(args.image or ())
             chat.read_images(images)  # a bad --image is one line now, not after the first message
             if args.prompt is not None:

@@ -55,7 +55,7 @@ def _field(entry: FieldDoc, cfg: Config, source: str | None) -> str:
     if source and value != entry.default:
         lines.append(f"  value:   {_yaml(value)} (from {source})")
     if entry.allowed:
-        lines.append(f"  allowed: {', '.join(_yaml(v) for v in entry.allowed)}")
+        lines.append(f"  allowed: {', '.join([*(_yaml(v) for v in entry.allowed), *(f'or {o}' for o in entry.open)])}")
     lines.append("")
     lines += textwrap.wrap(entry.doc, WIDTH, initial_indent="  ", subsequent_indent="  ") or ["  (no docstring)"]
     if children := fields_of(entry.path):  # a list of sections: what each item holds

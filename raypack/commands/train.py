@@ -14,16 +14,24 @@ evicted, `ray job stop`, Slurm, `kill`) and Ctrl-C stop the workers after their 
 checkpoint, within train.stop_grace_s (raypack/train/stop.py); a second one, or one before
 training, stops at once. Either way the run keeps every checkpoint it registered and none it
 didn't, and the command prints one line saying how to go on and exits 128 + the signal (143, 130).
+
+One command at a time trains a run: it holds the run folder's lock (raypack/runlock.py) from
+before its inputs are checked until it ends, and a second `raypack train` on the same folder (or
+on a trial's folder while its sweep runs) is refused with one line naming the owner's host, pid
+and start; a lock a killed run left behind is taken over, with a line saying so.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import signal
 import sys
+from pathlib import Path
 
-from raypack import runs, storage
-from raypack.config import load
+from raypack import runlock, runs, storage
+from raypack.config import Config, load
 from raypack.errors import ConfigError
 from raypack.runs import SAVED_CONFIG, absolute_paths, check_rerun, run_dir, saved_config
 from raypack.train.startup import describe
@@ -42,6 +50,12 @@ def run(args: argparse.Namespace) -> int:
     cfg = saved_config(args.resume, args.overrides) if args.resume else load(args.config, args.overrides)
     root = run_dir(absolute_paths(cfg))
     fresh = not storage.exists(root)
+    # The run's folder is this command's until it ends: a second one on it is refused (raypack/runlock.py)
+    with runlock.hold(root, f"run {cfg.run.name!r}", "train", guards=runs.sweep_of(root)):
+        return train(args, cfg, root, fresh)
+
+
+def train(args: argparse.Namespace, cfg: Config, root: str, fresh: bool) -> int:
     try:
         outcome = start(cfg, resume=bool(args.resume), reprepare=args.reprepare)
     except KeyboardInterrupt as e:
@@ -67,7 +81,7 @@ def print_summary(outcome: Outcome) -> None:
         rows.append(("checkpoint", f"{outcome.checkpoint}  ({_holds(outcome.checkpoint)})"))
     tracking = outcome.tracking
     if tracking.tensorboard_dir:
-        rows.append(("tensorboard", f"tensorboard --logdir {tracking.tensorboard_dir}"))
+        rows.append(("tensorboard", tensorboard_command(tracking.tensorboard_dir)))
     if tracking.wandb and tracking.wandb["mode"] == "offline" and (offline := offline_runs(outcome.root)):
         # each start (a resume) writes its own segment of the one W&B run: sync them all
         shown = offline[0] if len(offline) == 1 else offline[0].parent / "offline-run-*"
@@ -78,6 +92,20 @@ def print_summary(outcome: Outcome) -> None:
     width = max(20, *(len(key) for key, _ in rows))  # DPO's eval_rewards/accuracies is 23 long
     for key, text in rows:
         print(f"  {key:<{width}} {text}")
+
+
+def tensorboard_command(logdir: str) -> str:
+    """What shows `logdir` from the user's shell: `tensorboard` where it is on PATH, else the one
+    installed beside this raypack's Python (`.venv/bin/tensorboard` after `make run`, whose venv
+    is not on PATH), else how to install it."""
+    beside = Path(sys.executable).parent / "tensorboard"  # not resolved: a venv's python is a link
+    if shutil.which("tensorboard"):
+        program = "tensorboard"
+    elif beside.is_file():
+        program = os.path.relpath(beside) if beside.absolute().is_relative_to(Path.cwd()) else str(beside)
+    else:
+        return f"pip install tensorboard, then: tensorboard --logdir {logdir}"
+    return f"{program} --logdir {logdir}"
 
 
 def _holds(checkpoint: str) -> str:

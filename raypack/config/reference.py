@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import inspect
 import textwrap
+import types
 import typing
 from dataclasses import dataclass
 from functools import cache
@@ -35,11 +36,14 @@ class FieldDoc:
     default: Any
     """The default as YAML writes it (plain data)."""
     allowed: tuple[Any, ...]
-    """The values a Literal field accepts; empty for open types."""
+    """The values a Literal field accepts (with true and false, and null, where its type also takes
+    a bool or None); empty for open types."""
     doc: str
     """The docstring under the field, dedented; empty if the field has none."""
     section: bool = False
     """A nested section (`model.peft`) rather than a value."""
+    open: tuple[str, ...] = ()
+    """What a Literal field also takes besides `allowed`, in words (`a number`): `Literal['auto'] | float`."""
 
 
 @cache
@@ -66,8 +70,13 @@ def _walk(cls: type, prefix: str) -> list[FieldDoc]:
             out.append(FieldDoc(path, "a section", None, (), docs.get(f.name, "") or _class_doc(hint), section=True))
             out += _walk(hint, f"{path}.")
             continue
-        allowed = _literal_values(hint)
-        out.append(FieldDoc(path, describe(hint), _portable(defaults[f.name]), allowed, docs.get(f.name, "")))
+        allowed, others = _literal_values(hint), ()
+        if allowed:  # a Literal among other types: those too (router_aux_loss_coef: 'auto' or a number)
+            args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else ()
+            allowed += (True, False) * (bool in args) + (None,) * (type(None) in args)
+            others = tuple(describe(a) for a in args if typing.get_origin(a) is not Literal and a not in (bool, type(None)))
+        out.append(FieldDoc(path, describe(hint), _portable(defaults[f.name]), allowed, docs.get(f.name, ""),
+                            open=others))
         item = typing.get_args(hint)[0] if typing.get_origin(hint) is tuple and typing.get_args(hint) else None
         if dataclasses.is_dataclass(item):  # a list of sections (data.sources): each item's fields
             out += _walk(item, f"{path}.")

@@ -15,6 +15,8 @@ ASSETS = Path(__file__).parents[1] / "assets"
 """Bundled tiny tokenizer and sample data: the embedded default needs nothing from a hub."""
 ASSETS_PREFIX = "raypack/assets/"
 """A config path that starts with this names a file under ASSETS, wherever raypack is installed."""
+MAX_IMAGE_PIXELS = 178_956_970
+"""data.max_image_pixels' default: PIL's limit, past which Image.open raises DecompressionBombError."""
 
 
 Format = Literal["auto", "chat", "instruction", "completion", "tokenized", "preference"]
@@ -80,6 +82,11 @@ class DataConfig:
     (prompt, chosen, rejected) train with `train.objective: dpo`."""
     on_bad_rows: Literal["error", "skip"] = "error"
     """`error` stops at the first bad row naming its file and line; `skip` counts and reports them."""
+    max_image_pixels: int | None = MAX_IMAGE_PIXELS
+    """Most pixels (width x height) an image of an image+text example may have, read from its
+    header before it is decoded: one over it is a bad row naming its file and line (skipped under
+    on_bad_rows: skip), not a decoded picture of gigabytes. The default is PIL's own limit (twice
+    its MAX_IMAGE_PIXELS: 13,377 x 13,377 a square); null: no limit."""
     max_dropped_fraction: float = 0.2
     """Largest share of the source rows that tokenize may drop (over-length under
     tokenize.overlength=drop, without a label token, bad rows skipped), or of their label tokens
@@ -120,6 +127,8 @@ class DataConfig:
             _check(len(self.paths) > 0, "data.paths", "at least one path", self.paths)
             _check(self.examples_per_epoch == "sum", "data.examples_per_epoch", "sum without weighted data.sources "
                    "(it shares an epoch out by the sources' weights)", self.examples_per_epoch)
+        _check(self.max_image_pixels is None or self.max_image_pixels > 0, "data.max_image_pixels",
+               "a positive int or null", self.max_image_pixels)
         _check(self.driver_max_mb >= 0, "data.driver_max_mb", "a float >= 0", self.driver_max_mb)
         _check(0.0 <= self.eval_fraction < 1.0, "data.eval_fraction", "a float in [0, 1)", self.eval_fraction)
         _check(self.eval_max_examples is None or self.eval_max_examples > 0, "data.eval_max_examples",

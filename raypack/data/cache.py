@@ -40,6 +40,7 @@ import pyarrow.dataset as pads
 
 from raypack import storage
 from raypack.config import Config
+from raypack.config.sections import MAX_IMAGE_PIXELS
 from raypack.data.fingerprint import changed_sources, recorded
 from raypack.data.listing import Sources, source_bytes
 from raypack.data.shards import Prepared
@@ -81,6 +82,10 @@ def tokenized_key(cfg: Config) -> str:
         data["sources"] = [{k: v for k, v in s.items() if k in ("paths", "format", "columns")} for s in data["sources"]]
     else:  # the one-source form keys as it did before data.sources existed
         del data["sources"]
+    # Which images are bad rows: a limit other than the default keys otherwise; the default keys as
+    # every config did before the field existed, so their cache entries and runs' packed data stand.
+    if cfg.data.max_image_pixels == MAX_IMAGE_PIXELS:
+        del data["max_image_pixels"]
     return _digest({"version": FORMAT_VERSION, "data": data, "tokenize": tokenize})
 
 

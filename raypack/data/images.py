@@ -11,8 +11,9 @@ Two layouts, the ones the field uses:
 
 An image is a path (relative to the data file's folder, or absolute), a URI (file://, s3://,
 gs://, ... through pyarrow's filesystems, as Ray Data reads), a `data:image/...;base64,` URI or
-bare base64. A missing or undecodable image, or placeholders that don't match the images,
-raise ImageError naming the file and line.
+bare base64. A missing or undecodable image, one of more pixels than `data.max_image_pixels`
+(read from its header, before anything is decoded: PIL's own limit, a traceback, is left out), or
+placeholders that don't match the images, raise ImageError naming the file and line.
 
 Tokenizing (`ImageTokenizer`): the chat template renders each image as one image token (the
 processor's `image_token`, Qwen's <|image_pad|> where it names none; a special token, so it never
@@ -36,15 +37,18 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import io
 import json
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from raypack.config.sections import MAX_IMAGE_PIXELS
 from raypack.data.formats import IGNORE_INDEX
 from raypack.data.image_layouts import MODEL_INPUTS, image_layout
 from raypack.errors import InputError
@@ -143,18 +147,45 @@ def read_image_bytes(source: str, base_dir: str | Path | None, where: str) -> by
         raise ImageError(f"{where}: image {short!r} can't be read: {e}") from None
 
 
-def decode_image(data: bytes, source: str, where: str):
-    """A PIL image in RGB from encoded bytes, or ImageError naming the example."""
+def decode_image(data: bytes, source: str, where: str, max_pixels: int | None = None,
+                 setting: str = "data.max_image_pixels"):
+    """A PIL image in RGB from encoded bytes, or ImageError naming the example. `max_pixels`: the
+    most pixels it may have (`setting` names where that is set), checked from its header before
+    anything is decoded; None: no limit (images the read already checked)."""
     from PIL import Image, UnidentifiedImageError
 
+    short = source if len(source) < 80 else source[:60] + "..."
     try:
-        with Image.open(io.BytesIO(data)) as im:
+        with _own_pixel_limit(Image):
+            im = Image.open(io.BytesIO(data))
+        with im:
+            width, height = im.size
+            if max_pixels is not None and width * height > max_pixels:
+                raise ImageError(f"{where}: image {short!r} is {width}x{height}, {width * height:,} pixels, over "
+                                 f"{setting} ({max_pixels:,}); make it smaller, or raise {setting}")
             im.load()
             return im.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError) as e:
-        short = source if len(source) < 80 else source[:60] + "..."
+    except ImageError:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
         why = f"{len(data)} bytes in no image format PIL reads" if isinstance(e, UnidentifiedImageError) else str(e)
         raise ImageError(f"{where}: image {short!r} is not a decodable image: {why}") from None
+
+
+_PIL_LIMIT = threading.Lock()
+
+
+@contextlib.contextmanager
+def _own_pixel_limit(Image):
+    """PIL's own limit (Image.MAX_IMAGE_PIXELS, a module global: a warning above it, an error
+    with a traceback above twice it) off while an image is opened: raypack's, checked from the
+    same header, names the file, the line and the setting."""
+    with _PIL_LIMIT:
+        saved, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+        try:
+            yield
+        finally:
+            Image.MAX_IMAGE_PIXELS = saved
 
 
 MESSAGE_KEYS = ("messages", "prompt", "chosen", "rejected")
@@ -173,13 +204,15 @@ def has_images(record: Any) -> bool:
                for key in MESSAGE_KEYS if isinstance(record.get(key), list) for m in record[key])  # fmt: skip
 
 
-def read_record(record: dict[str, Any], base_dir: str | None, where: str) -> dict[str, Any]:
+def read_record(record: dict[str, Any], base_dir: str | None, where: str,
+                max_pixels: int | None = MAX_IMAGE_PIXELS) -> dict[str, Any]:
     """A vision row for the source stage (raypack/data/sources.py), read where the text is read:
     its messages in parts (as JSON) and its images' encoded bytes, each checked to decode, so a
-    missing or undecodable image, or placeholders that don't match, is a bad row naming `where`."""
+    missing or undecodable image, one over `max_pixels` (data.max_image_pixels), or placeholders
+    that don't match, is a bad row naming `where`."""
     messages, sources = image_messages(record, where)
     check_roles(messages, where)
-    return {"vision_messages": json.dumps(messages), "images": read_images(sources, base_dir, where)}
+    return {"vision_messages": json.dumps(messages), "images": read_images(sources, base_dir, where, max_pixels)}
 
 
 def check_roles(messages: list[dict], where: str) -> None:
@@ -188,11 +221,13 @@ def check_roles(messages: list[dict], where: str) -> None:
             raise ImageError(f"{where}: unknown role {m['role']!r}; expected one of system, user, assistant")
 
 
-def read_images(sources: Sequence[str], base_dir: str | Path | None, where: str) -> list[bytes]:
-    """The encoded bytes of each image source, each checked to decode (ImageError naming `where`)."""
+def read_images(sources: Sequence[str], base_dir: str | Path | None, where: str,
+                max_pixels: int | None = MAX_IMAGE_PIXELS) -> list[bytes]:
+    """The encoded bytes of each image source, each checked to decode within `max_pixels`
+    (ImageError naming `where`)."""
     blobs = [read_image_bytes(s, base_dir, where) for s in sources]
     for blob, source in zip(blobs, sources):
-        decode_image(blob, source, where)
+        decode_image(blob, source, where, max_pixels)
     return blobs
 
 

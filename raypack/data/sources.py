@@ -41,6 +41,7 @@ import pyarrow.parquet as pq
 import ray
 
 from raypack.config import DataConfig
+from raypack.config.sections import MAX_IMAGE_PIXELS
 from raypack.data.formats import ONE_FORMAT, FormatError, detect, renamed, renames, tokenized_columns, validate
 from raypack.data.images import ImageError, has_images, read_record
 from raypack.data.listing import MAX_ROWS, Sources, read_units
@@ -183,9 +184,11 @@ def _tokenized_unit(unit: dict, table: pa.Table, vocab_size: int | None = None) 
     return pa.table(data, schema=SCHEMA)
 
 
-def read_unit(batch: dict[str, np.ndarray], declared: str, vocab_size: int | None = None) -> pa.Table:
+def read_unit(batch: dict[str, np.ndarray], declared: str, vocab_size: int | None = None,
+              max_image_pixels: int | None = MAX_IMAGE_PIXELS) -> pa.Table:
     """Ray Data map_batches function: the units in `batch` -> rows in SCHEMA (errors in `error`).
-    `vocab_size`, when known, bounds the token ids of pre-tokenized rows."""
+    `vocab_size`, when known, bounds the token ids of pre-tokenized rows; `max_image_pixels`
+    (data.max_image_pixels) the images of image+text rows."""
     out = {name: [] for name in SCHEMA.names}
     tables = []  # in unit order: a column-wise unit flushes the per-record rows gathered before it
     for k in range(len(batch["path"])):
@@ -216,7 +219,7 @@ def read_unit(batch: dict[str, np.ndarray], declared: str, vocab_size: int | Non
                     raise rec
                 if fmt in ("chat", "preference") and has_images(rec):  # read here, beside their text
                     read, kind = (read_record, "vision") if fmt == "chat" else (read_pair_record, PAIR_KIND)
-                    fields, error = read(rec, _folder(unit["path"]), at), None
+                    fields, error = read(rec, _folder(unit["path"]), at, max_image_pixels), None
                 else:
                     fields, error = validate(rec, fmt, vocab_size, detected), None
             except FormatError as e:
@@ -243,7 +246,8 @@ def read_rows(cfg: DataConfig, sources: Sources, vocab_size: int | None = None) 
     problem), as a lazy dataset that streams into the next stage."""
     units = read_units(sources.files, sources.reading)
     return ray.data.from_items(units, override_num_blocks=len(units)).map_batches(
-        read_unit, batch_size=1, fn_kwargs={"declared": cfg.format, "vocab_size": vocab_size}, num_cpus=0.5
+        read_unit, batch_size=1, num_cpus=0.5,
+        fn_kwargs={"declared": cfg.format, "vocab_size": vocab_size, "max_image_pixels": cfg.max_image_pixels},
     )
 
 
@@ -251,7 +255,7 @@ def rows_here(cfg: DataConfig, sources: Sources, vocab_size: int | None = None) 
     """Every row of `sources` read in this process, without Ray: one table per read unit, in
     SCHEMA, bad rows flagged as `read_rows` flags them. Raises the SourceError that reading them
     with Ray would (the first bad row in file order), unless data.on_bad_rows=skip lets them by."""
-    tables = [read_unit({k: [v] for k, v in unit.items()}, cfg.format, vocab_size)
+    tables = [read_unit({k: [v] for k, v in unit.items()}, cfg.format, vocab_size, cfg.max_image_pixels)
               for unit in read_units(sources.files, sources.reading)]
     rows, errors, fatal = 0, [], []
     for table in tables:

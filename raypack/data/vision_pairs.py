@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from raypack.config.sections import MAX_IMAGE_PIXELS
 from raypack.data.formats import PREFERENCE_KEYS, extract_prompt
 from raypack.data.image_layouts import GridImages
 from raypack.data.images import (PLACEHOLDER, ImageError, ImageTokenizer, check_roles, decode_image, image_messages,
@@ -57,7 +58,8 @@ KIND = "vision_preference"
 """The source stage's format name of a preference row with images (sources.read_unit)."""
 
 
-def read_pair_record(record: dict[str, Any], base_dir: str | Path | None, where: str) -> dict[str, Any]:
+def read_pair_record(record: dict[str, Any], base_dir: str | Path | None, where: str,
+                     max_pixels: int | None = MAX_IMAGE_PIXELS) -> dict[str, Any]:
     """A `vision_preference` row for the source stage: the pair's prompt, chosen and rejected
     messages in parts (JSON, `vision_messages`) and the prompt's images' encoded bytes (`images`),
     each read and checked to decode here, so a bad image is a bad row naming `where`."""
@@ -87,7 +89,7 @@ def read_pair_record(record: dict[str, Any], base_dir: str | Path | None, where:
     for messages in (prompt, *answers.values()):
         check_roles(messages, where)
     text = json.dumps({"prompt": prompt, **answers})
-    return {"vision_messages": text, "images": read_images(sources, base_dir, where)}
+    return {"vision_messages": text, "images": read_images(sources, base_dir, where, max_pixels)}
 
 
 def image_owner(eid):

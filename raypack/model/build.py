@@ -247,6 +247,7 @@ def load_model(
     source = name_or_config
     torch_dtype = resolve_dtype(dtype)
     impl = _attn_implementation(attention)
+    mixers.quiet_fallback_warnings()  # the start line says which path the mixers take, once
 
     config, name, pretrained = _config(source, trust_remote_code, vocab_size)
     for key, value in config_overrides.items():

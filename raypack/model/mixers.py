@@ -45,6 +45,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -201,8 +202,13 @@ def path(kind: MixerKind, device_type: str) -> str:
     return "kernels" if kernels_problem(kind) is None else "torch"
 
 
+DISTRIBUTIONS = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d", "mamba_ssm": "mamba-ssm"}
+"""What `pip install` names the kernels' packages."""
+
+
 def describe(found: dict[str, MixerKind], device_type: str) -> str:
-    """The start line's account of the mixers and the path each takes."""
+    """The start line's account of the mixers and the path each takes: what transformers' own
+    fallback warnings said from every worker (`quiet_fallback_warnings`), said once."""
     counts: dict[MixerKind, int] = {}
     for kind in found.values():
         counts[kind] = counts.get(kind, 0) + 1
@@ -210,14 +216,33 @@ def describe(found: dict[str, MixerKind], device_type: str) -> str:
     for kind, n in counts.items():
         if path(kind, device_type) == "kernels":
             how = f"varlen kernels: {kind.kernels}"
-        elif device_type == "cuda" and (missing := ", ".join(p for p in kind.packages if not _PACKAGES[p])):
+        elif device_type == "cuda" and (missing := ", ".join(DISTRIBUTIONS.get(p, p) for p in kind.packages
+                                                            if not _PACKAGES[p])):
             how = f"exact torch path, examples as a padded batch ({missing} not installed: slower)"
         elif device_type == "cuda":
             how = f"exact torch path, examples as a padded batch: slower; not the kernels: {kernels_problem(kind)}"
         else:
-            how = "exact torch path, examples as a padded batch"
+            how = "exact torch path, examples as a padded batch: the CPU's; the kernels are CUDA's"
         parts.append(f"{n} {kind.name} layer{'s' if n > 1 else ''} ({how})")
     return "; ".join(parts)
+
+
+_FALLBACK = "is falling back to its reference PyTorch implementation"
+"""transformers' warning (integrations/hub_kernels.py), once per process and kernel, that a mixer
+runs its torch code because a kernel package is missing: from every worker, some after the run's
+summary, and telling a CPU run to install CUDA kernels. The start line says it once (`describe`)."""
+
+
+class _NoFallbackWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _FALLBACK not in record.getMessage()
+
+
+def quiet_fallback_warnings() -> None:
+    """Leave out transformers' kernel fallback warnings in this process (idempotent)."""
+    log = logging.getLogger("transformers.integrations.hub_kernels")
+    if not any(isinstance(f, _NoFallbackWarning) for f in log.filters):
+        log.addFilter(_NoFallbackWarning())
 
 
 _per_batch = LastCache()

@@ -13,7 +13,8 @@ what still works, when it has
                                          without is_decoder). They see the whole row and would mix
                                          examples. Known mixers, and the layer types of the layers
                                          holding them, count only under raypack's attention
-                                         backends, which install them (not `sdpa`). Only the text
+                                         backends, which install them (not `sdpa`, whose refusal
+                                         names the backend, not a trait). Only the text
                                          decoder is searched (`get_decoder()`): vision and audio
                                          towers never see a packed row.
     known mixers, split or compiled      train.sequence_parallel > 1 (a recurrence can't follow a
@@ -187,6 +188,14 @@ def check_packable(
             f"{what} has {kinds} layers, whose packed path reads the row's boundaries on the host (the "
             "examples as a padded batch, or their CUDA kernels): a compiled layer would break its graph there; "
             "use train.compile=false"
+        )
+    if not backends and (found := mixers.find(decoder(model))) and not token_mixers(model, known_exact=True):
+        # what it lacks is the backend, not a trait: under raypack's own these layers are exact
+        kinds = ", ".join(sorted({kind.name for kind in found.values()}))
+        raise UnsupportedModelError(
+            f"{what} has {kinds} layers, which transformers' own attention (model.attention=sdpa or eager) leaves "
+            "running over the whole packed row, mixing its examples; raypack's attention backends keep them apart: "
+            f"use model.attention=auto (or sdpa_varlen, torch_varlen, flash_attn), or a padded strategy ({PADDED})"
         )
     heads = getattr(model.config.get_text_config(), "num_attention_heads", None)
     if split > 1 and (not heads or heads % split):

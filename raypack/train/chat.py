@@ -35,6 +35,7 @@ from transformers import (
     StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer,
 )
 
+from raypack.config.sections import MAX_IMAGE_PIXELS
 from raypack.data.image_layouts import processor_settings
 from raypack.data.images import ImageTokenizer, decode_image, read_image_bytes
 from raypack.errors import InputError
@@ -105,12 +106,16 @@ class Chat:
     """One conversation with one model (see the module doc)."""
 
     def __init__(self, model, tokenizer, max_new_tokens: int = 256, temperature: float = 0.7,
-                 images: ImageTokenizer | None = None):
+                 images: ImageTokenizer | None = None, max_image_pixels: int | None = MAX_IMAGE_PIXELS):
         if max_new_tokens < 1:
             raise ChatError(f"--max-new-tokens: expected a positive int, got {max_new_tokens}")
         if temperature < 0:
             raise ChatError(f"--temperature: expected a float >= 0 (0: greedy), got {temperature}")
+        if max_image_pixels is not None and max_image_pixels < 1:
+            raise ChatError(f"--max-image-pixels: expected a positive int, got {max_image_pixels}")
         self.model, self.tokenizer, self.images = model, tokenizer, images
+        self.max_image_pixels = max_image_pixels
+        """The most pixels an --image may have (read from its header, before it is decoded)."""
         self.history: list[dict] = []
         self.pictures: list = []
         """The conversation's images so far (decoded), in the order their messages place them."""
@@ -170,7 +175,8 @@ class Chat:
             raise ChatError(f"--image: {type(self.model).__name__} is a text-only model; images need a "
                             "vision-language model's folder")
         try:
-            return [decode_image(read_image_bytes(s, None, "--image"), s, "--image") for s in sources]
+            return [decode_image(read_image_bytes(s, None, "--image"), s, "--image", self.max_image_pixels,
+                                 "--max-image-pixels") for s in sources]
         except InputError as e:
             raise ChatError(str(e)) from None
 

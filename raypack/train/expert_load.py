@@ -9,7 +9,8 @@ A report sums its window's and gives:
 
 - `router_aux_loss`: the window's mean router loss (each step's weighted by its units);
 - `expert_load/layer_<l>` per MoE layer: the busiest expert's share of the layer's tokens over the
-  mean share (1 when even, E when one expert takes everything); to TensorBoard, W&B and MLflow;
+  mean share (1 when even; with top-k routing each token counts for k experts, so at most E/k,
+  when one expert takes every token); to TensorBoard, W&B and MLflow;
 - `expert_load_max` and `expert_load_worst_layer`: the worst layer's value and its index (printed
   in the run's summary);
 - a layers-by-experts heatmap of token shares (an RGB image, one row of cells a layer), logged at

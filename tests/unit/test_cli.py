@@ -27,6 +27,18 @@ def test_help_imports_no_command_module():
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 
 
+def test_help_says_what_raypack_is(capsys):
+    """Its own description, not the module docstring's first line ("Parses arguments and hands off.")."""
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Supervised fine-tuning of causal language models on packed sequences" in out
+    assert "raypack train --config jobs/configs/quickstart.yaml" in out
+    assert "hands off" not in out and "command line:" not in out
+
+
 def test_input_errors_are_found_inside_wrapping_errors():
     """Ray re-raises a task's error as a class derived from both RayTaskError and the cause, whose
     message is a traceback dump, or with the cause in `.cause`; the innermost InputError is the one line."""

@@ -201,6 +201,14 @@ def test_every_code_block_names_its_language():
     assert not unnamed, f"code blocks without a language (bash for commands, text for output): {unnamed}"
 
 
+def test_start_here_links_every_guide():
+    """The docs index's "Start here" names every page of the guides (the nav has them all too)."""
+    start = (DOCS / "index.md").read_text().split("## Start here", 1)[1]
+    linked = set(re.findall(r"\]\((guides/[\w-]+\.md)\)", start))
+    guides = {f"guides/{p.name}" for p in (DOCS / "guides").glob("*.md")}
+    assert guides <= linked, f"missing from Start here: {sorted(guides - linked)}"
+
+
 def test_readme_is_a_landing_page():
     assert len((REPO / "README.md").read_text().splitlines()) <= 200
 
@@ -214,10 +222,65 @@ def test_the_site_builds_strict(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     config = (tmp_path / "site" / "reference" / "config" / "index.html").read_text()
     assert "pack.budget" in config and "Tokens per packed row" in config
+    # long lines in code blocks wrap in the text column, not cut off past it (at 1280 px, both sidebars shown)
+    assert 'href="../../stylesheets/extra.css"' in config
+    css = " ".join((tmp_path / "site" / "stylesheets" / "extra.css").read_text().split())
+    assert ".md-typeset pre > code { white-space: pre-wrap;" in css
     assert "raypack config" in (tmp_path / "site" / "reference" / "cli" / "index.html").read_text()
     results = sorted((REPO / "benchmarks" / "results").glob("*.md"))
     benchmarks = (tmp_path / "site" / "reference" / "benchmarks" / "index.html").read_text()
     assert all(f"results/{p.stem}/" in benchmarks for p in results), "a results file missing from the index"
+
+
+QUICKSTART = REPO / "jobs" / "configs" / "quickstart.yaml"
+"""What `make run` trains (the Makefile's run target), before any guide's command."""
+
+
+def run_commands() -> list[tuple[Command, str, dict, str]]:
+    """(command, "train" or "sweep", its resolved config, the (storage path, run name) it writes) of
+    every command in the docs that starts a run or a sweep from a config: `raypack train` and
+    `sweep`, and `jobs/sft.py` and `jobs/sweep.py` under `ray job submit`."""
+    out = []
+    for command in ALL:
+        argv = words(command)
+        if argv[:1] == ["ray"] and "--" in argv:
+            argv = argv[argv.index("--") + 1:]
+        if argv[:1] in (["python"], ["python3"]) and argv[1:2] in (["jobs/sft.py"], ["jobs/sweep.py"]):
+            argv = ["raypack", "train" if argv[1] == "jobs/sft.py" else "sweep", *argv[2:]]
+        if argv[:1] not in (["raypack"], [".venv/bin/raypack"]) or argv[1:2] not in (["train"], ["sweep"]) \
+                or "--help" in argv:
+            continue
+        args = build_parser().parse_args(argv[1:])
+        if args.resume:  # continues the run in the folder it names
+            continue
+        cfg = load(REPO / args.config if args.config else None, args.overrides)
+        out.append((command, args.command, cfg.to_dict(), f"{cfg.run.storage_path}/{cfg.run.name}"))
+    return out
+
+
+def test_every_run_in_the_docs_has_a_run_name_of_its_own():
+    """Followed in any order after the quickstart, in a fresh clone, each command of the docs
+    that starts a run trains it: a config other than the quickstart's under the quickstart's run
+    name would be refused (a run trains the config it was started with), or say the run is
+    complete. So two commands share a run folder only when they train the same config (the same
+    run shown on two pages: the second says it is complete), and never a sweep (a second sweep in
+    a folder is refused)."""
+    quickstart = load(QUICKSTART)
+    seen = {f"{quickstart.run.storage_path}/{quickstart.run.name}": ("the quickstart (make run)", quickstart.to_dict())}
+    clashes = []
+    for command, kind, cfg, folder in run_commands():
+        if folder in seen and (seen[folder][1] != cfg or kind == "sweep"):
+            clashes.append(f"{command}: writes {folder}, as {seen[folder][0]} does; give it a run.name=... of its own")
+        seen.setdefault(folder, (str(command), cfg))
+    assert not clashes, "\n".join(clashes)
+
+
+def test_the_run_name_check_finds_the_guides_runs():
+    runs = run_commands()
+    kinds = {kind for _, kind, _, _ in runs}
+    assert kinds == {"train", "sweep"} and len(runs) >= 20, runs
+    pages = {command.page for command, *_ in runs}
+    assert {"docs/guides/hybrid-models.md", "docs/guides/moe.md", "docs/guides/vision.md"} <= pages
 
 
 def test_the_mixture_guide_shows_the_shipped_config():

@@ -3,6 +3,7 @@
     cli ──> commands ──> tune ──> train ──> data, model ──> config ──> typed, storage ──> errors
                                     └──> runs (run folders), runtime (Ray start-up) ──> config
                                                               └──> console (the screen)
+    commands ──> runlock (a run folder's lock) ──> storage
 
 Library modules take typed configs; only the command layer (cli.py, commands/) sees argparse.
 """
@@ -23,7 +24,7 @@ PACKAGE = Path(raypack.__file__).parent
 COMMAND_LAYER = ("raypack.cli", "raypack.commands")
 LAYERS = (
     ("raypack.errors",),
-    ("raypack.console", "raypack.storage", "raypack.typed"),
+    ("raypack.console", "raypack.runlock", "raypack.storage", "raypack.typed"),
     ("raypack.config",),
     ("raypack.data", "raypack.model", "raypack.runs", "raypack.runtime"),
     ("raypack.train",),

@@ -258,3 +258,54 @@ def test_quickstart_on_tiny_qwen3_moe_logs_the_router_loss_and_the_expert_heatma
     assert 1.0 <= scalars["train/expert_load/layer_0"][5] <= 4.0 and 5 in scalars["train/expert_load/layer_1"]
     height, width, png = trackfiles.tensorboard_images(board)["train/expert_load"][5]
     assert (height, width) == (2 * 8, 4 * 8) and png.startswith(b"\x89PNG")
+
+
+def test_a_second_run_on_one_name_is_refused_and_a_killed_runs_lock_is_taken_over_by_its_resume(
+        ray_local, tmp_path, capsys):
+    """Two `raypack train` on one run name at once: the second exits 2 with one line naming the
+    first (pid, host, start) and writes nothing; the first trains on. Killed outright (SIGKILL: no
+    handler of its runs), the first leaves its lock behind, and `--resume` takes it over with one
+    line saying so and trains the epoch to its end, every step once."""
+    import signal
+    import socket
+    import time
+
+    from trained import trained_ids
+
+    name = f"twice-{uuid.uuid4().hex[:6]}"
+    root = tmp_path / "results" / name
+    cmd = [sys.executable, "-m", "raypack.cli", "train", "--config", str(REPO / "jobs" / "configs" / "tiny_cpu.yaml"),
+           f"run.storage_path={tmp_path / 'results'}", f"run.name={name}", "pack.budget=256",
+           "train.report_every_steps=1", "train.checkpoint_every_steps=2"]
+    env = _join_session_ray(ray_local)
+    first, screen = _train_until(cmd, env, tmp_path, step=3)
+    first.send_signal(signal.SIGSTOP)  # alive, holding its lock, however fast its workers train on
+    try:
+        # In this process, whose imports are done: it meets the lock while the first one trains
+        second = main(cmd[3:])
+        out, err = capsys.readouterr()
+        assert second == 2 and out == "" and err.count("\n") == 1, out + err
+        assert err.startswith(f"raypack: error: run '{name}' in {root} is in use by raypack train (pid {first.pid} on "
+                              f"host {socket.gethostname()}, started 20"), err
+        assert first.poll() is None, "the first run stopped"
+        assert len(list((root / "tensorboard").iterdir())) == 1, "the second run wrote TensorBoard events"
+        deadline = time.time() + 120
+        while not (root / "checkpoint_manager_snapshot.json").exists():  # the controller registers them
+            assert time.time() < deadline, "no checkpoint registered"
+            time.sleep(0.5)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    assert json.loads((root / "raypack_lock.json").read_text())["pid"] == first.pid
+    epoch = int(next(line for line in screen if "[raypack] step 3/" in line).split("/")[1].split()[0])
+
+    assert main(["train", "--resume", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert (f"[raypack] run '{name}': took over the lock raypack train (pid {first.pid} on host {socket.gethostname()}, "
+            f"started ") in out and f" left in {root}: that process is gone\n" in out, out[-3000:]
+    assert "continuing from its last checkpoint" in out
+    assert not (root / "raypack_lock.json").exists()
+    result = json.loads((root / "raypack_result.json").read_text())
+    assert result["step"] == epoch
+    _, steps = trained_ids(Path(result["checkpoint"]))
+    assert steps == [list(range(1, epoch + 1))] * 2, "a step trained twice or never"

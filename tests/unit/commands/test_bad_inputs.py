@@ -19,6 +19,7 @@ import ray
 from raypack.cli import main
 from raypack.config import ASSETS
 
+from hugeimage import huge_png
 from paths import REPO
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}
@@ -390,14 +391,15 @@ VLM_DPO_CONFIG = REPO / "jobs" / "configs" / "vlm_dpo_quickstart.yaml"
 
 @pytest.mark.parametrize("rows", ["chat", "preference"])
 @pytest.mark.parametrize("command", ["train", "data"])
-@pytest.mark.parametrize("case", ["missing image", "placeholders", "undecodable"])
+@pytest.mark.parametrize("case", ["missing image", "placeholders", "undecodable", "huge"])
 def test_bad_image_rows_name_the_file_and_line(tmp_path, capsys, no_ray, command, case, rows):
-    """The three ways an image row goes bad, each one line naming the file and line, through
+    """The four ways an image row goes bad, each one line naming the file and line, through
     `raypack train` and `raypack data` on the VLM quickstart's config (chat rows) and the VLM DPO
     quickstart's (preference pairs whose prompt has the image), before Ray starts."""
     picture = (ASSETS / "vision_sample" / "images" / "000.png").read_bytes()
     (tmp_path / "ok.png").write_bytes(picture)
     (tmp_path / "bad.png").write_bytes(picture[:40])  # a PNG header and then nothing
+    (tmp_path / "huge.png").write_bytes(huge_png())  # 20000 x 20000, says its header
     question = {"role": "user", "content": "<image>What is it?"}
     if rows == "chat":
         good = {"messages": [question, {"role": "assistant", "content": "A shape."}], "images": ["ok.png"]}
@@ -408,6 +410,7 @@ def test_bad_image_rows_name_the_file_and_line(tmp_path, capsys, no_ray, command
         "missing image": {**good, "images": ["nowhere.png"]},
         "placeholders": {**good, "images": ["ok.png", "ok.png"]},
         "undecodable": {**good, "images": ["bad.png"]},
+        "huge": {**good, "images": ["huge.png"]},
     }[case]
     path = jsonl(tmp_path / "vision.jsonl", good, good, bad, good)
     config = VLM_CONFIG if rows == "chat" else VLM_DPO_CONFIG
@@ -415,7 +418,9 @@ def test_bad_image_rows_name_the_file_and_line(tmp_path, capsys, no_ray, command
     assert f"{path} line 3: " in err
     assert {"missing image": f"image 'nowhere.png' can't be read: no such file '{tmp_path / 'nowhere.png'}'",
             "placeholders": "1 <image> placeholder(s) in messages but 2 image(s) in 'images'",
-            "undecodable": "image 'bad.png' is not a decodable image"}[case] in err  # fmt: skip
+            "undecodable": "image 'bad.png' is not a decodable image",
+            "huge": "image 'huge.png' is 20000x20000, 400,000,000 pixels, over data.max_image_pixels (178,956,970); "
+                    "make it smaller, or raise data.max_image_pixels"}[case] in err  # fmt: skip
 
 
 def test_freezing_a_vision_tower_a_text_model_lacks(tmp_path, capsys, no_ray):
@@ -459,6 +464,28 @@ def test_lora_on_a_convolution_a_hybrid_layer_reads_by_weight(tmp_path, capsys, 
                 "model.peft.alpha=16", "model.peft.target_modules=[in_proj,conv1d]")
     assert (f"reaches model.layers.0.mamba.conv1d, whose weight the Mamba-2 layer hands its convolution itself, never "
             "calling the module, so an adapter there would never run or train; leave it out\n") in err
+
+
+@pytest.mark.parametrize("command", ["train", "sweep"])
+def test_a_run_folder_another_command_holds(tmp_path, capsys, no_ray, command):
+    """A second `raypack train` (or `sweep`) on a folder a live command holds: one line naming the
+    owner, before Ray starts, and the owner's folder as it was."""
+    from lockholder import holder, let_go
+
+    root = tmp_path / "runs" / "r"
+    proc = holder(str(root), command)
+    before = sorted(p.name for p in root.iterdir())
+    try:
+        config = ["--config", str(REPO / "jobs" / "configs" / "sweeps" / "packing_cpu.yaml")] if command == "sweep" else []
+        code = main([command, *config, f"run.storage_path={tmp_path / 'runs'}", "run.name=r"])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1, err
+        what = "sweep" if command == "sweep" else "run"
+        assert err.startswith(f"raypack: error: {what} 'r' in {root} is in use by raypack {command} (pid {proc.pid} on "
+                              "host "), err
+        assert sorted(p.name for p in root.iterdir()) == before
+    finally:
+        let_go(proc)
 
 
 INSTRUCTION = {"instruction": "add 2 and 2", "output": "4"}

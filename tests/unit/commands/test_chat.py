@@ -286,11 +286,16 @@ def test_an_image_in_the_conversation_stays_until_reset(vlm_dir):
 def test_a_bad_image_is_one_line_naming_it(vlm_dir, model_dir, tmp_path, capsys):
     from raypack.cli import main
 
+    from hugeimage import huge_png
+
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"not a png")
+    huge = tmp_path / "huge.png"
+    huge.write_bytes(huge_png())  # 20000 x 20000, says its header
     cases = {
         (str(vlm_dir), str(tmp_path / "missing.png")): "missing.png' can't be read",
         (str(vlm_dir), str(broken)): "broken.png' is not a decodable image",
+        (str(vlm_dir), str(huge)): "huge.png' is 20000x20000, 400,000,000 pixels, over --max-image-pixels (178,956,970)",
         (str(model_dir), str(IMAGE)): "--image: LlamaForCausalLM is a text-only model",
     }
     for (folder, image), said in cases.items():

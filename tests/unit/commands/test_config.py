@@ -24,6 +24,14 @@ def test_field_shows_the_configured_value_and_allowed_values(capsys):
     assert "allowed: auto, flash_attn, torch_varlen, sdpa_varlen, sdpa" in out
 
 
+def test_a_field_that_takes_a_literal_or_another_type_allows_both(capsys):
+    """`Literal['auto'] | float` allows `auto` and any number; `Literal[...] | bool` true and false too."""
+    assert main(["config", "train.router_aux_loss_coef", "model.gradient_checkpointing"]) == 0
+    out = capsys.readouterr().out
+    assert "  allowed: auto, or a number\n" in out
+    assert "  allowed: auto, full, selective, none, true, false\n" in out
+
+
 def test_misspelt_field_suggests_the_nearest_and_exits_2(capsys):
     assert main(["config", "pack.budgt"]) == 2
     err = capsys.readouterr().err

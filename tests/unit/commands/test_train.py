@@ -38,3 +38,33 @@ def test_the_summary_aligns_its_values_under_the_longest_name(tmp_path, capsys):
     assert [line.split()[0] for line in lines] == ["step", "loss", "eval_rewards/accuracies", "results", "tensorboard"]
     starts = {len(line) - len(line.split(maxsplit=1)[1]) for line in lines}
     assert starts == {2 + len("eval_rewards/accuracies") + 1}, lines  # one column of values
+
+
+def test_the_tensorboard_line_names_a_command_that_runs_from_the_users_shell(tmp_path, monkeypatch):
+    """After `make run` the venv's bin/ is not on PATH: the line names `.venv/bin/tensorboard`,
+    where the default setup installs it (a dependency, not an extra); `tensorboard` where it is on
+    PATH; how to install it where it is nowhere."""
+    import sys
+    import tomllib
+
+    from raypack.commands.train import tensorboard_command
+
+    from paths import REPO
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(d.startswith("tensorboard>") for d in deps), "make run installs no tensorboard"
+    venv = tmp_path / ".venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").symlink_to(sys.executable)
+    monkeypatch.setattr(sys, "executable", str(venv / "python"))
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.chdir(tmp_path)
+    assert tensorboard_command("results/r/tensorboard") == "pip install tensorboard, then: tensorboard --logdir results/r/tensorboard"
+    (venv / "tensorboard").write_text("#!/bin/sh\n")
+    (venv / "tensorboard").chmod(0o755)
+    assert tensorboard_command("results/r/tensorboard") == ".venv/bin/tensorboard --logdir results/r/tensorboard"
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert tensorboard_command("/x") == f"{venv}/tensorboard --logdir /x"
+    monkeypatch.setenv("PATH", str(venv))
+    assert tensorboard_command("/x") == "tensorboard --logdir /x"

@@ -51,6 +51,17 @@ def test_keys_hash_typed_values_not_their_text():
     assert packed_key(load(None, ["pack.batch_size=8"]), 2) == packed_key(load(), 2)  # 8 is the default 8.0
 
 
+def test_the_image_pixel_limit_keys_the_data_only_when_it_is_not_the_default():
+    """data.max_image_pixels decides which image rows are bad: another limit is other data; the
+    default keys as configs did before the field existed (their runs' packed data stands)."""
+    from raypack.config import load
+    from raypack.data.cache import tokenized_key
+
+    assert tokenized_key(load(None, ["data.max_image_pixels=178956970"])) == tokenized_key(load(None))
+    assert tokenized_key(load(None, ["data.max_image_pixels=1000"])) != tokenized_key(load(None))
+    assert tokenized_key(load(None, ["data.max_image_pixels=null"])) != tokenized_key(load(None))
+
+
 def test_a_mixtures_weights_shape_the_packed_key_and_its_sources_the_tokenized_key():
     """A changed weight, name or epoch size draws other examples from the same tokens: the same
     tokenized entry, another packed one (a different run); a source's paths, format or column

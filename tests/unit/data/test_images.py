@@ -241,3 +241,37 @@ def test_smolvlm_tokens_and_pixels_match_smolvlm_processor(monkeypatch):
         ref = reference(text=text, images=[pictures], add_special_tokens=False, return_tensors="np")
         assert ours["input_ids"] == [*ref["input_ids"][0].tolist(), tokenizer.eos_token_id]
         assert np.array_equal(tokenize.example_pixels(ours)["pixel_values"], ref["pixel_values"])
+
+
+def test_an_image_over_the_pixel_limit_is_a_bad_row_that_skip_skips(tmp_path):
+    """Read from its header before anything is decoded: a 20000 x 20000 PNG (a few dozen bytes
+    here) is a bad row naming its file and line under data.max_image_pixels' default (PIL's limit,
+    which would raise DecompressionBombError with a traceback), skipped under on_bad_rows=skip;
+    the bundled 000.png is over a limit set below its size, and within null (no limit)."""
+    from raypack.config import load
+    from raypack.data.listing import Sources
+    from raypack.data.sources import rows_here
+    from raypack.errors import SourceError
+
+    from hugeimage import huge_png
+
+    (tmp_path / "huge.png").write_bytes(huge_png())
+    (tmp_path / "ok.png").write_bytes((SAMPLE / "images" / "000.png").read_bytes())
+    row = {"messages": [{"role": "user", "content": "<image>What is it?"}, {"role": "assistant", "content": "A shape."}]}
+    path = tmp_path / "vision.jsonl"
+    path.write_text("".join(json.dumps({**row, "images": [name]}) + "\n" for name in ("ok.png", "huge.png", "ok.png")))
+
+    def read(*overrides):
+        cfg = load(None, [f"data.paths=[{path}]", *overrides]).data
+        tables = rows_here(cfg, Sources.of(cfg.paths))
+        return [e for t in tables for e in t["error"].to_pylist()]
+
+    with pytest.raises(SourceError, match=rf"^{path} line 2: image 'huge.png' is 20000x20000, 400,000,000 pixels, "
+                                          r"over data.max_image_pixels \(178,956,970\); make it smaller"):
+        read()
+    errors = read("data.on_bad_rows=skip")
+    assert errors[0] is None and errors[2] is None and "huge.png' is 20000x20000" in errors[1]
+    with pytest.raises(SourceError, match=r"line 1: image 'ok.png' is \d+x\d+, \d+ pixels, over data.max_image_pixels \(100\)"):
+        read("data.max_image_pixels=100")
+    with pytest.raises(SourceError, match="huge.png' is not a decodable image"):  # no limit: decoded, and truncated
+        read("data.max_image_pixels=null")

@@ -4,6 +4,7 @@ exactness, family by family, is tests/unit/model/test_families.py's."""
 
 from __future__ import annotations
 
+import os
 import pytest
 import torch
 import transformers
@@ -42,11 +43,19 @@ def test_mixers_raypack_does_not_know_stay_refused(family):
         check_packable(model, family)
 
 
-def test_known_mixers_are_refused_under_transformers_own_attention():
-    """model.attention=sdpa loads the model without raypack's mixers: a packed row would leak."""
-    with pytest.raises(UnsupportedModelError, match=r"layer_types conv"):
-        check_model(tiny_config("lfm2"), attention="sdpa")
-    check_model(tiny_config("lfm2"), attention="auto")
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "nemotron_h"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_known_mixers_are_refused_under_transformers_own_attention_naming_the_backend(family, attention):
+    """model.attention=sdpa loads the model without raypack's mixers: a packed row would leak.
+    What to change is the backend (the layers are exact under raypack's), not the strategy alone."""
+    with pytest.raises(UnsupportedModelError) as e:
+        check_model(tiny_config(family), attention=attention)
+    assert f"has {KINDS[family]} layers, which transformers' own attention (model.attention=sdpa or eager) " \
+           "leaves running over the whole packed row" in str(e.value)
+    assert "use model.attention=auto (or sdpa_varlen, torch_varlen, flash_attn), or a padded strategy " \
+           "(pad or pad_sorted)" in str(e.value)
+    assert "layer_types" not in str(e.value)
+    check_model(tiny_config(family), attention="auto")
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h", "lfm2"])
@@ -91,12 +100,37 @@ def test_without_boundaries_the_layer_runs_as_transformers_wrote_it():
 
 def test_the_start_line_says_which_path_runs():
     found = mixers.find(decoder(meta_model(tiny_config("qwen3_5"))))
-    assert mixers.describe(found, "cpu") == "1 gated delta rule layer (exact torch path, examples as a padded batch)"
+    assert mixers.describe(found, "cpu") == ("1 gated delta rule layer (exact torch path, examples as a padded batch: "
+                                             "the CPU's; the kernels are CUDA's)")
     cuda = mixers.describe(found, "cuda")
     if mixers.path(next(iter(found.values())), "cuda") == "torch":
-        assert "not installed: slower" in cuda and "fla" in cuda
+        assert "flash-linear-attention, causal-conv1d not installed: slower" in cuda, cuda
     else:
         assert "flash-linear-attention" in cuda
+
+
+def test_transformers_kernel_fallback_warnings_are_left_to_the_start_line():
+    """transformers warns, once in every process that runs a hybrid's torch path (each worker), to
+    install CUDA kernels (causal-conv1d, flash-linear-attention, mamba-ssm): a model raypack loads
+    says nothing, the start line says which path runs. In a process of its own, as a worker is."""
+    import subprocess
+    import sys
+
+    from paths import REPO
+
+    script = """
+import torch
+from raypack.model.build import load_model
+for family in ("qwen3_5", "nemotron_h", "lfm2"):
+    model = load_model(f"tiny-{family}", attention="sdpa_varlen", dtype="float32")
+    ids = torch.randint(3, 100, (1, 12))
+    model(input_ids=ids, position_ids=torch.arange(12)[None]).logits.sum().backward()
+print("ran")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.stdout == "ran\n", out.stderr[-3000:]
+    assert "falling back" not in out.stderr and "install" not in out.stderr, out.stderr
 
 
 def test_lora_all_linear_leaves_out_what_mamba_kernels_read_by_weight():

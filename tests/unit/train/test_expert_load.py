@@ -24,6 +24,24 @@ def test_busiest_over_mean_and_shares():
     assert shares(load)[1].tolist() == [0.97, 0.01, 0.01, 0.01] and shares(load)[2].sum() == 0
 
 
+@pytest.mark.parametrize("experts,top_k", [(4, 2), (8, 2), (128, 8), (4, 1)])
+def test_the_figure_tops_out_at_e_over_k_as_moe_md_says(experts, top_k):
+    """Top-k routing counts each token for k experts: one expert taking every token (the rest
+    spread evenly) reads E/k, not E; the MoE guide says so."""
+    from paths import REPO
+
+    tokens = 1000
+    load = np.zeros((1, experts))
+    for t in range(tokens):  # expert 0, then top_k - 1 others in turn
+        load[0, 0] += 1
+        for j in range(top_k - 1):
+            load[0, 1 + (t * (top_k - 1) + j) % (experts - 1)] += 1
+    assert busiest_over_mean(load)[0] == pytest.approx(experts / top_k)
+    guide = " ".join((REPO / "docs" / "guides" / "moe.md").read_text().split())
+    assert "the ceiling is E/k, reached when one expert takes every token" in guide
+    assert "E means one expert takes every token" not in guide
+
+
 def test_heatmap_cells_and_colours():
     image = heatmap(np.array([EVEN, COLLAPSED]))
     assert image.shape == (16, 32, 3) and image.dtype == np.uint8

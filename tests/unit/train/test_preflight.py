@@ -117,7 +117,8 @@ def test_known_token_mixer_packs_only_under_raypacks_attention(lfm2, jamba, stra
     backends, which install it (raypack/model/mixers.py); `sdpa` over packed rows leaves it free
     to mix. Jamba's Mamba-1, which raypack doesn't know, is refused under both."""
     check_packed_model(cfg_for(lfm2, strategy, attention="auto"))
-    with pytest.raises(UnsupportedModelError, match=r"Lfm2ForCausalLM.*layer_types conv.*\(pad or pad_sorted\)"):
+    with pytest.raises(UnsupportedModelError, match=r"Lfm2ForCausalLM\) has short convolution layers, which "
+                                                     r"transformers' own attention .*model.attention=auto.*\(pad or pad_sorted\)"):
         check_packed_model(cfg_for(lfm2, strategy, attention="sdpa"))
     for attention in ("auto", "sdpa"):
         with pytest.raises(UnsupportedModelError, match=r"JambaForCausalLM.*convolution over the sequence"):
