@@ -25,13 +25,25 @@ def packed_kwargs(lengths):
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths), "max_length_k": max(lengths)}
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h", "lfm2"])
+def _config(family: str):
+    """tiny-<family>, or tests/families.py's row (KDA: Kimi-Linear, Bailing, with 128-wide heads)."""
+    from families import FAMILIES
+
+    return FAMILIES[family].build_config(family) if family in KDA else model_config(f"tiny-{family}")
+
+
+KDA = ("kimi_linear", "bailing_hybrid")
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h", "lfm2", *KDA])
 def test_the_mixer_term_is_what_autograd_keeps_on_the_torch_path(family):
     """The mixer layer through raypack's packed path (the padded batch, the scans' fp32 work, the
     recurrent state at every chunk): the estimate within 10% of the measured bytes. Seen: 0.99 to
-    1.06 (over where lengths are off the chunk: tensors before the scan's padding are counted padded)."""
-    arch = Arch.from_config(model_config(f"tiny-{family}"))
-    model = load_model(f"tiny-{family}", attention="sdpa_varlen", dtype="bfloat16")
+    1.06 (over where lengths are off the chunk: tensors before the scan's padding are counted
+    padded); KDA 1.01 to 1.03."""
+    config = _config(family)
+    arch = Arch.from_config(config)
+    model = load_model(config, attention="sdpa_varlen", dtype="bfloat16")
     (name, kind), = mixers.find(model).items()
     layer = dict(model.named_modules())[name]
     (sized,) = arch.mixers
