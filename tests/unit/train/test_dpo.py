@@ -18,7 +18,7 @@ import pytest
 import torch
 from dpo_check import (SAMPLE, alone_reference, encoded_pairs, grad_errors, packed_pair_rows, pairs_alone_loss, perturb,
                        sample_records, trl_step)
-from families import FAMILIES
+from families import FAMILIES, exact
 
 from raypack.config import ASSETS, DpoConfig
 from raypack.model.build import load_model
@@ -159,7 +159,7 @@ def test_padded_pairs_equal_packed(tmp_path):
         torch.testing.assert_close(grads[0][name], g, rtol=1e-4, atol=1e-6)
 
 
-EXACT = [f for f, spec in FAMILIES.items() if not spec.refused]
+EXACT = exact()
 
 
 def _folded(rows, vocab: int):
