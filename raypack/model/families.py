@@ -19,57 +19,14 @@ raypack/model/family_table.py; to check a family a newer transformers adds, add 
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import transformers
 
-TOLERANCE = 1e-5
-"""The largest relative error accepted between a packed row and its examples alone (fp32)."""
-
-COMMON = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=16, max_position_embeddings=256, vocab_size=512, bos_token_id=0, eos_token_id=1, pad_token_id=2,
-    initializer_range=0.1, use_cache=False,
-)  # fmt: skip
-"""Sizes every family gets; a family's row overrides them (None drops a key its config lacks)."""
-
-
-@dataclass(frozen=True)
-class Family:
-    config: str
-    """The transformers config class."""
-    overrides: dict[str, Any] = field(default_factory=dict)
-    refused: str | None = None
-    """None: must be exact. Else a regex the refusal must match (the trait it names)."""
-    mixes: bool = True
-    """For a refused family: show, with the check bypassed, that packing really is wrong."""
-    module: str | None = None
-    """transformers.models.<module>, when it isn't the row's id before any `-<layout>`."""
-    split_refused: str | None = None
-    """For a family that packs exactly: a regex the refusal of train.sequence_parallel > 1 must match."""
-    tolerance: float = TOLERANCE
-    """The largest relative error accepted; above TOLERANCE only where rounding is shown to be the cause."""
-    layout: str = ""
-    """The layer layout the row builds, in words (the supported-models page's)."""
-    source: str = ""
-    """Where that layout comes from: the config class's defaults (which transformers documents as a
-    checkpoint's), a model card, or why the row is no published layout."""
-
-    def module_name(self, key: str) -> str:
-        return self.module or key.split("-")[0]
-
-    def build_config(self, key: str):
-        module = importlib.import_module(f"transformers.models.{self.module_name(key)}")
-        cls = getattr(transformers, self.config, None) or getattr(module, self.config)
-        kwargs = {**COMMON, **self.overrides}
-        return cls(**{k: v for k, v in kwargs.items() if v is not None})
+from raypack.model.family_table import COMMON, FAMILIES, TOLERANCE, Family  # noqa: F401 (the table's record)
 
 
 def table() -> dict[str, Family]:
-    from raypack.model.family_table import FAMILIES
-
     return FAMILIES
 
 
@@ -103,3 +60,66 @@ def rows_for(config) -> list[str]:
     text = getattr(config, "get_text_config", lambda: config)()
     names.add(type(text).__name__)
     return [key for key, spec in table().items() if spec.config in names]
+
+
+PAGE = "docs/reference/models.md"
+"""The supported-models page, generated from this table at `make docs` (tools/docs_hooks.py)."""
+
+
+def describe(config) -> str:
+    """`raypack plan`'s line for a model: the table's rows for its class, and what they say."""
+    rows = rows_for(config)
+    name, version = type(config).__name__, transformers.__version__
+    if not rows:
+        return (f"supported models: no row for {name} in raypack's table ({PAGE}): not among the families its "
+                f"tests check at transformers {version}; the checks before training still apply")
+    specs = [table()[key] for key in rows]
+    refused = sum(1 for spec in specs if spec.refused)
+    verdict = ("exact" if not refused else "refused" if refused == len(rows) else f"{len(rows) - refused} exact, "
+               f"{refused} refused")  # fmt: skip
+    listed = "; ".join(f"{key}{' (refused)' if spec.refused and refused < len(rows) else ''}"
+                       f"{': ' + spec.layout if spec.layout else ''}" for key, spec in zip(rows, specs))  # fmt: skip
+    return (f"supported models ({PAGE}): {name}, {len(rows)} row{'s' if len(rows) > 1 else ''}, {verdict} in "
+            f"raypack's tests at transformers {version}: {listed}")
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A row as the supported-models page shows it, worked out from the model it builds."""
+
+    key: str
+    spec: Family
+    refusal: str | None
+    """None where raypack accepts it; else the refusal, as raypack prints it (its CPU check)."""
+    modes: list[str]
+    cuda: str
+    """What it runs on CUDA: the attention kernels that keep it exact, its mixers' kernels."""
+
+
+def checked() -> list[Checked]:
+    """Every row, its model built on the meta device (no weights: seconds for the whole table)."""
+    from raypack.errors import UnsupportedModelError
+    from raypack.model import mixers
+    from raypack.model.attention import candidate_backends
+    from raypack.model.build import meta_model
+    from raypack.model.routers import builds_routers
+    from raypack.model.traits import backend_reasons, check_packable, decoder
+
+    out = []
+    for key, spec in table().items():
+        model = meta_model(spec.build_config(key))
+        try:  # what check_model runs on the driver for a causal LM, on this one build
+            mixers.refuse_gpu_only_kernels(model, key, "cpu")
+            check_packable(model, key, candidate_backends("auto", "cpu"))
+            refusal = None
+        except UnsupportedModelError as e:
+            refusal = str(e)
+        cuda = ""
+        if refusal is None:
+            kernels = [b for b in ("flash_attn", "torch_varlen") if not backend_reasons(model, b)]
+            why = "; ".join(dict.fromkeys(r for b in ("flash_attn", "torch_varlen") for r in backend_reasons(model, b)))
+            cuda = (f"attention: {' or '.join(kernels)}" if kernels else f"attention: sdpa_varlen only ({why})")
+            kinds = {kind.name: kind.kernels for kind in mixers.find(decoder(model)).values()}
+            cuda += "".join(f"; {name}: {kernels}" for name, kernels in kinds.items())
+        out.append(Checked(key, spec, refusal, modes(key, refusal is None and builds_routers(model)), cuda))
+    return out

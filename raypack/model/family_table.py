@@ -1,5 +1,6 @@
-"""The rows of the supported-models table (raypack/model/families.py): every family raypack is
-tried on, at hidden 64 and 2-6 layers, in the layouts its published checkpoints use.
+"""The rows of the supported-models table (raypack/model/families.py reads them), and the record
+each is written in: every family raypack is tried on, at hidden 64 and 2-6 layers, in the layouts
+its published checkpoints use.
 
 A row's id is the transformers model type; `<type>-<name>` is a further published layout of it.
 Where a layout is a config class's defaults, transformers documents those defaults as the named
@@ -10,7 +11,54 @@ weights are skipped on load): they train nothing, and no row can test them.
 
 from __future__ import annotations
 
-from raypack.model.families import Family
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import transformers
+
+TOLERANCE = 1e-5
+"""The largest relative error accepted between a packed row and its examples alone (fp32)."""
+
+COMMON = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, max_position_embeddings=256, vocab_size=512, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+    initializer_range=0.1, use_cache=False,
+)  # fmt: skip
+"""Sizes every family gets; a family's row overrides them (None drops a key its config lacks)."""
+
+
+@dataclass(frozen=True)
+class Family:
+    config: str
+    """The transformers config class."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    refused: str | None = None
+    """None: must be exact. Else a regex the refusal must match (the trait it names)."""
+    mixes: bool = True
+    """For a refused family: show, with the check bypassed, that packing really is wrong."""
+    module: str | None = None
+    """transformers.models.<module>, when it isn't the row's id before any `-<layout>`."""
+    split_refused: str | None = None
+    """For a family that packs exactly: a regex the refusal of train.sequence_parallel > 1 must match."""
+    tolerance: float = TOLERANCE
+    """The largest relative error accepted; above TOLERANCE only where rounding is shown to be the cause."""
+    layout: str = ""
+    """The layer layout the row builds, in words (the supported-models page's)."""
+    source: str = ""
+    """Where that layout comes from: the config class's defaults (which transformers documents as a
+    checkpoint's), a model card, or why the row is no published layout."""
+
+    def module_name(self, key: str) -> str:
+        return self.module or key.split("-")[0]
+
+    def build_config(self, key: str):
+        module = importlib.import_module(f"transformers.models.{self.module_name(key)}")
+        cls = getattr(transformers, self.config, None) or getattr(module, self.config)
+        kwargs = {**COMMON, **self.overrides}
+        return cls(**{k: v for k, v in kwargs.items() if v is not None})
+
+
 
 MOE = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 MLA = dict(head_dim=None, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
@@ -132,7 +180,7 @@ FAMILIES: dict[str, Family] = {
                                                    "interleave_moe_layer_step": 2},
                               layout="dense and MoE layers alternating (interleave_moe_layer_step 2)",
                               source="Llama 4 Maverick: MoE in every other block (Megatron-LM's moe-layer-freq "
-                                     "[0,1]*24 for meta-llama/Llama-4-Maverick-17B-128E)"),  # fmt: skip
+                                     "`[0,1]*24` for meta-llama/Llama-4-Maverick-17B-128E)"),  # fmt: skip
     # attention sinks (s_aux), alternating sliding layers, MoE
     "gpt_oss": Family("GptOssConfig", {**MOE, **WINDOW},
                       layout="sliding and full attention alternating, sinks, every layer MoE",
@@ -181,7 +229,7 @@ FAMILIES: dict[str, Family] = {
     "nemotron_h": Family("NemotronHConfig", {**MAMBA2, "layers_block_type": ["mamba", "mlp", "mamba", "attention", "mlp"],
                                              "num_hidden_layers": None},
                          layout="Mamba-2 layers, MLP-only layers between them, one attention layer",
-                         source="Nemotron-H 4B/8B: hybrid_override_pattern M-M-M-M*-M-M-... (M Mamba-2, - MLP, "
+                         source="Nemotron-H 4B/8B: hybrid_override_pattern `M-M-M-M*-M-M-...` (M Mamba-2, - MLP, "
                                 "* attention; Megatron-Bridge's Nemotron-H docs)", **HYBRID),  # fmt: skip
     "nemotron_h-nano3": Family("NemotronHConfig", {**MAMBA2, **MOE, "n_shared_experts": 1,
                                                    "moe_shared_expert_intermediate_size": 32, "num_hidden_layers": None,

@@ -169,3 +169,11 @@ def test_a_forward_that_keeps_the_boundaries_from_its_mixers_is_refused():
     with pytest.raises(UnsupportedModelError, match=r"calls self\.backbone without its keyword arguments"):
         check_packable(model, "mamba2")
     assert drops_boundaries(meta_model(tiny_config("nemotron_h"))) is None
+
+
+def test_nemotron_h_as_released_and_with_no_attention_layer_is_accepted():
+    """The issue's config (an MLP-only layer, `-` in hybrid_override_pattern, between Mamba-2 and
+    attention layers, and an MoE layer) and a stack with no attention layer, before training;
+    tests/unit/model/test_families.py trains both layouts exactly (nemotron_h, nemotron_h-recurrent)."""
+    check_model(transformers.NemotronHConfig(layers_block_type=["mamba", "mlp", "attention", "moe"]), attention="auto")
+    check_model(transformers.NemotronHConfig(hybrid_override_pattern="M-ME"), attention="auto")
