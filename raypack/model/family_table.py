@@ -285,11 +285,13 @@ FAMILIES: dict[str, Family] = {
                                                "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]},
                           layout="KDA and MLA 3:1, a dense first layer, then MoE with one shared expert",
                           source="KimiLinearConfig defaults (moonshotai/Kimi-Linear-48B-A3B-Instruct)", **HYBRID),
-    "bailing_hybrid": Family("BailingHybridConfig", {**MOE, **MLA, "head_dim": 16, "num_hidden_layers": 6,
-                                                     "layer_group_size": 6, "first_k_dense_replace": 2,
+    # head_dim: Bailing's KDA heads are its attention heads (linear_head_dim = head_dim)
+    "bailing_hybrid": Family("BailingHybridConfig", {**MOE, **MLA, "head_dim": 16, "num_hidden_layers": 4,
+                                                     "layer_group_size": 4, "first_k_dense_replace": 2,
                                                      "n_shared_experts": 1, "n_group": 2, "topk_group": 1},
-                             layout="KDA and MLA 5:1 (safe gate), two dense first layers, then MoE with a shared "
-                                    "expert and grouped top-k; 1 MTP layer (not built)",
+                             layout="groups of KDA layers closed by an MLA layer (5:1 published, 3:1 at this size; "
+                                    "safe gate), two dense first layers, then MoE with a shared expert and grouped "
+                                    "top-k; 1 MTP layer (not built)",
                              source="BailingHybridConfig defaults (inclusionAI/Ling-3.0-Flash: layer_group_size 6, "
                                     "first_k_dense_replace 2, kda_safe_gate)", **HYBRID),  # fmt: skip
     # refused: token mixers raypack doesn't keep exact, which see the whole row

@@ -136,7 +136,7 @@ KINDS: tuple[MixerKind, ...] = (
     MixerKind("KDA", _kda, ("fla", "causal_conv1d"),
               "flash-linear-attention chunk_kda (cu_seqlens) + causal-conv1d (seq_idx)", varlen=lambda cu: cu_seqlens(cu)),
 )  # fmt: skip
-"""The mixers raypack keeps exact. To add one: its structure, and a family row in tests/families.py."""
+"""The mixers raypack keeps exact. To add one: its structure, and a family row in raypack/model/family_table.py."""
 
 
 def kind_of(module: nn.Module) -> MixerKind | None:

@@ -2,7 +2,7 @@
 
 A packed row holds several examples. Packing is exact only if every layer that mixes tokens
 keeps them apart, which raypack guarantees for attention routed through its varlen backends
-(`attention.py`) and for the token mixers it knows (`mixers.py`: the gated delta rule, Mamba-2,
+(`attention.py`) and for the token mixers it knows (`mixers.py`: the gated delta rule, KDA, Mamba-2,
 short convolutions), and for nothing else. So a model is refused, naming the model, the trait and
 what still works, when it has
 
