@@ -1,10 +1,12 @@
 """Every model family raypack is tried on: exact on packed rows, or refused before training.
 
-For each family a tiny model (hidden 64, 2-4 layers) is built from a config. Families raypack
-accepts must give, through its exact CPU path (`attention='sdpa_varlen'`) on two packed rows,
-the same logits, summed loss and every parameter gradient as each example run alone under
-transformers' own `eager` attention with the same weights, within 1e-5 relative in fp32 (the
-packed and unpacked sums run in different orders; the largest error seen here is under 2e-6).
+For each row a tiny model (hidden 64, 2-6 layers) is built from a config, in the layer layout of
+the family's published checkpoints (raypack/model/family_table.py gives each layout's source).
+Rows raypack accepts must give, through its exact CPU path (`attention='sdpa_varlen'`) on two
+packed rows, the same logits, summed loss and every parameter gradient as each example run alone
+under transformers' own `eager` attention with the same weights, within 1e-5 relative in fp32
+(the packed and unpacked sums run in different orders), or a row's own bound where rounding is
+shown to be the cause (the gated delta rule's A_log: tests/families.py's comments).
 Families with a trait raypack can't keep exact must raise UnsupportedModelError naming it, on
 the driver's meta-device check and in load_model; for those, the same comparison with the check
 bypassed shows the trait really mixes examples, so no refusal here is spurious.
@@ -12,9 +14,11 @@ bypassed shows the trait really mixes examples, so no refusal here is spurious.
 Windows (8) and chunks (8) are shorter than the examples (up to 21 tokens). Models run in eval
 mode: MoE routers with jitter or sampling in training mode draw per token, which no two runs
 share. Routers pick experts per token here (no capacity, no token dropping), so packing can't
-change routing; router aux losses are not part of raypack's loss (token cross-entropy).
+change routing; the router loss is checked per family in tests/unit/train/test_router_loss.py.
 
-The families are tests/families.py's rows; to check one a newer transformers adds, add a row there.
+The rows are the supported-models table's (raypack/model/family_table.py, imported through
+tests/families.py), which docs/reference/models.md shows; to check a family a newer transformers
+adds, add a row there.
 """
 
 from __future__ import annotations
