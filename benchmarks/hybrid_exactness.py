@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         *cpu_header("Hybrid models: packed vs each example alone, before and after raypack's mixers",
                     "hybrid_exactness.py", argv, args.smoke, started, modules=("torch", "transformers")),
         "",
-        "Tiny models of tests/families.py (hidden 64, 2 layers; scans in chunks of 8), fp32, CPU, one torch thread; "
+        "Tiny models of tests/families.py (hidden 64, 2 to 6 layers; scans in chunks of 8), fp32, CPU, one torch thread; "
         "two packed rows (examples of 21, 6 / 13, 1, 9 tokens) against every example alone through transformers' "
         "eager model. Largest relative error over logits, summed loss and every gradient (tests/exactness.py). "
         f"{time.perf_counter() - t0:.0f} s.",

@@ -1,7 +1,9 @@
-"""A Qwen3.5-shaped hybrid on packed rows (issue 42): exact against its own unpacked forward, and
-tokens/s packed over padded on the same data, in one run, saying which path its mixers took.
+"""A Qwen3.5-shaped hybrid on packed rows (issue 42), or a Kimi-Linear-shaped one (KDA, issue 54):
+exact against its own unpacked forward, and tokens/s packed over padded on the same data, in one
+run, saying which path its mixers took.
 
     PYTHONPATH=. python benchmarks/hybrid_throughput.py            # one GPU: ~280M parameters, bf16
+    PYTHONPATH=. python benchmarks/hybrid_throughput.py --family kimi_linear   # KDA and MLA 3:1, MoE
     PYTHONPATH=. python benchmarks/hybrid_throughput.py --smoke    # tiny model on the CPU: proves the script runs
 
 1. Exactness (tests/exactness.py `packed_vs_alone`: two packed rows, forward and backward, against
@@ -55,8 +57,21 @@ MEASURED = dict(vocab_size=32_000, hidden_size=1024, intermediate_size=3072, num
                 linear_key_head_dim=128, linear_value_head_dim=128, layer_types=None, max_position_embeddings=8192)  # fmt: skip
 """Qwen3.5's shape scaled down: head_dim 256, gated attention, the gated delta rule's heads of 128,
 a full attention layer every 4th (layer_types None: the config's own pattern)."""
-KERNEL_FUNCTIONS = ("torch_chunk_gated_delta_rule", "causal_conv1d_fn")
-"""The functions of transformers' gated delta rule layer that it binds to a kernel package at import."""
+KDA_EXACT = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=8, head_dim=None, intermediate_size=512,
+                 linear_num_heads=4, linear_head_dim=64, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                 mlp_layer_types=["dense", "sparse", "sparse", "sparse"], num_hidden_layers=4)  # fmt: skip
+"""Kimi-Linear's layout at the exactness checks' size: KDA and MLA 3:1, a dense first layer, then MoE."""
+KDA_MEASURED = dict(vocab_size=32_000, hidden_size=1024, intermediate_size=3072, num_hidden_layers=12,
+                    num_attention_heads=8, num_key_value_heads=8, head_dim=None, linear_num_heads=8, linear_head_dim=128,
+                    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 3,
+                    mlp_layer_types=["dense"] + ["sparse"] * 11, num_experts=16, num_experts_per_tok=4,
+                    moe_intermediate_size=512, max_position_embeddings=8192)  # fmt: skip
+"""Kimi-Linear-48B-A3B's shape scaled down: KDA heads of 128, MLA every 4th layer, MoE after a dense layer."""
+SHAPES = {"qwen3_5": (EXACT_SIZES, MEASURED, "hybrid"), "kimi_linear": (KDA_EXACT, KDA_MEASURED, "hybrid_kda")}
+"""--family -> (exactness sizes, measured sizes, results theme)."""
+KERNEL_FUNCTIONS = ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention", "causal_conv1d_fn")
+"""The functions of transformers' gated delta rule and KDA layers that it binds to a kernel package
+at import (each module has the ones of its own layer)."""
 
 
 def hide_kernels_on_cpu(device: str) -> str:
@@ -110,7 +125,9 @@ def bindings(model) -> str:
     module = sys.modules[type(decoder(model).get_submodule(next(iter(found)))).__module__]
     parts = []
     for name in KERNEL_FUNCTIONS:
-        impl = implementation(getattr(module, name, None))
+        if not hasattr(module, name):
+            continue
+        impl = implementation(getattr(module, name))
         if impl is None:
             parts.append(f"{name}: not found")
         elif impl.__module__ == module.__name__:
@@ -220,6 +237,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=None, help="untimed steps a mode first (default 3; smoke 1)")
     p.add_argument("--examples-per-step", type=int, default=None, help="examples a step (default 16; smoke 4)")
     p.add_argument("--max-length", type=int, default=None, help="clip example lengths (default 4096; smoke 128)")
+    p.add_argument("--family", choices=sorted(SHAPES), default="qwen3_5", help="the hybrid's shape (default qwen3_5)")
     p.add_argument("--out", default=None, help="results file (default: see benchmarks/common.py)")
     args = p.parse_args(argv)
     device = gpu_or_smoke(__file__, args.smoke, "measures the hybrid mixers' CUDA paths")
@@ -236,14 +254,17 @@ def main(argv=None) -> int:
     warmup = args.warmup if args.warmup is not None else 1 if args.smoke else 3
     per_step = args.examples_per_step or (4 if args.smoke else 16)
     max_length = args.max_length or (128 if args.smoke else 4096)
-    if args.smoke:  # the tests' tiny model (one gated delta rule layer, one attention layer), short examples
+    exact_sizes, measured_sizes, theme = SHAPES[args.family]
+    if args.smoke:  # the tests' tiny model (one mixer layer, one attention layer), short examples
         from exactness import LENGTHS as lengths
 
-        exact_config, measured = tiny_config("qwen3_5"), tiny_config("qwen3_5")
+        exact_config, measured = tiny_config(args.family), tiny_config(args.family)
     else:
-        exact_config, measured, lengths = tiny_config("qwen3_5", **EXACT_SIZES), tiny_config("qwen3_5", **MEASURED), EXACT_LENGTHS
-    out = results_path("hybrid", args.smoke, args.out)
-    header = [f"# Hybrid (Qwen3.5-shaped) on packed rows: exactness and throughput, {device_name()}, "
+        exact_config, measured = tiny_config(args.family, **exact_sizes), tiny_config(args.family, **measured_sizes)
+        lengths = EXACT_LENGTHS
+    out = results_path(theme, args.smoke, args.out)
+    shaped = {"qwen3_5": "Qwen3.5", "kimi_linear": "Kimi-Linear"}[args.family]
+    header = [f"# Hybrid ({shaped}-shaped) on packed rows: exactness and throughput, {device_name()}, "
               f"{time.strftime('%Y-%m-%d')}", *smoke_banner(args.smoke), "", f"Command: `{command_line(__file__, argv)}`", "",
               f"Machine: {machine()}. Versions: {versions('fla', 'causal_conv1d', 'mamba_ssm', 'flash_attn', 'triton')}; "
               f"float32 matmul precision {torch.get_float32_matmul_precision()}.{' ' + hidden + '.' if hidden else ''}", ""]  # fmt: skip
@@ -264,6 +285,7 @@ def main(argv=None) -> int:
     got = throughput(measured, device, steps, warmup, per_step, max_length)
     model = got.pop("model")
     found = mixers.find(decoder(model))
+    kind = next(iter(found.values())).name
     ratio = got["packed"]["tokens_per_s"] / got["padded"]["tokens_per_s"]
     lines = [
         *header,
@@ -272,7 +294,7 @@ def main(argv=None) -> int:
         *check_lines,
         "## Throughput: packed over padded, same examples", "",
         f"Model: {type(measured).__name__}, {got['params'] / 1e6:.1f}M parameters, hidden {measured.hidden_size}, "
-        f"{measured.num_hidden_layers} layers ({measured.layer_types.count('linear_attention')} gated delta rule), "
+        f"{measured.num_hidden_layers} layers ({measured.layer_types.count('linear_attention')} {kind}), "
         f"{'bf16' if device == 'cuda' else 'fp32'}, random init; forward and backward, no optimizer. {per_step} FLAN-like "
         f"examples a step (lengths clipped to {max_length}), {warmup} warm-up + {steps} measured steps a mode; "
         f"{got['real_tokens']:,} real tokens measured; {time.perf_counter() - t0:.0f} s.", "",
@@ -284,7 +306,7 @@ def main(argv=None) -> int:
         "attention_mask (what `pack.strategy: pad` trains). The first-step losses agree to bf16 noise when both are exact.",
         "",
     ]  # fmt: skip
-    write_results("hybrid", args.smoke, str(out), lines)
+    write_results(theme, args.smoke, str(out), lines)
     failed = [c["name"] for c in checks if not c["ok"]]
     if failed:
         print(f"hybrid_throughput: exactness check(s) failed: {', '.join(failed)}", file=sys.stderr)

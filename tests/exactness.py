@@ -90,3 +90,22 @@ def random_lora_b(model, seed: int = 1, scale: float = 0.1):
         if "lora_B" in name:
             p.data = (torch.randn(p.shape, generator=g) * scale).to(p.device, p.dtype)
     return model
+
+
+def float64_copy(model):
+    """`model` in float64, its gradients cleared (experts run eagerly: grouped_mm has no float64):
+    the exact value that fp32 runs round, where a gradient is too ill-conditioned to compare two
+    fp32 runs with each other."""
+    import copy
+
+    exact = copy.deepcopy(model).double()
+    for m in exact.modules():
+        if getattr(m, "config", None) is not None:
+            m.config._experts_implementation = "eager"
+    exact.zero_grad(set_to_none=True)
+    return exact
+
+
+AS_CLOSE = 4.0
+"""Where fp32 rounding alone exceeds a row's tolerance, the packed run must be within this many
+times the examples-alone fp32 run's distance from the float64 value (seen: 0.96 to 2.5)."""

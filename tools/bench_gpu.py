@@ -27,8 +27,9 @@ each requirement in requirements.json against what is installed and prints any t
    10. attention         benchmarks/attention_throughput.py
    11. lora              benchmarks/lora_throughput.py
    12. moe               benchmarks/router_loss.py
-   13. long              benchmarks/long_context.py
-   14. gpu_tests_more    pytest -m "gpu and slow": the other Liger families and the DeepSeek diagnostic
+   13. hybrid_kda        benchmarks/hybrid_throughput.py --family kimi_linear: KDA the same as hybrid
+   14. long              benchmarks/long_context.py
+   15. gpu_tests_more    pytest -m "gpu and slow": the other Liger families and the DeepSeek diagnostic
 
 Each step runs in its own process group under its own time limit: its cap, cut so that the steps
 before the line keep at least their min_s; a step after the line starts only with its min_s left.
@@ -126,6 +127,9 @@ STEPS = [
     # (issue 43; not yet run on a GPU)
     Step("moe", "router_loss", ["benchmarks/router_loss.py"], cap_s=90, min_s=40, required=False,
          smoke_args=["--smoke"]),
+    # KDA (issue 54, not yet run on a GPU): a Kimi-Linear-shaped hybrid, exact on CUDA, packed over padded
+    Step("hybrid_kda", "hybrid_kda", ["benchmarks/hybrid_throughput.py", "--family", "kimi_linear"], cap_s=120,
+         min_s=50, required=False, smoke_args=["--smoke"]),
     # It doubles row lengths for as long as its own --budget allows.
     Step("long", "long_context", ["benchmarks/long_context.py", "--budget", "120"], cap_s=150, min_s=60,
          required=False, smoke_args=["--smoke"]),

@@ -286,7 +286,7 @@ def transformers_keep(wheel: Path, carried: list[Path]) -> set[str]:
 
     from raypack.model.build import TINY_FAMILIES
 
-    keep |= {f.module or name for name, f in FAMILIES.items()}
+    keep |= {f.module_name(name) for name, f in FAMILIES.items()}
     keep |= {module_folder(getattr(transformers, cls)) for cls, _ in TINY_FAMILIES.values()}
     for other in carried:
         with zipfile.ZipFile(other) as z:

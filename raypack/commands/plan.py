@@ -25,9 +25,10 @@ one more gives, per strategy, the tower's imbalance, that of all the step's FLOP
 micro-batch in patches (also in --json, with the image counts), which the memory line sizes the
 tower's activations for.
 
-With --config, a last line estimates the memory per GPU of the configured run (full fine-tuning,
+With --config, a line estimates the memory per GPU of the configured run (full fine-tuning,
 LoRA or QLoRA; ZeRO stage, gradient checkpointing, budget): raypack/train/memory.py's arithmetic
-on the model's config, no weights loaded. With --lengths only a model config found without the
+on the model's config, no weights loaded; and a last one names the model's rows in the
+supported-models table (raypack/model/families.py, docs/reference/models.md), or says it has none. With --lengths only a model config found without the
 network counts (tiny-*, a local folder, the Hugging Face cache); otherwise the line is left out.
 """
 
@@ -158,9 +159,10 @@ def run(args: argparse.Namespace) -> int:
             f"all.imb {r['work_imbalance']:.4f}, widest micro-batch {r['widest_patches']} patches" for r in rows))
     print("imbalance = wall-time overhead: sum over steps of the busiest rank / of the mean rank (1.0 = none)")
     if args.config:
-        line = memory_line(cfg, offline=bool(args.lengths), padded=padded, patches=patches)
-        if line:
-            print(line)
+        for line in (memory_line(cfg, offline=bool(args.lengths), padded=padded, patches=patches),
+                     model_line(cfg, offline=bool(args.lengths))):
+            if line:
+                print(line)
     if args.out:
         print(f"wrote the {names[0]} assignment to {args.out}")
     return 0
@@ -224,6 +226,22 @@ def memory_line(cfg: Config, offline: bool, padded: tuple[int, int] | None = Non
         return prefix + summary(cfg, arch, padded, patches) + tower
     except (InputError, ValueError, AttributeError) as e:  # no config, or a shape the arithmetic doesn't know
         return None if offline else f"{prefix}n/a ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+
+
+def model_line(cfg: Config, offline: bool) -> str | None:
+    """The configured model's rows in the supported-models table (raypack/model/families.py, the
+    table the family tests run and docs/reference/models.md shows), found as memory_line finds
+    its config; None where there is none to be had offline."""
+    name = _local_model(cfg.model.name)
+    if name is None and offline:
+        return None
+    from raypack.model.build import model_config
+    from raypack.model.families import describe
+
+    try:
+        return describe(model_config(name or cfg.model.name, cfg.model.trust_remote_code))
+    except (InputError, ValueError, OSError) as e:
+        return None if offline else f"supported models: n/a ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
 
 
 def _local_model(name: str) -> str | None:

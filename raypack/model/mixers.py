@@ -1,5 +1,6 @@
 """Token mixers other than attention, kept exact on packed rows: short convolutions, the gated
-delta rule and Mamba-2 (the hybrid layers of Qwen3.5, Qwen3-Next, LFM2, Nemotron-H, Bamba, ...).
+delta rule, Mamba-2 and KDA (the hybrid layers of Qwen3.5, Qwen3-Next, LFM2, Nemotron-H, Bamba,
+Kimi-Linear, ...).
 
 A convolution over the sequence or a recurrence sees the whole packed row. Exact means what it
 means for attention: every example sees what it would see alone.
@@ -22,7 +23,8 @@ arguments, as they do to attention. Two paths, one answer:
              the boundaries the way its kernels take them. transformers already hands
              `cu_seqlens` to flash-linear-attention's gated delta rule; raypack adds `seq_idx`
              (each token's example), which causal-conv1d's convolution and mamba-ssm's chunked
-             scan take, and which transformers forwards to them. Built on the device, no read.
+             scan take, and which transformers forwards to them, and for KDA `cu_seqlens`
+             (`MixerKind.varlen`), which its layer doesn't derive. Built on the device, no read.
 
 A kernel that does not name the keyword carrying the boundaries would lose them silently
 (raypack/model/mixer_kernels.py): the kernels path is taken only where every function the layer
@@ -94,6 +96,16 @@ def _mamba2(m: nn.Module) -> bool:
             and _param(m, "dt_bias", 1) and hasattr(m, "n_groups") and hasattr(m, "ssm_state_size"))  # fmt: skip
 
 
+def _kda(m: nn.Module) -> bool:
+    """Kimi Delta Attention (Kimi-Linear, Bailing's hybrid): a depthwise convolution over q, k, v,
+    then a delta rule whose decay is per channel, from a forget gate holding A_log and dt_bias,
+    with a learning rate from b_proj."""
+    gate = getattr(m, "forget_gate", None)
+    return (_depthwise(getattr(m, "conv1d", None)) and isinstance(gate, nn.Module)
+            and {"A_log", "dt_bias"} <= set(gate._parameters) and _linear(getattr(m, "b_proj", None))
+            and "A_log" not in m._parameters)  # fmt: skip
+
+
 def _linear(m) -> bool:
     """A linear layer, or one peft has wrapped (an adapter around its `base_layer`)."""
     return isinstance(m, nn.Linear) or isinstance(getattr(m, "base_layer", None), nn.Linear)
@@ -124,6 +136,9 @@ class MixerKind:
     by_weight: tuple[str, ...] = ()
     """Submodules whose weight the layer hands a function itself on every path (the
     convolution's): an adapter there never runs, and is refused."""
+    varlen: Callable[[torch.Tensor], dict] | None = None
+    """What its kernels take of the boundaries beyond `seq_idx` that transformers' layer doesn't
+    derive itself, from cu_seq_lens_q (passed on with the forward's keyword arguments)."""
 
 
 KINDS: tuple[MixerKind, ...] = (
@@ -141,8 +156,13 @@ KINDS: tuple[MixerKind, ...] = (
               by_weight=("conv1d",)),
     MixerKind("short convolution", _short_conv, ("causal_conv1d",), "causal-conv1d (seq_idx)", calls=(CONV,),
               by_weight=("conv",)),
+    # transformers 5.24's Kimi-Linear and Bailing layers hand the forward's keyword arguments to
+    # fla's chunk_kda as they come (cu_seq_lens_q, which it doesn't take): raypack adds cu_seqlens
+    MixerKind("KDA", _kda, ("fla", "causal_conv1d"),
+              "flash-linear-attention chunk_kda (cu_seqlens) + causal-conv1d (seq_idx)", varlen=lambda cu: cu_seqlens(cu),
+              calls=(CONV, KernelCall("chunk_kda", "fla", "ops.kda", "cu_seqlens")), by_weight=("conv1d",)),
 )  # fmt: skip
-"""The mixers raypack keeps exact. To add one: its structure, and a family row in tests/families.py."""
+"""The mixers raypack keeps exact. To add one: its structure, and a family row in raypack/model/family_table.py."""
 
 
 def kind_of(module: nn.Module) -> MixerKind | None:
@@ -286,6 +306,17 @@ def seq_idx(cu: torch.Tensor, total: int) -> torch.Tensor:
     return hit
 
 
+def cu_seqlens(cu: torch.Tensor) -> dict[str, torch.Tensor]:
+    """fla's varlen arguments: the boundaries as int64 on cu's device, and on the host where the
+    step kept a copy (exact.keep_host_copy), which spares fla its own read back."""
+    hit = _per_batch.get(cu, ("cu_seqlens",))
+    if hit is None:
+        host = host_copy(cu)
+        hit = {"cu_seqlens": cu.to(torch.long)} | ({} if host is None else {"cu_seqlens_cpu": host.to(torch.long)})
+        hit = _per_batch.put(cu, ("cu_seqlens",), hit)
+    return hit
+
+
 def _packed_forward(original, kind: MixerKind, hidden_states: torch.Tensor, cache=None, attention_mask=None,
                     **kwargs) -> torch.Tensor:  # fmt: skip
     """The mixer over a packed row: its examples apart. Without cu_seq_lens_q (generation, a
@@ -309,7 +340,8 @@ def _packed_forward(original, kind: MixerKind, hidden_states: torch.Tensor, cach
     total = batch * length
     row = hidden_states.reshape(1, total, width)  # cu_seq_lens index the flattened rows
     if path(kind, row.device.type) == "kernels":
-        out = original(row, cache=None, attention_mask=None, **{**kwargs, "seq_idx": seq_idx(cu, total)})
+        extra = kind.varlen(cu) if kind.varlen else {}
+        out = original(row, cache=None, attention_mask=None, **{**kwargs, "seq_idx": seq_idx(cu, total), **extra})
     else:
         # One call, the examples as the rows of a right-padded batch: each starts from zeros and
         # ends before its padding, which a causal mixer never reads back. One call, not one per

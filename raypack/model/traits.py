@@ -2,25 +2,31 @@
 
 A packed row holds several examples. Packing is exact only if every layer that mixes tokens
 keeps them apart, which raypack guarantees for attention routed through its varlen backends
-(`attention.py`) and for the token mixers it knows (`mixers.py`: the gated delta rule, Mamba-2,
+(`attention.py`) and for the token mixers it knows (`mixers.py`: the gated delta rule, KDA, Mamba-2,
 short convolutions), and for nothing else. So a model is refused, naming the model, the trait and
 what still works, when it has
 
-    a token mixer raypack doesn't know   `layer_types` entries such as conv, linear_attention,
-                                         hybrid, or modules that mix along the sequence:
-                                         nn.Conv1d (Mamba-1, RecurrentGemma, KDA), SSM parameters
-                                         `A_log`, attention modules with is_causal=False (BERT
-                                         without is_decoder). They see the whole row and would mix
-                                         examples. Known mixers, and the layer types of the layers
-                                         holding them, count only under raypack's attention
-                                         backends, which install them (not `sdpa`, whose refusal
-                                         names the backend, not a trait). Only the text
-                                         decoder is searched (`get_decoder()`): vision and audio
-                                         towers never see a packed row.
+    a token mixer raypack doesn't know   modules that mix along the sequence: nn.Conv1d
+                                         (Mamba-1, RecurrentGemma), SSM parameters `A_log`,
+                                         attention modules with is_causal=False (BERT without
+                                         is_decoder), and in a layer whose `layer_types` entry
+                                         isn't an attention raypack implements, any module whose
+                                         forward takes the sequence's mask or cache (an indexer,
+                                         a compressor) without being attention it routes or a
+                                         mixer it knows. They see the whole row and would mix
+                                         examples. Such a layer holding only an MLP or an MoE
+                                         (Nemotron-H's `mlp` and `moe`) mixes nothing. Known
+                                         mixers count only under raypack's attention backends,
+                                         which install them (not `sdpa`, whose refusal names the backend, not a trait). Only the text decoder
+                                         is searched (`get_decoder()`): vision and audio towers
+                                         never see a packed row.
     known mixers, split or compiled      train.sequence_parallel > 1 (a recurrence can't follow a
                                          row across ranks) and train.compile
     attention outside transformers'      no `_supports_attention_backend`, or no position_ids
-    attention interface                  in forward (Bloom, GPT-2-era classes)
+    attention interface                  in forward (Bloom, GPT-2-era classes). A stack of known
+                                         mixers with no attention layer has nothing to route
+    boundaries that can't reach the      a forward that doesn't hand its keyword arguments (the
+    mixers                               row's cu_seq_lens) to its decoder (Mamba2ForCausalLM)
     row-position query scaling           Llama 4's `attn_temperature_tuning` scales NoPE layers'
                                          queries by the position in the row, not in the example:
                                          exact only while rows are shorter than `floor_scale`
@@ -38,7 +44,9 @@ with its own attention and one example per row, so every trait above still train
 
 from __future__ import annotations
 
+import ast
 import inspect
+import textwrap
 from collections.abc import Sequence
 
 import torch
@@ -46,11 +54,15 @@ import torch
 from raypack.errors import UnsupportedModelError
 from raypack.model import mixers
 
-EXACT_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention",
-                               "moe", "sparse", "dense"})  # fmt: skip
-"""`layer_types` entries raypack keeps exact: attention kinds it implements, and MLP kinds, which
-mix no tokens. Anything else (conv, linear_attention, mamba, hybrid, indexed/compressed
-attention, and kinds a newer transformers adds) is refused until checked."""
+ROUTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+"""`layer_types` entries naming attention raypack implements. Any other entry (an MLP, an MoE, a
+recurrence, a kind a newer transformers adds) is judged by the modules of the layer it names
+(`layer_mixes`), or refused where no layer can be found for it."""
+
+SEQUENCE_ARGUMENTS = ("attention_mask", "cache", "cache_params", "past_key_values", "past_key_value",
+                      "cu_seqlens", "cu_seq_lens_q", "seq_idx")  # fmt: skip
+"""What only a module that works along the sequence takes. An MLP, an MoE, its router and experts
+and a norm take the hidden states (and the token ids) alone; positions alone are per token."""
 
 PADDED = "pad or pad_sorted"
 """The padded strategies, as every refusal names them (data/strategies.py is their home; the
@@ -67,24 +79,31 @@ def decoder(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def token_mixers(model: torch.nn.Module, known_exact: bool = False) -> list[str]:
-    """What, besides causal attention, mixes tokens along the sequence: layer types and modules.
-    `known_exact`: the mixers raypack keeps exact (mixers.py) will be installed, so they and
-    their layers' types don't count; only what it doesn't know does."""
+    """What, besides causal attention, mixes tokens along the sequence: layers and modules.
+    `known_exact`: the mixers raypack keeps exact (mixers.py) will be installed, so they don't
+    count; only what it doesn't know does."""
     found = []
     config = getattr(model, "config", None)
     config = getattr(config, "get_text_config", lambda: config)()
     text = decoder(model)
     known = mixers.find(text) if known_exact else {}
-    modules = dict(text.named_modules())
     inside = tuple(f"{name}." for name in known)
-    # a layer whose type is a mixer's kind is exact if it holds a known mixer (by layer_idx)
-    mixer_layers = {getattr(modules[name], "layer_idx", None) for name in known}
-    for field in ("layer_types", "mtp_layer_types"):
-        types = getattr(config, field, None) or []
-        odd = sorted({t for i, t in enumerate(types) if t not in EXACT_LAYER_TYPES
-                      and not (field == "layer_types" and i in mixer_layers)})  # fmt: skip
+    layers = getattr(text, "layers", None)
+    types = list(getattr(config, "layer_types", None) or [])
+    if types and isinstance(layers, torch.nn.ModuleList) and len(layers) == len(types):
+        attention = attention_types(text, known if known_exact else mixers.find(text))
+        odd = {}
+        for i, t in enumerate(types):
+            if t not in ROUTED_LAYER_TYPES and (why := layer_mixes(layers[i], f"layers.{i}", known, attention)):
+                odd.setdefault(t, why)
         if odd:
-            found.append(f"{field} {', '.join(odd)}")
+            found.append(f"layer_types {', '.join(f'{t} ({why})' for t, why in sorted(odd.items()))}")
+    else:  # no layer to read: the names alone, attention raypack implements or refused
+        odd = sorted({t for t in types if t not in ROUTED_LAYER_TYPES})
+        if odd:
+            found.append(f"layer_types {', '.join(odd)}")
+    # MTP layers (`mtp_layer_types`) are not built by transformers (their weights are skipped on
+    # load), so they train nothing; one built beside the decoder's layers would be searched below.
     for name, module in text.named_modules():
         if isinstance(module, torch.nn.Conv1d) and not name.startswith(inside):
             found.append(f"a convolution over the sequence ({name})")
@@ -100,7 +119,61 @@ def token_mixers(model: torch.nn.Module, known_exact: bool = False) -> list[str]
     return found
 
 
-_QUERY_PROJECTIONS = ("q_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv")
+def layer_mixes(layer: torch.nn.Module, where: str, known: dict[str, mixers.MixerKind],
+                attention: set[type]) -> str | None:  # fmt: skip
+    """Why `layer` (named `where` in the decoder) mixes a packed row's examples, or None: its
+    modules are attention raypack routes, mixers it knows (`known`, by name in the decoder), and
+    what takes the hidden states alone (an MLP, an MoE). A module whose forward takes the mask or
+    the cache, holding neither attention nor a known mixer, works along the sequence unchecked."""
+    names = {name.removeprefix(f"{where}.") for name in known if name.startswith(f"{where}.")}
+    holds = {name for name, m in layer.named_modules() if type(m) in attention or name in names}
+    for name, module in layer.named_modules():
+        if not name or any(name == k or name.startswith(f"{k}.") for k in names):
+            continue
+        if type(module) in attention:
+            if not _routed(type(module)):
+                return f"{where}.{name} is attention outside AttentionInterface"
+            continue
+        if any(h == name or h.startswith(f"{name}.") for h in holds):
+            continue  # a block around attention or a mixer, handing the mask down
+        takes = _sequence_arguments(module)
+        if takes:
+            return f"{where}.{name}: {type(module).__name__} takes the {takes[0]}, so it works along the sequence"
+    return None
+
+
+def _sequence_arguments(module: torch.nn.Module) -> list[str]:
+    try:
+        params = inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
+        return []
+    return [a for a in SEQUENCE_ARGUMENTS if a in params]
+
+
+def _routed(cls: type) -> bool:
+    """Whether the attention class looks its function up in ALL_ATTENTION_FUNCTIONS (raypack's backends)."""
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+
+
+_QUERY_PROJECTIONS = ("q_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv", "q_a_proj", "q_b_proj", "query")
+
+
+def attention_types(text: torch.nn.Module, known: dict[str, mixers.MixerKind] | None = None) -> set[type]:
+    """The attention classes of the decoder `text`: modules with query projections or a causal
+    flag, and the class transformers records attentions from (`_can_record_outputs`), less the
+    known mixers' (a gated delta rule has q_proj too)."""
+    known = mixers.find(text) if known is None else known
+    kinds = {type(text.get_submodule(name)) for name in known}
+    declared = getattr(text, "_can_record_outputs", None) or {}
+    recorded = declared.get("attentions") if isinstance(declared, dict) else None
+    recorded = recorded if isinstance(recorded, (list, tuple)) else [recorded]
+    classes = {getattr(r, "target_class", r) for r in recorded if r is not None}
+    return {type(m) for m in text.modules()
+            if (type(m) in classes or hasattr(m, "is_causal") or any(hasattr(m, p) for p in _QUERY_PROJECTIONS))
+            and type(m) not in kinds}  # fmt: skip
 
 
 def routes_attention(model: torch.nn.Module) -> bool:
@@ -108,8 +181,9 @@ def routes_attention(model: torch.nn.Module) -> bool:
     classes that declare `_supports_attention_backend`. The hybrids (Qwen3.5, Qwen3-Next,
     Nemotron-H, Bamba, ...) don't, because transformers' own padding-free path can't reach their
     mixers; raypack's mixers do, so for a model holding them it reads the attention layers
-    themselves: every module with query projections must look its function up in
-    ALL_ATTENTION_FUNCTIONS. `late_attention` says such a model gets the name after it is built."""
+    themselves: every attention class must look its function up in ALL_ATTENTION_FUNCTIONS, and
+    a stack of mixers with no attention layer has nothing to route. `late_attention` says such
+    a model gets the name after it is built."""
     if getattr(type(model), "_supports_attention_backend", False):
         return True
     return late_attention(model)
@@ -117,18 +191,34 @@ def routes_attention(model: torch.nn.Module) -> bool:
 
 def late_attention(model: torch.nn.Module) -> bool:
     """A hybrid whose class doesn't declare `_supports_attention_backend` but whose attention
-    layers all go through AttentionInterface: transformers refuses a registered name at build,
-    so the model is built with eager and the name set on its config afterwards (build.py)."""
+    layers, if any, all go through AttentionInterface: transformers refuses a registered name at
+    build, so the model is built with eager and the name set on its config afterwards (build.py)."""
     if getattr(type(model), "_supports_attention_backend", False):
         return False
     text = decoder(model)
     found = mixers.find(text)
     if not found:
         return False
-    kinds = {type(text.get_submodule(name)) for name in found}  # a gated delta rule has q_proj too
-    attention = {type(m) for m in text.modules()
-                 if any(hasattr(m, p) for p in _QUERY_PROJECTIONS) and type(m) not in kinds}  # fmt: skip
-    return bool(attention) and all("ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward) for cls in attention)
+    return all(_routed(cls) for cls in attention_types(text, found))
+
+
+def drops_boundaries(model: torch.nn.Module) -> str | None:
+    """The decoder a model with known mixers calls without its forward's keyword arguments, which
+    carry the row's boundaries (cu_seq_lens_q) to the mixers: Mamba2ForCausalLM calls its
+    `backbone` with named arguments alone. None where the call passes them on, or can't be read."""
+    prefix = getattr(model, "base_model_prefix", "")
+    forward = getattr(type(model), "forward", None)
+    if not prefix or forward is None or not hasattr(model, prefix):
+        return None
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and n.func.attr == prefix and isinstance(n.func.value, ast.Name) and n.func.value.id == "self"]  # fmt: skip
+    if calls and not any(k.arg is None for call in calls for k in call.keywords):
+        return prefix
+    return None
 
 
 def has_sinks(model: torch.nn.Module) -> str | None:
@@ -208,6 +298,9 @@ def check_packable(
         reasons.append("transformers can't route its attention through AttentionInterface")
     if "position_ids" not in inspect.signature(type(model).forward).parameters:
         reasons.append("its forward takes no position_ids")
+    if backends and mixers.find(decoder(model)) and (callee := drops_boundaries(model)):
+        reasons.append(f"its forward calls self.{callee} without its keyword arguments, so the row's boundaries "
+                       "never reach its convolutions and recurrences")
     reasons += [f"{m}, which would mix the examples of a packed row" for m in token_mixers(model, bool(backends))]
     floor = row_scaled_layers(model.config)
     if floor is not None and max_row_tokens is not None and max_row_tokens >= floor:

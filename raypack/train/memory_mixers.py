@@ -1,5 +1,5 @@
 """What a hybrid model's token mixers (raypack/model/mixers.py) keep for backward, for the memory
-estimate (raypack/train/memory.py): the gated delta rule, Mamba-2 and the short convolution on
+estimate (raypack/train/memory.py): the gated delta rule, Mamba-2, the short convolution and KDA on
 the exact torch path, per layer. Arithmetic over the mixer's shape, read from the model's structure
 on the meta device (no weights), as mixers.find recognizes it.
 
@@ -29,11 +29,17 @@ Per layer, for `examples` rows of `longest` tokens (P = longest rounded up to th
         gates 28 H
     short convolution (width h): bf16 the layer's input, B, C, x, B*x, the convolution's output
         and out_proj's input: 14 h
+    KDA (heads H, head dim K, chunk C = 64, conv channels D = 3HK): its decay is per channel, so
+        3 fp32 C x C x K products a head (the decay matrix, k·k and q·k, each a K-vector per pair)
+        12 H C K; the triangular solve's row-by-row clones (4 Σ i² + i over a chunk, per token);
+        about 22 fp32 copies of q, k, v, gates and their solved forms (88 H K) and two C x C
+        products a head (8 H C); the convolution's input and output, counted fp32 (Bailing keeps
+        its weight in fp32) 8D; bf16 the layer's input, its gate's and output's (6h, 4K)
 - per token of the row, `row_bytes`: its input (2h) and index (8) moving into and out of the
   padded batch.
 - per example, `chunk_state_bytes` for every chunk: the fp32 recurrent state the scan carries
   into it, kept for its backward (the "state in flight"): gated delta rule Hv x dk x dv; Mamba-2
-  H x p x N, twice (the chunk's state and its decayed sum).
+  H x p x N, twice (the chunk's state and its decayed sum); KDA H x K x K, twice.
 
 What the CUDA kernels keep instead (flash-linear-attention, mamba-ssm) is not sized here: they run
 the row unpadded and recompute most of this in backward, so they should keep less (not measured:
@@ -96,12 +102,20 @@ def _mamba2(m: nn.Module) -> tuple[float, float, int]:
     return token, 2 * 4 * inner * n, c
 
 
+def _kda(m: nn.Module) -> tuple[float, float, int]:
+    heads, k, c = m.num_heads, m.head_dim, TORCH_CHUNK
+    conv, h = m.conv1d.out_channels, m.o_proj.out_features
+    solve = 4 * sum(i * i + i for i in range(1, c)) / c  # the triangular solve's row-by-row clones
+    token = 12 * heads * c * k + heads * solve + 88 * heads * k + 8 * heads * c + 8 * conv + 2 * (3 * h + 2 * k)
+    return token + heads * k + 20 * heads, 2 * 4 * heads * k * k, c
+
+
 def _short_conv(m: nn.Module) -> tuple[float, float, int]:
     h = m.out_proj.out_features
     return 14 * h, 0.0, 1
 
 
-SIZES = {"gated delta rule": _gated_delta, "Mamba-2": _mamba2, "short convolution": _short_conv}
+SIZES = {"gated delta rule": _gated_delta, "Mamba-2": _mamba2, "short convolution": _short_conv, "KDA": _kda}
 """mixers.KINDS by name -> (token_bytes, chunk_state_bytes, chunk) of one such module."""
 
 
@@ -117,6 +131,7 @@ def mixer_layers(model: nn.Module) -> tuple[MixerLayers, ...]:
     for kind, ms in found.items():
         token, state, chunk = SIZES[kind](ms[0])  # a model's layers of one kind share a shape
         params = sum(p.numel() for m in ms for p in m.parameters())
-        row = 2 * ms[0].out_proj.out_features + 8
+        proj = getattr(ms[0], "out_proj", None) or ms[0].o_proj  # KDA's is o_proj
+        row = 2 * proj.out_features + 8
         out.append(MixerLayers(kind, len(ms), params, float(token), float(state), chunk, float(row)))
     return tuple(out)

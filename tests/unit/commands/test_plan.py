@@ -154,3 +154,23 @@ def test_plan_shows_sequence_parallel_groups_and_their_padding(tmp_path, capsys)
     cfg = load(None, ["pack.budget=10", "pack.strategy=bfd", "train.num_workers=4", "train.sequence_parallel=2"])
     tokens = make_plan(np.array([5, 3, 2, 7, 9, 6]), cfg.pack, 2).pack_tokens()
     assert row["split_padding"] == pytest.approx((tokens % 2).sum() / (tokens + tokens % 2).sum()) and row["split_padding"] > 0
+
+
+def test_plan_names_the_models_rows_in_the_supported_models_table(tmp_path, capsys):
+    """The line after the estimate: the configured model's class, its rows in the table the family
+    tests run (raypack/model/family_table.py), exact or refused; a class with no row says so."""
+    import transformers
+
+    np.save(tmp_path / "l.npy", np.array([5, 3, 2, 7]))
+    config = tmp_path / "run.yaml"
+    config.write_text("model: {name: tiny-nemotron_h}\n")
+    assert main(["plan", "--lengths", str(tmp_path / "l.npy"), "--config", str(config), "pack.budget=64"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("supported models")]
+    assert line.startswith(f"supported models (docs/reference/models.md): NemotronHConfig, 3 rows, exact in raypack's "
+                           f"tests at transformers {transformers.__version__}: nemotron_h: Mamba-2 layers, MLP-only")
+    assert "nemotron_h-nano3" in line and "nemotron_h-recurrent" in line
+    transformers.MptConfig().save_pretrained(tmp_path / "mpt")
+    config.write_text(f"model: {{name: {tmp_path / 'mpt'}}}\n")
+    assert main(["plan", "--lengths", str(tmp_path / "l.npy"), "--config", str(config), "pack.budget=64"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("supported models")]
+    assert line.startswith("supported models: no row for MptConfig in raypack's table")

@@ -22,7 +22,7 @@ KINDS = {
     "qwen3_5": "gated delta rule", "qwen3_5_moe": "gated delta rule", "qwen3_next": "gated delta rule",
     "olmo_hybrid": "gated delta rule", "lfm2": "short convolution", "lfm2_moe": "short convolution",
     "lfm3": "short convolution", "nemotron_h": "Mamba-2", "bamba": "Mamba-2", "granitemoehybrid": "Mamba-2",
-    "falcon_h1": "Mamba-2", "zamba2": "Mamba-2",
+    "falcon_h1": "Mamba-2", "zamba2": "Mamba-2", "kimi_linear": "KDA", "bailing_hybrid": "KDA",
 }  # fmt: skip
 
 
@@ -33,10 +33,10 @@ def test_each_hybrid_family_has_one_kind_of_known_mixer(family):
     assert found and {kind.name for kind in found.values()} == {KINDS[family]}
 
 
-@pytest.mark.parametrize("family", ["jamba", "kimi_linear", "bailing_hybrid", "recurrent_gemma"])
+@pytest.mark.parametrize("family", ["jamba", "recurrent_gemma"])
 def test_mixers_raypack_does_not_know_stay_refused(family):
-    """Mamba-1 (Jamba), KDA (Kimi-Linear, Bailing) and RecurrentGemma's RG-LRU match no kind:
-    their convolutions and layer types are refused as before."""
+    """Mamba-1 (Jamba) and RecurrentGemma's RG-LRU match no kind: their convolutions and layer
+    types are refused as before."""
     model = meta_model(FAMILIES[family].build_config(family))
     assert not mixers.find(decoder(model))
     with pytest.raises(UnsupportedModelError, match=r"which would mix the examples of a packed row"):
@@ -179,6 +179,7 @@ def test_a_published_multimodal_qwen3_5_checkpoint_loads_its_text_model(tmp_path
     ("qwen3_5", ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]),
     ("lfm2", ["in_proj", "out_proj"]),
     ("nemotron_h", ["in_proj"]),
+    ("kimi_linear", ["q_proj", "k_proj", "v_proj", "b_proj", "g_a_proj", "g_b_proj", "o_proj"]),
 ])  # fmt: skip
 def test_lora_all_linear_reaches_the_mixers_projections(family, adapted):
     """peft's own all-linear, as raypack applies it: every projection of the mixer is a LoRA layer
@@ -408,3 +409,44 @@ def test_mamba_kernels_are_checked_fused_and_unfused(kernels_here):
     mixers.kernels_problem.cache_clear()
     kernels_here("mamba_ssm.ops.triton.ssd_combined", mamba_chunk_scan_combined=None)
     assert "has no mamba_chunk_scan_combined" in mixers.kernels_problem(mamba)
+
+
+def test_kda_is_exact_over_several_of_its_chunks():
+    """transformers' torch KDA scans in chunks of 64 tokens (a default its layers don't change):
+    examples longer than one chunk, and one of a single token, through the recurrence between chunks."""
+    from exactness import packed_vs_alone
+
+    torch.manual_seed(0)
+    config = FAMILIES["kimi_linear"].build_config("kimi_linear")
+    model = load_model(config, attention="sdpa_varlen", dtype="float32").eval()
+    ref = load_model(config, attention="eager", dtype="float32").eval()
+    ref.load_state_dict(model.state_dict())
+    errors = packed_vs_alone(model, ref, lengths=([150, 1], [70, 40]))
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < 2e-5, (worst, errors[worst])
+
+
+def test_kda_kernels_get_the_boundaries_as_fla_takes_them(monkeypatch):
+    """On CUDA with its kernels, the row goes through whole: seq_idx for causal-conv1d and, since
+    transformers' KDA layer hands fla's chunk_kda the forward's keyword arguments as they come (it
+    takes cu_seqlens, not cu_seq_lens_q), cu_seqlens in int64, and on the host where the step kept
+    a copy. Checked here on the layer's call, the kernels faked (no GPU)."""
+    from raypack.model.exact import keep_host_copy
+
+    kind = next(k for k in mixers.KINDS if k.name == "KDA")
+    monkeypatch.setattr(mixers, "path", lambda kind, device_type: "kernels")
+    seen = {}
+
+    def layer(hidden_states, cache=None, attention_mask=None, **kwargs):
+        seen.update(kwargs)
+        return hidden_states
+
+    cu = torch.tensor([0, 4, 7, 8], dtype=torch.int32)
+    keep_host_copy(cu, cu.clone())
+    mixers._packed_forward(layer, kind, torch.zeros(1, 8, 4), cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    assert seen["cu_seqlens"].dtype == torch.int64 and seen["cu_seqlens"].tolist() == [0, 4, 7, 8]
+    assert seen["cu_seqlens_cpu"].tolist() == [0, 4, 7, 8] and seen["seq_idx"].tolist() == [[0, 0, 0, 0, 1, 1, 1, 2]]
+    gated = next(k for k in mixers.KINDS if k.name == "gated delta rule")
+    seen.clear()
+    mixers._packed_forward(layer, gated, torch.zeros(1, 8, 4), cu_seq_lens_q=cu)
+    assert "cu_seqlens" not in seen  # transformers' Qwen3.5 layer derives it itself

@@ -29,10 +29,22 @@ def test_plain_model_is_accepted():
     check_packable(meta_llama(), "tiny-llama")
 
 
+class Scorer(torch.nn.Module):
+    """A module that works along the sequence: it takes the mask (a sparse-attention indexer's shape)."""
+
+    def forward(self, hidden_states, attention_mask):
+        return hidden_states
+
+
+def _indexed(model):
+    model.config.layer_types = ["full_attention", "indexed_attention"]
+    model.model.layers[1].self_attn.add_module("scorer", Scorer())
+
+
 @pytest.mark.parametrize(
     "change,trait",
     [
-        (lambda m: setattr(m.config, "layer_types", ["full_attention", "linear_attention"]), r"layer_types linear_attention"),
+        (_indexed, r"layer_types indexed_attention \(layers\.1\.self_attn\.scorer: Scorer takes the attention_mask"),
         (lambda m: m.model.layers[0].add_module("mixer", torch.nn.Conv1d(8, 8, 3, groups=8)), r"convolution.*layers\.0\.mixer"),
         (lambda m: m.model.layers[1].register_parameter("A_log", torch.nn.Parameter(torch.zeros(4))), r"state-space.*layers\.1"),
         (lambda m: setattr(m.model.layers[0].self_attn, "is_causal", False), r"bidirectional attention.*layers\.0\.self_attn"),
@@ -122,3 +134,46 @@ def test_check_model_builds_no_weights():
     cfg = copy.deepcopy(transformers.LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=4,
                                                  num_attention_heads=64, num_key_value_heads=8))  # fmt: skip
     check_model(cfg, attention="auto", device_type="cuda")
+
+
+@pytest.mark.parametrize("kind", ["mlp", "moe", "a_kind_transformers_adds_later"])
+def test_a_layer_type_raypack_has_not_seen_is_judged_by_its_modules(kind):
+    """A layer whose `layer_types` entry names no attention raypack implements, holding attention it
+    routes and an MLP: nothing in it mixes tokens unchecked, whatever its name."""
+    model = meta_llama()
+    model.config.layer_types = ["full_attention", kind]
+    check_packable(model, "tiny-llama")
+
+
+def test_a_layer_type_with_no_layer_to_read_is_refused_by_name():
+    """Where the entries don't line up with the decoder's layers, only the name is there to judge."""
+    model = meta_llama()
+    model.config.layer_types = ["full_attention", "full_attention", "mlp"]
+    with pytest.raises(UnsupportedModelError, match=r"layer_types mlp, which would mix"):
+        check_packable(model, "tiny-llama")
+
+
+def test_a_forward_that_keeps_the_boundaries_from_its_mixers_is_refused():
+    """Mamba2ForCausalLM: its mixers are raypack's Mamba-2 kind, and its stack has no attention to
+    route, but its forward calls the backbone without its keyword arguments, so cu_seq_lens_q never
+    reaches them. Refused, naming that (and its forward's missing position_ids)."""
+    from raypack.model import mixers
+    from raypack.model.build import meta_model
+    from raypack.model.traits import decoder, drops_boundaries, routes_attention
+
+    config = transformers.Mamba2Config(hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=8,
+                                       n_groups=2, vocab_size=512, chunk_size=8)  # fmt: skip
+    model = meta_model(config)
+    assert {k.name for k in mixers.find(decoder(model)).values()} == {"Mamba-2"}
+    assert routes_attention(model) and drops_boundaries(model) == "backbone"
+    with pytest.raises(UnsupportedModelError, match=r"calls self\.backbone without its keyword arguments"):
+        check_packable(model, "mamba2")
+    assert drops_boundaries(meta_model(tiny_config("nemotron_h"))) is None
+
+
+def test_nemotron_h_as_released_and_with_no_attention_layer_is_accepted():
+    """The issue's config (an MLP-only layer, `-` in hybrid_override_pattern, between Mamba-2 and
+    attention layers, and an MoE layer) and a stack with no attention layer, before training;
+    tests/unit/model/test_families.py trains both layouts exactly (nemotron_h, nemotron_h-recurrent)."""
+    check_model(transformers.NemotronHConfig(layers_block_type=["mamba", "mlp", "attention", "moe"]), attention="auto")
+    check_model(transformers.NemotronHConfig(hybrid_override_pattern="M-ME"), attention="auto")

@@ -11,13 +11,13 @@ import re
 import pytest
 import torch
 import ulysses_check
-from families import FAMILIES, TOLERANCE
+from families import FAMILIES, TOLERANCE, exact
 
 from raypack.data.collate import collate_packed, shard_batch
 from raypack.data.formats import IGNORE_INDEX
 from raypack.train.loss import label_targets
 
-EXACT = [f for f, spec in FAMILIES.items() if not spec.refused]
+EXACT = exact()
 
 
 def _check(results: dict[str, dict]) -> None:

@@ -115,13 +115,20 @@ def test_vision_tower_attention_is_never_raypacks():
 
 
 def test_language_model_traits_are_still_refused():
-    """A VLM whose language model has a trait raypack can't pack (here a token-mixing convolution
-    layer type) is refused by the same checks as a text model."""
+    """A VLM whose language model has a trait raypack can't pack (here a layer whose type it hasn't
+    seen holding a module that takes the mask: something working along the sequence) is refused by
+    the same checks as a text model."""
+
+    class Scorer(torch.nn.Module):
+        def forward(self, hidden_states, attention_mask):
+            return hidden_states
+
     spec = VLM_FAMILIES["llava_clip"]
     config = spec.build_config()
     model = build_vlm(config, "sdpa")
     model.config.text_config.layer_types = ["conv", "full_attention"]
-    with pytest.raises(UnsupportedModelError, match=r"layer_types conv"):
+    model.model.language_model.layers[0].add_module("scorer", Scorer())
+    with pytest.raises(UnsupportedModelError, match=r"layer_types conv \(layers\.0\.scorer: Scorer takes the attention_mask"):
         check_vlm_packable(model, "tiny-llava")
 
 

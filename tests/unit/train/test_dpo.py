@@ -18,7 +18,8 @@ import pytest
 import torch
 from dpo_check import (SAMPLE, alone_reference, encoded_pairs, grad_errors, packed_pair_rows, pairs_alone_loss, perturb,
                        sample_records, trl_step)
-from families import FAMILIES
+from exactness import AS_CLOSE, float64_copy
+from families import FAMILIES, exact
 
 from raypack.config import ASSETS, DpoConfig
 from raypack.model.build import load_model
@@ -159,7 +160,7 @@ def test_padded_pairs_equal_packed(tmp_path):
         torch.testing.assert_close(grads[0][name], g, rtol=1e-4, atol=1e-6)
 
 
-EXACT = [f for f, spec in FAMILIES.items() if not spec.refused]
+EXACT = exact()
 
 
 def _folded(rows, vocab: int):
@@ -215,7 +216,14 @@ def test_family_packed_dpo_equals_each_pair_alone(family):
     decay = ("A_log", "dt_bias")
     bound = {n: max(TOLERANCE, FAMILIES[family].tolerance, 5e-5 if n.endswith(decay) else 0.0) for n in errors}
     worst = max(errors, key=lambda n: errors[n] / bound[n])
-    assert errors[worst] < bound[worst], f"{family}: {worst} off by {errors[worst]:.2e}"
+    if errors[worst] >= bound[worst]:
+        # three gated delta rule layers' A_log (Qwen3.5-MoE): judged against float64, as the router
+        # loss is (tests/exactness.py AS_CLOSE): the packed step as close as the pairs alone in fp32
+        alone64, start64 = float64_copy(alone), float64_copy(start)
+        pairs_alone_loss(alone64, start64, table, dpo).backward()
+        exact64 = {n: p.grad for n, p in alone64.named_parameters() if p.grad is not None}
+        packed_err, alone_err = grad_errors(model, exact64), grad_errors(alone, exact64)
+        assert packed_err[worst] < AS_CLOSE * max(alone_err[worst], TOLERANCE), f"{family}: {worst} off by {errors[worst]:.2e}"
 
 
 def test_an_empty_pack_adds_nothing_and_still_runs_its_forward():

@@ -17,8 +17,8 @@ import copy
 
 import pytest
 import torch
-from exactness import make_rows, rel_err
-from families import FAMILIES
+from exactness import AS_CLOSE, float64_copy, make_rows, rel_err
+from families import FAMILIES, with_routers
 from transformers import AutoModelForCausalLM
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
@@ -32,7 +32,7 @@ from raypack.train.router_loss import batch_units, make_router_loss, resolve_coe
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # families that build MoE layers (Nemotron-H's config carries expert settings; its tiny pattern has none)
-MOE = [f for f, spec in FAMILIES.items() if not spec.refused and builds_routers(meta_model(spec.build_config(f)))]
+MOE = with_routers()
 TOL = 1e-5
 
 
@@ -94,6 +94,21 @@ def grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def grad_errors(mine, theirs):
+    """Each gradient's largest difference, relative to its scale (at least 1e-3 of the largest)."""
+    floor = 1e-3 * max(g.abs().max().item() for g in theirs.values())
+    return {n: (mine[n].double() - theirs[n].double()).abs().max().item() / max(theirs[n].abs().max().item(), floor)
+            for n in theirs}  # fmt: skip
+
+
+def alone_in_fp64(ref, family, examples):
+    """The examples alone in float64: the exact value the fp32 runs round."""
+    exact64 = float64_copy(ref)
+    routers = router_loss(exact64, family).routers
+    (sum(alone_loss(exact64, routers, ids) for ids, _ in examples) / len(examples)).backward()
+    return grads(exact64)
+
+
 @pytest.mark.parametrize("family", MOE)
 def test_example_scope_is_each_example_alone(family):
     packed, ref = models(family)
@@ -114,9 +129,16 @@ def test_example_scope_is_each_example_alone(family):
     assert rel_err(mean, alone) < TOL, (mean.item(), alone.item())
     mine, theirs = grads(packed), grads(ref)
     assert mine.keys() == theirs.keys() and mine
-    floor = 1e-3 * max(g.abs().max().item() for g in theirs.values())
-    worst = max((mine[n] - theirs[n]).abs().max().item() / max(theirs[n].abs().max().item(), floor) for n in mine)
-    assert worst < max(TOL, FAMILIES[family].tolerance), worst  # the family's own bound (tests/families.py)
+    errors = grad_errors(mine, theirs)
+    worst = max(errors, key=errors.get)
+    if errors[worst] >= max(TOL, FAMILIES[family].tolerance):  # the row's own bound
+        # The router loss's gradient can be ill-conditioned in fp32: through a hybrid's scans the
+        # examples alone, in fp32, are themselves up to 1.1e-4 off their float64 value (Bailing,
+        # perturbed weights). Then the packed row must be as close to that exact value as they
+        # are: seen 0.96 to 2.5 times their error (Qwen3-Next, Qwen3.5-MoE, Bailing, Kimi-Linear).
+        exact64 = alone_in_fp64(ref, family, examples)
+        packed_err, alone_err = grad_errors(mine, exact64), grad_errors(theirs, exact64)
+        assert max(packed_err.values()) < AS_CLOSE * max(max(alone_err.values()), TOL), (worst, errors[worst])
     # the load: every token's top-k, each layer
     assert load.shape == (router.layers, router.experts)
     assert torch.all(load.sum(-1) == sum(len(ids) for ids, _ in examples) * router.routers.top_k)
