@@ -138,7 +138,7 @@ def run_kind(kind: str, name: str, args) -> dict:
     from raypack.model.build import load_model
     from raypack.model.ulysses import SequenceGroup
     from raypack.train import loop
-    from raypack.train.engines.deepspeed import setup_engine
+    from raypack.train.engines.deepspeed_engine import setup_engine
     from raypack.train.loss import make_loss, probe_batch
     from raypack.train.prefetch import prepare_step
     from raypack.train.router_loss import make_router_loss

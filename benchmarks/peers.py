@@ -82,15 +82,24 @@ CONFIGS = {
                       precision="mixed"),
     "raypack-bf16": Peer("raypack", "train.precision bf16 (Kahan-summed AdamW), full checkpointing, Liger (as trl)",
                          ("train.precision=bf16", "model.gradient_checkpointing=full", "model.kernels=auto")),
+    # the torch engine on one GPU is the bare model, no wrapper: TRL's own setting (issue 51)
+    "raypack-torch-bf16": Peer("raypack", "train.engine torch (zero_stage 0: no wrapper on one rank), precision bf16, "
+                               "full checkpointing, Liger (as trl)",
+                               ("train.engine=torch", "train.zero_stage=0", "train.precision=bf16",
+                                "model.gradient_checkpointing=full", "model.kernels=auto")),
     "trl-sdpa": Peer("trl", "TRL on transformers' sdpa: no varlen kernel", attention="sdpa"),
 }
 RATIOS = [  # (numerator, denominator, what, goal on an H100)
     ("raypack", "trl", "raypack's defaults over TRL's best, tokens/s", ">= 1.3x"),
     ("raypack-full", "trl-mixed", "like for like (same precision, checkpointing, kernels), tokens/s", ">= 1.1x"),
     ("raypack-bf16", "trl", "like for like in bf16 (same checkpointing, kernels), tokens/s", ">= 1.1x"),
+    ("raypack-torch-bf16", "trl", "the torch engine, like for like in bf16, tokens/s", ">= 1.1x"),
+    ("raypack-torch-bf16", "raypack-bf16", "the torch engine over the DeepSpeed engine (ZeRO-2), bf16, tokens/s",
+     "measured"),
 ]
 MEMORY = [("raypack-full", "trl-mixed", "peak memory at the same precision recipe", "<= 1.0x"),
-          ("raypack-bf16", "trl", "train.precision: bf16 peak memory over TRL's pure bf16", "<= 1.0x")]
+          ("raypack-bf16", "trl", "train.precision: bf16 peak memory over TRL's pure bf16", "<= 1.0x"),
+          ("raypack-torch-bf16", "trl", "the torch engine's bf16 peak memory over TRL's pure bf16", "<= 1.0x")]
 
 
 # --- the shared inputs ---------------------------------------------------------------------------
@@ -174,7 +183,7 @@ def child_trl(args, work: Path, peer: Peer) -> dict:
 
     liger = cuda and liger_installed()
     total = args.warmup + args.steps
-    # raypack's optimizer and schedule (raypack/train/engines/deepspeed.py), so that the losses compare.
+    # raypack's optimizer and schedule (raypack/train/engines/deepspeed_engine.py), so that the losses compare.
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
                                   fused=cuda)  # fmt: skip
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(s, warmup=2, total=total, min_ratio=0.1))

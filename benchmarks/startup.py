@@ -57,7 +57,7 @@ import torch, torch.distributed as dist
 dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
 from raypack.config import TrainConfig
 from raypack.model.build import load_model
-from raypack.train.engines import deepspeed as engine
+from raypack.train.engines import deepspeed_engine as engine
 if sys.argv[1] == "built":
     engine.skip_shm_build = lambda: None  # DeepSpeed's own behaviour
 model = load_model("tiny-llama")

@@ -16,7 +16,7 @@ over gloo on the CPU, each running the same steps:
   overlap_comm on one rank, its own clipping, which reads the norm's validity on the host);
 - `after`: raypack's step as its loop runs it (raypack/train/loop.py's `take_step`: the ranks'
   stop votes, `train_step`, the previous step's values read a step late through
-  raypack/train/stepvalues.py) on raypack's DeepSpeed config (raypack/train/engines/deepspeed.py).
+  raypack/train/stepvalues.py) on raypack's DeepSpeed config (raypack/train/engines/deepspeed_engine.py).
 
 Both run DeepSpeed ZeRO-2 with torch AdamW, the chunked loss, gradient clipping at 1.0, one
 packed row per step. `SyncCounter` counts in the main thread (the prefetcher's host work is not
@@ -183,7 +183,7 @@ def run_side(side: str, args, device: torch.device, world: int) -> dict:
 
     from benchmarks.loss_memory import build, make_rows
     from raypack.config import TrainConfig
-    from raypack.train.engines import deepspeed as engine_mod
+    from raypack.train.engines import deepspeed_engine as engine_mod
     from raypack.train.loop import log_pending, take_step
     from raypack.train.loss import make_loss
     from raypack.train.prefetch import prepare_step

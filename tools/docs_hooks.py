@@ -7,6 +7,7 @@ A page holds a marker where generated text goes:
     <!-- raypack:errors -->          the one-line errors raypack raises, by what the user was doing
     <!-- raypack:benchmarks -->      every results file in benchmarks/results/, newest first
     <!-- raypack:models -->          the supported-models table the family tests run (raypack/model/families.py)
+    <!-- raypack:engines -->         each training mode on each engine and stage, as the config answers (engines/modes.py)
     <!-- raypack:include PATH -->    a file of the repository (cluster/README.md), headings one level down
 
 and every `benchmarks/results/*.md` becomes a page `results/<name>.md`, so pages link the
@@ -260,6 +261,29 @@ def models_reference() -> str:
     return "\n".join(out) + "\n"
 
 
+# -- engines --------------------------------------------------------------------------------------
+
+def engines_matrix() -> str:
+    """Each mode of raypack/train/engines/modes.py on each engine and zero_stage: accepted, or the
+    refusal the config prints (numbered below the table)."""
+    from raypack.train.engines.modes import STAGES, matrix
+
+    rows, refusals = [], {}
+    for mode, cells in matrix():
+        marks = []
+        for cell in cells.values():
+            if cell is None:
+                marks.append("yes")
+            else:
+                number = refusals.setdefault(cell, len(refusals) + 1)
+                marks.append(f"no ({number})")
+        rows.append(f"| {escape(mode.name)} | " + " | ".join(marks) + f" | {escape(mode.checked)} |")
+    stages = " | ".join(f"DeepSpeed {s}" for s in STAGES) + " | " + " | ".join(f"torch {s}" for s in STAGES)
+    out = [f"| mode | {stages} | trained in |", "|---|" + "---|" * (2 * len(STAGES)) + "---|", *rows, ""]
+    out += [f"{n}. `` {message.replace('`', chr(39))} ``" for message, n in refusals.items()]
+    return "\n".join(out) + "\n"
+
+
 # -- includes -------------------------------------------------------------------------------------
 
 def _include(relative: str) -> str:
@@ -273,4 +297,4 @@ def _include(relative: str) -> str:
 
 
 GENERATORS = {"config": config_reference, "cli": cli_reference, "errors": errors_reference,
-              "benchmarks": benchmarks_index, "models": models_reference}
+              "benchmarks": benchmarks_index, "models": models_reference, "engines": engines_matrix}

@@ -1,6 +1,6 @@
 """DeepSpeed JSON presets: found by name in the package (raypack/configs/deepspeed/) or by path.
 
-Kept apart from engines/deepspeed.py, which imports DeepSpeed, and outside the engines package,
+Kept apart from engines/deepspeed_engine.py, which imports DeepSpeed, and outside the engines package,
 which imports torch: the memory estimate (`raypack plan`, cluster/memory.py) reads the presets'
 bucket sizes without the training stack's imports.
 """

@@ -30,7 +30,7 @@ once a report (`window`), for the rank imbalance. `benchmarks/step_syncs.py` cou
 loop's own step (loop.take_step), before and after, and tests/unit/train/test_stepvalues.py holds
 the step to it.
 
-Divergence. DeepSpeed's bf16 overflow check is off (raypack/train/engines/deepspeed.py), so a step whose
+Divergence. DeepSpeed's bf16 overflow check is off (raypack/train/engines/deepspeed_engine.py), so a step whose
 gradients hold inf or NaN would be applied. The gradient norm DeepSpeed computes anyway for
 clipping is read with the loss; a non-finite one (DeepSpeed masks it to -1) or a non-finite loss
 raises `DivergedError`. The loop reads every step's values before it saves a checkpoint, so no

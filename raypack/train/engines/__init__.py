@@ -31,8 +31,11 @@ from raypack.train.engines.base import Engine, SavedWeights
 __all__ = ["ENGINES", "Engine", "SavedWeights", "build", "building", "compute_dtype", "read_offline", "saved_by",
            "weights_dtype"]
 
-ENGINES = {"deepspeed": ("raypack.train.engines.deepspeed", "ds"), "torch": ("raypack.train.engines.torch", "torch")}
-"""train.engine -> (its module, the folder its state takes in a checkpoint)."""
+ENGINES = {"deepspeed": ("raypack.train.engines.deepspeed_engine", "ds"),
+           "torch": ("raypack.train.engines.torch_engine", "torch")}
+"""train.engine -> (its module, the folder its state takes in a checkpoint). The modules are not
+named deepspeed.py and torch.py: importing a submodule sets its name on this package, and this
+module's own `torch` would become the torch engine's module."""
 
 
 def _engine(name: str):

@@ -141,13 +141,15 @@ def _train_until(cmd: list[str], env: dict, cwd: Path, step: int):
     return proc, screen
 
 
-def test_sigterm_mid_epoch_checkpoints_exits_143_and_the_resume_trains_every_example_once(ray_local, tmp_path):
+@pytest.mark.parametrize("engine", [[], ["train.engine=torch", "train.zero_stage=3"]], ids=["deepspeed", "torch-fsdp3"])
+def test_sigterm_mid_epoch_checkpoints_exits_143_and_the_resume_trains_every_example_once(ray_local, tmp_path, engine):
     """SIGTERM (a pod evicted, `ray job stop`, Slurm, kill) to the driver in the middle of an epoch:
     the workers stop after one step, save a checkpoint there and register it, the command prints
     one line with the resume command and exits 143, leaving no unregistered checkpoint and no
     result file (the run isn't finished). `--resume` then trains the rest of the epoch: every step
     once in the final model's step logs and in TensorBoard, every example once, and the curve
-    goes on from where it stopped (the learning rate on its schedule, the loss not back at its start)."""
+    goes on from where it stopped (the learning rate on its schedule, the loss not back at its start).
+    On either engine (the torch engine's FSDP2 resharding: its shards and schedule come back)."""
     import signal
     import time
 
@@ -159,7 +161,8 @@ def test_sigterm_mid_epoch_checkpoints_exits_143_and_the_resume_trains_every_exa
     name = f"sigterm-{uuid.uuid4().hex[:6]}"
     root = tmp_path / "results" / name
     overrides = [f"run.storage_path={tmp_path / 'results'}", f"run.name={name}", "pack.budget=256",
-                 "train.report_every_steps=1", "train.checkpoint_every_steps=4", "train.stop_checkpoint_after_s=0"]
+                 "train.report_every_steps=1", "train.checkpoint_every_steps=4", "train.stop_checkpoint_after_s=0",
+                 *engine]
     config = str(REPO / "jobs" / "configs" / "tiny_cpu.yaml")
     cmd = [sys.executable, "-m", "raypack.cli", "train", "--config", config, *overrides]
     proc, screen = _train_until(cmd, _join_session_ray(ray_local), tmp_path, step=6)

@@ -14,7 +14,7 @@ steps agree.
 The torch engine, in the same worker group: FSDP2 at zero_stage 3 on the same rows, and a fourth
 step in which rank 1's micro-batch holds text alone, so its forward skips the vision tower that rank
 0's runs (FSDP2 keeps the tower in its root unit: gathered on both ranks, zeros reduced for it
-where it didn't run, raypack/train/engines/torch.py); the same reference over four steps.
+where it didn't run, raypack/train/engines/torch_engine.py); the same reference over four steps.
 
 DPO with image prompts, in the same worker group (a Ray Train run costs most of this test's
 time): one optimizer step of 2 ranks x 2 micro-batches of packed image pairs
@@ -137,7 +137,7 @@ def dpo_step(config, stage: int) -> dict:
     from raypack.config import TrainConfig
     from raypack.train.dpo import DPOLoss
     from raypack.train.dpo_reference import rows_logps
-    from raypack.train.engines.deepspeed import setup_engine
+    from raypack.train.engines.deepspeed_engine import setup_engine
     from raypack.train.loop import global_count
     from raypack.train.loss import make_loss
     from raypack.train.stepvalues import HostCounts

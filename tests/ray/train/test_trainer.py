@@ -1,7 +1,7 @@
 """End-to-end fine-tunes of the tiny model on a local Ray cluster: 2 CPU workers, ZeRO-2.
 
 - a worker killed mid-run is restarted from the last checkpoint, and the steps the final model
-  took cover every training example exactly once;
+  took cover every training example exactly once (on DeepSpeed and on the torch engine);
 - a run stopped early resumes (same name) and finishes, with metrics, TensorBoard events and a
   Hugging Face model and its tokenizer in the final checkpoint;
 - bad input found in a worker (an InputError) ends the run at once: it is not retried;
@@ -72,8 +72,10 @@ def loop_killed_once(config: dict, fault: dict) -> None:
     loop.train_loop_per_worker(config)
 
 
-def test_worker_killed_midrun_resumes_from_checkpoint_exactly_once(ray_local, tmp_path, monkeypatch):
-    cfg = tiny_cfg(tmp_path, "train.max_failures=1")
+@pytest.mark.parametrize("engine", [(), ("train.engine=torch", "train.zero_stage=3")], ids=["deepspeed", "torch-fsdp3"])
+def test_worker_killed_midrun_resumes_from_checkpoint_exactly_once(ray_local, tmp_path, monkeypatch, engine):
+    """On either engine (the torch engine's FSDP2 resharding: torch.distributed.checkpoint's shards)."""
+    cfg = tiny_cfg(tmp_path, "train.max_failures=1", *engine)
     marker = tmp_path / "fault-fired"
     with_worker_loop(monkeypatch, loop_killed_once, fault={"rank": 1, "step": 3, "marker": str(marker)})
     result = trainer.start(cfg).result

@@ -16,7 +16,7 @@ from paths import REPO
 sys.path.insert(0, str(REPO / "tools"))
 from bench_gpu import STEPS  # noqa: E402
 
-from raypack.train.engines.deepspeed import model_dtype  # noqa: E402
+from raypack.train.engines.deepspeed_engine import model_dtype  # noqa: E402
 
 
 @pytest.fixture(scope="module")

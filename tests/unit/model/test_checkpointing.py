@@ -141,6 +141,9 @@ def test_the_setting_accepts_the_former_booleans_and_refuses_what_it_cannot_do()
                                           "model.tiled_mlp_tokens"):  # fmt: skip
         load(None, ["model.tiled_mlp_tokens=64", "model.gradient_checkpointing=selective"])
     assert load(None, ["model.offload_checkpoints=true", "model.gradient_checkpointing=true"]).model.offload_checkpoints
-    # ZeRO-3's gathers differ between forward and recompute, which selective's cache replays by order
-    with pytest.raises(ConfigError, match="model.gradient_checkpointing: expected full, none or auto with train.zero_stage 3"):
+    # DeepSpeed ZeRO-3's gathers differ between forward and recompute, which selective's cache
+    # replays by order; FSDP2's happen outside the layer's ops (the torch engine takes it)
+    with pytest.raises(ConfigError, match="model.gradient_checkpointing: expected full, none or auto with "
+                                          "train.engine deepspeed and train.zero_stage 3"):
         load(None, ["train.zero_stage=3", "model.gradient_checkpointing=selective"])
+    assert load(None, ["train.engine=torch", "train.zero_stage=3", "model.gradient_checkpointing=selective"])

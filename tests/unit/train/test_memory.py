@@ -195,7 +195,7 @@ def test_weights_and_optimizer_state_are_what_deepspeed_holds(precision, one_ran
     Kahan's compensation in bf16)."""
     import torch
 
-    from raypack.train.engines.deepspeed import setup_engine
+    from raypack.train.engines.deepspeed_engine import setup_engine
 
     c = load(None, ["train.num_workers=1", "train.zero_stage=2", f"train.precision={precision}", "model.dtype=bfloat16",
                     "model.gradient_checkpointing=none"])  # activations aside: weights and optimizer state here

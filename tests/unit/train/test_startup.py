@@ -46,7 +46,7 @@ def test_deepspeeds_shm_all_reduce_is_not_built(monkeypatch):
 
     ds_torch = importlib.import_module("deepspeed.comm.torch")  # DeepSpeed's backend module, not torch
 
-    from raypack.train.engines.deepspeed import skip_shm_build
+    from raypack.train.engines.deepspeed_engine import skip_shm_build
 
     built = []
     monkeypatch.setattr(ds_torch.get_accelerator().create_op_builder("ShareMemCommBuilder").__class__, "load",
@@ -64,7 +64,7 @@ dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=
 from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
 from raypack.config import TrainConfig
 from raypack.model.build import load_model
-from raypack.train.engines.deepspeed import setup_engine
+from raypack.train.engines.deepspeed_engine import setup_engine
 setup_engine(load_model("tiny-llama"), TrainConfig(num_workers=1, zero_stage=2), dtype=torch.float32, world_size=1,
              total_steps=1)
 from deepspeed.runtime.zero.muon import original_muon
@@ -88,7 +88,7 @@ def test_deepspeed_init_imports_no_inductor():
 def test_muon_functions_compile_on_their_first_call(monkeypatch):
     import torch
 
-    from raypack.train.engines.deepspeed import _compile_on_first_call
+    from raypack.train.engines.deepspeed_engine import _compile_on_first_call
 
     compiled = []
     monkeypatch.setattr(torch, "compile", lambda fn: compiled.append(fn) or (lambda x: fn(x) + 1))

@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from raypack.config import TrainConfig
-from raypack.train.engines.deepspeed import deepspeed_config
+from raypack.train.engines.deepspeed_engine import deepspeed_config
 from raypack.train.engines.optim import lr_lambda
 
 
@@ -60,7 +60,7 @@ def test_zero12_clipping_matches_deepspeeds_bit_for_bit_without_reading_the_devi
     same gradients come out of both, for a valid norm, inf, NaN and DeepSpeed's -1 sentinel."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    from raypack.train.engines.deepspeed import _unscale_and_clip_grads
+    from raypack.train.engines.deepspeed_engine import _unscale_and_clip_grads
 
     owner = types.SimpleNamespace(clip_grad=clip_grad, loss_scale=loss_scale, device=torch.device("cpu"))
     grads = [torch.randn(37, generator=torch.Generator().manual_seed(0)), [torch.randn(5), torch.randn(3)]]
@@ -137,7 +137,7 @@ def test_a_zero2_engine_clips_as_deepspeed_does(one_rank_group):
     to clip): its step's weights equal, bit for bit, those of the same engine with DeepSpeed's own
     clipping put back, and its gradient norm is the one DeepSpeed computed."""
     from raypack.model.build import load_model
-    from raypack.train.engines.deepspeed import setup_engine
+    from raypack.train.engines.deepspeed_engine import setup_engine
 
     cfg = TrainConfig(num_workers=1, zero_stage=2, grad_clip=0.05, warmup_steps=0, lr=1e-2)
     ids = torch.randint(3, 256, (1, 24), generator=torch.Generator().manual_seed(0))

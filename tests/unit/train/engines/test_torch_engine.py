@@ -1,0 +1,188 @@
+"""The torch engine (raypack/train/engines/torch_engine.py) on two gloo processes, without Ray.
+
+- Its checkpoints resume exactly: two steps, a save (each rank into its own folder, merged as
+  Ray's upload merges them), two more steps; a fresh engine loaded from the merged folder takes
+  the same two steps to the same weights bit for bit, with the schedule where it was. Under DDP,
+  FSDP2 resharding (zero_stage 3) and LoRA on FSDP2 (the frozen base left out).
+- The checkpoint read offline on the CPU (`raypack export`'s reader) holds the trained weights whole.
+- Under FSDP2 ranks > 0 build on the meta device and get rank 0's weights; each rank's digest of
+  its frozen shards is the one `adapters.expected_digests(..., "fsdp")` computes offline.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from paths import REPO
+
+VOCAB = 97
+rng = np.random.default_rng(0)
+EXAMPLES = {0: [[13, 5], [21]], 1: [[3, 8, 11], [4]]}  # each rank's micro-batches, by example length
+ROWS = {r: [[rng.integers(1, VOCAB, n).tolist() for n in mb] for mb in mbs] for r, mbs in EXAMPLES.items()}
+
+
+def _row(examples):
+    ids = [t for e in examples for t in e]
+    return {"input_ids": ids, "labels": ids, "position_ids": [p for e in examples for p in range(len(e))],
+            "num_tokens": len(ids), "example_ids": list(range(len(examples)))}
+
+
+def _engine(stage: int, lora: bool):
+    from raypack.config import PeftConfig, TrainConfig
+    from raypack.model.adapters import apply_adapters
+    from raypack.model.build import load_model
+    from raypack.train import engines
+
+    cfg = TrainConfig(engine="torch", num_workers=2, zero_stage=stage, grad_accum=2, grad_clip=1.0, warmup_steps=1)
+    torch.manual_seed(0)
+    with engines.building(cfg, dtype=torch.float32, world_size=2):
+        model = load_model("tiny-llama", dtype="float32", vocab_size=VOCAB)
+    if lora:
+        model = apply_adapters(model, PeftConfig(method="lora", r=4, alpha=8), "tiny-llama")
+    meta = any(p.is_meta for p in model.parameters())
+    return engines.build(model, cfg, dtype=torch.float32, world_size=2, total_steps=6), meta
+
+
+def _steps(engine, rank: int, n: int) -> list[float]:
+    from raypack.train.loop import forward_backward, global_count
+    from raypack.train.loss import make_loss
+    from raypack.train.prefetch import prepare_step
+
+    loss = make_loss(engine, "chunked", chunk_tokens=7)
+    step = prepare_step([_row(mb) for mb in ROWS[rank]])
+    total = float(global_count([step.label_tokens], engine.device)[:, 0].sum())
+    out = []
+    for _ in range(n):
+        out.append(float(forward_backward(engine, step.batches, 2 * 2 / total, loss)))
+        engine.step()
+    return out
+
+
+def _whole(engine) -> dict:
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in engine.module.named_parameters()}
+
+
+def _rank(rank: int, store: str, folder: str, stage: int, lora: bool, out: str) -> None:
+    import torch.distributed as dist
+
+    from raypack.model.adapters import frozen_digest
+
+    sys.path[:0] = [str(REPO), str(REPO / "tests")]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    a, meta = _engine(stage, lora)
+    _steps(a, rank, 2)
+    mine = Path(folder) / f"rank{rank}"
+    a.save(mine, {"step": 2}, frozen=lora)
+    at_save = _whole(a)
+    losses_a, weights_a = _steps(a, rank, 2), _whole(a)
+    lr_a = a.scheduler.get_last_lr()
+    dist.barrier()
+    if rank == 0:  # as Ray's upload merges every rank's folder into one checkpoint
+        for r in range(2):
+            shutil.copytree(Path(folder) / f"rank{r}", Path(folder) / "merged", dirs_exist_ok=True)
+    dist.barrier()
+    b, _ = _engine(stage, lora)
+    state = b.load(Path(folder) / "merged", frozen=lora)
+    losses_b, weights_b = _steps(b, rank, 2), _whole(b)
+    digest = frozen_digest(b.module) if lora else None
+    torch.save({"meta": meta, "state": state, "losses": (losses_a, losses_b), "lr": (lr_a, b.scheduler.get_last_lr()),
+                "weights": (weights_a, weights_b), "at_save": at_save, "digest": digest, "full": b.full_state_dict()}, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("stage,lora", [(0, False), (3, False), (2, True)], ids=["ddp", "fsdp3", "fsdp2-lora"])
+def test_a_checkpoint_resumes_bit_for_bit_and_reads_back_offline(tmp_path, stage, lora):
+    from tests.unit.train.engines.test_torch_engine import _rank  # by module name: the children import it
+
+    from raypack.model.adapters import apply_adapters, expected_digests
+    from raypack.train.engines import read_offline
+
+    out = str(tmp_path / "out")
+    torch.multiprocessing.spawn(_rank, args=(str(tmp_path / "store"), str(tmp_path / "ckpt"), stage, lora, out),
+                                nprocs=2)
+    got = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+    for r, g in enumerate(got):
+        assert g["state"] == {"step": 2}
+        assert g["losses"][0] == g["losses"][1], f"rank {r}"
+        assert g["lr"][0] == g["lr"][1]
+        for name, w in g["weights"][0].items():
+            assert torch.equal(w, g["weights"][1][name]), f"rank {r}: {name}"
+    # FSDP2: rank 1 built on the meta device, rank 0 with the weights it broadcast
+    assert [g["meta"] for g in got] == ([False, True] if stage else [False, False])
+
+    saved = read_offline(tmp_path / "ckpt" / "merged", adapters=lora)
+    assert (saved.engine, saved.zero_stage, saved.world_size, saved.state) == ("torch", stage, 2, {"step": 2})
+    assert saved.dtype == torch.float32
+    at_save = got[0]["at_save"]
+    expected = {n for n in at_save if "lora_" in n} if lora else set(at_save)  # LoRA: the adapters alone
+    assert set(saved.weights) == expected
+    for name in expected:
+        assert torch.equal(saved.weights[name], at_save[name]), name
+    assert set(got[0]["full"]) >= expected  # the whole state dict on rank 0 (FSDP2: there alone)
+    assert (not got[1]["full"]) == (stage > 0)
+    if lora:
+        from raypack.config import PeftConfig
+        from raypack.model.build import load_model
+
+        torch.manual_seed(0)
+        model = apply_adapters(load_model("tiny-llama", dtype="float32", vocab_size=VOCAB),
+                               PeftConfig(method="lora", r=4, alpha=8), "tiny-llama")
+        assert expected_digests(model, 2, "fsdp") == [g["digest"] for g in got]
+        assert expected_digests(model, 2, "fsdp") != expected_digests(model, 2, "replicated")
+
+
+def test_the_torch_engine_keeps_its_master_weights_in_the_model():
+    """precision mixed: fp32 weights (the master copy) where DeepSpeed keeps bf16 ones and its own
+    fp32 copy; with LoRA the frozen base in the compute dtype; bf16 precision keeps bf16."""
+    from raypack.config import TrainConfig
+    from raypack.train import engines
+
+    torch_mixed = TrainConfig(engine="torch")
+    assert engines.weights_dtype(torch_mixed, "bfloat16") == torch.float32
+    assert engines.weights_dtype(torch_mixed, "bfloat16", adapters=True) == torch.bfloat16
+    assert engines.compute_dtype(torch_mixed, "bfloat16") == torch.bfloat16
+    assert engines.weights_dtype(TrainConfig(engine="torch", precision="bf16"), "auto") == torch.bfloat16
+    assert engines.weights_dtype(TrainConfig(), "bfloat16") == torch.bfloat16  # DeepSpeed
+
+
+def test_a_checkpoint_of_the_other_engine_is_refused_by_name(tmp_path):
+    from raypack.errors import InputError
+    from raypack.train.checkpoint import check_engine
+
+    (tmp_path / "ds").mkdir()
+    with pytest.raises(InputError, match=r"was written by train.engine deepspeed, but this run trains with "
+                                         r"train.engine torch, which can't read it; resume with train.engine: deepspeed"):
+        check_engine(tmp_path, "torch", "ckpt")
+    check_engine(tmp_path, "deepspeed", "ckpt")  # its own engine: fine
+
+
+def test_no_module_outside_the_engines_imports_deepspeed():
+    """The seam: DeepSpeed is imported in raypack/train/engines/deepspeed_engine.py alone."""
+    import ast
+
+    package = REPO / "raypack"
+    found = []
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "deepspeed" or n.startswith("deepspeed.") for n in names):
+                found.append(str(path.relative_to(package)))
+    assert sorted(set(found)) == ["train/engines/deepspeed_engine.py"], found
+
+
+def test_a_worker_on_the_torch_engine_never_imports_deepspeed():
+    import subprocess
+
+    code = ("import sys, raypack.train.loop, raypack.train.checkpoint, raypack.train.engines.torch_engine; "
+            "assert 'deepspeed' not in sys.modules, 'deepspeed imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
