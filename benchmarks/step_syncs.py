@@ -300,8 +300,13 @@ def destroy_process_group() -> None:
     """Through DeepSpeed, which then forgets the groups it cached: a later engine in this process
     (a test's) would find them destroyed."""
     import deepspeed.comm
+    import deepspeed.comm.comm
+    import torch.distributed as dist
 
-    deepspeed.comm.destroy_process_group()
+    if deepspeed.comm.comm.cdb is None:  # DeepSpeed never joined it (a torch engine's group)
+        dist.destroy_process_group()
+    else:
+        deepspeed.comm.destroy_process_group()
 
 
 def table(results: dict, gpu: bool) -> list[str]:

@@ -249,6 +249,15 @@ class DeepSpeedEngine(Engine):
 
     def destroy(self) -> None:
         self.ds.destroy()
+        # ZeRO-3 swaps torch.nn.functional.linear for its own ("This will persist unless manually
+        # reset", DeepSpeed 0.19.8's partition_parameters.py): an in-place bias add that the
+        # process's later models (a test's, a benchmark's next engine) would run, and that
+        # selective checkpointing's check then refuses
+        from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as Patched
+
+        original = getattr(Patched, "linear_bk", None)
+        if original is not None:
+            torch.nn.functional.linear = original
 
 
 @contextlib.contextmanager

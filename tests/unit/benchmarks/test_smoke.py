@@ -61,6 +61,9 @@ NO_RAY = {  # script -> what its results file must show
     # a VLM micro-batch's host time on 1, 2 and 4 decode threads, and the tiny model's step beside it (issue 52)
     "vision_host.py": ["| bundled sample, tiny processor | 252 | 6 | 1 |", "| 640x480 JPEG q90, Qwen2.5-VL default processor |",
                        "| 2 |", "CPU ms", "forward and backward of the bundled sample's micro-batch"],
+    # both engines at every stage gpu-check measures, one model and one batch stream (issue 51)
+    "engines.py": ["| deepspeed | 0 |", "| deepspeed | 3 |", "| torch | 0 |", "| torch | 2 |", "| torch | 3 |",
+                   "First-step losses agree across engines"],
     # every model x option set reached its longest smoke row
     "long_context.py": ["| 1b-full | none | 256 |", "| 8b-lora | both | 256 |", "| 1b-full | tiled | 256 |"],
 }

@@ -213,3 +213,28 @@ def test_weights_and_optimizer_state_are_what_deepspeed_holds(precision, one_ran
     # torch AdamW's per-group step counters (8 B each) are the only bytes the arithmetic leaves out
     assert held == pytest.approx(mem.optimizer, abs=64) and mem.optimizer == {"mixed": 12, "bf16": 8}[precision] * arch.params
     engine.destroy()
+
+
+@pytest.mark.parametrize("precision", ["mixed", "bf16"])
+def test_weights_and_optimizer_state_are_what_the_torch_engine_holds(precision, one_rank_group):
+    """The torch engine on one rank (the bare model): its stored weights (fp32 master weights for
+    mixed, bf16 for bf16) and AdamW's moments (plus Kahan's compensation) after a step, against the
+    estimate; the estimate's weights add the forward's bf16 cast of them (mixed on a GPU)."""
+    import torch
+
+    from raypack.train import engines
+
+    c = load(None, ["train.engine=torch", "train.num_workers=1", "train.zero_stage=0", f"train.precision={precision}",
+                    "model.dtype=bfloat16", "model.gradient_checkpointing=none"])
+    arch = Arch.from_config(model_config("tiny-llama"))
+    model = load_model("tiny-llama", dtype=engines.weights_dtype(c.train, c.model.dtype))
+    engine = engines.build(model, c.train, dtype=torch.bfloat16, world_size=1, total_steps=1)
+    ids = torch.randint(0, arch.vocab, (1, 16))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    stored = sum(p.numel() * p.element_size() for p in engine.module.parameters())
+    held = tensor_bytes([v for state in engine.optimizer.state.values() for k, v in state.items() if k != "step"])
+    mem = estimate(c, arch, checkpointing="none")
+    weight_bytes, cast = {"mixed": (4, 2), "bf16": (2, 0)}[precision]
+    assert stored == weight_bytes * arch.params and mem.weights == (weight_bytes + cast) * arch.params
+    assert held == mem.optimizer == {"mixed": 8, "bf16": 6}[precision] * arch.params
