@@ -89,8 +89,12 @@ TRIM = {
     # (raypack starts it, Ray Train's State API and `ray job submit` talk to it) and refuses to start
     # without client/build/ and client/build/static/, so their small files stay. The GPU machine is
     # reached by no browser anyway.
+    # Its examples, and Ray on Spark and on Dask (each imported only inside the functions that use
+    # them: ray.data's from_spark / to_dask, the Spark cluster launcher), go too.
     "ray": ("ray/rllib/", "ray/serve/", "ray/llm/", "ray/jars/", "ray/dashboard/client/build/static/js/",
-            "ray/dashboard/client/build/static/media/", "ray/dashboard/client/build/speedscope-"),
+            "ray/dashboard/client/build/static/media/", "ray/dashboard/client/build/speedscope-",
+            "ray/tune/examples/", "ray/train/examples/", "ray/train/v2/examples/", "ray/util/spark/", "ray/util/dask/",
+            "ray/autoscaler/_private/spark/"),
 }
 """Paths dropped from a carried wheel: raypack never imports them."""
 

@@ -247,7 +247,7 @@ def shard(model: nn.Module, cfg: TrainConfig, device: torch.device, cast: torch.
     # backward, as FSDP2 does for a root by default: the chunked loss calls the head after the
     # model's forward returns (raypack/train/loss.py).
     fully_shard(model, **{**kwargs, "reshard_after_forward": False})
-    model.set_reduce_scatter_unused_params(True)
+    reduce_unused(model)
     # The root's pre-backward fires where a gradient reaches one of its outputs, which a VLM's
     # image features do on a rank with images only (seen: Qwen2.5-VL under the chunked loss); by
     # default it would then prefetch a layer, an all-gather the ranks without images never join.
@@ -266,6 +266,29 @@ def shard(model: nn.Module, cfg: TrainConfig, device: torch.device, cast: torch.
         dist.broadcast(buf, src=0)
         holder._buffers[attr] = buf
     return model
+
+
+def reduce_unused(model: nn.Module) -> None:
+    """Every rank reduces the same gradients: zeros for a weight its micro-batch didn't use (a VLM's
+    tower where it had no image), where FSDP2 would otherwise leave it out on that rank alone and
+    the ranks' reduce-scatters would disagree. torch 2.13 has the setting; torch 2.11 (the GPU
+    image's) hasn't, so there a VLM whose tower or projector trains is refused."""
+    if hasattr(model, "set_reduce_scatter_unused_params"):
+        model.set_reduce_scatter_unused_params(True)
+        return
+    from raypack.model.traits import UnsupportedModelError
+    from raypack.model.vision import parts, trains_as_vlm
+
+    if not trains_as_vlm(getattr(model, "config", None)):
+        return
+    named = dict(model.named_parameters())
+    trained = [n for names in parts(model).values() for n in names if named[n].requires_grad]
+    if trained:
+        raise UnsupportedModelError(
+            f"train.engine torch with train.zero_stage 1-3: this torch ({torch.__version__}) has no FSDP2 "
+            "set_reduce_scatter_unused_params, so a rank whose micro-batch holds no image would reduce other "
+            f"gradients than the others (the vision tower's and projector's, {len(trained)} weights train); use "
+            "torch >= 2.13, train.zero_stage 0 (DDP), model.freeze: [vision, projector], or train.engine deepspeed")
 
 
 # --- reading a checkpoint back, offline -----------------------------------------------------------

@@ -186,3 +186,25 @@ def test_a_worker_on_the_torch_engine_never_imports_deepspeed():
     code = ("import sys, raypack.train.loop, raypack.train.checkpoint, raypack.train.engines.torch_engine; "
             "assert 'deepspeed' not in sys.modules, 'deepspeed imported'")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def test_without_fsdp2s_unused_reduce_a_vlm_whose_tower_trains_is_refused(monkeypatch, one_rank_group):
+    """torch 2.11 (the GPU image's) lacks FSDP2's set_reduce_scatter_unused_params: a VLM whose
+    tower trains is refused there, naming the remedies; a text model, or the tower and projector
+    frozen, still shards."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from raypack.config import TrainConfig
+    from raypack.model.build import load_model
+    from raypack.model.traits import UnsupportedModelError
+    from raypack.model.vision import freeze
+    from raypack.train import engines
+
+    monkeypatch.delattr(FSDPModule, "set_reduce_scatter_unused_params")
+    cfg = TrainConfig(engine="torch", num_workers=1, zero_stage=2)
+    with pytest.raises(UnsupportedModelError, match=r"no FSDP2 set_reduce_scatter_unused_params.*use torch >= 2.13"):
+        engines.build(load_model("tiny-qwen2_5_vl", dtype="float32"), cfg, dtype=torch.float32, world_size=1, total_steps=1)
+    frozen = load_model("tiny-qwen2_5_vl", dtype="float32")
+    freeze(frozen, ("vision", "projector"))
+    engines.build(frozen, cfg, dtype=torch.float32, world_size=1, total_steps=1)
+    engines.build(load_model("tiny-llama", dtype="float32"), cfg, dtype=torch.float32, world_size=1, total_steps=1)
