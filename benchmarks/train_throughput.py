@@ -211,7 +211,7 @@ def run_standalone(cfg: Config, prepared, warmup: int, steps: int) -> dict:
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
     try:
         # exactly what each Ray Train worker does (raypack.train.loop.train_loop_per_worker)
-        engine, _scheduler, total = setup(cfg, prepared, 1)
+        engine, total = setup(cfg, prepared, 1)
         loss = make_loss(engine, cfg.train.loss, cfg.train.loss_chunk_tokens, padded=prepared.padded)
         rows = list(iter_rank_packs(prepared.train_dir, 0))[: warmup + steps]
         num_params = sum(getattr(p, "ds_numel", p.numel()) for p in engine.module.parameters())
@@ -256,7 +256,7 @@ def run_standalone(cfg: Config, prepared, warmup: int, steps: int) -> dict:
             losses=losses, num_params=num_params, model_config=engine.module.config,
             peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
         )  # fmt: skip
-        del engine, _scheduler
+        del engine
         return out
     finally:
         dist.destroy_process_group()

@@ -332,7 +332,7 @@ def estimate(cfg: Config, arch: Arch, *, tokens: int | None = None, loss: str | 
         raise ValueError(f"estimate: gradient checkpointing {mode!r}; expected one of {', '.join(CHECKPOINTING)}")
     zero = preset_zero(cfg) if zero is None else zero
     tokens = tokens or rank_tokens(cfg)
-    n, p = t.num_workers, arch.params
+    p = arch.params
     trained = trained_params(arch, peft, cfg.model.freeze)
 
     base = None
