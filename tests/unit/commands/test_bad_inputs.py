@@ -535,3 +535,18 @@ def test_the_same_mixture_fixed_passes(tmp_path, capsys, no_ray):
                     (odd, "weight: 1, columns: {prompt: question, completion: answer}"))
     with pytest.raises(AssertionError, match="Ray was started"):
         main(["train", f"run.storage_path={tmp_path}", fixed])
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (["train.deepspeed_preset=zero2"], "train.deepspeed_preset: expected null with train.engine torch"),
+    (["train.optimizer=deepspeed"], "train.optimizer: expected torch with train.engine torch"),
+    (["train.zero_stage=0", "train.offload_optimizer=true"],
+     "train.offload_optimizer: expected false with train.engine torch and train.zero_stage 0"),
+    (["train.use_gpu=true", "model.peft.method=qlora"],
+     "model.peft.method: expected lora or none with train.engine torch and train.zero_stage 1-3"),
+])  # fmt: skip
+def test_what_the_torch_engine_cant_do_is_one_line_naming_the_engine(tmp_path, capsys, no_ray, overrides, says):
+    """train.engine torch (raypack/train/engines/torch_engine.py): DeepSpeed's own settings, and
+    what FSDP2 can't shard, refused before Ray starts."""
+    err = train(tmp_path, capsys, "train.engine=torch", *overrides)
+    assert says in err, err
