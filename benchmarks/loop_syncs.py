@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import functools
 import os
 import sys
@@ -45,11 +44,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from torch.overrides import TorchFunctionMode  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from benchmarks.common import command_line, machine, smoke_banner, versions, write_results  # noqa: E402
-from benchmarks.step_syncs import READS, SyncCounter, destroy_process_group  # noqa: E402
+from benchmarks.step_syncs import SyncCounter, destroy_process_group  # noqa: E402
 
 KINDS = {  # kind -> model.name and what it adds to the step
     "text": "tiny-llama",
@@ -79,30 +76,12 @@ class ReadCounter(SyncCounter):
         ptr = tensor.untyped_storage().data_ptr() if isinstance(tensor, torch.Tensor) else None
         return f"{name} of a host copy" if ptr in self.host else f"{name} of a device value"
 
-    def __enter__(self) -> ReadCounter:
-        counter = self
-
-        class Dispatch(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                name = str(func)
-                if name.startswith("c10d."):
-                    counter.add("collective", name)
-                elif name.startswith("aten._local_scalar_dense"):
-                    counter.add("read", counter._what(args[0], "item"))
-                elif name.split(".")[1] in SHAPE_FROM_VALUES or (name.startswith("aten.index") and any(
-                        isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()) or ())):
-                    counter.add("read", counter._what(args[0], name.split(".")[1]))
-                return func(*args, **(kwargs or {}))
-
-        class Function(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):
-                if func in READS:
-                    counter.add("read", counter._what(args[0], func.__name__))
-                return func(*args, **(kwargs or {}))
-
-        self._stack.enter_context(Dispatch())
-        self._stack.enter_context(Function())
-        return self
+    def dispatched(self, name: str, args: tuple) -> None:
+        super().dispatched(name, args)
+        op = name.split(".")[1] if "." in name else name
+        if op in SHAPE_FROM_VALUES or (name.startswith("aten.index") and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()) or ())):
+            self.add("read", self._what(args[0], op))
 
 
 def copying_to_device(counter: ReadCounter, batch: dict, device) -> dict:

@@ -86,22 +86,29 @@ class SyncCounter:
     def add(self, kind: str, what: str) -> None:
         self.events.append((kind, *_origin_of_caller(), what))
 
+    def _what(self, tensor, name: str) -> str:
+        """How a read of `tensor` by `name` is recorded (benchmarks/loop_syncs.py says what it read)."""
+        return name
+
+    def dispatched(self, name: str, args: tuple) -> None:
+        """One aten op (`name`, its `args`) as torch dispatches it: a collective or a read is recorded."""
+        if name.startswith("c10d."):
+            self.add("collective", name)
+        elif name.startswith("aten._local_scalar_dense"):
+            self.add("read", self._what(args[0], "item"))
+
     def __enter__(self) -> SyncCounter:
         counter = self
 
         class Dispatch(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                name = str(func)
-                if name.startswith("c10d."):
-                    counter.add("collective", name)
-                elif name.startswith("aten._local_scalar_dense"):
-                    counter.add("read", "item")
+                counter.dispatched(str(func), args)
                 return func(*args, **(kwargs or {}))
 
         class Function(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 if func in READS:
-                    counter.add("read", func.__name__)
+                    counter.add("read", counter._what(args[0], func.__name__))
                 return func(*args, **(kwargs or {}))
 
         def counted(owner, attr: str, label: str):

@@ -36,6 +36,7 @@ import numpy as np
 from raypack.config import Config, DataConfig
 from raypack.data.holdout import held_out_mask
 from raypack.data.listing import Sources
+from raypack.data.plan import concat_ranges
 from raypack.data.sources import FILE_SHIFT, ROW_SHIFT
 from raypack.errors import InputError
 
@@ -120,7 +121,7 @@ class Mixture:
             rng = np.random.default_rng([seed, k, DRAW_STREAM])
             times[mine[np.sort(rng.permutation(len(mine))[:more])]] += 1
         row = np.repeat(np.arange(len(rows)), times)
-        return _ranges(first[row], pieces[row])
+        return concat_ranges(first[row], pieces[row])
 
     def figures(self, ids: np.ndarray, take: np.ndarray, labels: np.ndarray | None,
                 held_out: np.ndarray | None = None) -> list[dict[str, Any]]:
@@ -217,12 +218,3 @@ def source_names(data: DataConfig) -> tuple[str, ...]:
             raise InputError(f"data.sources[{i}].name: {n!r} names data.sources[{names.index(n)}] too; give each "
                              "source its own name")
     return tuple(names)
-
-
-def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """arange(s, s + c) for every (s, c), concatenated."""
-    total = int(counts.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    ends = np.cumsum(counts)
-    return np.repeat(starts - (ends - counts), counts) + np.arange(total)

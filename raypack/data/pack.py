@@ -45,7 +45,7 @@ import ray
 
 from raypack import storage
 from raypack.data.formats import IGNORE_INDEX
-from raypack.data.plan import Plan
+from raypack.data.plan import Plan, concat_ranges
 from raypack.data.progress import Progress, Tally, on_driver_node
 
 FINISH_BYTES_PER_TOKEN = 96
@@ -68,14 +68,6 @@ tokenize.TOKENIZED_FILE_BYTES) no Ray process held more than 591 MiB of its own
 ROWS_PER_FILE = 4096
 """Packed rows per output Parquet file, rounded down to whole row groups (files are named in step order)."""
 
-
-def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(s, s + c) for every (s, c), without a Python loop."""
-    total = int(counts.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    ends = np.cumsum(counts)
-    return np.repeat(starts - (ends - counts), counts) + np.arange(total)
 
 
 def _list_array(offsets: np.ndarray, values: np.ndarray, type_: pa.DataType, null: np.ndarray | None = None) -> pa.Array:
@@ -107,7 +99,7 @@ class Router:
         idx = np.searchsorted(r["ids"], ids)
         if (idx >= len(r["ids"])).any() or (r["ids"][np.minimum(idx, len(r["ids"]) - 1)] != ids).any():
             raise ValueError("the dataset holds example_ids that the plan's id array does not")
-        entry = _ranges(r["first"][idx], r["count"][idx])  # plan entries of this batch's examples
+        entry = concat_ranges(r["first"][idx], r["count"][idx])  # plan entries of this batch's examples
         row = np.repeat(np.arange(len(ids)), r["count"][idx])
         out: dict[str, Any] = {
             "pack": r["pack"][entry],
@@ -124,7 +116,7 @@ class Router:
             length = np.where(valid, end - start, 0)
             base = lists.offsets.to_numpy()[:-1].astype(np.int64)  # into .values, a slice's too
             values = lists.values.to_numpy(zero_copy_only=False)
-            gather = _ranges(base[row] + start, length)
+            gather = concat_ranges(base[row] + start, length)
             out[col] = _list_array(np.concatenate(([0], np.cumsum(length))), values[gather].astype(np.int32),
                                    pa.int32(), ~valid)
         return pa.table(out)
@@ -321,8 +313,8 @@ class _RankPieces:
             values = np.empty(int(offsets[-1]), np.int32)
             for p in np.flatnonzero(np.diff(bounds)):
                 idx = by_part[bounds[p]:bounds[p + 1]]
-                src = _ranges(self.start[col][sel[idx]], length[idx])
-                values[_ranges(offsets[idx], length[idx])] = self.lists[p][col][1][src]
+                src = concat_ranges(self.start[col][sel[idx]], length[idx])
+                values[concat_ranges(offsets[idx], length[idx])] = self.lists[p][col][1][src]
             out[col] = _list_array(offsets, values, pa.int32(), None if col == "input_ids" else ~labeled)
         cols = {k: pa.array(self.keys[k][lo:hi], pa.int64() if k in ("pack", "example_id") else pa.int32())
                 for k in self.KEYS}

@@ -230,3 +230,13 @@ def stack_steps(plans: list[Plan], sizes: list[int]) -> Plan:
         example=np.concatenate([p.example + o for p, o in zip(plans, offsets)]),
         start=np.concatenate([p.start for p in plans]), end=np.concatenate([p.end for p in plans]),
         seconds=sum(p.seconds for p in plans))
+
+
+def concat_ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(s, s + c) for every (s, c), without a Python loop: the rows a plan's
+    entries (or a mixture's draw) take, as one index array."""
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    ends = np.cumsum(counts)
+    return np.repeat(starts - (ends - counts), counts) + np.arange(total)
