@@ -41,6 +41,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import pyarrow.fs as pafs
+
 from raypack import storage
 from raypack.errors import InputError
 
@@ -258,9 +260,13 @@ def _link_new(path: str, record: dict[str, Any]) -> bool:
 def _write(path: str, record: dict[str, Any]) -> None:
     """Replace the record at `path` whole: a reader sees the old one or the new one, never a part."""
     text = json.dumps(record)
-    if storage.is_uri(path):
+    fs, local = storage.resolve(path)
+    if not isinstance(fs, pafs.LocalFileSystem):
         storage.write_text(path, text)  # an object is replaced whole
         return
-    tmp = f"{path}.{record['token']}"
+    # a file is not (pyarrow truncates, then writes): of two writers at once, a longer record's tail
+    # could outlast a shorter one's, which reads as no record at all and refuses every writer
+    tmp = f"{local}.{record['token']}"
+    Path(local).parent.mkdir(parents=True, exist_ok=True)
     Path(tmp).write_text(text)
-    os.replace(tmp, path)
+    os.replace(tmp, local)

@@ -146,3 +146,28 @@ def test_of_runs_that_start_at_once_one_holds_the_folder(root, stale):
     for p in procs:
         p.join(timeout=60)
     assert sorted(results.get(timeout=5) for _ in procs) == ["held", "refused", "refused", "refused"]
+
+
+def _rewrite(path: str, pad: int, n: int) -> None:
+    record = runlock.own_record("train") | {"pad": "x" * pad}
+    for _ in range(n):
+        runlock._write(path, record)
+
+
+def test_a_record_is_replaced_whole_so_no_reader_meets_part_of_one(root):
+    """Two writers of records of different lengths and a reader, at once: the reader sees whole
+    records only. (A file written in place is truncated first, and of two such writes a longer
+    record's tail can outlast a shorter one's: no record at all, and every contender refused.)"""
+    path = f"{root}/{LOCK}"
+    runlock._write(path, runlock.own_record("train"))
+    context = multiprocessing.get_context("fork")
+    writers = [context.Process(target=_rewrite, args=(path, pad, 400)) for pad in (0, 40)]
+    for w in writers:
+        w.start()
+    torn = 0
+    while any(w.is_alive() for w in writers):
+        torn += runlock.read(path) == {}
+    for w in writers:
+        w.join()
+    assert torn == 0 and runlock.read(path)["pad"] in ("", "x" * 40)
+
