@@ -13,12 +13,14 @@ Boundaries are the `cu_seq_lens_q` collate computes once per batch (raypack/data
 which transformers' decoder layers pass to the mixer with the rest of the forward's keyword
 arguments, as they do to attention. Two paths, one answer:
 
-    torch    the layer's own forward, with no cache, over the row's examples as a right-padded
-             batch (one example a row): transformers' unpacked computation itself (its torch
-             fallbacks, or the kernels) on each example. Any device. Cost: examples x longest
-             tokens through the mixer, where the row holds their sum. The boundaries are read
-             once per batch (free on the CPU, one read per forward on CUDA, as attention's exact
-             path), and the layer is called once, as ZeRO-3's weight gathering needs.
+    torch    the layer's own forward, with no cache, over the row's examples as right-padded
+             batches (one example a row): transformers' unpacked computation itself (its torch
+             fallbacks, or the kernels) on each example. Any device. The examples, sorted by
+             length, are cut into `BUCKETS` batches each padded to its own longest, the cuts
+             chosen for the fewest padded slots (raypack/model/mixer_buckets.py), so the mixer
+             runs about the row's tokens, not examples x longest. The boundaries are read once
+             per batch from the host copy collate kept (no device read), and the layer is
+             called `BUCKETS` times whatever the examples, as ZeRO-3's weight gathering needs.
     kernels  CUDA, with the packages below installed: the whole row in one call, the layer told
              the boundaries the way its kernels take them. transformers already hands
              `cu_seqlens` to flash-linear-attention's gated delta rule; raypack adds `seq_idx`
@@ -55,7 +57,7 @@ import torch
 from torch import nn
 
 from raypack.errors import UnsupportedModelError
-from raypack.model import ulysses
+from raypack.model import mixer_buckets, ulysses
 from raypack.model.mixer_kernels import CONV, KernelCall, problem
 from raypack.model.exact import LastCache, host_copy
 
@@ -238,11 +240,12 @@ def describe(found: dict[str, MixerKind], device_type: str) -> str:
             how = f"varlen kernels: {kind.kernels}"
         elif device_type == "cuda" and (missing := ", ".join(DISTRIBUTIONS.get(p, p) for p in kind.packages
                                                             if not _PACKAGES[p])):
-            how = f"exact torch path, examples as a padded batch ({missing} not installed: slower)"
+            how = f"exact torch path, examples in padded batches by length ({missing} not installed: slower)"
         elif device_type == "cuda":
-            how = f"exact torch path, examples as a padded batch: slower; not the kernels: {kernels_problem(kind)}"
+            how = (f"exact torch path, examples in padded batches by length: slower; not the kernels: "
+                   f"{kernels_problem(kind)}")
         else:
-            how = "exact torch path, examples as a padded batch: the CPU's; the kernels are CUDA's"
+            how = "exact torch path, examples in padded batches by length: the CPU's; the kernels are CUDA's"
         parts.append(f"{n} {kind.name} layer{'s' if n > 1 else ''} ({how})")
     return "; ".join(parts)
 
@@ -280,18 +283,20 @@ def _segments(cu: torch.Tensor, total: int) -> list[int]:
     return hit
 
 
-def _places(cu: torch.Tensor, total: int, device: torch.device) -> tuple[int, int, torch.Tensor]:
-    """(examples, longest, where each row token goes in an [examples * longest] padded batch),
-    once per batch: the index is built on the host from the boundaries and copied over once,
-    from pinned memory on CUDA (a pageable copy would block the host until the device is idle)."""
-    hit = _per_batch.get(cu, ("places", total, device))
+def _buckets(cu: torch.Tensor, total: int, device: torch.device) -> tuple[tuple[tuple[int, int], ...],
+                                                                         torch.Tensor]:
+    """(examples, longest) of each bucket's padded batch, and where each row token goes in those
+    batches laid end to end (mixer_buckets.layout), once per batch: the index is built on the
+    host from the boundaries and copied over once, from pinned memory on CUDA (a pageable copy
+    would block the host until the device is idle)."""
+    key = ("buckets", total, device, mixer_buckets.BUCKETS)
+    hit = _per_batch.get(cu, key)
     if hit is None:
-        sizes = _segments(cu, total)
-        longest = max(sizes)
-        index = torch.cat([torch.arange(n) + i * longest for i, n in enumerate(sizes)])
+        found = mixer_buckets.layout(_segments(cu, total), mixer_buckets.BUCKETS)
+        index = torch.from_numpy(found.index)
         # pinned, so the copy is queued behind the step's work instead of waiting for the device
         index = index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index.to(device)
-        hit = _per_batch.put(cu, ("places", total, device), (len(sizes), longest, index))
+        hit = _per_batch.put(cu, key, (found.shapes, index))
     return hit
 
 
@@ -343,15 +348,23 @@ def _packed_forward(original, kind: MixerKind, hidden_states: torch.Tensor, cach
         extra = kind.varlen(cu) if kind.varlen else {}
         out = original(row, cache=None, attention_mask=None, **{**kwargs, "seq_idx": seq_idx(cu, total), **extra})
     else:
-        # One call, the examples as the rows of a right-padded batch: each starts from zeros and
-        # ends before its padding, which a causal mixer never reads back. One call, not one per
-        # example, because under ZeRO-3 every submodule call gathers its weights, a collective
-        # that ranks holding different numbers of examples would call different numbers of times.
+        # The examples as the rows of right-padded batches, one a bucket of similar lengths: each
+        # starts from zeros and ends before its padding, which a causal mixer never reads back.
+        # Always BUCKETS calls, not one per example or per bucket found, because under ZeRO-3
+        # every submodule call gathers its weights, a collective that ranks holding different
+        # examples would otherwise call different numbers of times: a spare call runs one zero
+        # token, its output kept in the graph with a zero gradient (Alongside).
         rest = {k: v for k, v in kwargs.items() if k not in PACKING_KWARGS}
-        count, longest, index = _places(cu, total, row.device)
-        padded = row.new_zeros(count * longest, width).index_copy(0, index, row[0])
-        out = original(padded.view(count, longest, width), cache=None, attention_mask=None, **rest)
-        out = out.reshape(count * longest, -1).index_select(0, index)
+        shapes, index = _buckets(cu, total, row.device)
+        sizes = [n * longest for n, longest in shapes]
+        padded = row.new_zeros(sum(sizes), width).index_copy(0, index, row[0])
+        outs = [original(part.view(n, longest, width), cache=None, attention_mask=None, **rest).reshape(size, -1)
+                for (n, longest), size, part in zip(shapes, sizes, padded.split(sizes))]  # fmt: skip
+        out = (outs[0] if len(outs) == 1 else torch.cat(outs)).index_select(0, index)
+        spares = [original(row.new_zeros(1, 1, width), cache=None, attention_mask=None, **rest)
+                  for _ in range(mixer_buckets.BUCKETS - len(shapes))]  # fmt: skip
+        if spares:
+            out = mixer_buckets.Alongside.apply(out, *spares)
     return out.reshape(batch, length, -1)
 
 

@@ -276,8 +276,8 @@ def check_packable(
             )
         raise UnsupportedModelError(
             f"{what} has {kinds} layers, whose packed path reads the row's boundaries on the host (the "
-            "examples as a padded batch, or their CUDA kernels): a compiled layer would break its graph there; "
-            "use train.compile=false"
+            "examples in padded batches by length, or their CUDA kernels): a compiled layer would break its graph "
+            "there; use train.compile=false"
         )
     if not backends and (found := mixers.find(decoder(model))) and not token_mixers(model, known_exact=True):
         # what it lacks is the backend, not a trait: under raypack's own these layers are exact

@@ -54,7 +54,7 @@ def test_the_installed_kernels_take_their_boundaries():
 
 
 def test_the_torch_path_neither_reads_nor_waits_for_the_device():
-    """The torch path's per-batch work (raypack/model/mixers.py: `_segments`, `_places`) reads the
+    """The torch path's per-batch work (raypack/model/mixers.py: `_segments`, `_buckets`) reads the
     host copy of the boundaries and copies its index from pinned memory: under torch's sync
     debug mode set to error, no synchronizing CUDA call."""
     from raypack.model.exact import keep_host_copy
@@ -65,10 +65,10 @@ def test_the_torch_path_neither_reads_nor_waits_for_the_device():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        count, longest, index = mixers._places(cu, 492, cu.device)
+        shapes, index = mixers._buckets(cu, 492, cu.device)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert (count, longest) == (4, 300) and index.device.type == "cuda" and index.numel() == 492
+    assert shapes == ((1, 1), (1, 41), (1, 150), (1, 300)) and index.device.type == "cuda" and index.numel() == 492
 
 
 @pytest.mark.parametrize("family", ["bamba", "granitemoehybrid", "zamba2"])

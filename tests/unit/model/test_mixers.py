@@ -8,11 +8,11 @@ import os
 import pytest
 import torch
 import transformers
-from exactness import make_rows
+from exactness import make_rows, summed_loss
 from families import FAMILIES
 
 from raypack.data.collate import collate_packed
-from raypack.model import mixers
+from raypack.model import mixer_buckets, mixers
 from raypack.model.build import check_model, load_model, meta_model, tiny_config
 from raypack.model.traits import UnsupportedModelError, check_packable, decoder
 
@@ -73,9 +73,10 @@ def test_seq_idx_numbers_each_token_by_its_example():
     assert mixers.seq_idx(cu, 8).dtype == torch.int32
 
 
-def test_the_torch_path_runs_each_mixer_once_on_the_examples_as_a_padded_batch():
-    """One call per layer (ZeRO-3 gathers a layer's weights per call: ranks must agree on the
-    count), every example a row starting at position 0, its padding after it."""
+def test_the_torch_path_runs_each_mixer_on_the_examples_bucketed_by_length():
+    """BUCKETS calls per layer (ZeRO-3 gathers a layer's weights per call: ranks must agree on
+    the count), each a padded batch of examples of about one length, every example a row
+    starting at position 0, its padding after it; a bucket left empty is a call on one token."""
     torch.manual_seed(0)
     model = load_model("tiny-lfm2", attention="sdpa_varlen", dtype="float32")
     mixer = model.model.layers[0].conv
@@ -83,7 +84,92 @@ def test_the_torch_path_runs_each_mixer_once_on_the_examples_as_a_padded_batch()
     mixer.in_proj.register_forward_hook(lambda m, args, out: seen.append(args[0].shape))
     rows, _ = make_rows(([5, 3], [4]), vocab=512)
     model(**collate_packed(rows))
-    assert seen == [torch.Size([3, 5, 64])]
+    assert mixer_buckets.BUCKETS == 4
+    assert seen == [torch.Size([1, 3, 64]), torch.Size([1, 4, 64]), torch.Size([1, 5, 64]), torch.Size([1, 1, 64])]
+
+
+def _slots_seen(model) -> list[int]:
+    """Token slots (batch x length) each call of each mixer's output projection received."""
+    seen = []
+    for name in mixers.find(decoder(model)):
+        mixer = decoder(model).get_submodule(name)
+        proj = getattr(mixer, "out_proj", None) or mixer.o_proj
+        proj.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[:-1].numel()))
+    return seen
+
+
+UNEQUAL = ([200] + [3 + i % 10 for i in range(30)],)
+"""One row: an example of 200 tokens and thirty of 3 to 12 (one padded batch: 31 x 200 slots)."""
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h", "lfm2", "kimi_linear"])
+def test_a_row_of_very_unequal_examples_packs_exactly_on_about_its_tokens(family):
+    """The logits, summed loss and every gradient against each example alone, on a row one
+    padded batch would run as 31 x 200 = 6200 slots for its 425 tokens: the buckets run under
+    1.5x the tokens through each mixer (the spare calls' one token each aside)."""
+    from exactness import packed_vs_alone
+
+    torch.manual_seed(0)
+    config = FAMILIES[family].build_config(family)
+    model = load_model(config, attention="sdpa_varlen", dtype="float32").eval()
+    ref = load_model(config, attention="eager", dtype="float32").eval()
+    ref.load_state_dict(model.state_dict())
+    seen = _slots_seen(model)
+    errors = packed_vs_alone(model, ref, lengths=UNEQUAL)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < 2e-5, (worst, errors[worst])
+    tokens, layers = sum(UNEQUAL[0]), len(mixers.find(decoder(model)))
+    real = [n for n in seen if n > 1]
+    assert sum(real) < 1.5 * tokens * layers, (sum(real), tokens, layers)
+    assert len(seen) == layers * mixer_buckets.BUCKETS
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")  # a spare call's input needs no gradient
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_a_row_of_one_example_calls_each_mixer_as_often_as_a_row_of_thirty(family):
+    """What ZeRO-3 needs of ranks that hold different examples: the same calls of every submodule
+    of every mixer, in the same order, forward and backward (where ZeRO-3 gathers again)."""
+    torch.manual_seed(0)
+    model = load_model(FAMILIES[family].build_config(family), attention="sdpa_varlen", dtype="float32")
+    calls = []
+    for name in mixers.find(decoder(model)):
+        for sub, module in decoder(model).get_submodule(name).named_modules():
+            if not list(module.children()):  # the leaves, whose weights ZeRO-3 gathers
+                module.register_forward_pre_hook(lambda m, args, sub=sub: calls.append(("forward", sub)))
+                module.register_full_backward_pre_hook(lambda m, grad, sub=sub: calls.append(("backward", sub)))
+    seen = {}
+    for lengths in (([40],), ([3 + i % 7 for i in range(29)] + [40],)):
+        calls.clear()
+        batch = collate_packed(make_rows(lengths, vocab=512)[0])
+        batch.pop("labels")
+        model(**batch).logits.sum().backward()
+        seen[len(lengths[0])] = list(calls)
+    assert seen[1] == seen[30]
+    assert sum(1 for c in seen[1] if c[0] == "backward") > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_the_spare_calls_add_exactly_nothing_to_the_gradients(family, monkeypatch):
+    """A row of one example makes BUCKETS - 1 spare calls: the loss and every gradient are
+    bitwise those of the same row with no spare calls (BUCKETS 1). (A zero token's output is
+    zero through these layers, and so are its weights' gradients; the zero gradient handed back,
+    tests/unit/model/test_mixer_buckets.py, keeps that so for a layer where it would not be.)"""
+    torch.manual_seed(0)
+    model = load_model(FAMILIES[family].build_config(family), attention="sdpa_varlen", dtype="float32")
+    rows, _ = make_rows(([37],), vocab=512)
+    batch = collate_packed(rows)
+    labels = batch.pop("labels")
+    results = []
+    for buckets in (mixer_buckets.BUCKETS, 1):
+        monkeypatch.setattr(mixer_buckets, "BUCKETS", buckets)
+        model.zero_grad(set_to_none=True)
+        loss = summed_loss(model(**batch).logits, labels)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (loss4, grads4), (loss1, grads1) = results
+    assert torch.equal(loss4, loss1)
+    assert grads4.keys() == grads1.keys() and grads4
+    assert all(torch.equal(grads4[n], grads1[n]) for n in grads1)
 
 
 def test_without_boundaries_the_layer_runs_as_transformers_wrote_it():
@@ -100,8 +186,8 @@ def test_without_boundaries_the_layer_runs_as_transformers_wrote_it():
 
 def test_the_start_line_says_which_path_runs():
     found = mixers.find(decoder(meta_model(tiny_config("qwen3_5"))))
-    assert mixers.describe(found, "cpu") == ("1 gated delta rule layer (exact torch path, examples as a padded batch: "
-                                             "the CPU's; the kernels are CUDA's)")
+    assert mixers.describe(found, "cpu") == ("1 gated delta rule layer (exact torch path, examples in padded batches "
+                                             "by length: the CPU's; the kernels are CUDA's)")
     cuda = mixers.describe(found, "cuda")
     if mixers.path(next(iter(found.values())), "cuda") == "torch":
         assert "flash-linear-attention, causal-conv1d not installed: slower" in cuda, cuda
@@ -352,9 +438,9 @@ def test_a_convolution_kernel_without_seq_idx_falls_back_to_the_exact_torch_path
     found = mixers.find(decoder(meta_model(tiny_config("lfm2"))))
     line = mixers.describe(found, "cuda")
     assert "\n" not in line
-    assert line == ("1 short convolution layer (exact torch path, examples as a padded batch: slower; not the "
-                    "kernels: causal_conv1d's causal_conv1d_fn takes no seq_idx, so transformers would drop the "
-                    "boundaries)")  # no causal-conv1d distribution here to name a version
+    assert line == ("1 short convolution layer (exact torch path, examples in padded batches by length: slower; "
+                    "not the kernels: causal_conv1d's causal_conv1d_fn takes no seq_idx, so transformers would drop "
+                    "the boundaries)")  # no causal-conv1d distribution here to name a version
     from raypack.model import mixer_kernels
 
     versions = {"causal-conv1d": "1.1.0"}
