@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 BUCKETS = 4
 """Calls of each mixer per forward on the torch path. On the plans of raypack's length shapes
@@ -116,17 +115,3 @@ def layout(sizes: list[int], buckets: int) -> Buckets:
     index = np.arange(int(sizes_.sum()), dtype=np.int64) + np.repeat(base - starts, sizes_)
     return Buckets(shapes, index)
 
-
-class Alongside(torch.autograd.Function):
-    """`out` as it is, with the spare calls' outputs in its graph: backward hands each a zero
-    gradient, so each spare call's backward runs too (where ZeRO-3 gathers the layer's weights
-    again, as it does for the real buckets) and adds exactly nothing to any gradient."""
-
-    @staticmethod
-    def forward(ctx, out: torch.Tensor, *spares: torch.Tensor) -> torch.Tensor:
-        ctx.spares = [(s.shape, s.dtype, s.device) for s in spares]
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor, *_):
-        return (grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.spares))

@@ -322,6 +322,21 @@ def cu_seqlens(cu: torch.Tensor) -> dict[str, torch.Tensor]:
     return hit
 
 
+class _Alongside(torch.autograd.Function):
+    """`out` as it is, with the spare calls' outputs in its graph: backward hands each a zero
+    gradient, so each spare call's backward runs too (where ZeRO-3 gathers the layer's weights
+    again, as it does for the real buckets) and adds exactly nothing to any gradient."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, *spares: torch.Tensor) -> torch.Tensor:
+        ctx.spares = [(s.shape, s.dtype, s.device) for s in spares]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, *_):
+        return (grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.spares))
+
+
 def _packed_forward(original, kind: MixerKind, hidden_states: torch.Tensor, cache=None, attention_mask=None,
                     **kwargs) -> torch.Tensor:  # fmt: skip
     """The mixer over a packed row: its examples apart. Without cu_seq_lens_q (generation, a
@@ -353,7 +368,7 @@ def _packed_forward(original, kind: MixerKind, hidden_states: torch.Tensor, cach
         # Always BUCKETS calls, not one per example or per bucket found, because under ZeRO-3
         # every submodule call gathers its weights, a collective that ranks holding different
         # examples would otherwise call different numbers of times: a spare call runs one zero
-        # token, its output kept in the graph with a zero gradient (Alongside).
+        # token, its output kept in the graph with a zero gradient (_Alongside).
         rest = {k: v for k, v in kwargs.items() if k not in PACKING_KWARGS}
         shapes, index = _buckets(cu, total, row.device)
         sizes = [n * longest for n, longest in shapes]
@@ -364,7 +379,7 @@ def _packed_forward(original, kind: MixerKind, hidden_states: torch.Tensor, cach
         spares = [original(row.new_zeros(1, 1, width), cache=None, attention_mask=None, **rest)
                   for _ in range(mixer_buckets.BUCKETS - len(shapes))]  # fmt: skip
         if spares:
-            out = mixer_buckets.Alongside.apply(out, *spares)
+            out = _Alongside.apply(out, *spares)
     return out.reshape(batch, length, -1)
 
 

@@ -3,12 +3,17 @@ estimate (raypack/train/memory.py): the gated delta rule, Mamba-2, the short con
 the exact torch path, per layer. Arithmetic over the mixer's shape, read from the model's structure
 on the meta device (no weights), as mixers.find recognizes it.
 
-The torch path runs a packed row's examples as the rows of a right-padded batch (mixers.py):
+The torch path runs a packed row's examples as the rows of right-padded batches, one per length
+bucket (mixers.py, raypack/model/mixer_buckets.py), and the scans pad each row up to their chunk:
 
     row     [a a a a a a | b b | c c c]           9 tokens: what attention and the MLP keep
-    mixer   [a a a a a a]                          3 examples x longest 6 = 18 tokens, and the
-            [b b . . . .]                          scans pad each row up to their chunk (64):
-            [c c c . . .]                          3 x 64 here
+    mixer   [b b] [c c c] [a a a a a a] [.]       3 buckets of one example, and a spare call on
+                                                  one token (BUCKETS is 4): 4 rows of 64 here
+
+The estimate (`activations`) is told a row's examples and its longest, not each length, so it
+sizes every example as the longest (each bucket's longest is at most the row's) plus the spare
+calls: exact for examples of one length, an upper bound otherwise. `row` sizes the buckets of a
+given row.
 
 Per layer, for `examples` rows of `longest` tokens (P = longest rounded up to the chunk):
 
@@ -51,6 +56,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from raypack.model.mixer_buckets import BUCKETS, layout
+
 if TYPE_CHECKING:  # the estimate's module imports this one; torch only where a model is read
     from torch import nn
 
@@ -75,14 +82,25 @@ class MixerLayers:
     """The scan's chunk in tokens (1: none, a convolution)."""
     row_bytes: float
     """Per token of the packed row, per layer: what moving it into the padded batch and back keeps
-    (the row's bf16 input and the int64 index of its places, mixers._places)."""
+    (the row's bf16 input and the int64 index of its places, mixers._buckets)."""
 
     def activations(self, examples: int, longest: int, tokens: int) -> float:
         """Bytes all its layers keep for a row of `tokens` tokens: `examples` examples, the longest
-        `longest` tokens."""
-        chunks = -(-longest // self.chunk)
-        padded = examples * chunks * self.chunk
-        return self.layers * (padded * self.token_bytes + examples * chunks * self.chunk_state_bytes
+        `longest` tokens; at most what the length buckets keep (the module doc)."""
+        spares = max(0, BUCKETS - examples)  # the buckets a row of fewer examples leaves empty
+        return self.kept(((examples, longest), *[(1, 1)] * spares), tokens)
+
+    def row(self, lengths: list[int]) -> float:
+        """Bytes all its layers keep for a row of examples of `lengths` tokens, bucketed as the
+        torch path buckets it."""
+        shapes = layout(lengths, BUCKETS).shapes
+        return self.kept((*shapes, *[(1, 1)] * (BUCKETS - len(shapes))), sum(lengths))
+
+    def kept(self, shapes: tuple[tuple[int, int], ...], tokens: int) -> float:
+        """Bytes all its layers keep for padded batches of (examples, longest) `shapes` of a row of
+        `tokens` tokens."""
+        rows = sum(n * -(-longest // self.chunk) for n, longest in shapes)  # rows of whole chunks
+        return self.layers * (rows * self.chunk * self.token_bytes + rows * self.chunk_state_bytes
                               + tokens * self.row_bytes)  # fmt: skip
 
 

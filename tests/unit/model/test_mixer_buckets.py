@@ -1,6 +1,6 @@
-"""The torch path's length buckets (raypack/model/mixer_buckets.py): the fewest padded slots, where
-each token goes, and the spare calls' place in the graph. The mixers' exactness over them is
-tests/unit/model/test_mixers.py's and test_families.py's."""
+"""The torch path's length buckets (raypack/model/mixer_buckets.py): the fewest padded slots, and
+where each token goes. The mixers' exactness over them is tests/unit/model/test_mixers.py's and
+test_families.py's."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import itertools
 
 import numpy as np
 import pytest
-import torch
 
-from raypack.model.mixer_buckets import BUCKETS, Alongside, cuts, layout
+from raypack.model.mixer_buckets import BUCKETS, cuts, layout
 
 
 def _brute_force(sizes: list[int], buckets: int) -> int:
@@ -70,15 +69,3 @@ def test_every_token_has_its_own_slot_in_its_examples_row_from_the_rows_start():
         assert (np.diff(slots) == 1).all()  # in order, right-padded
         start += size
 
-
-def test_a_spare_output_gets_a_zero_gradient_and_its_backward_runs():
-    """Alongside: the output is the real one, untouched; the spare's backward runs (under ZeRO-3
-    it gathers weights there, as the real calls' do) and adds exactly zero."""
-    real = torch.randn(5, requires_grad=True)
-    weight = torch.randn(3, requires_grad=True)
-    spare = (weight * 2 + 1).exp()  # a spare output that is far from zero
-    out = Alongside.apply(real * 3, spare)
-    assert torch.equal(out, real.detach() * 3)
-    out.sum().backward()
-    assert torch.equal(real.grad, torch.full((5,), 3.0))
-    assert weight.grad is not None and torch.equal(weight.grad, torch.zeros(3))

@@ -153,7 +153,7 @@ def test_the_spare_calls_add_exactly_nothing_to_the_gradients(family, monkeypatc
     """A row of one example makes BUCKETS - 1 spare calls: the loss and every gradient are
     bitwise those of the same row with no spare calls (BUCKETS 1). (A zero token's output is
     zero through these layers, and so are its weights' gradients; the zero gradient handed back,
-    tests/unit/model/test_mixer_buckets.py, keeps that so for a layer where it would not be.)"""
+    checked below, keeps that so for a layer where it would not be.)"""
     torch.manual_seed(0)
     model = load_model(FAMILIES[family].build_config(family), attention="sdpa_varlen", dtype="float32")
     rows, _ = make_rows(([37],), vocab=512)
@@ -170,6 +170,19 @@ def test_the_spare_calls_add_exactly_nothing_to_the_gradients(family, monkeypatc
     assert torch.equal(loss4, loss1)
     assert grads4.keys() == grads1.keys() and grads4
     assert all(torch.equal(grads4[n], grads1[n]) for n in grads1)
+
+
+def test_a_spare_output_gets_a_zero_gradient_and_its_backward_runs():
+    """mixers._Alongside: the output is the real one, untouched; the spare's backward runs (under
+    ZeRO-3 it gathers weights there, as the real calls' do) and adds exactly zero."""
+    real = torch.randn(5, requires_grad=True)
+    weight = torch.randn(3, requires_grad=True)
+    spare = (weight * 2 + 1).exp()  # a spare output that is far from zero
+    out = mixers._Alongside.apply(real * 3, spare)
+    assert torch.equal(out, real.detach() * 3)
+    out.sum().backward()
+    assert torch.equal(real.grad, torch.full((5,), 3.0))
+    assert weight.grad is not None and torch.equal(weight.grad, torch.zeros(3))
 
 
 def test_without_boundaries_the_layer_runs_as_transformers_wrote_it():
