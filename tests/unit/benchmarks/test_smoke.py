@@ -24,6 +24,11 @@ NO_RAY = {  # script -> what its results file must show
     # each case refused before Ray starts: exit code 2, Ray not started
     # both hybrid families of the smoke run, measured before and after
     "hybrid_exactness.py": ["| lfm2 | Lfm2Config | short convolution |", "| nemotron_h | NemotronHConfig | Mamba-2 |"],
+    # the torch path's padded slots by number of buckets on raypack's plans, and one step's CPU time
+    # and slots, one padded batch against the length buckets (issue 52)
+    "hybrid_padding.py": ["| bundled sample | balanced | 1024 |", "| tiny | random | 16384 |",
+                          "| Qwen3.5-shaped | one of 200 among thirty of 5 | 350 | 4 buckets | 350 | 1.00 |",
+                          "| Nemotron-H-shaped | one of 200 among thirty of 5 | 350 | one batch | 6,200 | 17.71 |"],
     # gpu-check's hybrid and vlm steps (issues 42, 44): exact in fp32 and bf16, a control the check
     # catches, both modes timed, and which path the mixers took (main returns 1 on a failed check)
     "hybrid_throughput.py": ["| fp32 | float32 | sdpa_varlen |", "| bf16 | bfloat16 | auto |",
