@@ -17,7 +17,8 @@ buckets) and in raypack/model/mixer_buckets.py's length buckets, side by side in
    Nemotron-H-shaped one (hidden 256, Mamba-2 and attention), on rows: one example of 1000 tokens
    among thirty of 25 (the shape of the issue's row, a quarter of its size, to keep the one-batch
    run short), and for the Nemotron-H-shaped model the worst row of the `balanced` plan of the
-   bimodal shape at 4096. Both layouts in turn, the best of `--repeats`. `one batch` is BUCKETS = 1:
+   bimodal shape at 4096. Both layouts in turn, the best of `--repeats`, in CPU seconds of the
+   process (and wall seconds). `one batch` is BUCKETS = 1:
    the same slots as main's single padded batch (its rows sorted by length). The token slots the
    mixers ran are counted at their output projections; the loss and every gradient of the two
    layouts are compared (relative, as tests/exactness.py does).
@@ -156,8 +157,8 @@ def timing_table(smoke: bool, repeats: int) -> list[str]:
     from raypack.model.traits import decoder
 
     torch.set_num_threads(2)
-    lines = ["| model | row | tokens | layout | mixer slots a layer | slots / tokens | fwd+bwd s (best of "
-             f"{repeats}) | speed-up | loss, worst gradient vs one batch |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [f"| model | row | tokens | layout | mixer slots a layer | slots / tokens | CPU s (best of {repeats}) | "
+             "wall s | speed-up (CPU) | loss, worst gradient vs one batch |", "|---" * 10 + "|"]  # fmt: skip
     models = [("Qwen3.5-shaped", "qwen3_5", QWEN), ("Nemotron-H-shaped", "nemotron_h", NEMOTRON)]
     for label, family, sizes in models:
         config = tiny_config(family, **({} if smoke else sizes))
@@ -181,18 +182,18 @@ def timing_table(smoke: bool, repeats: int) -> list[str]:
                     for name, k in layouts.items():
                         mixer_buckets.BUCKETS = k
                         seen.clear()
-                        t0 = time.perf_counter()
+                        t0, c0 = time.perf_counter(), time.process_time()
                         out = step(model, batch, labels)
-                        times[name].append(time.perf_counter() - t0)
+                        times[name].append((time.process_time() - c0, time.perf_counter() - t0))
                         real = sum(n for n in seen if n > 1) // layers  # the spare calls' one token aside
                         results[name] = (min(times[name]), real, out)
             finally:
                 mixer_buckets.BUCKETS = buckets
-            (t1, _, (l1, g1)), (_, _, (l4, g4)) = results.values()
+            ((c1, _), _, (l1, g1)), (_, _, (l4, g4)) = results.values()
             diff = f"{rel_err(l4, l1):.1e}, {max(rel_err(g4[n], g1[n]) for n in g1):.1e}"
-            for name, (t, s, _) in results.items():
+            for name, ((c, w), s, _) in results.items():
                 lines.append(f"| {label} | {row_label} | {sum(lengths)} | {name} | {s:,} | {s / sum(lengths):.2f} | "
-                             f"{t:.2f} | {t1 / t:.1f}x | {diff if name != 'one batch' else ''} |")  # fmt: skip
+                             f"{c:.2f} | {w:.2f} | {c1 / c:.1f}x | {diff if name != 'one batch' else ''} |")  # fmt: skip
                 print(lines[-1], flush=True)
     return lines
 
@@ -200,7 +201,7 @@ def timing_table(smoke: bool, repeats: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="small rows and plans; results in the temp folder")
-    parser.add_argument("--repeats", type=int, default=None, help="timed steps a layout, taken in turn (default 2; smoke 1)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed steps a layout, taken in turn (default 3; smoke 1)")
     parser.add_argument("--out", help="results file (default: benchmarks/results/hybrid_padding_cpu_<date>.md)")
     args = parser.parse_args(argv)
     import warnings
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     padding = padding_table(args.smoke)
     t1 = time.perf_counter()
-    timing = timing_table(args.smoke, args.repeats or (1 if args.smoke else 2))
+    timing = timing_table(args.smoke, args.repeats or (1 if args.smoke else 3))
     lines = [
         *cpu_header("Hybrid mixers on the exact torch path: one padded batch against length buckets",
                     "hybrid_padding.py", argv, args.smoke, started, modules=("numpy", "torch", "transformers")),
@@ -221,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         f"is for 4 buckets (sort, cuts, index; numpy). {t1 - t0:.0f} s.", "",
         *padding, "",
         "## One forward and backward, CPU", "",
-        "fp32, 2 threads, train mode, no optimizer. `mixer slots a layer`: batch x length the mixers' output "
+        "fp32, 2 threads, train mode, no optimizer; CPU seconds of this process (both threads; less swayed by the "
+        "shared host's load than wall time), the best step of each layout, the layouts taken in turn. "
+        "`mixer slots a layer`: batch x length the mixers' output "
         "projections received per layer (the scans also pad each row to whole chunks: 64 tokens for the gated delta "
         "rule, the config's chunk_size for Mamba-2). The last column: the 4-bucket run against the one-batch run, "
         f"relative (both exact against each example alone: tests/unit/model/test_mixers.py). "
