@@ -14,9 +14,8 @@ buckets) and in raypack/model/mixer_buckets.py's length buckets, side by side in
    1024 and 4096. Mean over the plan's tokens and the worst row; and the layout's host time per row.
 2. One forward and backward (fp32, CPU, 2 threads) of a Qwen3.5-shaped hybrid (hidden 256, three
    gated delta rule layers and one attention layer: hybrid_throughput.py's exactness sizes) and a
-   Nemotron-H-shaped one (hidden 256, Mamba-2 and attention), on rows: one example of 1000 tokens
-   among thirty of 25 (the shape of the issue's row, a quarter of its size, to keep the one-batch
-   run short), and for the Nemotron-H-shaped model the worst row of the `balanced` plan of the
+   Nemotron-H-shaped one (hidden 256, Mamba-2 and attention), on two rows: the issue's, one
+   example of 4000 tokens among thirty of 100, and the worst row of the `balanced` plan of the
    bimodal shape at 4096. Both layouts in turn, the best of `--repeats`, in CPU seconds of the
    process (and wall seconds). `one batch` is BUCKETS = 1:
    the same slots as main's single padded batch (its rows sorted by length). The token slots the
@@ -129,22 +128,18 @@ def step(model, batch, labels):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def timing_rows(smoke: bool, family: str) -> list[tuple[str, list[int]]]:
-    """The rows each model is timed on: the issue's shape (one long example among thirty short) at a
-    quarter of its size, and for the Nemotron-H-shaped model, whose torch scan is quick, the worst
-    row of the default strategy's plan of the bimodal shape (the Qwen3.5-shaped one-batch step on
-    it runs minutes on 2 cores)."""
+def timing_rows(smoke: bool) -> list[tuple[str, list[int]]]:
+    """The rows each model is timed on: the issue's (one example of 4000 tokens among thirty of
+    100), and the worst row of the default strategy's plan of the bimodal shape at 4096."""
     from raypack.data.synthetic import sample_lengths
     from raypack.model.mixer_buckets import layout
 
     if smoke:
         return [("one of 200 among thirty of 5", [200] + [5] * 30)]
-    out = [("one of 1000 among thirty of 25", [25] * 15 + [1000] + [25] * 15)]
-    if family == "nemotron_h":
-        rows = plan_rows(sample_lengths("bimodal", 10_000, seed=0, max_length=4096), "balanced", 4096)
-        worst = max(rows, key=lambda r: layout(r.tolist(), 1).slots / r.sum())
-        out.append((f"bimodal balanced 4096, worst row ({len(worst)} examples)", worst.tolist()))
-    return out
+    rows = plan_rows(sample_lengths("bimodal", 10_000, seed=0, max_length=4096), "balanced", 4096)
+    worst = max(rows, key=lambda r: layout(r.tolist(), 1).slots / r.sum())
+    return [("one of 4000 among thirty of 100", [100] * 15 + [4000] + [100] * 15),
+            (f"bimodal balanced 4096, worst row ({len(worst)} examples)", worst.tolist())]
 
 
 def timing_table(smoke: bool, repeats: int) -> list[str]:
@@ -169,7 +164,7 @@ def timing_table(smoke: bool, repeats: int) -> list[str]:
         for name in mixers.find(decoder(model)):
             proj = decoder(model).get_submodule(name).out_proj
             proj.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[:-1].numel()))
-        for row_label, lengths in timing_rows(smoke, family):
+        for row_label, lengths in timing_rows(smoke):
             rows, _ = make_rows((lengths,), vocab=min(1024, config.vocab_size))
             batch = collate_packed(rows)
             labels = batch.pop("labels")
