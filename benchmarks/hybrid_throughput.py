@@ -25,7 +25,7 @@ run, saying which path its mixers took.
 
 Which path ran is in the results: raypack's (mixers.describe: the varlen kernels where
 flash-linear-attention and causal-conv1d are both installed, else the exact torch path, the
-examples as a padded batch) and what transformers bound the gated delta rule's functions to when it
+examples in padded batches by length) and what transformers bound the gated delta rule's functions to when it
 imported the model (fla's Triton kernels where `fla` imports, else its torch reference), which
 holds in both of raypack's paths. On the CPU fla's Triton kernels can't run (no driver), and
 transformers binds them whenever fla imports: --smoke hides fla, as on a machine without it.

@@ -28,10 +28,11 @@ from dataclasses import dataclass
 import numpy as np
 
 BUCKETS = 4
-"""Calls of each mixer per forward on the torch path. On the plans of raypack's length shapes
-(FLAN-, OrcaMath-, WildChat-like, heavy-tailed, bimodal; rows of 4k to 32k tokens) four buckets
-leave the padded slots within about 1.1x of the tokens, where one batch costs 2x to 9x; more
-buckets gain little and cost a layer call each (benchmarks/hybrid_padding.py's results file)."""
+"""Calls of each mixer per forward on the torch path. Over every row of raypack's plans of its
+synthetic length shapes and the bundled sample (budgets 1k to 16k, `balanced` and `random`), four
+buckets leave 1.00x to 1.73x the tokens in padded slots (mean over a plan; 1.92x the worst row),
+where one batch costs up to 43x (91x); three leave up to 2.21x, six 1.36x, for two more calls
+of every layer (benchmarks/results/hybrid_padding_cpu_20261203.md)."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,8 @@ def cuts(sizes: list[int] | np.ndarray, buckets: int) -> tuple[tuple[int, int], 
 
     Over distinct lengths only (a run never gains by splitting examples of one length):
     best[k][j] is the fewest slots for the j shortest distinct lengths in k buckets, and a bucket
-    from distinct length i to j - 1 costs its examples times length j - 1."""
+    from distinct length i to j - 1 costs its examples times length j - 1. Its (m + 1)^2 table is
+    small: m distinct lengths sum to at least m^2 / 2 tokens, so m <= 512 for a 128k-token row."""
     values, counts = np.unique(np.asarray(sizes, dtype=np.int64), return_counts=True)
     m = len(values)
     if m == 0:

@@ -19,8 +19,9 @@ arguments, as they do to attention. Two paths, one answer:
              length, are cut into `BUCKETS` batches each padded to its own longest, the cuts
              chosen for the fewest padded slots (raypack/model/mixer_buckets.py), so the mixer
              runs about the row's tokens, not examples x longest. The boundaries are read once
-             per batch from the host copy collate kept (no device read), and the layer is
-             called `BUCKETS` times whatever the examples, as ZeRO-3's weight gathering needs.
+             per batch, from the host copy collate kept where the step kept one (raypack's loop
+             does: no device read), and the layer is called `BUCKETS` times whatever the
+             examples, as ZeRO-3's weight gathering needs.
     kernels  CUDA, with the packages below installed: the whole row in one call, the layer told
              the boundaries the way its kernels take them. transformers already hands
              `cu_seqlens` to flash-linear-attention's gated delta rule; raypack adds `seq_idx`
