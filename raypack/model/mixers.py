@@ -325,8 +325,9 @@ def cu_seqlens(cu: torch.Tensor) -> dict[str, torch.Tensor]:
 
 class _Alongside(torch.autograd.Function):
     """`out` as it is, with the spare calls' outputs in its graph: backward hands each a zero
-    gradient, so each spare call's backward runs too (where ZeRO-3 gathers the layer's weights
-    again, as it does for the real buckets) and adds exactly nothing to any gradient."""
+    gradient, so every rank's backward runs through the same calls too (ZeRO-3 fetches a
+    submodule's weights again in backward where it released them), adding exactly nothing to any
+    gradient."""
 
     @staticmethod
     def forward(ctx, out: torch.Tensor, *spares: torch.Tensor) -> torch.Tensor:
