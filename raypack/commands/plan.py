@@ -209,7 +209,8 @@ def memory_line(cfg: Config, offline: bool, padded: tuple[int, int] | None = Non
     """"memory per GPU (estimate): ..." for `cfg`'s run. `offline`: only from a model config found
     without the network, and None (no line) where there is none; otherwise a model config that
     can't be had makes an "n/a" line, never an error (the plan itself doesn't need the model).
-    `padded`: the plan's widest padded batch (Plan.widest_padded), which a hybrid's mixers run;
+    `padded`: the plan's widest padded batch (Plan.widest_padded), by which a hybrid's mixers are
+    sized (an upper bound of the length buckets they run: raypack/model/mixer_buckets.py);
     `patches`: the most patches a micro-batch of the plan runs through a VLM's vision tower."""
     m, prefix = cfg.model, "memory per GPU (estimate): "
     name = _local_model(m.name)

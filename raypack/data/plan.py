@@ -100,7 +100,8 @@ class Plan:
 
     def widest_padded(self) -> tuple[int, int]:
         """(pieces, longest piece) of the pack whose pieces padded to its longest make the largest
-        batch: what a hybrid's mixers run on raypack's torch path (raypack/model/mixers.py)."""
+        batch: what the memory estimate sizes a hybrid's mixers by on raypack's torch path, at
+        most what its length buckets run (raypack/model/mixer_buckets.py)."""
         counts = np.bincount(self.pack, minlength=self.num_packs)
         longest = self.pack_max_piece()
         worst = int(np.argmax(counts * longest)) if len(counts) else 0
