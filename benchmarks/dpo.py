@@ -214,7 +214,6 @@ def child_steps(args, work: Path) -> dict:
     from raypack.train.dpo import DPOLoss
     from raypack.train.dpo_reference import rows_logps
     from raypack.train.loss import make_loss
-    from raypack.train.stepvalues import HostCounts
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -284,7 +283,6 @@ def child_lora_reference(args, work: Path) -> dict:
     from raypack.train.dpo import DPOLoss
     from raypack.train.dpo_reference import rows_logps
     from raypack.train.loss import make_loss
-    from raypack.train.stepvalues import HostCounts
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -317,7 +315,7 @@ def child_lora_reference(args, work: Path) -> dict:
             t0 = time.perf_counter()
             for row in steps:
                 step = loss.prepare_step([row])
-                pairs = loss.step_counts(HostCounts(1), step)[0]
+                pairs = step.pairs
                 loss_sum = loss(model, {**_moved(step.batches[0], device), "sft_scale": 0.0})
                 (loss_sum / pairs).backward()
                 optimizer.step()

@@ -117,6 +117,7 @@ def run_kind(kind: str, name: str, args) -> dict:
     from raypack.model.build import load_model
     from raypack.model.ulysses import SequenceGroup
     from raypack.train import loop
+    from raypack.train import step as step_module
     from raypack.train.engines.deepspeed_engine import setup_engine
     from raypack.train.loss import make_loss, probe_batch
     from raypack.train.prefetch import prepare_step
@@ -141,8 +142,8 @@ def run_kind(kind: str, name: str, args) -> dict:
     step_collate = functools.partial(collate, router_scope=router.scope if router is not None else None)
     data = types.SimpleNamespace(padded=False, pad_token_id=0)
     counter = ReadCounter()
-    original = loop.to_device
-    loop.to_device = functools.partial(copying_to_device, counter)
+    original = step_module.to_device  # where the step moves each micro-batch
+    step_module.to_device = functools.partial(copying_to_device, counter)
     first = 0
     try:
         with counter, warnings.catch_warnings():
@@ -156,7 +157,7 @@ def run_kind(kind: str, name: str, args) -> dict:
                     counter.mark(f"step {i + 1} enqueued")
             loop.log_pending(worker)  # the last step's values, as the loop reads them at its last report
     finally:
-        loop.to_device = original
+        step_module.to_device = original
     engine.destroy()
     if router is not None:
         router.routers.remove()

@@ -6,7 +6,7 @@ on a shared machine hits both.
     PYTHONPATH=. python benchmarks/router_loss.py            # one GPU: 16 layers, 64 experts, top 8, bf16
     PYTHONPATH=. python benchmarks/router_loss.py --smoke    # tiny model on the CPU: proves the script runs
 
-The step is the training loop's own (raypack/train/loop.py `train_step`: the chunked loss, the
+The step is the training loop's own (raypack/train/step.py `train_step`: the chunked loss, the
 router hooks, the per-example sums on the device, values read through stepvalues.Pending), on one
 process without DeepSpeed (no optimizer update: the router loss adds nothing there). Rows are
 FLAN-like: several examples of 20-400 tokens packed to `--tokens`.
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
 
     from raypack.config.sections import TrainConfig
     from raypack.model.build import load_model
-    from raypack.train.loop import train_step
+    from raypack.train.step import train_step
     from raypack.train.loss import make_loss
     from raypack.train.prefetch import prepare_step
     from raypack.train.router_loss import make_router_loss

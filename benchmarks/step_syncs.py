@@ -142,7 +142,8 @@ def baseline_step(engine, step, loss) -> dict[str, float]:
     """raypack's train_step before issue 35 (commit e8964e6), for the `before` side."""
     import torch.distributed as dist
 
-    from raypack.train.loop import forward_backward, global_count
+    from raypack.train.loop import global_count
+    from raypack.train.step import forward_backward
 
     t0 = time.perf_counter()
     world = dist.get_world_size()

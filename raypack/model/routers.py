@@ -111,6 +111,15 @@ class Routers:
         finally:
             self._calls = None
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No capture inside the block (a forward whose routers are not the loss's: DPO's reference)."""
+        calls, self._calls = self._calls, None
+        try:
+            yield
+        finally:
+            self._calls = calls
+
     def per_layer(self, calls: list[RouterCall]) -> list[RouterCall]:
         """One call per router that ran, in layer order: a router called on its tokens in pieces
         (model.tiled_mlp_tokens runs the MoE block a tile at a time) has its pieces joined, in

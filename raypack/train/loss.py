@@ -197,6 +197,20 @@ class CausalLMLoss:
         selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, targets["loss_positions"])
         return self._call_head(selected, targets["loss_targets"])
 
+    # --- as an optimizer step's objective (raypack/train/step.py): the mean over label tokens ------
+
+    names: tuple[str, ...] = ()
+    per = "label_tokens"
+
+    def counts(self, step: Any) -> list[float]:
+        return [step.label_tokens, step.tokens]
+
+    def host(self, sums: list[float]) -> tuple[dict[str, float], None]:
+        return {"label_tokens": sums[0], "tokens": sums[1]}, None
+
+    def micro(self, forward: Callable[..., Any], batch: dict[str, Any], context: None, stats: list) -> torch.Tensor:
+        return self(forward, batch)
+
     def hidden_states(self, forward: Callable[..., Any], batch: dict[str, Any]) -> torch.Tensor:
         """Run the model with its output head captured: the head's input, no logits computed."""
         capture = _Capture(self.vocab)

@@ -226,7 +226,7 @@ class Reporter:
         totals.train_time_s += seconds
         if self.eta is not None:
             self.eta.trained(len(window), seconds)
-        # Steps without a label token (skipped, see loop.train_step) weigh nothing; a window of
+        # Steps without a label token (skipped, see step.train_step) weigh nothing; a window of
         # only those has no loss, not a loss of 0.
         key = self.weight_key
         trained = [w for w in window if w[key] > 0]

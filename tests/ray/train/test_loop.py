@@ -113,7 +113,8 @@ def run_case(case, rank, preset):
 
     from raypack.config import TrainConfig
     from raypack.train import engines
-    from raypack.train.loop import forward_backward, global_count
+    from raypack.train.loop import global_count
+    from raypack.train.step import forward_backward
     from raypack.train.loss import make_loss
     from raypack.train.prefetch import prepare_step
 
@@ -316,7 +317,8 @@ def lora_loop(config):
     from raypack.config import TrainConfig
     from raypack.model.adapters import frozen_digest
     from raypack.train import engines
-    from raypack.train.loop import forward_backward, global_count
+    from raypack.train.loop import global_count
+    from raypack.train.step import forward_backward
     from raypack.train.loss import make_loss
     from raypack.train.prefetch import prepare_step
 
@@ -385,7 +387,8 @@ def bf16_loop(config):
 
     from raypack.config import TrainConfig
     from raypack.train import engines
-    from raypack.train.loop import forward_backward, global_count
+    from raypack.train.loop import global_count
+    from raypack.train.step import forward_backward
     from raypack.train.loss import make_loss
     from raypack.train.prefetch import prepare_step
 

@@ -90,7 +90,8 @@ def sft_steps(name: str, rows: list[dict], images, processor) -> dict:
 
     from raypack.model.build import load_model
     from raypack.train import engines
-    from raypack.train.loop import forward_backward, global_count
+    from raypack.train.loop import global_count
+    from raypack.train.step import forward_backward
     from raypack.train.loss import make_loss
     from raypack.train.prefetch import prepare_step
     from raypack.train.vision_rows import VisionRows
@@ -140,6 +141,7 @@ def dpo_step(config, stage: int) -> dict:
     from raypack.train.engines.deepspeed_engine import setup_engine
     from raypack.train.loop import global_count
     from raypack.train.loss import make_loss
+    from raypack.train.step import forward_backward
     from raypack.train.stepvalues import HostCounts
     from raypack.train.vision_rows import VisionRows
 
@@ -155,8 +157,9 @@ def dpo_step(config, stage: int) -> dict:
     logps = rows_logps(loss, engine, rows[rank], False, 0, engine.device)
     step = loss.prepare_step(rows[rank])
     assert all("pixel_values" in b and b["position_ids"].shape[0] == 4 for b in step.batches)
-    pairs, chosen, _, _ = loss.step_counts(HostCounts(2), step)
-    total, _ = loss.forward_backward(engine, step, pairs, chosen, 2)
+    host, sft_scale = loss.host(HostCounts(2).sums(*loss.counts(step)))
+    pairs = host["pairs"]
+    total = forward_backward(engine, step.batches, 2 * len(step.batches) / pairs, loss, context=sft_scale)
     value = float(global_count([float(total)], engine.device)[:, 0].sum()) / pairs
     grads = {name: deepspeed.utils.safe_get_full_grad(p).clone() for name, p in engine.module.named_parameters()}
     everyone = [None, None]

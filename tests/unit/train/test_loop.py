@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from benchmarks.router_loss import OneRank
 
-from raypack.train.loop import train_step
-from raypack.train.loss import token_loss_sum
+from raypack.train.loss import CausalLMLoss
 from raypack.train.prefetch import prepare_step
+from raypack.train.step import train_step
 from raypack.train.stepvalues import HostCounts
 
 
@@ -56,9 +56,8 @@ def row(labels):
             "example_ids": [n]}
 
 
-def full_loss(engine, batch):
-    """The `full` loss on the recording engine's uniform logits (the chunked loss needs a real model)."""
-    return token_loss_sum(engine(input_ids=batch["input_ids"]).logits, batch["labels"])
+full_loss = CausalLMLoss(torch.nn.Module(), "full")
+"""The `full` loss, on the recording engine's uniform logits (the chunked loss needs a real model)."""
 
 
 def test_a_step_without_label_tokens_is_skipped(process_group):

@@ -1,5 +1,5 @@
 """raypack/train/vision_rows.py: a VLM run's packed rows, through the code the workers run
-(VisionRows as prepare_step's collate, loop.forward_backward, the chunked loss), give the loss and
+(VisionRows as prepare_step's collate, step.forward_backward, the chunked loss), give the loss and
 every gradient (vision tower, projector, language model) of each example run alone through the
 model's own forward (its own attention and positions, a batch of one, transformers' logits), fp32
 on the CPU, 1e-5 relative; for each bundled tiny VLM: a grid processor on Qwen2.5-VL (mRoPE) and
@@ -70,7 +70,7 @@ def test_packed_rows_through_the_workers_code_equal_each_example_alone(overrides
     from raypack.data.vision_collate import collate_vision_padded
     from raypack.model.build import load_model
     from raypack.model.vision import image_token_id, uses_mrope
-    from raypack.train.loop import forward_backward
+    from raypack.train.step import forward_backward
     from raypack.train.loss import make_loss, token_loss_sum
     from raypack.train.prefetch import prepare_step
     from raypack.train.vision_rows import VisionRows
