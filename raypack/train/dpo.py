@@ -15,7 +15,7 @@ completion's tokens for the policy and R for the reference:
     ipo      = ((S_c - R_c) / n_c - (S_r - R_r) / n_r - 1 / (2 beta))²       (n: completion tokens)
     + sft_weight x Σ chosen-token NLL / chosen tokens                       (dpo.sft_weight: RPO, TRL's `sft`)
 
-Exact over micro-batches, ranks and accumulation, as the SFT loss is (raypack/train/loop.py): a
+Exact over micro-batches, ranks and accumulation, as the SFT loss is (raypack/train/step.py): a
 pair's two sequences sit in one row (raypack/data/pairs.py), so each micro-batch's loss is a sum
 of whole pairs' losses, and the step divides by the pair count P of the whole step (all its
 micro-batches on all ranks), which every rank reads before its first backward, as it reads the
