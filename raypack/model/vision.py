@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 
 import torch
 from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConfig
@@ -122,6 +123,7 @@ def load_vlm(source, attention: str, dtype: torch.dtype, trust_remote_code: bool
     if packed:
         attn.refuse_padding_masks(model)
         mixers.install(decoder(model))
+        install_tower(model)
     return model
 
 
@@ -144,8 +146,20 @@ def build_vlm(config: PretrainedConfig, attention: str = "sdpa_varlen", dtype: t
                                                     dtype=dtype)  # fmt: skip
     if check and attention not in ("sdpa", "eager"):
         check_vlm_packable(model, type(config).__name__, attention)
+    if attention not in ("sdpa", "eager"):
+        install_tower(model)
     model.config.use_cache = False
     return model
+
+
+def install_tower(model: torch.nn.Module) -> None:
+    """A packed run's grid tower from host plans and one varlen call a block, where it can
+    (raypack/model/vision_tower.py); else transformers' sdpa per image, said once."""
+    from raypack.model import vision_tower
+
+    refusal = vision_tower.install(model)
+    if refusal is not None:
+        logging.getLogger(__name__).info("vision tower on transformers' sdpa, one call an image: %s", refusal)
 
 
 def check_vlm_packable(model: torch.nn.Module, name: str, attention: str = "sdpa_varlen",
