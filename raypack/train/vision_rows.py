@@ -64,7 +64,9 @@ class VisionRows:
     encoded bytes, its positions the model's own for it alone (`vision.example_positions`):
 
         packed   collate_vision_packed: one [1, T] row, positions per example (4-row for mRoPE
-                 models, the text position for the others: LLaVA, Idefics3), cu_seq_lens
+                 models, the text position for the others: LLaVA, Idefics3), cu_seq_lens; and
+                 for a grid tower that takes one, its host plan (`vision_tower.plan`: what the
+                 tower derives from the grid, computed here in the prefetch thread)
         padded   one example a row, right-padded, with an attention_mask and no position_ids:
                  the model builds its own positions (get_rope_index) as for any padded batch
 
