@@ -37,6 +37,7 @@ would on a host tensor meeting a device one, and on any read of a device value.
 from __future__ import annotations
 
 import inspect
+import types
 from copy import deepcopy
 from collections.abc import Callable
 from typing import Any
@@ -135,9 +136,7 @@ def host_plan_refusal(tower: torch.nn.Module) -> str | None:
         return f"{type(tower).__name__}'s forward {what}"
     try:
         grid, shape = _probe_inputs(tower.config)
-        with torch.device("meta"):
-            copy = type(tower)._from_config(deepcopy(tower.config), attn_implementation="sdpa")
-        _set_attention(copy)
+        copy = _meta_copy(tower)
         values = plan(copy, grid)
         moved = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in values.items()}
         for key in HOST_COPIED:
@@ -149,6 +148,23 @@ def host_plan_refusal(tower: torch.nn.Module) -> str | None:
     except Exception as e:  # what would fail on CUDA: a host tensor meeting a device one, or a read
         return f"{type(tower).__name__} with its grid on the host and its values precomputed: {type(e).__name__}: {e}"
     return None
+
+
+def _meta_copy(tower: torch.nn.Module) -> torch.nn.Module:
+    """A weightless copy of `tower` with the tower attention. Built by the class itself, never
+    under ZeRO-3's zero.Init (as build.meta_model: a probe needs no partitions, nor their gathers)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    config = deepcopy(tower.config)
+    config._attn_implementation = "sdpa"
+    zero3, hf_deepspeed._hf_deepspeed_config_weak_ref = hf_deepspeed._hf_deepspeed_config_weak_ref, None
+    try:
+        with torch.device("meta"):
+            copy = type(tower)(config)
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = zero3
+    _set_attention(copy)
+    return copy
 
 
 def _set_attention(tower: torch.nn.Module) -> None:
@@ -172,7 +188,10 @@ def install(model: torch.nn.Module) -> str | None:
     tower._raypack_host_plan = True
     from raypack.model.vision import _inner
 
-    _inner(model).register_forward_pre_hook(_host_grid, with_kwargs=True)
+    inner = _inner(model)
+    inner.register_forward_pre_hook(_host_grid, with_kwargs=True)
+    if _same_masks(inner):
+        inner.get_placeholder_mask = types.MethodType(_placeholder_mask, inner)
     return None
 
 
@@ -183,13 +202,57 @@ def installed(model: torch.nn.Module) -> bool:
 
 def _host_grid(module, args, kwargs):
     """With a plan in the batch, the model's forward gets the grid collate built (its host copy):
-    the tower needs nothing from it, and get_image_features counts each image's features from it."""
+    the tower needs nothing from it, and get_image_features counts each image's features from it.
+    The placeholder tokens were counted against the grid on the host (`plan_batch`)."""
     grid = kwargs.get("image_grid_thw")
+    module._raypack_host_counted = PLAN_KEY in kwargs
     if PLAN_KEY in kwargs and isinstance(grid, torch.Tensor):
         host = host_copy(grid)
         if host is not None:
             kwargs["image_grid_thw"] = host
     return args, kwargs
+
+
+def plan_batch(tower: torch.nn.Module, batch: dict[str, Any], image_token: int) -> dict[str, Any]:
+    """`plan` for a packed batch, its image tokens first counted against its grid on the host (the
+    check transformers makes on the device, `get_placeholder_mask`, which a planned forward skips)."""
+    grid = batch["image_grid_thw"]
+    features = int((grid.prod(-1) // tower.spatial_merge_size**2).sum())
+    tokens = int((batch["input_ids"] == image_token).sum())
+    if tokens != features:
+        raise ValueError(f"a packed row holds {tokens} image tokens for {features} image features")
+    return plan(tower, grid)
+
+
+def _placeholder_mask(self, input_ids, inputs_embeds, image_features=None, video_features=None):
+    """transformers' get_placeholder_mask of the Qwen VLMs without its count check on the device,
+    for a planned forward, whose count the host checked (`plan_batch`); transformers' own otherwise."""
+    if input_ids is None or not getattr(self, "_raypack_host_counted", False):
+        return type(self).get_placeholder_mask(self, input_ids, inputs_embeds=inputs_embeds,
+                                               image_features=image_features, video_features=video_features)  # fmt: skip
+    return tuple((input_ids == token).unsqueeze(-1).to(inputs_embeds.device)
+                 for token in (self.config.image_token_id, self.config.video_token_id))  # fmt: skip
+
+
+def _same_masks(inner: torch.nn.Module) -> bool:
+    """Whether `_placeholder_mask` gives what `inner`'s own get_placeholder_mask gives (a probe row
+    of text, image and video tokens): the trait that lets a planned forward skip the device check."""
+    own = getattr(type(inner), "get_placeholder_mask", None)
+    config = getattr(inner, "config", None)
+    if own is None or getattr(config, "image_token_id", None) is None or getattr(config, "video_token_id", None) is None:
+        return False
+    image, video = config.image_token_id, config.video_token_id
+    ids = torch.tensor([[0 if 0 not in (image, video) else 1, image, image, video]])
+    embeds = torch.zeros(1, 4, 2)
+    try:
+        theirs = own(inner, ids, inputs_embeds=embeds, image_features=torch.zeros(2, 2), video_features=torch.zeros(1, 2))
+        inner._raypack_host_counted = True
+        mine = _placeholder_mask(inner, ids, embeds, torch.zeros(2, 2), torch.zeros(1, 2))
+    except Exception:
+        return False
+    finally:
+        inner._raypack_host_counted = False
+    return len(theirs) == len(mine) == 2 and all(torch.equal(a, b) for a, b in zip(theirs, mine))
 
 
 # --- the tower's attention ------------------------------------------------------------------------

@@ -134,6 +134,6 @@ class VisionRows:
         if not padded:
             batch = collate_vision_packed(examples)
             if self.tower is not None and "image_grid_thw" in batch:
-                batch.update(vision_tower.plan(self.tower, batch["image_grid_thw"]))
+                batch.update(vision_tower.plan_batch(self.tower, batch, image_token_id(self.model.config)))
             return batch
         return collate_vision_padded(examples, image_token_id(self.model.config), pad_token_id)

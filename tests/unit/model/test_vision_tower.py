@@ -110,16 +110,12 @@ def _device_reads(model, batch: dict) -> list[str]:
             if kind == "read" and "device value" in what]  # fmt: skip
 
 
-PLACEHOLDER_CHECK = ("get_placeholder_mask", "torch_compilable_check")
-"""What is left, outside the tower: transformers checks the image-token count against the features
-on the device (modeling_qwen2_5_vl.get_placeholder_mask), a count collate knows on the host."""
-
-
-def test_a_vlm_step_reads_nothing_from_the_device_in_the_tower():
-    """VisionRows' micro-batch of the bundled sample through the tiny Qwen2.5-VL: transformers'
-    tower read the grid back 26 times a step (benchmarks/results/loop_syncs_cpu_20261203.md);
-    from the plan, none. The control, the same batch without its plan (the grid and offsets for
-    transformers to derive on the device), must show the tower's reads, so the count can fail."""
+def test_a_vlm_step_reads_nothing_from_the_device():
+    """VisionRows' micro-batch of the bundled sample through the tiny Qwen2.5-VL: transformers read
+    26 device values a step (its tower's grid and offsets, and the placeholder count:
+    benchmarks/results/loop_syncs_cpu_20261203.md before the plan); from the plan, none. The
+    control, the same batch without its plan (the grid and offsets for transformers to derive on
+    the device), must show the reads, so the count can fail."""
     from benchmarks.vision_host import PROCESSOR, sample_row
 
     from raypack.model.build import load_model
@@ -130,12 +126,43 @@ def test_a_vlm_step_reads_nothing_from_the_device_in_the_tower():
     row, images = sample_row(256)
     batch = VisionRows(model, images, str(PROCESSOR), workers=1)([row])
     assert vt.PLAN_KEY in batch and "image_window_index" in batch
-    reads = _device_reads(model, batch)
-    assert all(any(name in r for name in PLACEHOLDER_CHECK) for r in reads), reads
-    assert len(reads) == 2, reads
+    assert _device_reads(model, batch) == []
     unplanned = {k: v for k, v in batch.items() if not k.startswith("image_") or k == "image_grid_thw"}
     control = _device_reads(model, unplanned)
-    assert sum("vision_utils" in r for r in control) >= 3, control
+    assert sum("vision_utils" in r for r in control) >= 3 and any("get_placeholder_mask" in r for r in control), control
+
+
+@pytest.mark.parametrize("family", PLANNED)
+def test_a_planned_packed_forward_equals_the_unplanned_one(family):
+    """The whole model: the packed batch with its plan (host grid, offsets' host copies, the
+    placeholder mask without its device check) gives the logits and gradients of the same batch
+    without one, which test_vision.py checks against every example alone."""
+    config, model, _ = _towers(family)
+    examples = make_examples(VLM_FAMILIES[family], config, layout=LAYOUT)
+    batch = collate_vision_packed(with_positions(model, examples))
+    labels = batch.pop("labels")
+    planned = {**batch, **vt.plan_batch(vt.tower_of(model), batch, config.image_token_id)}
+    grads, logits = [], []
+    for b in (_moved(planned), batch):
+        model.zero_grad(set_to_none=True)
+        out = model(**b).logits
+        torch.nn.functional.cross_entropy(out[0], labels[0], ignore_index=-100).backward()
+        logits.append(out.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert torch.allclose(logits[0], logits[1], rtol=1e-6, atol=1e-6)
+    assert grads[0].keys() == grads[1].keys()
+    for name, g in grads[0].items():
+        assert torch.allclose(g, grads[1][name], rtol=1e-5, atol=1e-7), name
+
+
+def test_a_row_whose_image_tokens_miss_its_features_is_refused_on_the_host():
+    """The count transformers checks on the device, checked where the plan is made instead."""
+    config, model, _ = _towers("qwen2_5_vl")
+    batch = collate_vision_packed(with_positions(model, make_examples(VLM_FAMILIES["qwen2_5_vl"], config)))
+    ids = batch["input_ids"].clone()
+    ids[0, (ids[0] == config.image_token_id).nonzero()[0]] = 7
+    with pytest.raises(ValueError, match=r"holds \d+ image tokens for \d+ image features"):
+        vt.plan_batch(vt.tower_of(model), {**batch, "input_ids": ids}, config.image_token_id)
 
 
 @pytest.mark.parametrize("family,why", [
