@@ -5,8 +5,8 @@ Qwen's vision towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) derive everything about th
 order and window offsets, Qwen3-VL's position-embedding interpolation. Given the grid on the
 device, transformers reads it back to build them (`.tolist()`, `repeat_interleave`, boolean
 indexing), then reads the offsets back again in every block to split the attention into one SDPA
-call per image or window: 26 device reads a step for the tiny Qwen2.5-VL
-(benchmarks/results/loop_syncs_cpu_20261203.md). transformers' vision utilities take each value
+call per image or window: with the placeholder count, 26 device reads a step for the tiny
+Qwen2.5-VL before this module, none after (benchmarks/results/loop_syncs_cpu_20261203.md). transformers' vision utilities take each value
 precomputed instead (`image_<name>` keywords of the model's forward, `vision_utils.get_vision_*`),
 and the grid is only counted once more, on the host, where its features are split per image.
 
@@ -18,6 +18,8 @@ So, where the tower takes it (`host_plan_refusal`, by trait):
                                 beside the moved ones (`HOST_COPIED`, exact.keep_host_copy)
     the model's forward         a pre-hook hands the tower the host grid (`install`): only the
                                 host counts it; everything a kernel reads is on the device
+    the placeholder mask        counted on the host (`plan_batch`), so a planned forward takes
+                                the model's own masks without transformers' device-side check
     each block's attention      `TOWER_ATTENTION`: the block's offsets as one varlen kernel call
                                 on CUDA (flash-attn, else torch's varlen_attn; fp16/bf16), or one
                                 SDPA call per image or window from the host offsets (CPU, fp32)
