@@ -6,9 +6,10 @@ order and window offsets, Qwen3-VL's position-embedding interpolation. Given the
 device, transformers reads it back to build them (`.tolist()`, `repeat_interleave`, boolean
 indexing), then reads the offsets back again in every block to split the attention into one SDPA
 call per image or window: with the placeholder count, 26 device reads a step for the tiny
-Qwen2.5-VL before this module, none after (benchmarks/results/loop_syncs_cpu_20261203.md). transformers' vision utilities take each value
-precomputed instead (`image_<name>` keywords of the model's forward, `vision_utils.get_vision_*`),
-and the grid is only counted once more, on the host, where its features are split per image.
+Qwen2.5-VL before this module, none after (benchmarks/results/loop_syncs_cpu_20261203.md).
+transformers' vision utilities take each value precomputed instead (`image_<name>` keywords of the
+model's forward, `vision_utils.get_vision_*`), and the grid is only counted once more, on the
+host, where its features are split per image.
 
 So, where the tower takes it (`host_plan_refusal`, by trait):
 
@@ -16,7 +17,7 @@ So, where the tower takes it (`host_plan_refusal`, by trait):
                                 grid, as `image_*` keys of the batch
     to_device                   moves them; keeps the host tensors of the grid and of the offsets
                                 beside the moved ones (`HOST_COPIED`, exact.keep_host_copy)
-    the model's forward         a pre-hook hands the tower the host grid (`install`): only the
+    the model's forward         a pre-hook hands the model the host grid (`install`): only the
                                 host counts it; everything a kernel reads is on the device
     the placeholder mask        counted on the host (`plan_batch`), so a planned forward takes
                                 the model's own masks without transformers' device-side check
@@ -40,8 +41,8 @@ from __future__ import annotations
 
 import inspect
 import types
-from copy import deepcopy
 from collections.abc import Callable
+from copy import deepcopy
 from typing import Any
 
 import torch
@@ -54,8 +55,8 @@ from raypack.model.exact import host_copy, keep_host_copy
 TOWER_ATTENTION = "raypack_tower_flash_varlen"
 """The tower's attention once `install`ed (see the module doc for the "flash" in it)."""
 HOST_COPIED = ("image_grid_thw", "image_cu_seqlens", "image_cu_window_seqlens")
-"""Batch keys whose host tensors to_device keeps beside the moved ones: the grid, which the
-host counts, and the offsets, which the CPU path splits by."""
+"""Batch keys whose host tensors to_device keeps beside the moved ones (prefetch.HOST_COPIED):
+the grid, which the host counts, and the offsets, which the CPU path splits by."""
 PLAN_KEY = "image_cu_seqlens"
 """A batch holds a plan when it holds this key."""
 
@@ -134,7 +135,8 @@ def host_plan_refusal(tower: torch.nn.Module) -> str | None:
     helpers = helpers_called(tower)
     unknown = sorted(helpers - PLANNERS.keys())
     if not helpers or unknown:
-        what = f"calls {', '.join(unknown)}, which raypack doesn't precompute" if unknown else "takes nothing precomputed"
+        what = (f"calls {', '.join(unknown)}, which raypack doesn't precompute" if unknown
+                else "takes nothing precomputed")
         return f"{type(tower).__name__}'s forward {what}"
     try:
         grid, shape = _probe_inputs(tower.config)
@@ -241,13 +243,14 @@ def _same_masks(inner: torch.nn.Module) -> bool:
     of text, image and video tokens): the trait that lets a planned forward skip the device check."""
     own = getattr(type(inner), "get_placeholder_mask", None)
     config = getattr(inner, "config", None)
-    if own is None or getattr(config, "image_token_id", None) is None or getattr(config, "video_token_id", None) is None:
+    image, video = getattr(config, "image_token_id", None), getattr(config, "video_token_id", None)
+    if own is None or image is None or video is None:
         return False
-    image, video = config.image_token_id, config.video_token_id
     ids = torch.tensor([[0 if 0 not in (image, video) else 1, image, image, video]])
     embeds = torch.zeros(1, 4, 2)
     try:
-        theirs = own(inner, ids, inputs_embeds=embeds, image_features=torch.zeros(2, 2), video_features=torch.zeros(1, 2))
+        theirs = own(inner, ids, inputs_embeds=embeds, image_features=torch.zeros(2, 2),
+                     video_features=torch.zeros(1, 2))
         inner._raypack_host_counted = True
         mine = _placeholder_mask(inner, ids, embeds, torch.zeros(2, 2), torch.zeros(1, 2))
     except Exception:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from raypack.data.collate import collate_packed, count_label_tokens, move_batch
+from raypack.model import vision_tower
 from raypack.model.exact import keep_host_copy
 from raypack.train.loss import label_targets
 from raypack.train.router_loss import batch_units
@@ -144,7 +145,7 @@ class Prefetcher(Iterator[StepBatch]):
         self.close()
 
 
-HOST_COPIED = ("cu_seq_lens_q", "image_grid_thw", "image_cu_seqlens", "image_cu_window_seqlens")
+HOST_COPIED = ("cu_seq_lens_q", *vision_tower.HOST_COPIED)
 """Keys whose host tensors stay beside the moved ones: the exact attention's boundaries, and a
 grid tower's grid and offsets (raypack/model/vision_tower.py), read as numbers on the host."""
 
