@@ -34,7 +34,9 @@ A tower whose forward computes something else from the grid (GLM-4.1V reads it a
 position embeddings), or calls a helper this module doesn't know, stays on the old path:
 transformers' SDPA per image, the grid on the device, its reads with it. The trait is checked by
 running a copy of the tower on the meta device with the plan and a host grid, which fails as CUDA
-would on a host tensor meeting a device one, and on any read of a device value.
+would on a host tensor meeting a device one, and on any read of a device value; and the plan must
+be what the tower's own forward computes from the grid (its helpers' values, recorded on the same
+copy), so that a planner calling a helper with other arguments than the tower does is caught.
 """
 
 from __future__ import annotations
@@ -151,6 +153,42 @@ def host_plan_refusal(tower: torch.nn.Module) -> str | None:
             copy(torch.empty(shape, device="meta"), grid_thw=grid, **kwargs)
     except Exception as e:  # what would fail on CUDA: a host tensor meeting a device one, or a read
         return f"{type(tower).__name__} with its grid on the host and its values precomputed: {type(e).__name__}: {e}"
+    differs = _differs_from_own(copy, grid, shape)
+    if differs:
+        return f"{type(tower).__name__}'s own {differs} gives other values than raypack's plan for it"
+    return None
+
+
+def _differs_from_own(copy: torch.nn.Module, grid: torch.Tensor, shape: torch.Size) -> str | None:
+    """The first helper whose values, as the tower's forward calls it itself (recorded on the
+    meta copy given only the host grid: the helpers run on the host, before anything meets a meta
+    tensor), are not `plan`'s; None when all agree. So the planners' arguments are the tower's."""
+    names = helpers_called(copy)
+    space = inspect.unwrap(type(copy).forward).__globals__
+    own: dict[str, Any] = {}
+
+    def recorder(name):
+        def run(*args, **kwargs):
+            own[name] = space_helpers[name](*args, **kwargs)
+            return own[name]
+
+        return run
+
+    space_helpers = {n: space[n] for n in names}
+    try:
+        space.update({n: recorder(n) for n in names})
+        with torch.no_grad():
+            copy(torch.empty(shape, device="meta"), grid_thw=grid)
+    except Exception:  # expected: the helpers' host tensors meet the meta ones after they ran
+        pass
+    finally:
+        space.update(space_helpers)
+    for name in sorted(names):
+        theirs = own.get(name)
+        theirs = [t for t in (theirs if isinstance(theirs, tuple) else (theirs,)) if isinstance(t, torch.Tensor)]
+        mine = [t for t in PLANNERS[name](copy, grid).values() if isinstance(t, torch.Tensor)]
+        if len(theirs) != len(mine) or not all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(theirs, mine)):
+            return name
     return None
 
 

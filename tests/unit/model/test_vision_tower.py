@@ -201,3 +201,36 @@ def test_the_tower_attention_refuses_what_it_does_not_do():
     out, _ = vt.tower_attention(torch.nn.Module(), q, q, q, cu_seq_lens_q=cu, max_length_q=4)
     alone = torch.nn.functional.scaled_dot_product_attention(q[:, :, 2:], q[:, :, 2:], q[:, :, 2:])
     assert torch.equal(out[0, 2:], alone[0].transpose(0, 1))
+
+
+def test_a_plan_that_differs_from_the_towers_own_values_is_refused(monkeypatch):
+    """The planners must call each helper as the tower's forward does: here a window planner with
+    the wrong window size is caught against the values the tower's own forward computes."""
+    _, model, _ = _towers("qwen2_5_vl")
+    tower = vt.tower_of(model)
+    assert vt.host_plan_refusal(tower) is None
+
+    def wrong(t, grid):
+        index, cu = vt.vu.get_vision_window_index(grid, spatial_merge_size=t.spatial_merge_size,
+                                                  window_size=2 * t.window_size, patch_size=t.patch_size)  # fmt: skip
+        return {"window_index": index, **vt._offsets("cu_window_seqlens", "max_window_seqlen", cu)}
+
+    monkeypatch.setitem(vt.PLANNERS, "get_vision_window_index", wrong)
+    assert "own get_vision_window_index gives other values than raypack's plan" in vt.host_plan_refusal(tower)
+
+
+def test_the_placeholder_mask_is_replaced_only_where_it_gives_the_models_own():
+    """Without the device check only where the replacement's masks are the model's own (a probe
+    row); a model whose get_placeholder_mask differs keeps it."""
+
+    class Inner(torch.nn.Module):
+        config = type("C", (), {"image_token_id": 5, "video_token_id": 6})()
+
+        def get_placeholder_mask(self, input_ids, inputs_embeds, image_features=None, video_features=None):
+            return (input_ids == 5)[..., None], (input_ids == 6)[..., None]
+
+    class Other(Inner):
+        def get_placeholder_mask(self, input_ids, inputs_embeds, image_features=None, video_features=None):
+            return (input_ids >= 5)[..., None], (input_ids == 6)[..., None]  # video tokens count as images too
+
+    assert vt._same_masks(Inner()) and not vt._same_masks(Other())
