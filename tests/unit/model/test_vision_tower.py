@@ -132,12 +132,19 @@ def test_a_vlm_step_reads_nothing_from_the_device():
     assert sum("vision_utils" in r for r in control) >= 3 and any("get_placeholder_mask" in r for r in control), control
 
 
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["", "checkpointed"])
 @pytest.mark.parametrize("family", PLANNED)
-def test_a_planned_packed_forward_equals_the_unplanned_one(family):
+def test_a_planned_packed_forward_equals_the_unplanned_one(family, checkpointed):
     """The whole model: the packed batch with its plan (host grid, offsets' host copies, the
     placeholder mask without its device check) gives the logits and gradients of the same batch
-    without one, which test_vision.py checks against every example alone."""
+    without one, which test_vision.py checks against every example alone; also with raypack's
+    full gradient checkpointing, whose recompute takes the plan's tensors again."""
+    from raypack.model import checkpointing
+
     config, model, _ = _towers(family)
+    if checkpointed:
+        checkpointing.enable(model, "full")
+        model.train()
     examples = make_examples(VLM_FAMILIES[family], config, layout=LAYOUT)
     batch = collate_vision_packed(with_positions(model, examples))
     labels = batch.pop("labels")
