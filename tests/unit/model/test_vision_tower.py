@@ -132,19 +132,27 @@ def test_a_vlm_step_reads_nothing_from_the_device():
     assert sum("vision_utils" in r for r in control) >= 3 and any("get_placeholder_mask" in r for r in control), control
 
 
-@pytest.mark.parametrize("checkpointed", [False, True], ids=["", "checkpointed"])
+@pytest.mark.parametrize("variant", ["", "checkpointed", "lora"])
 @pytest.mark.parametrize("family", PLANNED)
-def test_a_planned_packed_forward_equals_the_unplanned_one(family, checkpointed):
+def test_a_planned_packed_forward_equals_the_unplanned_one(family, variant):
     """The whole model: the packed batch with its plan (host grid, offsets' host copies, the
     placeholder mask without its device check) gives the logits and gradients of the same batch
     without one, which test_vision.py checks against every example alone; also with raypack's
-    full gradient checkpointing, whose recompute takes the plan's tensors again."""
+    full gradient checkpointing, whose recompute takes the plan's tensors again, and through
+    raypack's LoRA (all-linear, both towers: a peft wrapper around the planned model)."""
+    from exactness import random_lora_b
+
+    from raypack.config import PeftConfig
     from raypack.model import checkpointing
+    from raypack.model.adapters import apply_adapters
 
     config, model, _ = _towers(family)
-    if checkpointed:
+    if variant == "checkpointed":
         checkpointing.enable(model, "full")
         model.train()
+    if variant == "lora":
+        model = random_lora_b(apply_adapters(model, PeftConfig(method="lora", r=4, alpha=8)))
+        assert vt.installed(model)
     examples = make_examples(VLM_FAMILIES[family], config, layout=LAYOUT)
     batch = collate_vision_packed(with_positions(model, examples))
     labels = batch.pop("labels")
