@@ -20,8 +20,10 @@ would wait on CUDA from those that would not,
 the step's batch is moved by copying it (as `.to("cuda")` makes a new tensor), so each read is of
 one of:
 
-    host copy      a tensor collate built on the host (or a view of one): pinned memory on CUDA,
-                   read without waiting (the exact attention's and the mixers' boundaries)
+    host copy      a tensor collate built on the host (or a view of one, or computed from host
+                   tensors alone, which CUDA computes on the host too): pinned memory on CUDA,
+                   read without waiting (the exact attention's, the mixers' and the vision
+                   tower's boundaries, the tower's grid)
     a step late    the previous step's values (raypack/train/stepvalues.py): on CUDA copied to
                    pinned memory and read after the next step is enqueued
     device value   anything else: on CUDA a read of the device's memory, which waits for every
@@ -71,6 +73,17 @@ class ReadCounter(SyncCounter):
     def __init__(self) -> None:
         super().__init__()
         self.host: set[int] = set()
+        self.moving = False
+
+    def computed(self, args: tuple, out) -> None:
+        """An op whose tensor inputs are all host tensors ran on the host (on CUDA too): its output
+        is one (the grid's per-image counts from the host grid, say). Not while a batch is moved."""
+        if self.moving:
+            return
+        inputs = [a for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
+        if inputs and all(t.untyped_storage().data_ptr() in self.host for t in inputs):
+            self.host |= {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves(out)
+                          if isinstance(t, torch.Tensor)}  # fmt: skip
 
     def _what(self, tensor, name: str) -> str:
         ptr = tensor.untyped_storage().data_ptr() if isinstance(tensor, torch.Tensor) else None
@@ -86,14 +99,19 @@ class ReadCounter(SyncCounter):
 
 def copying_to_device(counter: ReadCounter, batch: dict, device) -> dict:
     """prefetch.to_device as CUDA makes it: the moved tensors are new ones (here copies), the
-    host cu_seq_lens_q kept beside them (exact.keep_host_copy)."""
+    host tensors of prefetch.HOST_COPIED kept beside them (exact.keep_host_copy)."""
     from raypack.model.exact import keep_host_copy
+    from raypack.train.prefetch import HOST_COPIED
 
     counter.host |= {v.untyped_storage().data_ptr() for v in batch.values() if isinstance(v, torch.Tensor)}
+    counter.moving = True  # the copies are the device's tensors
     moved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items() if k != "cu_seq_lens_k"}
+    counter.moving = False
     if "cu_seq_lens_q" in batch:
         moved["cu_seq_lens_k"] = moved["cu_seq_lens_q"]
-        keep_host_copy(moved["cu_seq_lens_q"], batch["cu_seq_lens_q"])
+    for key in HOST_COPIED:
+        if isinstance(batch.get(key), torch.Tensor):
+            keep_host_copy(moved[key], batch[key])
     return moved
 
 

@@ -97,13 +97,18 @@ class SyncCounter:
         elif name.startswith("aten._local_scalar_dense"):
             self.add("read", self._what(args[0], "item"))
 
+    def computed(self, args: tuple, out) -> None:
+        """An op's output, after it ran (loop_syncs.ReadCounter follows host tensors through it)."""
+
     def __enter__(self) -> SyncCounter:
         counter = self
 
         class Dispatch(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 counter.dispatched(str(func), args)
-                return func(*args, **(kwargs or {}))
+                out = func(*args, **(kwargs or {}))
+                counter.computed(args, out)
+                return out
 
         class Function(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
