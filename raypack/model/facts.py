@@ -20,11 +20,10 @@ description that description (`remember`): the worker's setup describes its mode
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
-
-import copy
 
 import torch
 from torch import nn
@@ -137,7 +136,7 @@ def read_tree(model: nn.Module) -> ModelTree:
 @dataclass(frozen=True)
 class ModelFacts:
     """A model, as its config states it (`describe`). Sizes are the text decoder's; None where the
-    config names none (a config without a Llama-like shape: the memory estimate refuses it)."""
+    config names none or sets it per layer (`varies`): the memory estimate refuses those."""
 
     config: Any = field(repr=False, compare=False)
     trust_remote_code: bool
@@ -165,6 +164,9 @@ class ModelFacts:
     """Experts a token is routed to, as the config names it (0: not named)."""
     router_coef: float | None
     """The config's router_aux_loss_coef, where it names a number."""
+    varies: tuple[str, ...] = ()
+    """Sizes a heterogeneous config (Gemma 4) sets per layer, None above: one global value would be
+    wrong for some layers, so the estimate refuses to size it."""
     _built: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -224,19 +226,30 @@ def _state(config: Any) -> dict | None:
 
 def _describe(config: Any, trust_remote_code: bool) -> ModelFacts:
     c = text_config(config)
-    hidden, heads = getattr(c, "hidden_size", None), getattr(c, "num_attention_heads", None)
-    top_k, coef = getattr(c, "num_experts_per_tok", None), getattr(c, "router_aux_loss_coef", None)
+    varies: list[str] = []
+
+    def read(key: str):
+        try:
+            return getattr(c, key, None)
+        except RuntimeError:  # a heterogeneous config sets it per layer (AmbiguousGlobalPerLayerAttributeError)
+            varies.append(key)
+            return None
+
+    hidden, heads, inter, kv_heads, head_dim, top_k, coef = (read(k) for k in (
+        "hidden_size", "num_attention_heads", "intermediate_size", "num_key_value_heads", "head_dim",
+        "num_experts_per_tok", "router_aux_loss_coef"))  # fmt: skip
     return ModelFacts(
         config=config, trust_remote_code=trust_remote_code, model_type=getattr(config, "model_type", ""),
         multimodal=is_vlm(config), vlm=trains_as_vlm(config),
-        layers=getattr(c, "num_hidden_layers", None), hidden=hidden,
-        inter=(getattr(c, "intermediate_size", None) or 4 * hidden) if hidden else None,
-        heads=heads, kv_heads=(getattr(c, "num_key_value_heads", None) or heads) if heads else None,
-        head_dim=getattr(c, "head_dim", None) or (hidden // heads if hidden and heads else None),
-        vocab=getattr(c, "vocab_size", None), tied=bool(getattr(c, "tie_word_embeddings", False)),
+        layers=read("num_hidden_layers"), hidden=hidden,
+        inter=None if "intermediate_size" in varies or not hidden else inter or 4 * hidden,
+        heads=heads, kv_heads=None if "num_key_value_heads" in varies or not heads else kv_heads or heads,
+        head_dim=None if "head_dim" in varies else head_dim or (hidden // heads if hidden and heads else None),
+        vocab=read("vocab_size"), tied=bool(read("tie_word_embeddings")),
         # Qwen2 builds q/k/v with a bias that its config doesn't mention; Llama-likes say attention_bias.
-        qkv_bias=bool(getattr(c, "attention_bias", False)) or getattr(c, "model_type", "") == "qwen2",
-        layer_types=tuple(getattr(c, "layer_types", None) or ()), experts=expert_count(config),
+        qkv_bias=bool(read("attention_bias")) or getattr(c, "model_type", "") == "qwen2",
+        layer_types=tuple(read("layer_types") or ()), experts=expert_count(config),
         top_k=top_k if isinstance(top_k, int) and top_k > 0 else 0,
         router_coef=float(coef) if isinstance(coef, (int, float)) and not isinstance(coef, bool) else None,
+        varies=tuple(varies),
     )  # fmt: skip

@@ -160,7 +160,7 @@ def find_routers(model: nn.Module, name: str, probe: dict[str, Any] | None = Non
     `probe`: model kwargs of a small batch for the trait search (only run when the model declares
     no router recorder)."""
     config = getattr(_base(model), "config", None)
-    experts = describe(config).experts if config is not None else 0
+    experts = describe(config).experts
     found = declared(model)
     modules: list[nn.Module] = []
     how, index = "declared", 0
@@ -205,7 +205,7 @@ def builds_routers(model: nn.Module) -> bool:
     if found is not None:
         return any(isinstance(m, found[0]) for m in _base(model).modules())
     config = getattr(_base(model), "config", None)
-    return bool(describe(config).experts) if config is not None else False
+    return bool(describe(config).experts)
 
 
 def _swaps_weight(wrapper: nn.Module) -> bool:

@@ -145,8 +145,9 @@ class Arch:
         """From a model's description (raypack/model/facts.py). A hybrid's mixers and parameter
         count, and a VLM's tower, come from its structure on the meta device; where transformers
         builds none here (remote code not at hand), it is sized as a Llama-like decoder."""
-        missing = [name for name in ("layers", "hidden", "heads", "vocab") if getattr(facts, name) is None]
-        if missing:
+        if facts.varies:
+            raise AttributeError(f"{type(facts.text).__name__} sets {', '.join(facts.varies)} per layer")
+        if missing := [name for name in ("layers", "hidden", "heads", "vocab") if getattr(facts, name) is None]:
             raise AttributeError(f"{type(facts.config).__name__} names no {', '.join(missing)}")
         tree = facts.meta_tree()
         hybrid = mixer_layers(tree.decoder, tree.mixers) if tree is not None else ()

@@ -177,8 +177,7 @@ def check_model_and_tokenizer(cfg: Config, tok) -> tuple[int, bool, Any]:
             f"tokenize.tokenizer {cfg.tokenize.tokenizer!r} has {len(tok)} tokens but model.name {m.name!r} "
             f"embeds {vocab}: ids {vocab} and up would index past the embedding; use the model's own tokenizer"
         )
-    vlm = describe(config, m.trust_remote_code).vlm
-    return vocab, vlm, tower_cost(config, m.trust_remote_code) if vlm else None
+    return vocab, describe(config, m.trust_remote_code).vlm, tower_cost(config, m.trust_remote_code)
 
 
 def check_vlm_processor(cfg: Config, config, tok) -> None:
@@ -188,10 +187,11 @@ def check_vlm_processor(cfg: Config, config, tok) -> None:
     rows are refused when they are tokenized, naming the trait."""
     from raypack.data.encode import load_image_tokenizer
     from raypack.errors import InputError
-    from raypack.model.vision import trains_as_vlm, vlm_model_class
+    from raypack.model.facts import describe
+    from raypack.model.vision import vlm_model_class
     from raypack.train.vision_rows import check_processor_fits
 
-    if not trains_as_vlm(config):
+    if not describe(config, cfg.model.trust_remote_code).vlm:
         return
     try:
         images = load_image_tokenizer(cfg.tokenize.tokenizer, tok)

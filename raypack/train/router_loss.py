@@ -203,7 +203,7 @@ def check_router_setting(train: TrainConfig, config: Any, name: str) -> float:
     """The coefficient this run's router loss will have (0: none), from the model's config alone
     (the driver's check before Ray starts, and the worker's); refuses a number above 0 on a dense
     model and what the router loss can't do exactly yet (sequence parallelism)."""
-    moe = bool(describe(config).experts) if config is not None else False
+    moe = bool(describe(config).experts)
     coef = resolve_coef(train.router_aux_loss_coef, config, moe)
     if coef == 0:
         return 0.0
