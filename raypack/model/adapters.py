@@ -239,7 +239,7 @@ def save_adapted(model: nn.Module, state: dict[str, torch.Tensor], folder, *, me
 
     folder = Path(folder)
     base_config = model.get_base_model().config
-    from raypack.model.vision import vlm_class
+    from raypack.model.facts import vlm_class
 
     auto = vlm_class(base_config) or AutoModelForCausalLM  # a VLM rebuilds as what it trained as
     with torch.device("meta"):

@@ -41,35 +41,13 @@ import torch
 from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConfig
 
 from raypack.model import attention as attn
+from raypack.model.facts import TOWERS, is_vlm, trains_as_vlm, vlm_class  # noqa: F401 (their old home)
+from raypack.model.facts import inner as _inner
 from raypack.model.traits import PADDED, UnsupportedModelError, check_packable
 
 VISION_ATTENTION = "sdpa"
 """The vision tower's attention as transformers loads it: its own, per image; a grid tower that
 takes a host plan is switched to raypack's tower attention after loading (`install_tower`)."""
-
-
-def is_vlm(config: PretrainedConfig) -> bool:
-    """A config with a vision tower and a language model (transformers' image-text-to-text models)."""
-    return getattr(config, "vision_config", None) is not None and getattr(config, "text_config", None) is not None
-
-
-def vlm_class(config: PretrainedConfig):
-    """AutoModelForImageTextToText where raypack trains `config` as a VLM, else None: where
-    transformers has an image-text-to-text class for it and no causal-LM class. A config with both
-    (Qwen3.5, Gemma 3 and 4, published as multimodal checkpoints) trains as transformers' causal LM
-    for it loads it: its text model, on text data, exact as the text families are (a Gemma 3
-    checkpoint's bidirectional image mask never meets a packed row)."""
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
-
-    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING or type(config) not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
-        return None
-    return AutoModelForImageTextToText
-
-
-def trains_as_vlm(config: PretrainedConfig) -> bool:
-    """Whether a run of `config` trains a VLM, images and all (`vlm_class`)."""
-    return is_vlm(config) and vlm_class(config) is not None
 
 
 def training_refusal(config: PretrainedConfig) -> str:
@@ -178,13 +156,6 @@ def check_vlm_packable(model: torch.nn.Module, name: str, attention: str = "sdpa
             f"attention can't apply. Use a padded strategy instead ({PADDED}), which trains it with its own mask."
         )
     check_packable(model, name, attn.candidate_backends(attention, "cpu") if backends is None else backends)
-
-
-def _inner(model: torch.nn.Module) -> torch.nn.Module:
-    """The *Model inside a *ForConditionalGeneration (where get_rope_index lives), through a peft
-    wrapper (whose own `.model` is its LoRA layer, not the VLM's)."""
-    model = getattr(model, "get_base_model", lambda: model)()
-    return getattr(model, "model", model)
 
 
 def uses_mrope(model: torch.nn.Module) -> bool:
@@ -305,8 +276,6 @@ def vlm_model_class(config: PretrainedConfig) -> type:
     return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
 
 
-TOWERS = ("visual", "vision_tower", "vision_model")
-"""Where transformers' VLMs keep the vision tower, on the inner model (Qwen, LLaVA/Gemma, Idefics3/SmolVLM)."""
 PROJECTORS = ("merger", "multi_modal_projector", "connector")
 """Where they keep the projector: inside the tower (Qwen's merger) or beside it."""
 FREEZABLE = ("vision", "projector")

@@ -43,7 +43,8 @@ from raypack.data.encode import load_image_processor, load_tokenizer
 from raypack.data.image_layouts import processor_settings
 from raypack.data.shards import Prepared, iter_epoch_packs, iter_rank_packs, rank_images
 from raypack.model.adapters import apply_adapters, frozen_digest, quantization_config, trainable_summary
-from raypack.model.build import load_model
+from raypack.model.build import load_model, model_config
+from raypack.model.facts import describe
 from raypack.model.checkpointing import check_selective
 from raypack.model.kernels import apply_kernels, check_compiled, compile_layers, compiled_graphs, tile_mlps
 from raypack.model.ulysses import SequenceGroup, sequence_parallel
@@ -80,8 +81,10 @@ def setup(cfg: Config, data: Prepared, world_size: int, clock: Startup | None = 
     m = cfg.model
     compute = engines.compute_dtype(cfg.train, m.dtype)
     dtype = engines.weights_dtype(cfg.train, m.dtype, adapters=m.peft.enabled)
+    # the model described once (raypack/model/facts.py): the estimate and the build read it
+    facts = describe(model_config(m.name, m.trust_remote_code, data.vocab_size), m.trust_remote_code)
     mode, why = resolve_checkpointing(cfg, "cuda" if cfg.train.use_gpu else "cpu", local_ranks,
-                                      patches=data.stats.get("widest_patches"))
+                                      patches=data.stats.get("widest_patches"), facts=facts)
     if rank == 0:
         print(f"[raypack] gradient checkpointing: {mode} ({why})", flush=True)
     # Under ZeRO-3 (zero.Init) and FSDP2 (the meta device on ranks > 0) no rank's GPU holds the
@@ -97,6 +100,7 @@ def setup(cfg: Config, data: Prepared, world_size: int, clock: Startup | None = 
             gradient_checkpointing=mode,
             vocab_size=data.vocab_size,
             quantization=quantization_config(compute) if m.peft.method == "qlora" else None,
+            facts=facts,
         )
     if rank == 0 and not data.padded and (found := mixers.find(decoder(model))):
         device_type = "cuda" if cfg.train.use_gpu else "cpu"

@@ -64,12 +64,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from raypack.config import Config, PeftConfig
 from raypack.train.memory_engines import engine_state
 from raypack.train.memory_mixers import MixerLayers, mixer_layers
 from raypack.train.memory_vision import Tower, vision_tower
+
+if TYPE_CHECKING:
+    from raypack.model.facts import ModelFacts
 
 GB = 1e9
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -132,22 +135,27 @@ class Arch:
 
     @classmethod
     def from_config(cls, config: Any, trust_remote_code: bool = False) -> Arch:
-        """From a transformers config (`raypack.model.build.model_config`: no weights needed). A
-        hybrid's mixers and parameter count come from its structure on the meta device."""
-        c = config.get_text_config() if hasattr(config, "get_text_config") else config
-        model = _meta(config, trust_remote_code)
-        hybrid = _mixers_of(model)
-        tower = vision_tower(model, config) if model is not None and _is_vlm(config) else None
-        heads = c.num_attention_heads
-        head_dim = getattr(c, "head_dim", None) or 0
-        # Qwen2 builds q/k/v with a bias that its config doesn't mention; Llama-likes say attention_bias.
-        bias = bool(getattr(c, "attention_bias", False)) or getattr(c, "model_type", "") == "qwen2"
-        return cls(layers=c.num_hidden_layers, hidden=c.hidden_size, inter=c.intermediate_size or 4 * c.hidden_size,
-                   heads=heads, kv_heads=getattr(c, "num_key_value_heads", None) or heads, vocab=c.vocab_size,
-                   tied=bool(getattr(c, "tie_word_embeddings", False)), qkv_bias=bias,
-                   head_dim=0 if head_dim == c.hidden_size // heads else head_dim,
-                   mixers=hybrid[0] if hybrid else (), counted_params=hybrid[1] if hybrid else 0,
-                   tower=tower)  # fmt: skip
+        """From a transformers config (`raypack.model.build.model_config`: no weights needed)."""
+        from raypack.model.facts import describe  # transformers: only where a config is sized
+
+        return cls.from_facts(describe(config, trust_remote_code))
+
+    @classmethod
+    def from_facts(cls, facts: ModelFacts) -> Arch:
+        """From a model's description (raypack/model/facts.py). A hybrid's mixers and parameter
+        count, and a VLM's tower, come from its structure on the meta device; where transformers
+        builds none here (remote code not at hand), it is sized as a Llama-like decoder."""
+        if facts.varies:
+            raise AttributeError(f"{type(facts.text).__name__} sets {', '.join(facts.varies)} per layer")
+        if missing := [name for name in ("layers", "hidden", "heads", "vocab") if getattr(facts, name) is None]:
+            raise AttributeError(f"{type(facts.config).__name__} names no {', '.join(missing)}")
+        tree = facts.meta_tree()
+        hybrid = mixer_layers(tree.decoder, tree.mixers) if tree is not None else ()
+        return cls(layers=facts.layers, hidden=facts.hidden, inter=facts.inter, heads=facts.heads,
+                   kv_heads=facts.kv_heads, vocab=facts.vocab, tied=facts.tied, qkv_bias=facts.qkv_bias,
+                   head_dim=0 if facts.head_dim == facts.hidden // facts.heads else facts.head_dim,
+                   mixers=hybrid, counted_params=sum(p.numel() for p in tree.model.parameters()) if hybrid else 0,
+                   tower=vision_tower(tree, facts.config) if tree is not None and facts.vlm else None)  # fmt: skip
 
     @property
     def q(self) -> int:
@@ -185,30 +193,6 @@ class Arch:
         embed = self.vocab * self.hidden
         tower = self.tower.params if self.tower else 0
         return self.layers * self.layer_params + embed * (1 if self.tied else 2) + self.hidden + tower
-
-
-def _meta(config: Any, trust_remote_code: bool):
-    """The model on the meta device, or None where transformers builds none here (remote code not
-    at hand): then sized as a Llama-like decoder, as before hybrids and towers were known."""
-    from raypack.model.build import meta_model  # transformers: only where a config is sized
-
-    try:
-        return meta_model(config, trust_remote_code)
-    except Exception:
-        return None
-
-
-def _is_vlm(config: Any) -> bool:
-    from raypack.model.vision import trains_as_vlm
-
-    return trains_as_vlm(config)
-
-
-def _mixers_of(model) -> tuple[tuple[MixerLayers, ...], int] | None:
-    """(mixers, parameter count) of a hybrid model, read from its structure on the meta device;
-    None where it has no mixers but attention (or no model was built)."""
-    found = mixer_layers(model) if model is not None else ()
-    return (found, sum(p.numel() for p in model.parameters())) if found else None
 
 
 def adapted(peft: PeftConfig) -> tuple[str, ...]:
@@ -449,22 +433,24 @@ def device_bytes(device_type: str, ranks_here: int = 1) -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(ranks_here, 1)
 
 
-def resolve_checkpointing(cfg: Config, device_type: str, ranks_here: int = 1,
-                          patches: int | None = None) -> tuple[str, str]:
-    """`choose_checkpointing` on this worker: its device's memory, its model's shape from the model's
-    config (no weights). A shape the arithmetic can't size leaves auto at full, saying why. Where
-    the kernels rule selective out (kernels.check_selective_with), it is refused or left out."""
+def resolve_checkpointing(cfg: Config, device_type: str, ranks_here: int = 1, patches: int | None = None,
+                          facts: ModelFacts | None = None) -> tuple[str, str]:
+    """`choose_checkpointing` on this worker: its device's memory, its model's shape from its
+    description (`facts`, default the model's config described: no weights). A shape the
+    arithmetic can't size leaves auto at full, saying why. Where the kernels rule selective out
+    (kernels.check_selective_with), it is refused or left out."""
     from raypack.model.build import model_config  # transformers: only on a worker
+    from raypack.model.facts import describe
     from raypack.model.kernels import check_selective_with, resolve_kernels
 
     m = cfg.model
-    config = model_config(m.name, m.trust_remote_code)
-    kernels = resolve_kernels(m.kernels, config.model_type, device_type, compiled=cfg.train.compile)
+    facts = facts or describe(model_config(m.name, m.trust_remote_code), m.trust_remote_code)
+    kernels = resolve_kernels(m.kernels, facts.model_type, device_type, compiled=cfg.train.compile)
     selective = check_selective_with(kernels, cfg.train.compile, m.gradient_checkpointing)
     if m.gradient_checkpointing != "auto":
         return m.gradient_checkpointing, "as configured"
     try:
-        arch = Arch.from_config(config, m.trust_remote_code)
+        arch = Arch.from_facts(facts)
         return choose_checkpointing(cfg, arch, device_bytes(device_type, ranks_here), device_type, selective,
                                     patches=patches)
     except (AttributeError, TypeError, ValueError) as e:  # a config without a Llama-like shape
@@ -474,9 +460,12 @@ def resolve_checkpointing(cfg: Config, device_type: str, ranks_here: int = 1,
 def tower_cost(config: Any, trust_remote_code: bool = False):
     """A VLM's vision tower's cost against its language model's (memory_vision.Tower.cost), which
     the plan's balance weighs patches by; None for a model without a tower the arithmetic knows."""
-    if not _is_vlm(config):
+    from raypack.model.facts import describe
+
+    facts = describe(config, trust_remote_code)
+    if not facts.vlm:
         return None
-    arch = Arch.from_config(config, trust_remote_code)
+    arch = Arch.from_facts(facts)
     if arch.tower is None:
         return None
     lm_token = 6 * (arch.layers * arch.linear_params + arch.vocab * arch.hidden)

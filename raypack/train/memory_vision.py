@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from raypack.data.tower import TowerCost
+    from raypack.model.facts import ModelTree
 
 
 @dataclass(frozen=True)
@@ -112,13 +113,12 @@ def _mlp(block: nn.Module) -> tuple[int, bool]:
     return linears[0].out_features, len(linears) == 3
 
 
-def vision_tower(model: nn.Module, config: Any) -> Tower | None:
-    """The Tower of a VLM (a meta-device model will do), or None where it has no tower of patch
-    blocks the arithmetic knows (LLaVA's CLIP/SigLIP towers, Idefics3's: not sized yet)."""
-    from raypack.model.vision import _inner, parts
+def vision_tower(tree: ModelTree, config: Any) -> Tower | None:
+    """The Tower of a VLM (its ModelTree: a meta-device model will do), or None where it has no
+    tower of patch blocks the arithmetic knows (LLaVA's CLIP/SigLIP towers, Idefics3's: not sized yet)."""
+    from raypack.model.vision import parts
 
-    inner = _inner(model)
-    tower = getattr(inner, "visual", None)
+    model, tower = tree.model, tree.tower
     blocks = getattr(tower, "blocks", None)
     if tower is None or not blocks or not hasattr(blocks[0], "attn") or not hasattr(blocks[0], "mlp"):
         return None

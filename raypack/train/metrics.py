@@ -101,15 +101,13 @@ def model_flops_per_token(model_config: Any, seq_len_sq_mean: float, seq_len_mea
     compute no weight gradient (the other 2N); the adapters train in full (6A). A VLM counts its
     language model's (the vision tower's work is left out: MFU counts text tokens' FLOPs).
     """
-    c = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    hidden, layers = c.hidden_size, c.num_hidden_layers
-    heads = c.num_attention_heads
-    kv_heads = getattr(c, "num_key_value_heads", None) or heads
-    head_dim = getattr(c, "head_dim", None) or hidden // heads
-    inter = getattr(c, "intermediate_size", None) or 4 * hidden
-    attn_params = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o, k, v
-    mlp_params = 3 * hidden * inter  # gate, up, down (SwiGLU families)
-    n = layers * (attn_params + mlp_params) + hidden * c.vocab_size  # + LM head
+    from raypack.model.facts import describe
+
+    f = describe(model_config)
+    hidden, layers, heads, head_dim = f.hidden, f.layers, f.heads, f.head_dim
+    attn_params = hidden * head_dim * (2 * heads + 2 * f.kv_heads)  # q, o, k, v
+    mlp_params = 3 * hidden * f.inter  # gate, up, down (SwiGLU families)
+    n = layers * (attn_params + mlp_params) + hidden * f.vocab  # + LM head
     mean = seq_len_mean if seq_len_mean else seq_len_sq_mean**0.5
     ctx = seq_len_sq_mean / (2.0 * mean)
     weights = 6.0 * n if adapter_params is None else 4.0 * n + 6.0 * adapter_params

@@ -65,9 +65,9 @@ def check_qlora(cfg: Config, config: Any) -> None:
         return
     from raypack.model.adapters import AdapterError
     from raypack.model.build import from_checkpoint
-    from raypack.model.vision import trains_as_vlm
+    from raypack.model.facts import describe
 
-    if trains_as_vlm(config):
+    if describe(config, cfg.model.trust_remote_code).vlm:
         raise AdapterError(f"model.peft.method=qlora: model.name {cfg.model.name!r} is a vision-language model, and "
                            "QLoRA on one is not supported yet; use model.peft.method: lora")
     if not from_checkpoint(cfg.model.name):

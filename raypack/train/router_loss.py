@@ -51,7 +51,8 @@ from torch import nn
 
 from raypack.config.sections import TrainConfig
 from raypack.errors import InputError
-from raypack.model.routers import RouterCall, RouterNotFoundError, Routers, expert_count, find_routers
+from raypack.model.facts import describe
+from raypack.model.routers import RouterCall, RouterNotFoundError, Routers, find_routers
 
 DEFAULT_COEF = 0.001
 """`auto` for an MoE model whose config names no router_aux_loss_coef: TRL's default."""
@@ -66,9 +67,8 @@ def resolve_coef(setting: str | float, config: Any, moe: bool) -> float:
         return float(setting)
     if not moe:
         return 0.0
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    named = getattr(text, "router_aux_loss_coef", None)
-    return float(named) if isinstance(named, (int, float)) and not isinstance(named, bool) else DEFAULT_COEF
+    named = describe(config).router_coef
+    return DEFAULT_COEF if named is None else named
 
 
 def batch_units(batch: dict[str, Any], scope: str) -> dict[str, Any]:
@@ -203,7 +203,7 @@ def check_router_setting(train: TrainConfig, config: Any, name: str) -> float:
     """The coefficient this run's router loss will have (0: none), from the model's config alone
     (the driver's check before Ray starts, and the worker's); refuses a number above 0 on a dense
     model and what the router loss can't do exactly yet (sequence parallelism)."""
-    moe = bool(expert_count(config)) if config is not None else False
+    moe = bool(describe(config).experts)
     coef = resolve_coef(train.router_aux_loss_coef, config, moe)
     if coef == 0:
         return 0.0
