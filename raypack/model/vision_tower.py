@@ -117,7 +117,7 @@ def plan(tower: torch.nn.Module, grid: torch.Tensor) -> dict[str, Any]:
 
 def tower_of(model: torch.nn.Module) -> torch.nn.Module | None:
     """The grid tower of a VLM (`visual`, on the *Model inside), through a peft wrapper; else None."""
-    from raypack.model.vision import _inner
+    from raypack.model.facts import inner as _inner
 
     tower = getattr(_inner(model), "visual", None)
     return tower if isinstance(tower, torch.nn.Module) else None
@@ -228,7 +228,7 @@ def install(model: torch.nn.Module) -> str | None:
         return refusal
     _set_attention(tower)
     tower._raypack_host_plan = True
-    from raypack.model.vision import _inner
+    from raypack.model.facts import inner as _inner
 
     inner = _inner(model)
     inner.register_forward_pre_hook(_host_grid, with_kwargs=True)
