@@ -167,6 +167,9 @@ class ModelFacts:
     varies: tuple[str, ...] = ()
     """Sizes a heterogeneous config (Gemma 4) sets per layer, None above: one global value would be
     wrong for some layers, so the estimate refuses to size it."""
+    attention: tuple[tuple[int, int, int], ...] = ()
+    """Each layer's (heads, kv_heads, head_dim): what the FLOPs count sums, per layer where a
+    heterogeneous config sets them per layer (Gemma 4's full-attention layers are wider)."""
     _built: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -251,5 +254,17 @@ def _describe(config: Any, trust_remote_code: bool) -> ModelFacts:
         layer_types=tuple(read("layer_types") or ()), experts=expert_count(config),
         top_k=top_k if isinstance(top_k, int) and top_k > 0 else 0,
         router_coef=float(coef) if isinstance(coef, (int, float)) and not isinstance(coef, bool) else None,
-        varies=tuple(varies),
+        varies=tuple(varies), attention=_attention(c, heads, kv_heads, head_dim, read("num_hidden_layers"), varies),
     )  # fmt: skip
+
+
+def _attention(c: Any, heads, kv_heads, head_dim, layers, varies: list[str]) -> tuple[tuple[int, int, int], ...]:
+    """ModelFacts.attention: from each layer's own config where the config is heterogeneous."""
+    if any(k in varies for k in ("num_attention_heads", "num_key_value_heads", "head_dim")):
+        per = getattr(c, "per_layer_config", None) or ()
+        return tuple((layer.num_attention_heads, layer.num_key_value_heads or layer.num_attention_heads,
+                      layer.head_dim or layer.hidden_size // layer.num_attention_heads) for layer in per)  # fmt: skip
+    if not (layers and heads):
+        return ()
+    kv = kv_heads or heads
+    return ((heads, kv, head_dim or c.hidden_size // heads),) * layers

@@ -104,14 +104,15 @@ def model_flops_per_token(model_config: Any, seq_len_sq_mean: float, seq_len_mea
     from raypack.model.facts import describe
 
     f = describe(model_config)
-    hidden, layers, heads, head_dim = f.hidden, f.layers, f.heads, f.head_dim
-    attn_params = hidden * head_dim * (2 * heads + 2 * f.kv_heads)  # q, o, k, v
+    hidden = f.hidden
+    # per layer: Gemma 4's full-attention layers are wider than its sliding ones
+    attn_params = sum(hidden * d * (2 * h + 2 * kv) for h, kv, d in f.attention)  # q, o, k, v
     mlp_params = 3 * hidden * f.inter  # gate, up, down (SwiGLU families)
-    n = layers * (attn_params + mlp_params) + hidden * f.vocab  # + LM head
+    n = attn_params + f.layers * mlp_params + hidden * f.vocab  # + LM head
     mean = seq_len_mean if seq_len_mean else seq_len_sq_mean**0.5
     ctx = seq_len_sq_mean / (2.0 * mean)
     weights = 6.0 * n if adapter_params is None else 4.0 * n + 6.0 * adapter_params
-    return weights + 12.0 * layers * heads * head_dim * ctx
+    return weights + 12.0 * sum(h * d for h, _, d in f.attention) * ctx
 
 
 REPORT_SHARE = 0.01
