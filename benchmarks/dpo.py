@@ -211,9 +211,9 @@ def child_steps(args, work: Path) -> dict:
 
     from raypack.config import ASSETS, DpoConfig
     from raypack.model.build import load_model
-    from raypack.train.dpo import DPOLoss
-    from raypack.train.dpo_reference import rows_logps
-    from raypack.train.loss import make_loss
+    from raypack.train.objectives.dpo import DPOLoss
+    from raypack.train.objectives.dpo_reference import rows_logps
+    from raypack.train.objectives.loss import make_loss
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -280,9 +280,9 @@ def child_lora_reference(args, work: Path) -> dict:
     from raypack.config import DpoConfig, PeftConfig
     from raypack.model.adapters import apply_adapters
     from raypack.model.build import load_model
-    from raypack.train.dpo import DPOLoss
-    from raypack.train.dpo_reference import rows_logps
-    from raypack.train.loss import make_loss
+    from raypack.train.objectives.dpo import DPOLoss
+    from raypack.train.objectives.dpo_reference import rows_logps
+    from raypack.train.objectives.loss import make_loss
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

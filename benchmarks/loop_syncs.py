@@ -137,9 +137,9 @@ def run_kind(kind: str, name: str, args) -> dict:
     from raypack.train import loop
     from raypack.train import step as step_module
     from raypack.train.engines.deepspeed_engine import setup_engine
-    from raypack.train.loss import make_loss, probe_batch
+    from raypack.train.objectives.loss import make_loss, probe_batch
     from raypack.train.prefetch import prepare_step
-    from raypack.train.router_loss import make_router_loss
+    from raypack.train.objectives.router_loss import make_router_loss
     from raypack.train.stepvalues import HostCounts
     from raypack.train.vision_rows import VisionRows
 

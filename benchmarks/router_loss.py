@@ -29,7 +29,7 @@ SETTINGS = (("off", 0.0, "example"), ("example", 0.001, "example"), ("micro_batc
 
 class OneRank:
     """The engine calls train_step makes, on one process without an optimizer: backward divided by
-    the micro-batches (tests/unit/train/test_loop.py uses it too)."""
+    the micro-batches (tests/unit/train/test_step.py uses it too)."""
 
     def __init__(self, model, micro_batches: int, device=None):
         import torch
@@ -84,9 +84,9 @@ def main(argv=None) -> int:
     from raypack.config.sections import TrainConfig
     from raypack.model.build import load_model
     from raypack.train.step import train_step
-    from raypack.train.loss import make_loss
+    from raypack.train.objectives.loss import make_loss
     from raypack.train.prefetch import prepare_step
-    from raypack.train.router_loss import make_router_loss
+    from raypack.train.objectives.router_loss import make_router_loss
     from raypack.train.stepvalues import HostCounts
 
     if args.smoke:

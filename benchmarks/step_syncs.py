@@ -198,7 +198,7 @@ def run_side(side: str, args, device: torch.device, world: int) -> dict:
     from raypack.config import TrainConfig
     from raypack.train.engines import deepspeed_engine as engine_mod
     from raypack.train.loop import log_pending, take_step
-    from raypack.train.loss import make_loss
+    from raypack.train.objectives.loss import make_loss
     from raypack.train.prefetch import prepare_step
     from raypack.train.stepvalues import HostCounts
 

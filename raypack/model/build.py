@@ -294,7 +294,7 @@ def load_model(
         mixers.install(decoder(model))
     # output_router_logits changes nothing here: the training loop reads the routers' scores with
     # its own hooks and adds their load-balancing loss itself, exact per example
-    # (train.router_aux_loss_coef, raypack/train/router_loss.py).
+    # (train.router_aux_loss_coef, raypack/train/objectives/router_loss.py).
     return _ready(model, gradient_checkpointing, facts)
 
 

@@ -37,7 +37,7 @@ def exact() -> list[str]:
 
 def with_routers() -> list[str]:
     """Exact rows whose model builds MoE routers: the router loss is checked on them
-    (tests/unit/train/test_router_loss.py, tests/unit/model/test_routers.py)."""
+    (tests/unit/train/objectives/test_router_loss.py, tests/unit/model/test_routers.py)."""
     from raypack.model.build import meta_model
     from raypack.model.routers import builds_routers
 

@@ -1,6 +1,6 @@
 """A mixture-of-experts model's routers: which modules score the experts, what kind of router each
 is, and their scores captured during a forward (the training loop's router loss reads them:
-raypack/train/router_loss.py).
+raypack/train/objectives/router_loss.py).
 
     routers = find_routers(model, name)        # once at setup; None for a dense model
     with routers.capture() as calls:            # hooks record only inside the block

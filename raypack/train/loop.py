@@ -14,7 +14,7 @@ skipped or trained twice in an epoch by the final model.
 Loss: one step of either objective, SFT's token mean or DPO's pair mean, with an MoE model's
 router loss riding it: raypack/train/step.py (the scaling that keeps it exact over micro-batches,
 ranks and accumulation, and the skipped step without a label token). The token losses come from
-raypack/train/loss.py (chunked: no [tokens, vocab] logits), the pairs' from raypack/train/dpo.py.
+raypack/train/objectives/loss.py (chunked: no [tokens, vocab] logits), the pairs' from raypack/train/objectives/dpo.py.
 
 Stopping: SIGTERM or Ctrl-C to the driver, or a node of the run being preempted, is agreed on by
 every rank before a step starts, each rank's vote riding the step's own host all_gather of its
@@ -55,14 +55,14 @@ from raypack.train import engines
 from raypack.train.engines import Engine
 from raypack.train.handoff import receive
 from raypack.train.checkpoint import TrainState, report_and_checkpoint, restore
-from raypack.train.dpo import DPOLoss, reporter_fields
-from raypack.train.dpo_reference import make_dpo_loss
-from raypack.train.loss import CausalLMLoss, make_loss, probe_batch
-from raypack.train.memory import resolve_checkpointing
-from raypack.train.expert_load import ExpertLoad
+from raypack.train.objectives.dpo import DPOLoss, reporter_fields
+from raypack.train.objectives.dpo_reference import make_dpo_loss
+from raypack.train.objectives.loss import CausalLMLoss, make_loss, probe_batch
+from raypack.train.memory.estimate import resolve_checkpointing
+from raypack.train.objectives.expert_load import ExpertLoad
 from raypack.train.metrics import Eta, Reporter, model_flops_per_token
 from raypack.train.prefetch import StepBatch, prepare_step, to_device
-from raypack.train.router_loss import RouterLoss, make_router_loss
+from raypack.train.objectives.router_loss import RouterLoss, make_router_loss
 from raypack.train.sequence import data_rank, make_groups, probe_split, step_source
 from raypack.train.startup import Startup
 from raypack.train.step import train_step
@@ -207,7 +207,7 @@ class Worker:
     group: SequenceGroup = SequenceGroup(size=1, rank=0)
     """The ranks that share this rank's rows (train.sequence_parallel; a group of one without)."""
     router: RouterLoss | None = None
-    """An MoE model's router load-balancing loss (raypack/train/router_loss.py); None: off."""
+    """An MoE model's router load-balancing loss (raypack/train/objectives/router_loss.py); None: off."""
     tokenizer: Any = None
     """Rank 0's tokenizer, saved with the final model (loaded at setup, not in the step loop)."""
     counts: HostCounts = HostCounts(world=1)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from raypack.data.progress import duration
-from raypack.train.expert_load import ExpertLoad
+from raypack.train.objectives.expert_load import ExpertLoad
 from raypack.train.stepvalues import rank_imbalance
 from raypack.train.tracking import Trackers
 
@@ -41,11 +41,11 @@ REPORTED = (
     "train_time_s", "eval_time_s", "step_time_s", "data_wait_s", "rank_imbalance", "peak_memory_gb",
     "window_peak_memory_gb", "memory_gb", "mfu", "total_steps", "steps_per_epoch", "packing_efficiency", "padding_fraction",
     "token_imbalance", "attention_imbalance",
-    # train.objective: dpo (raypack/train/dpo.py, TRL's names)
+    # train.objective: dpo (raypack/train/objectives/dpo.py, TRL's names)
     "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected",
     "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies", "eval_rewards/margins",
     "eval_logps/chosen", "eval_logps/rejected",
-    # MoE models with the router loss (raypack/train/expert_load.py)
+    # MoE models with the router loss (raypack/train/objectives/expert_load.py)
     "router_aux_loss", "expert_load_max", "expert_load_worst_layer",
 )
 """Every metric a report can carry (`Reporter.summary` and the static values the loop adds);

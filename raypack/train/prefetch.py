@@ -30,8 +30,8 @@ import torch
 from raypack.data.collate import collate_packed, count_label_tokens, move_batch
 from raypack.model import vision_tower
 from raypack.model.exact import keep_host_copy
-from raypack.train.loss import label_targets
-from raypack.train.router_loss import batch_units
+from raypack.train.objectives.loss import label_targets
+from raypack.train.objectives.router_loss import batch_units
 
 
 @dataclass
@@ -53,7 +53,7 @@ def prepare_step(group: list[dict[str, Any]], padded: bool = False, pad_token_id
                  router_scope: str | None = None, collate: Callable[..., dict[str, Any]] | None = None) -> StepBatch:
     """Collate each packed row of `group` into a micro-batch; pin its tensors when `pin`.
     `router_scope` (train.router_aux_loss, when the router loss is on): each token's unit too
-    (raypack/train/router_loss.py). `collate`: collate_packed's stand-in (a VLM run's
+    (raypack/train/objectives/router_loss.py). `collate`: collate_packed's stand-in (a VLM run's
     `vision_collate.VisionRows`, which adds each row's images)."""
     batches = []
     for row in group:

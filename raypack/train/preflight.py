@@ -156,9 +156,9 @@ def check_model_and_tokenizer(cfg: Config, tok) -> tuple[int, bool, Any]:
     from raypack.data.encode import TokenizeError
     from raypack.model.build import model_config, model_vocab_size  # torch: seconds
     from raypack.model.facts import describe
-    from raypack.train.memory import tower_cost
+    from raypack.train.memory.estimate import tower_cost
     from raypack.train.preflight_setup import check_qlora, check_setup
-    from raypack.train.router_loss import check_router_setting
+    from raypack.train.objectives.router_loss import check_router_setting
 
     m = cfg.model
     # A tiny model is built with the tokenizer's vocabulary (see raypack.data.prepare), so it fits.
@@ -248,7 +248,7 @@ def check_adapters(cfg: Config, config):
 
     from raypack.model.adapters import AdapterError, apply_adapters
     from raypack.model.build import meta_model
-    from raypack.train.loss import CausalLMLoss
+    from raypack.train.objectives.loss import CausalLMLoss
 
     if p.method == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
         raise AdapterError("model.peft.method=qlora: needs the bitsandbytes package (pip install bitsandbytes)")

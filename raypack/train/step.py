@@ -11,7 +11,7 @@ is scaled by world·accum/C to undo both. Every rank needs C before its first ba
 numbers the prefetcher counted, summed over the ranks on the host (the stop vote rides the same
 gather), so a step with C = 0 is skipped by every rank alike, never averaged in as 0.
 
-The router loss (raypack/train/router_loss.py) is the mean over the step's U units (SFT's
+The router loss (raypack/train/objectives/router_loss.py) is the mean over the step's U units (SFT's
 examples, DPO's sequences), counted with C: each micro-batch's sum of it weighs coef·world·accum/U.
 Only the objective's policy forward is captured: DPO's reference forward pauses the capture.
 
@@ -27,7 +27,7 @@ import torch
 
 from raypack.model.kernels import checkpoint_offload
 from raypack.train.prefetch import StepBatch, to_device
-from raypack.train.router_loss import UNIT_KEYS, RouterLoss
+from raypack.train.objectives.router_loss import UNIT_KEYS, RouterLoss
 from raypack.train.stepvalues import HostCounts, Pending, StepTimer
 from raypack.train.stop import StopWatch
 

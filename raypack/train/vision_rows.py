@@ -3,7 +3,7 @@
 The packed rows are the text pipeline's (raypack/data/pack.py), naming their examples in
 `example_ids`; the images wait beside them by example id (`shards.rank_images`). `VisionRows`
 is the collate `prefetch.prepare_step` runs for a VLM (raypack/train/loop.py: `vision_rows`), and
-DPO's for a VLM's preference pairs (raypack/train/dpo.py: `pair_batch`).
+DPO's for a VLM's preference pairs (raypack/train/objectives/dpo.py: `pair_batch`).
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def prepare_sweep_data(base: Config, sources: Sources, cache: str) -> SweepData:
     the listing of `base.data.paths` (preflight's)."""
     from raypack.model.build import model_config
     from raypack.model.facts import describe
-    from raypack.train.memory import tower_cost
+    from raypack.train.memory.estimate import tower_cost
 
     out = SweepData(cache=cache)
     ranks, accum = base.train.data_parallel, base.train.grad_accum

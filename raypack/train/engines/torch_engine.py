@@ -243,7 +243,7 @@ def shard(model: nn.Module, cfg: TrainConfig, device: torch.device, cast: torch.
             fully_shard(module, **kwargs)
     # The root (embeddings, final norm, head) keeps its weights gathered from its forward to its
     # backward, as FSDP2 does for a root by default: the chunked loss calls the head after the
-    # model's forward returns (raypack/train/loss.py).
+    # model's forward returns (raypack/train/objectives/loss.py).
     fully_shard(model, **{**kwargs, "reshard_after_forward": False})
     reduce_unused(model)
     # The root's pre-backward fires where a gradient reaches one of its outputs, which a VLM's

@@ -1,4 +1,4 @@
-"""DPO on 2 ranks (raypack/train/dpo.py), on either engine: exact, and trained end to end.
+"""DPO on 2 ranks (raypack/train/objectives/dpo.py), on either engine: exact, and trained end to end.
 
 - One optimizer step of 2 ranks x 2 micro-batches of packed pairs (unequal pair counts) under
   ZeRO 0, 1, 2 (with gradient checkpointing) and 3 (Gemma 2: a tied, softcapped head whose
@@ -84,9 +84,9 @@ def dpo_loop(config):
 
     from raypack.config import TrainConfig
     from raypack.train import engines
-    from raypack.train.dpo import DPOLoss
+    from raypack.train.objectives.dpo import DPOLoss
     from raypack.train.loop import global_count
-    from raypack.train.loss import make_loss
+    from raypack.train.objectives.loss import make_loss
     from raypack.train.step import forward_backward
     from raypack.train.stepvalues import HostCounts
 

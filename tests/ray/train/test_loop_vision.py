@@ -92,7 +92,7 @@ def sft_steps(name: str, rows: list[dict], images, processor) -> dict:
     from raypack.train import engines
     from raypack.train.loop import global_count
     from raypack.train.step import forward_backward
-    from raypack.train.loss import make_loss
+    from raypack.train.objectives.loss import make_loss
     from raypack.train.prefetch import prepare_step
     from raypack.train.vision_rows import VisionRows
 
@@ -136,11 +136,11 @@ def dpo_step(config, stage: int) -> dict:
     import ray.train
 
     from raypack.config import TrainConfig
-    from raypack.train.dpo import DPOLoss
-    from raypack.train.dpo_reference import rows_logps
+    from raypack.train.objectives.dpo import DPOLoss
+    from raypack.train.objectives.dpo_reference import rows_logps
     from raypack.train.engines.deepspeed_engine import setup_engine
     from raypack.train.loop import global_count
-    from raypack.train.loss import make_loss
+    from raypack.train.objectives.loss import make_loss
     from raypack.train.step import forward_backward
     from raypack.train.stepvalues import HostCounts
     from raypack.train.vision_rows import VisionRows
@@ -215,7 +215,7 @@ def _pad_reference(rows: dict, images, processor) -> dict:
     from raypack.data.vision_collate import collate_vision_padded
     from raypack.model.build import load_model
     from raypack.train.engines.optim import make_optimizer
-    from raypack.train.loss import token_loss_sum
+    from raypack.train.objectives.loss import token_loss_sum
     from raypack.train.vision_rows import VisionRows
 
     torch.manual_seed(0)

@@ -57,9 +57,9 @@ def moe_loop(config):
     from raypack.config import TrainConfig
     from raypack.train import engines
     from raypack.train.step import train_step
-    from raypack.train.loss import make_loss
+    from raypack.train.objectives.loss import make_loss
     from raypack.train.prefetch import prepare_step
-    from raypack.train.router_loss import make_router_loss
+    from raypack.train.objectives.router_loss import make_router_loss
     from raypack.train.stepvalues import HostCounts
 
     rank = ray.train.get_context().get_world_rank()

@@ -1,7 +1,7 @@
 """DPO on packed rows: each pair's loss from its two sequences' summed log-probabilities, the
 step's loss the mean over the pairs of the whole optimizer step (`train.objective: dpo`).
 
-    loss = DPOLoss(make_loss(engine, ...), cfg.dpo, reference)  # once at setup (raypack/train/dpo_reference.py)
+    loss = DPOLoss(make_loss(engine, ...), cfg.dpo, reference)  # once at setup (raypack/train/objectives/dpo_reference.py)
     step = loss.prepare_step(rows)                              # the prefetcher's: pairs, their reference
     pending = train_step(engine, step, loss, counts)            # raypack/train/step.py, SFT's step too
     values = pending.resolve()                                  #   read a step late; TRL's metrics
@@ -23,7 +23,7 @@ label count for SFT. The NLL term is a token mean over the step's chosen tokens,
 are weighted P / (chosen tokens of the step) inside the sum. Smoothing follows conservative DPO
 (the DPO paper's cDPO and TRL 0.x's `sigmoid`; TRL 1.x moved it to `robust`).
 
-The sums come from the final hidden states a chunk of tokens at a time (raypack/train/chunked_ce.py,
+The sums come from the final hidden states a chunk of tokens at a time (raypack/train/objectives/chunked_ce.py,
 `chunked_sequence_objective`): the [T, V] logits never exist at once here either. `train.loss:
 full` takes the model's logits instead.
 
@@ -47,10 +47,10 @@ from raypack.data.collate import collate_packed, example_starts
 from raypack.data.formats import IGNORE_INDEX, row_labels
 from raypack.data.pairs import CHOSEN, PIECE_MASK, REJECTED
 from raypack.data.shards import Prepared, iter_rank_packs
-from raypack.train.chunked_ce import chunked_sequence_objective
-from raypack.train.loss import TARGET_KEYS, CausalLMLoss, label_targets
+from raypack.train.objectives.chunked_ce import chunked_sequence_objective
+from raypack.train.objectives.loss import TARGET_KEYS, CausalLMLoss, label_targets
 from raypack.train.prefetch import StepBatch, to_device
-from raypack.train.router_loss import UNIT_KEYS
+from raypack.train.objectives.router_loss import UNIT_KEYS
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -110,7 +110,7 @@ class DPOLoss:
             self.ids, self.values = self.ids[order], np.fromiter(reference.values(), np.float64, len(reference))[order]
         self.adapters_off, self.collate = adapters_off, collate
         self.router = None
-        """The policy's router loss (an MoE model: raypack/train/router_loss.py), set by the loop."""
+        """The policy's router loss (an MoE model: raypack/train/objectives/router_loss.py), set by the loop."""
 
     # --- host side: pairs of a step ---------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""DPO on packed rows is exact (raypack/train/dpo.py): the loss, every gradient and the metrics of
+"""DPO on packed rows is exact (raypack/train/objectives/dpo.py): the loss, every gradient and the metrics of
 a packed step equal TRL's DPOTrainer on the same pairs (unpacked, padded, one batch, reference
 precomputed), in fp32 on a tiny Llama, to 1e-5 relative; and for every model family that packs
 exactly, equal each pair run alone through the model's own eager attention.
@@ -23,9 +23,9 @@ from families import FAMILIES, exact
 
 from raypack.config import ASSETS, DpoConfig
 from raypack.model.build import load_model
-from raypack.train.dpo import METRICS, DPOLoss
-from raypack.train.dpo_reference import rows_logps
-from raypack.train.loss import UnsupportedLossError, make_loss
+from raypack.train.objectives.dpo import METRICS, DPOLoss
+from raypack.train.objectives.dpo_reference import rows_logps
+from raypack.train.objectives.loss import UnsupportedLossError, make_loss
 from raypack.train.step import train_step
 from raypack.train.stepvalues import HostCounts
 
@@ -271,7 +271,7 @@ def test_router_loss_is_added_to_dpo_per_sequence_packed_or_not():
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     from raypack.config.sections import TrainConfig
-    from raypack.train.router_loss import make_router_loss
+    from raypack.train.objectives.router_loss import make_router_loss
 
     dpo = DpoConfig(beta=0.1)
     rows = packed_pair_rows(SAMPLE, 6, budget=600)[0]
@@ -311,7 +311,7 @@ def test_a_reference_taken_in_the_step_adds_no_router_calls_to_the_policys():
     from raypack.config import PeftConfig
     from raypack.config.sections import TrainConfig
     from raypack.model.adapters import apply_adapters
-    from raypack.train.router_loss import make_router_loss
+    from raypack.train.objectives.router_loss import make_router_loss
 
     dpo = DpoConfig(beta=0.1)
     rows = packed_pair_rows(SAMPLE, 4, budget=600)[0]

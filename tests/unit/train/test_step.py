@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from benchmarks.router_loss import OneRank
 
-from raypack.train.loss import CausalLMLoss
+from raypack.train.objectives.loss import CausalLMLoss
 from raypack.train.prefetch import prepare_step
 from raypack.train.step import train_step
 from raypack.train.stepvalues import HostCounts
@@ -80,8 +80,8 @@ def moe_step(model, groups, padded=False, scope="example"):
     """One optimizer step of the chunked loss plus the router loss over micro-batches `groups`
     (each a list of packed rows): (its values, every gradient)."""
     from raypack.config.sections import TrainConfig
-    from raypack.train.loss import make_loss
-    from raypack.train.router_loss import make_router_loss
+    from raypack.train.objectives.loss import make_loss
+    from raypack.train.objectives.router_loss import make_router_loss
 
     model.zero_grad(set_to_none=True)
     router = make_router_loss(model, TrainConfig(router_aux_loss_coef=0.5, router_aux_loss=scope), "tiny-qwen3_moe")
@@ -186,8 +186,8 @@ def test_router_loss_adds_no_host_read_to_the_step(process_group):
     from benchmarks.step_syncs import SyncCounter
 
     from raypack.config.sections import TrainConfig
-    from raypack.train.loss import make_loss
-    from raypack.train.router_loss import make_router_loss
+    from raypack.train.objectives.loss import make_loss
+    from raypack.train.objectives.router_loss import make_router_loss
 
     model = tiny_moe()
     examples = [{"input_ids": list(range(3, 3 + n)), "labels": list(range(3, 3 + n)), "position_ids": list(range(n)),

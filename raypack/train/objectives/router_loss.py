@@ -1,6 +1,6 @@
 """A mixture-of-experts router's load-balancing loss, exact per example on packed rows
 (`train.router_aux_loss_coef`, `train.router_aux_loss`): the third training objective beside
-SFT's token loss (raypack/train/loss.py) and DPO's pair loss (raypack/train/dpo.py), in their
+SFT's token loss (raypack/train/objectives/loss.py) and DPO's pair loss (raypack/train/objectives/dpo.py), in their
 shape: the host finds each micro-batch's units, the step sums on the device, and its mean is
 read a step late with the loss.
 
@@ -37,7 +37,7 @@ raypack packs has a router z-loss in transformers 5.24, so there is none here.
 
 Expert load. Each step also sums, per MoE layer, the tokens routed to each expert (the router's own
 choice), [Λ, E], over its micro-batches and ranks in the loss's all_reduce: the reports' busiest
-expert's share over the mean per layer, and the heatmap (raypack/train/expert_load.py).
+expert's share over the mean per layer, and the heatmap (raypack/train/objectives/expert_load.py).
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ class RouterLoss:
 
     def read(self, values: dict[str, float], readings: list[float]) -> dict[str, Any]:
         """A step's values from its summed readings (Pending.more): the mean router loss over the
-        step's units, and the expert load, [layers, E] tokens (raypack/train/expert_load.py)."""
+        step's units, and the expert load, [layers, E] tokens (raypack/train/objectives/expert_load.py)."""
         return {"router_aux_loss": readings[0] / max(values["router_units"], 1.0),
                 "router_load": np.asarray(readings[1:], dtype=np.float64).reshape(self.layers, self.experts)}
 

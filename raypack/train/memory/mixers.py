@@ -1,5 +1,5 @@
 """What a hybrid model's token mixers (raypack/model/mixers.py) keep for backward, for the memory
-estimate (raypack/train/memory.py): the gated delta rule, Mamba-2, the short convolution and KDA on
+estimate (raypack/train/memory/estimate.py): the gated delta rule, Mamba-2, the short convolution and KDA on
 the exact torch path, per layer. Arithmetic over the mixer's shape, read from the model's structure
 on the meta device (no weights), as the model's description found it (raypack/model/facts.py).
 
@@ -14,7 +14,7 @@ Per layer, for `examples` rows of `longest` tokens (P = longest rounded up to th
 
 - per token of the padded batch, `token_bytes`: what transformers' torch fallbacks save, counted
   from their code and checked against what autograd saves on the tiny models
-  (tests/unit/train/test_memory_mixers.py). Inputs and projections in bf16, the scans in fp32 (as
+  (tests/unit/train/memory/test_mixers.py). Inputs and projections in bf16, the scans in fp32 (as
   transformers computes them):
     gated delta rule (value heads Hv, key heads Hk, dims dk dv, chunk C, conv channels D = 2Hk dk + Hv dv):
         5 fp32 C x C products a head (the decay matrix, k·k and q·k, the triangular system, the

@@ -7,7 +7,7 @@
 
 Per rank (= per GPU); P parameters, P_t of them trained, N ranks, T = tokens in a micro-batch:
 
-- weights, gradients and optimizer state: what the engine keeps (raypack/train/memory_engines.py).
+- weights, gradients and optimizer state: what the engine keeps (raypack/train/memory/engines.py).
   Under DeepSpeed: bf16 weights, 2 B/param, whole under ZeRO 0-2, a 1/N shard plus the gathered
   working set under ZeRO-3; bf16 gradients, sharded for ZeRO >= 2, plus one reduce bucket; fp32
   master + m + v, 12 B per trained param (8 B for train.precision bf16), sharded 1/N, on the host
@@ -36,7 +36,7 @@ Per rank (= per GPU); P parameters, P_t of them trained, N ranks, T = tokens in 
   host. With `train.sequence_parallel` N, T is a rank's 1/N of the row.
 - hybrids (Qwen3.5, Nemotron-H, LFM2, ...): a layer whose token mixer is a gated delta rule, Mamba-2
   or a short convolution (raypack/model/mixers.py) keeps the layer less attention's q, k, v and
-  output, plus what its mixer keeps on the exact torch path (raypack/train/memory_mixers.py): the
+  output, plus what its mixer keeps on the exact torch path (raypack/train/memory/mixers.py): the
   row's examples as a padded batch, examples x longest tokens, with the scans' fp32 chunk products
   and the recurrent state at every chunk (heads x k x v for the gated delta rule, heads x head_dim x
   state for Mamba-2) per example. `raypack plan` sizes it for the plan's widest padded batch
@@ -44,7 +44,7 @@ Per rank (= per GPU); P parameters, P_t of them trained, N ranks, T = tokens in 
   is counted whole. Parameters are the model's own count (its structure on the meta device).
 - vision-language models (Qwen2/2.5/3-VL): the vision tower and projector are parameters like
   the rest (less what `model.freeze` freezes), and the tower keeps, per patch of the micro-batch,
-  what raypack/train/memory_vision.py counts (checked against autograd on the tiny Qwen2.5-VL),
+  what raypack/train/memory/vision.py counts (checked against autograd on the tiny Qwen2.5-VL),
   for the plan's widest micro-batch in patches (`raypack plan`, and the workers from the prepared
   data's stats); without a plan, every token an image token. Its recomputed block and the language
   model's recomputed layer never coexist: the larger counts.
@@ -67,9 +67,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from raypack.config import Config, PeftConfig
-from raypack.train.memory_engines import engine_state
-from raypack.train.memory_mixers import MixerLayers, mixer_layers
-from raypack.train.memory_vision import Tower, vision_tower
+from raypack.train.memory.engines import engine_state
+from raypack.train.memory.mixers import MixerLayers, mixer_layers
+from raypack.train.memory.vision import Tower, vision_tower
 
 if TYPE_CHECKING:
     from raypack.model.facts import ModelFacts
@@ -125,12 +125,12 @@ class Arch:
     head_dim: int = 0
     """0: hidden // heads."""
     mixers: tuple[MixerLayers, ...] = ()
-    """A hybrid's token mixers other than attention (raypack/train/memory_mixers.py), each in
+    """A hybrid's token mixers other than attention (raypack/train/memory/mixers.py), each in
     place of attention in its layers."""
     counted_params: int = 0
     """The model's own parameter count where its structure was read (hybrids); 0: the arithmetic's."""
     tower: Tower | None = None
-    """A VLM's vision tower and projector (raypack/train/memory_vision.py): in the parameters, and
+    """A VLM's vision tower and projector (raypack/train/memory/vision.py): in the parameters, and
     its activations over a micro-batch's patches."""
 
     @classmethod
@@ -287,7 +287,7 @@ def rank_tokens(cfg: Config) -> int:
 
 
 def chunk_tokens(cfg: Config, vocab: int) -> int:
-    """The chunked loss's chunk, as raypack.train.loss.CausalLMLoss picks it."""
+    """The chunked loss's chunk, as raypack.train.objectives.loss.CausalLMLoss picks it."""
     return cfg.train.loss_chunk_tokens or default_chunk(vocab)
 
 
@@ -324,7 +324,7 @@ def estimate(cfg: Config, arch: Arch, *, tokens: int | None = None, loss: str | 
         quantized = arch.layers * arch.linear_params
         working = max(a * b for a, b in arch.linears().values())  # one linear dequantized at a time
         base = NF4_BYTES * quantized + 2 * (p - quantized) + 2 * working
-    # what the engine keeps of the weights, gradients and optimizer state (memory_engines.py)
+    # what the engine keeps of the weights, gradients and optimizer state (memory/engines.py)
     state = engine_state(cfg, arch, trained, zero, base)
     weights, grads, optimizer, host = state.weights, state.grads, state.optimizer, state.host
 
@@ -340,7 +340,7 @@ def estimate(cfg: Config, arch: Arch, *, tokens: int | None = None, loss: str | 
     # model.tiled_mlp_tokens: the MLP's gate/up/act/product exist for one tile at a time
     tile = min(m.tiled_mlp_tokens or tokens, tokens)
     layer = tokens * per_layer - (tokens - tile) * 8 * arch.inter
-    # A hybrid's mixer layers (memory_mixers.py): the layer less attention's q, k, v and output
+    # A hybrid's mixer layers (memory/mixers.py): the layer less attention's q, k, v and output
     # (and, kept by selective, its matmul outputs and log-sum-exp), plus what the mixer keeps over
     # its padded batch. Selective keeps the mixers' matmul outputs, most of what their scans keep:
     # counted whole.
@@ -360,7 +360,7 @@ def estimate(cfg: Config, arch: Arch, *, tokens: int | None = None, loss: str | 
     else:
         activations = layer * arch.layers - attention * n_mixed + mixed
     tower = arch.tower
-    if tower is not None:  # memory_vision.py: its blocks over the micro-batch's patches
+    if tower is not None:  # memory/vision.py: its blocks over the micro-batch's patches
         patches = tokens * tower.merge if patches is None else patches
         recomputed = 2 * largest if mode != "none" else 0.0
         # the tower's block recomputed in backward and the language model's layer never coexist
@@ -458,7 +458,7 @@ def resolve_checkpointing(cfg: Config, device_type: str, ranks_here: int = 1, pa
 
 
 def tower_cost(config: Any, trust_remote_code: bool = False):
-    """A VLM's vision tower's cost against its language model's (memory_vision.Tower.cost), which
+    """A VLM's vision tower's cost against its language model's (memory.vision.Tower.cost), which
     the plan's balance weighs patches by; None for a model without a tower the arithmetic knows."""
     from raypack.model.facts import describe
 
