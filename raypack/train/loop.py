@@ -58,7 +58,7 @@ from raypack.train.checkpoint import TrainState, report_and_checkpoint, restore
 from raypack.train.objectives.dpo import DPOLoss, reporter_fields
 from raypack.train.objectives.dpo_reference import make_dpo_loss
 from raypack.train.objectives.loss import CausalLMLoss, make_loss, probe_batch
-from raypack.train.memory.estimate import resolve_checkpointing
+from raypack.train.memory.auto import resolve_checkpointing
 from raypack.train.objectives.expert_load import ExpertLoad
 from raypack.train.metrics import Eta, Reporter, model_flops_per_token
 from raypack.train.prefetch import StepBatch, prepare_step, to_device
