@@ -39,7 +39,7 @@ from raypack.data.collate import collate_packed, count_label_tokens, move_batch 
 from raypack.data.synthetic import sample_lengths  # noqa: E402
 from raypack.model import attention as attn  # noqa: E402
 from raypack.model.build import load_model  # noqa: E402
-from raypack.train.loss import CausalLMLoss, label_targets  # noqa: E402
+from raypack.train.objectives.loss import CausalLMLoss, label_targets  # noqa: E402
 
 MODES = ("pad", "packed_sdpa", "packed_varlen", "packed_chunked")
 TARGETS = {  # (ratio name, numerator, denominator, minimum) per distribution, from the issue

@@ -211,10 +211,9 @@ def child_steps(args, work: Path) -> dict:
 
     from raypack.config import ASSETS, DpoConfig
     from raypack.model.build import load_model
-    from raypack.train.dpo import DPOLoss
-    from raypack.train.dpo_reference import rows_logps
-    from raypack.train.loss import make_loss
-    from raypack.train.stepvalues import HostCounts
+    from raypack.train.objectives.dpo import DPOLoss
+    from raypack.train.objectives.dpo_reference import rows_logps
+    from raypack.train.objectives.loss import make_loss
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -281,10 +280,9 @@ def child_lora_reference(args, work: Path) -> dict:
     from raypack.config import DpoConfig, PeftConfig
     from raypack.model.adapters import apply_adapters
     from raypack.model.build import load_model
-    from raypack.train.dpo import DPOLoss
-    from raypack.train.dpo_reference import rows_logps
-    from raypack.train.loss import make_loss
-    from raypack.train.stepvalues import HostCounts
+    from raypack.train.objectives.dpo import DPOLoss
+    from raypack.train.objectives.dpo_reference import rows_logps
+    from raypack.train.objectives.loss import make_loss
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -317,7 +315,7 @@ def child_lora_reference(args, work: Path) -> dict:
             t0 = time.perf_counter()
             for row in steps:
                 step = loss.prepare_step([row])
-                pairs = loss.step_counts(HostCounts(1), step)[0]
+                pairs = step.pairs
                 loss_sum = loss(model, {**_moved(step.batches[0], device), "sft_scale": 0.0})
                 (loss_sum / pairs).backward()
                 optimizer.step()

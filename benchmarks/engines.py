@@ -60,7 +60,7 @@ def run_engine(name: str, stage: int, args, device: str, rows: list[dict]) -> di
     from raypack.config import load
     from raypack.train import engines
     from raypack.train.loop import log_pending, take_step
-    from raypack.train.loss import make_loss
+    from raypack.train.objectives.loss import make_loss
     from raypack.train.metrics import model_flops_per_token, peak_flops
     from raypack.train.prefetch import prepare_step
     from raypack.train.stepvalues import HostCounts

@@ -52,7 +52,7 @@ def child(args) -> None:
     from raypack.model.adapters import apply_adapters
     from raypack.model.build import load_model
     from raypack.model.kernels import checkpoint_offload, tile_mlps
-    from raypack.train.loss import label_targets, make_loss
+    from raypack.train.objectives.loss import label_targets, make_loss
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tiles, offload = OPTIONS[args.options]

@@ -20,8 +20,10 @@ would wait on CUDA from those that would not,
 the step's batch is moved by copying it (as `.to("cuda")` makes a new tensor), so each read is of
 one of:
 
-    host copy      a tensor collate built on the host (or a view of one): pinned memory on CUDA,
-                   read without waiting (the exact attention's and the mixers' boundaries)
+    host copy      a tensor collate built on the host (or a view of one, or computed from host
+                   tensors alone, which CUDA computes on the host too): pinned memory on CUDA,
+                   read without waiting (the exact attention's, the mixers' and the vision
+                   tower's boundaries, the tower's grid)
     a step late    the previous step's values (raypack/train/stepvalues.py): on CUDA copied to
                    pinned memory and read after the next step is enqueued
     device value   anything else: on CUDA a read of the device's memory, which waits for every
@@ -71,6 +73,17 @@ class ReadCounter(SyncCounter):
     def __init__(self) -> None:
         super().__init__()
         self.host: set[int] = set()
+        self.moving = False
+
+    def computed(self, args: tuple, out) -> None:
+        """An op whose tensor inputs are all host tensors ran on the host (on CUDA too): its output
+        is one (the grid's per-image counts from the host grid, say). Not while a batch is moved."""
+        if self.moving:
+            return
+        inputs = [a for a in torch.utils._pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
+        if inputs and all(t.untyped_storage().data_ptr() in self.host for t in inputs):
+            self.host |= {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves(out)
+                          if isinstance(t, torch.Tensor)}  # fmt: skip
 
     def _what(self, tensor, name: str) -> str:
         ptr = tensor.untyped_storage().data_ptr() if isinstance(tensor, torch.Tensor) else None
@@ -86,14 +99,19 @@ class ReadCounter(SyncCounter):
 
 def copying_to_device(counter: ReadCounter, batch: dict, device) -> dict:
     """prefetch.to_device as CUDA makes it: the moved tensors are new ones (here copies), the
-    host cu_seq_lens_q kept beside them (exact.keep_host_copy)."""
+    host tensors of prefetch.HOST_COPIED kept beside them (exact.keep_host_copy)."""
     from raypack.model.exact import keep_host_copy
+    from raypack.train.prefetch import HOST_COPIED
 
     counter.host |= {v.untyped_storage().data_ptr() for v in batch.values() if isinstance(v, torch.Tensor)}
+    counter.moving = True  # the copies are the device's tensors
     moved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items() if k != "cu_seq_lens_k"}
+    counter.moving = False
     if "cu_seq_lens_q" in batch:
         moved["cu_seq_lens_k"] = moved["cu_seq_lens_q"]
-        keep_host_copy(moved["cu_seq_lens_q"], batch["cu_seq_lens_q"])
+    for key in HOST_COPIED:
+        if isinstance(batch.get(key), torch.Tensor):
+            keep_host_copy(moved[key], batch[key])
     return moved
 
 
@@ -117,10 +135,11 @@ def run_kind(kind: str, name: str, args) -> dict:
     from raypack.model.build import load_model
     from raypack.model.ulysses import SequenceGroup
     from raypack.train import loop
+    from raypack.train import step as step_module
     from raypack.train.engines.deepspeed_engine import setup_engine
-    from raypack.train.loss import make_loss, probe_batch
+    from raypack.train.objectives.loss import make_loss, probe_batch
     from raypack.train.prefetch import prepare_step
-    from raypack.train.router_loss import make_router_loss
+    from raypack.train.objectives.router_loss import make_router_loss
     from raypack.train.stepvalues import HostCounts
     from raypack.train.vision_rows import VisionRows
 
@@ -141,8 +160,8 @@ def run_kind(kind: str, name: str, args) -> dict:
     step_collate = functools.partial(collate, router_scope=router.scope if router is not None else None)
     data = types.SimpleNamespace(padded=False, pad_token_id=0)
     counter = ReadCounter()
-    original = loop.to_device
-    loop.to_device = functools.partial(copying_to_device, counter)
+    original = step_module.to_device  # where the step moves each micro-batch
+    step_module.to_device = functools.partial(copying_to_device, counter)
     first = 0
     try:
         with counter, warnings.catch_warnings():
@@ -156,7 +175,7 @@ def run_kind(kind: str, name: str, args) -> dict:
                     counter.mark(f"step {i + 1} enqueued")
             loop.log_pending(worker)  # the last step's values, as the loop reads them at its last report
     finally:
-        loop.to_device = original
+        step_module.to_device = original
     engine.destroy()
     if router is not None:
         router.routers.remove()

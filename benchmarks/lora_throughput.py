@@ -48,7 +48,7 @@ from benchmarks.loss_memory import build, gib, make_rows, merge, run_path, set_c
 from raypack.config import PeftConfig  # noqa: E402
 from raypack.data.collate import move_batch  # noqa: E402
 from raypack.model import attention as attn  # noqa: E402
-from raypack.train.loss import make_loss  # noqa: E402
+from raypack.train.objectives.loss import make_loss  # noqa: E402
 from raypack.train.metrics import model_flops_per_token, peak_flops  # noqa: E402
 from raypack.train.prefetch import prepare_step  # noqa: E402
 

@@ -7,7 +7,7 @@ One model (random init, tied embeddings, raypack's varlen attention) and one tor
 packed row of FLAN-like examples per micro-batch, every token but each example's first a label.
 A step is forward + backward + optimizer step. For each memory setting (activations kept, and
 gradient checkpointing, where the loss is most of the step's extra memory), the two losses of
-raypack/train/loss.py (`full`, `chunked`) alternate in rounds on the same batches: warmup steps,
+raypack/train/objectives/loss.py (`full`, `chunked`) alternate in rounds on the same batches: warmup steps,
 then measured steps timed after a device sync, with the peak allocated memory of the measured
 steps. Before timing, one batch's loss and gradients are computed both ways and compared (bf16).
 Needs torch and transformers only (no Ray, no DeepSpeed). A path that runs out of memory is
@@ -31,7 +31,7 @@ from raypack.data.collate import move_batch  # noqa: E402
 from raypack.data.synthetic import sample_lengths  # noqa: E402
 from raypack.model import attention as attn  # noqa: E402
 from raypack.model.build import load_model  # noqa: E402
-from raypack.train.loss import CausalLMLoss, make_loss  # noqa: E402
+from raypack.train.objectives.loss import CausalLMLoss, make_loss  # noqa: E402
 from raypack.train.prefetch import prepare_step  # noqa: E402
 
 LLAMA3_1B = dict(

@@ -14,7 +14,7 @@ Liger's kernels uncompiled (not with selective, which raypack refuses there) and
 ops in the graphs). Per setting, after `--warmup` steps: tokens/s over `--steps` steps,
 the peak memory of a step, the memory resident after the optimizer step (weights, gradients,
 AdamW state), and their difference, the step's transient memory, beside raypack's estimate of
-what depends on the mode (activations and the loss's working set, raypack/train/memory.py):
+what depends on the mode (activations and the loss's working set, raypack/train/memory/estimate.py):
 where the measured transient passes the estimate, `auto`'s margin is too thin.
 
 What decides `auto`: the fastest mode whose peak fits (the estimate should order them the same
@@ -53,8 +53,8 @@ def child(args) -> None:
     from raypack.data.collate import collate_packed, move_batch
     from raypack.model.build import load_model
     from raypack.model.kernels import apply_kernels, check_compiled, compile_layers, compiled_graphs
-    from raypack.train.loss import label_targets, make_loss, probe_batch
-    from raypack.train.memory import Arch, estimate
+    from raypack.train.objectives.loss import label_targets, make_loss, probe_batch
+    from raypack.train.memory.estimate import Arch, estimate
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ on a shared machine hits both.
     PYTHONPATH=. python benchmarks/router_loss.py            # one GPU: 16 layers, 64 experts, top 8, bf16
     PYTHONPATH=. python benchmarks/router_loss.py --smoke    # tiny model on the CPU: proves the script runs
 
-The step is the training loop's own (raypack/train/loop.py `train_step`: the chunked loss, the
+The step is the training loop's own (raypack/train/step.py `train_step`: the chunked loss, the
 router hooks, the per-example sums on the device, values read through stepvalues.Pending), on one
 process without DeepSpeed (no optimizer update: the router loss adds nothing there). Rows are
 FLAN-like: several examples of 20-400 tokens packed to `--tokens`.
@@ -29,7 +29,7 @@ SETTINGS = (("off", 0.0, "example"), ("example", 0.001, "example"), ("micro_batc
 
 class OneRank:
     """The engine calls train_step makes, on one process without an optimizer: backward divided by
-    the micro-batches (tests/unit/train/test_loop.py uses it too)."""
+    the micro-batches (tests/unit/train/test_step.py uses it too)."""
 
     def __init__(self, model, micro_batches: int, device=None):
         import torch
@@ -83,10 +83,10 @@ def main(argv=None) -> int:
 
     from raypack.config.sections import TrainConfig
     from raypack.model.build import load_model
-    from raypack.train.loop import train_step
-    from raypack.train.loss import make_loss
+    from raypack.train.step import train_step
+    from raypack.train.objectives.loss import make_loss
     from raypack.train.prefetch import prepare_step
-    from raypack.train.router_loss import make_router_loss
+    from raypack.train.objectives.router_loss import make_router_loss
     from raypack.train.stepvalues import HostCounts
 
     if args.smoke:

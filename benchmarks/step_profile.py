@@ -30,7 +30,7 @@ from benchmarks.common import command_line, device_name, gpu_or_smoke, machine, 
 from benchmarks.loss_memory import build, make_rows, set_checkpointing  # noqa: E402
 from raypack.data.collate import move_batch  # noqa: E402
 from raypack.model import kernels  # noqa: E402
-from raypack.train.loss import make_loss  # noqa: E402
+from raypack.train.objectives.loss import make_loss  # noqa: E402
 from raypack.train.prefetch import prepare_step  # noqa: E402
 
 BUCKETS = [  # (bucket, regex over kernel or op names), first match wins

@@ -97,13 +97,18 @@ class SyncCounter:
         elif name.startswith("aten._local_scalar_dense"):
             self.add("read", self._what(args[0], "item"))
 
+    def computed(self, args: tuple, out) -> None:
+        """An op's output, after it ran (loop_syncs.ReadCounter follows host tensors through it)."""
+
     def __enter__(self) -> SyncCounter:
         counter = self
 
         class Dispatch(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 counter.dispatched(str(func), args)
-                return func(*args, **(kwargs or {}))
+                out = func(*args, **(kwargs or {}))
+                counter.computed(args, out)
+                return out
 
         class Function(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -142,7 +147,8 @@ def baseline_step(engine, step, loss) -> dict[str, float]:
     """raypack's train_step before issue 35 (commit e8964e6), for the `before` side."""
     import torch.distributed as dist
 
-    from raypack.train.loop import forward_backward, global_count
+    from raypack.train.loop import global_count
+    from raypack.train.step import forward_backward
 
     t0 = time.perf_counter()
     world = dist.get_world_size()
@@ -192,7 +198,7 @@ def run_side(side: str, args, device: torch.device, world: int) -> dict:
     from raypack.config import TrainConfig
     from raypack.train.engines import deepspeed_engine as engine_mod
     from raypack.train.loop import log_pending, take_step
-    from raypack.train.loss import make_loss
+    from raypack.train.objectives.loss import make_loss
     from raypack.train.prefetch import prepare_step
     from raypack.train.stepvalues import HostCounts
 

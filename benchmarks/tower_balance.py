@@ -75,7 +75,7 @@ def model_costs() -> dict[str, TowerCost]:
     from transformers import Qwen2_5_VLConfig
 
     from raypack.model.build import model_config
-    from raypack.train.memory import tower_cost
+    from raypack.train.memory.estimate import tower_cost
 
     seven_b = Qwen2_5_VLConfig(
         text_config=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,

@@ -16,8 +16,8 @@ One run, same data, same model init, same lr schedule, both paths back to back:
    (reports, logging); the run saves no checkpoint (train.save_final: false). The last report's
    tokens_per_s and mfu are shown as well: they count only time inside train_step, over its window.
 3. Standalone: in this process, a 1-process torch.distributed group, what each worker runs
-   (`raypack.train.loop.setup`, `raypack.train.loss.make_loss`, the prefetcher and
-   `raypack.train.loop.train_step`) on the very same packed rows (`iter_rank_packs`, read into
+   (`raypack.train.loop.setup`, `raypack.train.objectives.loss.make_loss`, the prefetcher and
+   `raypack.train.step.train_step`) on the very same packed rows (`iter_rank_packs`, read into
    memory first), timed the same way.
 
 The full stack runs first, so its worker has the GPU to itself; the standalone path runs after the
@@ -199,8 +199,9 @@ def run_standalone(cfg: Config, prepared, warmup: int, steps: int) -> dict:
     import torch.distributed as dist
 
     from raypack.data.shards import iter_rank_packs
-    from raypack.train.loop import setup, train_step
-    from raypack.train.loss import make_loss
+    from raypack.train.loop import setup
+    from raypack.train.step import train_step
+    from raypack.train.objectives.loss import make_loss
     from raypack.train.prefetch import Prefetcher, prepare_step
     from raypack.train.stepvalues import HostCounts
 

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from raypack.data.images import ImageTokenizer
     from raypack.model.build import load_model
-    from raypack.train.loss import make_loss
+    from raypack.train.objectives.loss import make_loss
     from raypack.train.prefetch import prepare_step
     from raypack.train.vision_rows import VisionRows
 

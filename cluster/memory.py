@@ -6,7 +6,7 @@ arithmetic behind the tables in cluster/README.md, so that they can be re-derive
                                         # per config, then what fits on one GPU
 
 The per-GPU terms (weights, gradients, optimizer, activations, loss; full fine-tuning, LoRA and
-QLoRA) are raypack/train/memory.py's, the same arithmetic `raypack plan` prints; its docstring
+QLoRA) are raypack/train/memory/estimate.py's, the same arithmetic `raypack plan` prints; its docstring
 states what they count. Here, per config (P parameters, N ranks, T = pack.budget tokens per
 micro-batch, the largest of tune.budgets for a sweep):
 - the "chunked" columns compute the loss 1,024 tokens at a time and leave out its fp32 sum of the
@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from raypack.config import Config, load  # noqa: E402
-from raypack.train.memory import GB, Arch, Memory, estimate, preset_zero  # noqa: E402
+from raypack.train.memory.estimate import GB, Arch, Memory, estimate, preset_zero  # noqa: E402
 
 
 GPUS_PER_NODE = 8

@@ -1,5 +1,5 @@
 """DPO on packed rows against references raypack did not write: TRL's DPOTrainer itself, and each
-pair run alone through a model's own (eager) attention (tests/unit/train/test_dpo.py and the Ray
+pair run alone through a model's own (eager) attention (tests/unit/train/objectives/test_dpo.py and the Ray
 tier's DPO checks use these).
 
     rows = packed_pair_rows(records, budget)     # raypack's tokenize + plan + pack stages, no Ray

@@ -93,7 +93,7 @@ def check_kernels(family: str, compiled: bool = False) -> dict[str, float]:
     # setup probe refuses a graph break, the layers run in training mode, checkpointed.
     from torch._dynamo.utils import counters
 
-    from raypack.train.loss import probe_batch
+    from raypack.train.objectives.loss import probe_batch
 
     counters.clear()
     kernels.compile_layers(model)
@@ -118,7 +118,7 @@ def check_loss(family: str) -> dict[str, float]:
 
     from raypack.data.collate import collate_packed
     from raypack.model.build import load_model
-    from raypack.train.loss import CausalLMLoss, label_targets
+    from raypack.train.objectives.loss import CausalLMLoss, label_targets
 
     config = FAMILIES[family].build_config(family)
     if family == "gemma2":

@@ -1,5 +1,5 @@
 """What autograd keeps for backward, measured: the memory estimate's checks
-(tests/unit/train/test_memory_mixers.py, test_memory_vision.py) compare their arithmetic to it."""
+(tests/unit/train/memory/test_mixers.py, test_vision.py) compare their arithmetic to it."""
 
 from __future__ import annotations
 

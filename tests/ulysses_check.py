@@ -29,7 +29,7 @@ from raypack.model.adapters import apply_adapters
 from raypack.model.build import load_model
 from raypack.model.kernels import decoder_layers
 from raypack.model.ulysses import SequenceGroup, sequence_parallel
-from raypack.train.loss import label_targets
+from raypack.train.objectives.loss import label_targets
 
 LENGTHS = ([21, 6], [13, 1, 9], [4, 30])
 """Rows of 27, 23 and 34 tokens: every N in (2, 4) cuts an example and pads the row."""

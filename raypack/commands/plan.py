@@ -26,7 +26,7 @@ micro-batch in patches (also in --json, with the image counts), which the memory
 tower's activations for.
 
 With --config, a line estimates the memory per GPU of the configured run (full fine-tuning,
-LoRA or QLoRA; ZeRO stage, gradient checkpointing, budget): raypack/train/memory.py's arithmetic
+LoRA or QLoRA; ZeRO stage, gradient checkpointing, budget): raypack/train/memory/estimate.py's arithmetic
 on the model's config, no weights loaded; and a last one names the model's rows in the
 supported-models table (raypack/model/families.py, docs/reference/models.md), or says it has none. With --lengths only a model config found without the
 network counts (tiny-*, a local folder, the Hugging Face cache); otherwise the line is left out.
@@ -191,7 +191,7 @@ def _tower_cost(cfg: Config):
     """The configured model's vision tower cost (memory.tower_cost), or None where its config
     can't be had or it has no tower the arithmetic knows (the plan then weighs no patches)."""
     from raypack.model.build import model_config  # torch and transformers: seconds, so only now
-    from raypack.train.memory import tower_cost
+    from raypack.train.memory.estimate import tower_cost
 
     try:
         return tower_cost(model_config(cfg.model.name, cfg.model.trust_remote_code), cfg.model.trust_remote_code)
@@ -217,7 +217,7 @@ def memory_line(cfg: Config, offline: bool, padded: tuple[int, int] | None = Non
     if name is None and offline:
         return None
     from raypack.model.build import model_config  # torch and transformers: seconds, so only now
-    from raypack.train.memory import Arch, summary
+    from raypack.train.memory.estimate import Arch, summary
 
     try:
         config = model_config(name or m.name, m.trust_remote_code)

@@ -3,7 +3,7 @@
     train: {objective: dpo}
     dpo: {beta: 0.1, loss: sigmoid, sft_weight: 0.0, label_smoothing: 0.0, reference: auto}
 
-The loss and what each field means are in raypack/train/dpo.py; the data (preference rows, pairs
+The loss and what each field means are in raypack/train/objectives/dpo.py; the data (preference rows, pairs
 packed whole) in raypack/data/pairs.py.
 """
 

@@ -272,7 +272,7 @@ class ModelConfig:
     `none` keeps every activation (fastest, most memory); `selective` keeps the matmul and attention
     outputs and recomputes the cheap elementwise work (norms, RoPE, activations); `full` keeps only each
     decoder layer's input and recomputes the whole layer (least memory); `auto` takes the fastest that
-    raypack's memory estimate (raypack/train/memory.py) fits on the worker's GPU with a margin, and says
+    raypack's memory estimate (raypack/train/memory/estimate.py) fits on the worker's GPU with a margin, and says
     which and why when training starts. true and false (the former setting) mean full and none."""
     tiled_mlp_tokens: int = 0
     """Long rows: run each layer's MLP this many tokens at a time, each tile recomputed in backward,
@@ -403,15 +403,15 @@ class TrainConfig:
     what writing one more checkpoint would. 0: always."""
     objective: Literal["sft", "dpo"] = "sft"
     """`sft`: cross-entropy on the label tokens; `dpo`: preference tuning on (prompt, chosen,
-    rejected) pairs, each pair packed whole in one row (the `dpo:` section, raypack/train/dpo.py)."""
+    rejected) pairs, each pair packed whole in one row (the `dpo:` section, raypack/train/objectives/dpo.py)."""
     loss: Literal["chunked", "full", "liger"] = "chunked"
     """`chunked` computes the loss from the final hidden states a chunk of label tokens at a time and
-    never holds the [tokens, vocab] logits (raypack/train/loss.py; a model it can't reproduce exactly
+    never holds the [tokens, vocab] logits (raypack/train/objectives/loss.py; a model it can't reproduce exactly
     is refused at setup); `full` takes the model's own logits, for any model; `liger` is Liger-Kernel's
     fused linear cross-entropy on the same hidden states (CUDA, `raypack[liger]`)."""
     router_aux_loss_coef: Literal["auto"] | float = "auto"
     """A mixture-of-experts model's router load-balancing loss, added to the step's loss times this
-    coefficient (raypack/train/router_loss.py). `auto`: the model config's `router_aux_loss_coef`,
+    coefficient (raypack/train/objectives/router_loss.py). `auto`: the model config's `router_aux_loss_coef`,
     or 0.001 for an MoE model whose config names none (TRL's default), 0 for a dense model; a
     number >= 0 sets it (0: off). A model whose router raypack can't find is refused when it is > 0."""
     router_aux_loss: Literal["example", "micro_batch"] = "example"

@@ -75,7 +75,7 @@ def prepare(cfg: Config, num_ranks: int, root: str, sources: Sources, *, vocab_s
     `tok`: `cfg`'s tokenized examples, when the caller already has them (a sweep packs several
     configs from one). `vision_model`: the caller found `cfg.model` a vision-language model;
     image rows are refused otherwise (they would train without their pictures). `tower`: its vision
-    tower's cost (train/memory_vision.py: Tower.cost), which the plan's balance weighs patches by."""
+    tower's cost (train/memory/vision.py: Tower.cost), which the plan's balance weighs patches by."""
     root = storage.absolute(root)
     found = reusable(cfg, num_ranks, root, sources, reprepare, tower)
     if found is not None:

@@ -12,7 +12,7 @@ The planner balances two figures per rank, tokens and Σ len² (raypack/data/bal
 tower's cost is counted into each: an example's linear work becomes `length + w_l x patches` and
 its attention `length² + w_a x Σ patches²`, where the weights are the tower's training FLOPs over
 the language model's (`TowerCost`, computed from the model's config by
-raypack/train/memory_vision.py), so a patch counts as the share of a token it costs. Nothing else
+raypack/train/memory/vision.py), so a patch counts as the share of a token it costs. Nothing else
 changes: packs are still filled to the budget in real tokens, and text-only data plans as before.
 
 Per example the data holds `patches` and `Σ patches²` (`grid_work`, from `image_grid_thw`).
@@ -28,7 +28,7 @@ import pyarrow as pa
 
 class TowerCost(NamedTuple):
     """Training FLOPs of a VLM's vision tower and of its language model, per unit of the work the
-    plan counts (raypack/train/memory_vision.py: `Tower.cost`)."""
+    plan counts (raypack/train/memory/vision.py: `Tower.cost`)."""
 
     patch_flops: float
     """Tower, per patch: its linear layers (blocks, patch embedding, projector) and the

@@ -131,7 +131,7 @@ class VisionPair(NamedTuple):
 
 def check_layout(tok: ImageTokenizer) -> None:
     """Refuse image prompts in pairs for a processor raypack hasn't checked them with: only grid
-    processors (Qwen2-VL's kind) are (tests/unit/train/test_dpo.py)."""
+    processors (Qwen2-VL's kind) are (tests/unit/train/objectives/test_dpo.py)."""
     if not isinstance(tok.layout, GridImages):
         raise InputError("tokenize.tokenizer: preference pairs with image prompts are checked exact for grid "
                          "processors (Qwen2-VL's kind, which give image_grid_thw) only, and this processor gives "

@@ -9,7 +9,7 @@ token alone, so packing changes nothing about them. What packing could break is 
 between examples, and that is the attention backend's business (`attention.py`), unchanged here.
 Three things do need care:
 
-- The chunked loss (raypack/train/loss.py) computes logits with the output head's own weight. An
+- The chunked loss (raypack/train/objectives/loss.py) computes logits with the output head's own weight. An
   adapter on the head (`target_modules` or `modules_to_save` reaching it) changes that function,
   so the loss asks `adapted_head` (the model, not the config's names) and refuses.
 - `all-linear` in peft takes every nn.Linear but the head, MoE routers that subclass it included;
@@ -154,7 +154,7 @@ def frozen_digest(model: nn.Module) -> int:
 
 def weights_digest(model: nn.Module, frozen_only: bool = False) -> int:
     """`frozen_digest` over every weight of this rank (or the frozen ones alone): what identifies
-    the starting weights of a DPO reference (raypack/train/dpo_reference.py)."""
+    the starting weights of a DPO reference (raypack/train/objectives/dpo_reference.py)."""
     params = _frozen(model) if frozen_only else sorted(model.named_parameters(), key=lambda item: item[0])
     return tensor_digest(_held(p) for _, p in params)
 
@@ -239,7 +239,7 @@ def save_adapted(model: nn.Module, state: dict[str, torch.Tensor], folder, *, me
 
     folder = Path(folder)
     base_config = model.get_base_model().config
-    from raypack.model.vision import vlm_class
+    from raypack.model.facts import vlm_class
 
     auto = vlm_class(base_config) or AutoModelForCausalLM  # a VLM rebuilds as what it trained as
     with torch.device("meta"):

@@ -24,7 +24,6 @@ import torch
 import transformers
 from huggingface_hub import constants, get_session
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
-from transformers.integrations import deepspeed as hf_deepspeed
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -32,6 +31,7 @@ from raypack import storage
 from raypack.errors import InputError
 from raypack.model import attention as attn
 from raypack.model import checkpointing, mixers, vision
+from raypack.model.facts import ModelFacts, describe, meta_model, remember, text_config
 from raypack.model.traits import UnsupportedModelError, check_packable, decoder
 
 __all__ = [
@@ -153,8 +153,7 @@ def _hub_unreachable() -> str | None:
 
 def model_vocab_size(config: PretrainedConfig) -> int:
     """Rows of the input embedding: every token id must be below it."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return int(text.vocab_size)
+    return int(text_config(config).vocab_size)
 
 
 def _attn_implementation(attention: str) -> str:
@@ -198,39 +197,24 @@ def check_model(
     train.sequence_parallel its heads must divide by; `compiled`: train.compile."""
     config, default_name, _ = _config(name_or_config, trust_remote_code, vocab_size)
     name = name or default_name
-    if vision.trains_as_vlm(config):
+    # the description of the config given, whose meta model the driver's other checks share
+    facts = describe(name_or_config if isinstance(name_or_config, PretrainedConfig) else config, trust_remote_code)
+    if facts.vlm:
         if packed:
             backends = () if attention in ("sdpa", "eager") else attn.candidate_backends(attention, device_type)
-            vision.check_vlm_packable(meta_model(config, trust_remote_code), name, backends=backends)
+            vision.check_vlm_packable(facts.meta_model(), name, backends=backends)
         return
     if MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None) is None and not getattr(config, "auto_map", None):
         raise UnsupportedModelError(f"model.name {name!r}: {type(config).__name__} is not a causal language model here"
                                     f"{vision.training_refusal(config)}")  # fmt: skip
     if not packed and (device_type == "cuda" or not mixers.gpu_only_installed()):
         return
-    model = meta_model(config, trust_remote_code)
+    model = facts.meta_model()
     mixers.refuse_gpu_only_kernels(model, name, device_type)  # padded or packed: transformers' own call
     if not packed:
         return
     backends = () if attention in ("sdpa", "eager") else attn.candidate_backends(attention, device_type)
     check_packable(model, name, backends, max_row_tokens=max_row_tokens, split=split, compiled=compiled)
-
-
-def meta_model(config: PretrainedConfig, trust_remote_code: bool = False):
-    """The model `config` describes, on the meta device: its structure, no weights (seconds for 70B)."""
-    config = copy.deepcopy(config)
-    config.use_cache = False
-    # The attention name only has to be one transformers accepts for any class: the structure is
-    # what the checks read, and raypack's names change no model's structure.
-    auto = vision.vlm_class(config) or AutoModelForCausalLM
-    # Never under ZeRO-3's zero.Init (a worker probes the structure while its HfDeepSpeedConfig
-    # lives): a probe needs no partitions, and its gathers hung a tiny LLaVA's two ranks at setup.
-    zero3, hf_deepspeed._hf_deepspeed_config_weak_ref = hf_deepspeed._hf_deepspeed_config_weak_ref, None
-    try:
-        with torch.device("meta"):
-            return auto.from_config(config, attn_implementation="eager", trust_remote_code=trust_remote_code)
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = zero3
 
 
 def load_model(
@@ -241,6 +225,7 @@ def load_model(
     gradient_checkpointing: str | bool = "none",
     vocab_size: int = 1024,
     quantization: Any = None,
+    facts: ModelFacts | None = None,
     **config_overrides: Any,
 ):
     """A causal LM for packed training. Accepts a hub name or local path, `tiny-<family>` or a
@@ -248,29 +233,36 @@ def load_model(
     `sdpa`/`eager` for padded batches; `gradient_checkpointing` one of checkpointing.MODES (True:
     full, False: none). `vocab_size` only sizes tiny models; `quantization` is a
     transformers quantization config for a checkpoint's weights (QLoRA: `adapters.quantization_config`);
-    `config_overrides` are set on the config before the model is built."""
+    `config_overrides` are set on the config before the model is built; `facts`: the description
+    of the config it builds from (raypack/model/facts.py), where the caller has one: its config is
+    not read again, nor its meta-device structure built again."""
     source = name_or_config
     torch_dtype = resolve_dtype(dtype)
     impl = _attn_implementation(attention)
     mixers.quiet_fallback_warnings()  # the start line says which path the mixers take, once
 
-    config, name, pretrained = _config(source, trust_remote_code, vocab_size)
+    if facts is not None and isinstance(source, str):
+        config, name, pretrained = copy.deepcopy(facts.config), source, from_checkpoint(source)
+    else:
+        config, name, pretrained = _config(source, trust_remote_code, vocab_size)
     for key, value in config_overrides.items():
         setattr(config, key, value)
     config.use_cache = False
+    if facts is None or config_overrides or not isinstance(source, str):
+        facts = describe(config, trust_remote_code)
 
     packed = impl in attn.BACKEND_OF
     zero3 = is_deepspeed_zero3_enabled()
-    if vision.trains_as_vlm(config):
+    if facts.vlm:
         if quantization is not None:
             raise InputError(f"model.name {name!r}: QLoRA on a vision-language model is not supported yet")
         model = vision.load_vlm(source if pretrained else config, attention, torch_dtype, trust_remote_code,
                                 name=name, check=packed)  # fmt: skip
-        return _ready(model, gradient_checkpointing)
+        return _ready(model, gradient_checkpointing, facts)
     if packed and not zero3:
         # refuse before building or reading a checkpoint; under ZeRO-3 a meta build would fight
         # zero.Init, so the built model is checked instead (the driver's check_model ran already)
-        check_packable(meta_model(config, trust_remote_code), name, attn.candidate_backends(attention, _device_type()))
+        check_packable(facts.meta_model(), name, attn.candidate_backends(attention, _device_type()))
     model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     if model_cls is not None and impl == "sdpa" and not getattr(model_cls, "_supports_sdpa", False):
         impl = "eager"  # older architectures (Bloom, ...): padded batches still train
@@ -302,12 +294,13 @@ def load_model(
         mixers.install(decoder(model))
     # output_router_logits changes nothing here: the training loop reads the routers' scores with
     # its own hooks and adds their load-balancing loss itself, exact per example
-    # (train.router_aux_loss_coef, raypack/train/router_loss.py).
-    return _ready(model, gradient_checkpointing)
+    # (train.router_aux_loss_coef, raypack/train/objectives/router_loss.py).
+    return _ready(model, gradient_checkpointing, facts)
 
 
-def _ready(model, gradient_checkpointing: str | bool):
-    """Cache off, train mode, checkpointing as asked: how every loaded model leaves load_model."""
+def _ready(model, gradient_checkpointing: str | bool, facts: ModelFacts):
+    """Cache off, train mode, checkpointing as asked, its description kept: how every loaded
+    model leaves load_model."""
     model.config.use_cache = False
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.use_cache = False
@@ -317,4 +310,5 @@ def _ready(model, gradient_checkpointing: str | bool):
     if isinstance(gradient_checkpointing, bool):
         gradient_checkpointing = "full" if gradient_checkpointing else "none"
     checkpointing.enable(model, gradient_checkpointing)
+    remember(model.config, facts)
     return model

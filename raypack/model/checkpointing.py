@@ -6,9 +6,9 @@
                 and the attention output                           norms, RoPE, activations, residuals
     full        the layer's input                                  the whole layer
 
-Fastest first; memory the other way round (raypack/train/memory.py sizes each). Each is exact: it
+Fastest first; memory the other way round (raypack/train/memory/estimate.py sizes each). Each is exact: it
 changes when values are computed, not the values. `auto` is not a mode here: the training loop
-resolves it before the model is built, by the memory estimate (`memory.choose_checkpointing`).
+resolves it before the model is built, by the memory estimate (raypack/train/memory/auto.py).
 
 Both recomputing modes go through transformers' own per-layer checkpointing (each decoder
 layer's forward in a non-reentrant torch.utils.checkpoint). `selective` gives that checkpoint

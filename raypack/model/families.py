@@ -37,7 +37,7 @@ def exact() -> list[str]:
 
 def with_routers() -> list[str]:
     """Exact rows whose model builds MoE routers: the router loss is checked on them
-    (tests/unit/train/test_router_loss.py, tests/unit/model/test_routers.py)."""
+    (tests/unit/train/objectives/test_router_loss.py, tests/unit/model/test_routers.py)."""
     from raypack.model.build import meta_model
     from raypack.model.routers import builds_routers
 
@@ -56,9 +56,9 @@ def modes(key: str, routers: bool) -> list[str]:
 
 def rows_for(config) -> list[str]:
     """The rows built from `config`'s class (its text config's, for a vision-language model)."""
-    names = {type(config).__name__}
-    text = getattr(config, "get_text_config", lambda: config)()
-    names.add(type(text).__name__)
+    from raypack.model.facts import text_config
+
+    names = {type(config).__name__, type(text_config(config)).__name__}
     return [key for key, spec in table().items() if spec.config in names]
 
 

@@ -25,7 +25,7 @@ They compute per token (RoPE from each token's own position_ids), so packed exam
 CPU interpreter, `make test-liger`) check packed against each example alone with them on. `liger`
 is refused, before Ray starts, without CUDA, without the package, or for a family Liger has no
 kernels for; `auto` uses them where all three hold and runs the model's own code elsewhere;
-`none` never. Liger's fused linear cross-entropy is `train.loss: liger` (raypack/train/loss.py).
+`none` never. Liger's fused linear cross-entropy is `train.loss: liger` (raypack/train/objectives/loss.py).
 
 For long rows (ALST's two memory savers, arXiv 2506.13996), both exact, as they change only where
 values live and when they are computed, not the values:

@@ -1,6 +1,6 @@
 """A mixture-of-experts model's routers: which modules score the experts, what kind of router each
 is, and their scores captured during a forward (the training loop's router loss reads them:
-raypack/train/router_loss.py).
+raypack/train/objectives/router_loss.py).
 
     routers = find_routers(model, name)        # once at setup; None for a dense model
     with routers.capture() as calls:            # hooks record only inside the block
@@ -42,10 +42,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from raypack.model.facts import describe, expert_count  # noqa: F401 (expert_count: its old home)
 from raypack.model.traits import UnsupportedModelError
-
-EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
-"""Config fields that give a model's routed-expert count (the families' names for one thing)."""
 
 
 class RouterNotFoundError(UnsupportedModelError):
@@ -111,6 +109,15 @@ class Routers:
         finally:
             self._calls = None
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No capture inside the block (a forward whose routers are not the loss's: DPO's reference)."""
+        calls, self._calls = self._calls, None
+        try:
+            yield
+        finally:
+            self._calls = calls
+
     def per_layer(self, calls: list[RouterCall]) -> list[RouterCall]:
         """One call per router that ran, in layer order: a router called on its tokens in pieces
         (model.tiled_mlp_tokens runs the MoE block a tile at a time) has its pieces joined, in
@@ -134,16 +141,6 @@ class Routers:
                 f"top {self.top_k}; {formula}")
 
 
-def expert_count(config: Any) -> int:
-    """The config's routed-expert count, 0 for a dense model."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for key in EXPERT_COUNT_KEYS:
-        value = getattr(text, key, None)
-        if isinstance(value, int) and value > 1:
-            return value
-    return 0
-
-
 def _base(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
@@ -163,7 +160,7 @@ def find_routers(model: nn.Module, name: str, probe: dict[str, Any] | None = Non
     `probe`: model kwargs of a small batch for the trait search (only run when the model declares
     no router recorder)."""
     config = getattr(_base(model), "config", None)
-    experts = expert_count(config) if config is not None else 0
+    experts = describe(config).experts
     found = declared(model)
     modules: list[nn.Module] = []
     how, index = "declared", 0
@@ -208,7 +205,7 @@ def builds_routers(model: nn.Module) -> bool:
     if found is not None:
         return any(isinstance(m, found[0]) for m in _base(model).modules())
     config = getattr(_base(model), "config", None)
-    return bool(expert_count(config)) if config is not None else False
+    return bool(describe(config).experts)
 
 
 def _swaps_weight(wrapper: nn.Module) -> bool:
@@ -220,11 +217,8 @@ def _swaps_weight(wrapper: nn.Module) -> bool:
 
 
 def _top_k(config: Any, module: nn.Module) -> int:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for value in (getattr(text, "num_experts_per_tok", None), getattr(module, "top_k", None)):
-        if isinstance(value, int) and value > 0:
-            return value
-    return 0
+    value = getattr(module, "top_k", None)
+    return describe(config).top_k or (value if isinstance(value, int) and value > 0 else 0)
 
 
 def _out_features(module: nn.Module) -> int:

@@ -53,6 +53,7 @@ import torch
 
 from raypack.errors import UnsupportedModelError
 from raypack.model import mixers
+from raypack.model.facts import ModelTree, decoder, describe, read_tree  # noqa: F401 (decoder: its old home)
 
 ROUTED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
 """`layer_types` entries naming attention raypack implements. Any other entry (an MLP, an MoE, a
@@ -69,29 +70,19 @@ PADDED = "pad or pad_sorted"
 model layer knows no strategy, tests/unit/model/test_build.py keeps the two in step)."""
 
 
-def decoder(model: torch.nn.Module) -> torch.nn.Module:
-    """The text decoder, where packed rows flow (a vision or audio tower sees no packed row)."""
-    try:
-        found = model.get_decoder()
-    except (AttributeError, NotImplementedError, ValueError):
-        found = None
-    return found if isinstance(found, torch.nn.Module) else model
-
-
-def token_mixers(model: torch.nn.Module, known_exact: bool = False) -> list[str]:
+def token_mixers(model: torch.nn.Module, known_exact: bool = False, tree: ModelTree | None = None) -> list[str]:
     """What, besides causal attention, mixes tokens along the sequence: layers and modules.
     `known_exact`: the mixers raypack keeps exact (mixers.py) will be installed, so they don't
-    count; only what it doesn't know does."""
+    count; only what it doesn't know does. `tree`: the model's, if read already."""
     found = []
-    config = getattr(model, "config", None)
-    config = getattr(config, "get_text_config", lambda: config)()
-    text = decoder(model)
-    known = mixers.find(text) if known_exact else {}
+    tree = tree or read_tree(model)
+    text = tree.decoder
+    known = tree.mixers if known_exact else {}
     inside = tuple(f"{name}." for name in known)
     layers = getattr(text, "layers", None)
-    types = list(getattr(config, "layer_types", None) or [])
+    types = list(describe(getattr(model, "config", None)).layer_types)
     if types and isinstance(layers, torch.nn.ModuleList) and len(layers) == len(types):
-        attention = attention_types(text, known if known_exact else mixers.find(text))
+        attention = attention_types(text, tree.mixers)
         odd = {}
         for i, t in enumerate(types):
             if t not in ROUTED_LAYER_TYPES and (why := layer_mixes(layers[i], f"layers.{i}", known, attention)):
@@ -176,7 +167,7 @@ def attention_types(text: torch.nn.Module, known: dict[str, mixers.MixerKind] | 
             and type(m) not in kinds}  # fmt: skip
 
 
-def routes_attention(model: torch.nn.Module) -> bool:
+def routes_attention(model: torch.nn.Module, tree: ModelTree | None = None) -> bool:
     """Whether raypack's attention reaches every attention layer. transformers promises it for
     classes that declare `_supports_attention_backend`. The hybrids (Qwen3.5, Qwen3-Next,
     Nemotron-H, Bamba, ...) don't, because transformers' own padding-free path can't reach their
@@ -186,20 +177,19 @@ def routes_attention(model: torch.nn.Module) -> bool:
     a model gets the name after it is built."""
     if getattr(type(model), "_supports_attention_backend", False):
         return True
-    return late_attention(model)
+    return late_attention(model, tree)
 
 
-def late_attention(model: torch.nn.Module) -> bool:
+def late_attention(model: torch.nn.Module, tree: ModelTree | None = None) -> bool:
     """A hybrid whose class doesn't declare `_supports_attention_backend` but whose attention
     layers, if any, all go through AttentionInterface: transformers refuses a registered name at
     build, so the model is built with eager and the name set on its config afterwards (build.py)."""
     if getattr(type(model), "_supports_attention_backend", False):
         return False
-    text = decoder(model)
-    found = mixers.find(text)
-    if not found:
+    tree = tree or read_tree(model)
+    if not tree.mixers:
         return False
-    return all(_routed(cls) for cls in attention_types(text, found))
+    return all(_routed(cls) for cls in attention_types(tree.decoder, tree.mixers))
 
 
 def drops_boundaries(model: torch.nn.Module) -> str | None:
@@ -266,7 +256,9 @@ def check_packable(
     `compiled`: train.compile."""
     cls = type(model).__name__
     what = f"{name} ({cls})"
-    if backends and (split > 1 or compiled) and (found := mixers.find(decoder(model))):
+    tree = read_tree(model)
+    found = tree.mixers
+    if backends and (split > 1 or compiled) and found:
         kinds = ", ".join(sorted({kind.name for kind in found.values()}))
         if split > 1:
             raise UnsupportedModelError(
@@ -279,7 +271,7 @@ def check_packable(
             "examples in padded batches by length, or their CUDA kernels): a compiled layer would break its graph "
             "there; use train.compile=false"
         )
-    if not backends and (found := mixers.find(decoder(model))) and not token_mixers(model, known_exact=True):
+    if not backends and found and not token_mixers(model, known_exact=True, tree=tree):
         # what it lacks is the backend, not a trait: under raypack's own these layers are exact
         kinds = ", ".join(sorted({kind.name for kind in found.values()}))
         raise UnsupportedModelError(
@@ -287,21 +279,21 @@ def check_packable(
             "running over the whole packed row, mixing its examples; raypack's attention backends keep them apart: "
             f"use model.attention=auto (or sdpa_varlen, torch_varlen, flash_attn), or a padded strategy ({PADDED})"
         )
-    heads = getattr(model.config.get_text_config(), "num_attention_heads", None)
+    heads = describe(model.config).heads
     if split > 1 and (not heads or heads % split):
         raise UnsupportedModelError(
             f"{what}: train.sequence_parallel={split} splits every attention layer's query heads over {split} ranks, "
             f"and it has {heads or 'no known number of'} heads; use a sequence_parallel that divides them"
         )
     reasons = []
-    if not routes_attention(model):
+    if not routes_attention(model, tree):
         reasons.append("transformers can't route its attention through AttentionInterface")
     if "position_ids" not in inspect.signature(type(model).forward).parameters:
         reasons.append("its forward takes no position_ids")
-    if backends and mixers.find(decoder(model)) and (callee := drops_boundaries(model)):
+    if backends and found and (callee := drops_boundaries(model)):
         reasons.append(f"its forward calls self.{callee} without its keyword arguments, so the row's boundaries "
                        "never reach its convolutions and recurrences")
-    reasons += [f"{m}, which would mix the examples of a packed row" for m in token_mixers(model, bool(backends))]
+    reasons += [f"{m}, which would mix the examples of a packed row" for m in token_mixers(model, bool(backends), tree)]
     floor = row_scaled_layers(model.config)
     if floor is not None and max_row_tokens is not None and max_row_tokens >= floor:
         reasons.append(

@@ -16,10 +16,12 @@ example run alone through the model's own forward (which builds its own position
   from row 0. For mRoPE models (Qwen2/2.5/3-VL, GLM-4.1V) rows 1-3 are what the model's own
   `get_rope_index` gives for the example alone (`example_positions`); transformers reads a
   4-row `position_ids` as exactly that (row 0 for the boundaries, rows 1-3 for the rotary).
-- Vision side: the vision tower runs with transformers' own `sdpa` attention, which attends
-  within one image (Qwen's towers split on their own per-image `cu_seqlens`; CLIP/SigLIP towers
-  take images as a batch). The packed row's `cu_seq_lens_q` also reaches the tower as a keyword,
-  which its sdpa path ignores; a flash vision path would not, so the tower never runs one.
+- Vision side: the tower attends within one image. Qwen's grid towers (Qwen2/2.5/3-VL) run from
+  a host plan (`vision_tower`): what they derive from the grid is computed in the collate by
+  transformers' own helpers, and each block's attention is one bidirectional varlen call over
+  the tower's own per-image (or per-window) offsets, never the row's `cu_seq_lens_q`, which
+  transformers keeps out of the tower. A tower the plan doesn't fit (GLM-4.1V) keeps
+  transformers' own `sdpa`, split per image; CLIP/SigLIP towers take images as a batch.
 - Features to placeholders: the model scatters image features onto placeholder tokens in order,
   and images are concatenated in the order their examples are, so each lands on its own example.
 
@@ -33,39 +35,19 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 
 import torch
 from transformers import AutoConfig, AutoModelForImageTextToText, PretrainedConfig
 
 from raypack.model import attention as attn
+from raypack.model.facts import TOWERS, is_vlm, trains_as_vlm, vlm_class  # noqa: F401 (their old home)
+from raypack.model.facts import inner as _inner
 from raypack.model.traits import PADDED, UnsupportedModelError, check_packable
 
 VISION_ATTENTION = "sdpa"
-"""The vision tower's attention on packed rows: transformers' own, per image (see the module doc)."""
-
-
-def is_vlm(config: PretrainedConfig) -> bool:
-    """A config with a vision tower and a language model (transformers' image-text-to-text models)."""
-    return getattr(config, "vision_config", None) is not None and getattr(config, "text_config", None) is not None
-
-
-def vlm_class(config: PretrainedConfig):
-    """AutoModelForImageTextToText where raypack trains `config` as a VLM, else None: where
-    transformers has an image-text-to-text class for it and no causal-LM class. A config with both
-    (Qwen3.5, Gemma 3 and 4, published as multimodal checkpoints) trains as transformers' causal LM
-    for it loads it: its text model, on text data, exact as the text families are (a Gemma 3
-    checkpoint's bidirectional image mask never meets a packed row)."""
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
-
-    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING or type(config) not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
-        return None
-    return AutoModelForImageTextToText
-
-
-def trains_as_vlm(config: PretrainedConfig) -> bool:
-    """Whether a run of `config` trains a VLM, images and all (`vlm_class`)."""
-    return is_vlm(config) and vlm_class(config) is not None
+"""The vision tower's attention as transformers loads it: its own, per image; a grid tower that
+takes a host plan is switched to raypack's tower attention after loading (`install_tower`)."""
 
 
 def training_refusal(config: PretrainedConfig) -> str:
@@ -122,6 +104,7 @@ def load_vlm(source, attention: str, dtype: torch.dtype, trust_remote_code: bool
     if packed:
         attn.refuse_padding_masks(model)
         mixers.install(decoder(model))
+        install_tower(model)
     return model
 
 
@@ -144,8 +127,20 @@ def build_vlm(config: PretrainedConfig, attention: str = "sdpa_varlen", dtype: t
                                                     dtype=dtype)  # fmt: skip
     if check and attention not in ("sdpa", "eager"):
         check_vlm_packable(model, type(config).__name__, attention)
+    if attention not in ("sdpa", "eager"):
+        install_tower(model)
     model.config.use_cache = False
     return model
+
+
+def install_tower(model: torch.nn.Module) -> None:
+    """A packed run's grid tower from host plans and one varlen call a block, where it can
+    (raypack/model/vision_tower.py); else transformers' sdpa per image, said once."""
+    from raypack.model import vision_tower
+
+    refusal = vision_tower.install(model)
+    if refusal is not None:
+        logging.getLogger(__name__).info("vision tower on transformers' sdpa, one call an image: %s", refusal)
 
 
 def check_vlm_packable(model: torch.nn.Module, name: str, attention: str = "sdpa_varlen",
@@ -161,13 +156,6 @@ def check_vlm_packable(model: torch.nn.Module, name: str, attention: str = "sdpa
             f"attention can't apply. Use a padded strategy instead ({PADDED}), which trains it with its own mask."
         )
     check_packable(model, name, attn.candidate_backends(attention, "cpu") if backends is None else backends)
-
-
-def _inner(model: torch.nn.Module) -> torch.nn.Module:
-    """The *Model inside a *ForConditionalGeneration (where get_rope_index lives), through a peft
-    wrapper (whose own `.model` is its LoRA layer, not the VLM's)."""
-    model = getattr(model, "get_base_model", lambda: model)()
-    return getattr(model, "model", model)
 
 
 def uses_mrope(model: torch.nn.Module) -> bool:
@@ -288,8 +276,6 @@ def vlm_model_class(config: PretrainedConfig) -> type:
     return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
 
 
-TOWERS = ("visual", "vision_tower", "vision_model")
-"""Where transformers' VLMs keep the vision tower, on the inner model (Qwen, LLaVA/Gemma, Idefics3/SmolVLM)."""
 PROJECTORS = ("merger", "multi_modal_projector", "connector")
 """Where they keep the projector: inside the tower (Qwen's merger) or beside it."""
 FREEZABLE = ("vision", "projector")

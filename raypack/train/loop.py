@@ -2,7 +2,7 @@
 
     setup_worker (engine, loss probe, restore, reporter)
       └─ for each epoch: train_epoch
-           └─ for each optimizer step: train_step ──> after_step: [evaluate] ──> report_and_checkpoint
+           └─ for each optimizer step: step.train_step ──> after_step: [evaluate] ──> report_and_checkpoint
 
 Each worker reads only its own rank's packs from the folder the driver wrote, in the order of the
 current epoch (raypack/data/shards.py: the plan's order in epoch 1, a seeded reorder of whole
@@ -11,16 +11,10 @@ in every checkpoint (raypack/train/checkpoint.py), so a restarted worker group r
 after the last checkpointed step: the steps lost with a failure are redone, and no example is
 skipped or trained twice in an epoch by the final model.
 
-Loss: one optimizer step's loss is Σ token losses / N, where N counts the label tokens of all its
-micro-batches on all ranks. The engine (DeepSpeed's or torch's, raypack/train/engines/) divides
-each backward by the accumulation steps and averages gradients over ranks, so each micro-batch's
-summed loss is scaled by world·accum/N to undo both.
-The token losses come from raypack/train/loss.py (chunked: no [tokens, vocab] logits). An MoE
-model's router load-balancing loss (raypack/train/router_loss.py) rides in the same backward: each
-micro-batch's sum over its units (examples) scaled by coef·world·accum/U, U the step's units on
-every rank, counted on the host with N.
-A step with N = 0 (no rank has a label token: rare, since examples without one are dropped before
-packing) is logged and skipped, with no forward, backward or update, never averaged in as 0.
+Loss: one step of either objective, SFT's token mean or DPO's pair mean, with an MoE model's
+router loss riding it: raypack/train/step.py (the scaling that keeps it exact over micro-batches,
+ranks and accumulation, and the skipped step without a label token). The token losses come from
+raypack/train/objectives/loss.py (chunked: no [tokens, vocab] logits), the pairs' from raypack/train/objectives/dpo.py.
 
 Stopping: SIGTERM or Ctrl-C to the driver, or a node of the run being preempted, is agreed on by
 every rank before a step starts, each rank's vote riding the step's own host all_gather of its
@@ -49,10 +43,10 @@ from raypack.data.encode import load_image_processor, load_tokenizer
 from raypack.data.image_layouts import processor_settings
 from raypack.data.shards import Prepared, iter_epoch_packs, iter_rank_packs, rank_images
 from raypack.model.adapters import apply_adapters, frozen_digest, quantization_config, trainable_summary
-from raypack.model.build import load_model
+from raypack.model.build import load_model, model_config
+from raypack.model.facts import describe
 from raypack.model.checkpointing import check_selective
-from raypack.model.kernels import (apply_kernels, check_compiled, checkpoint_offload, compile_layers, compiled_graphs,
-                                   tile_mlps)
+from raypack.model.kernels import apply_kernels, check_compiled, compile_layers, compiled_graphs, tile_mlps
 from raypack.model.ulysses import SequenceGroup, sequence_parallel
 from raypack.model import mixers
 from raypack.model.traits import decoder
@@ -61,17 +55,18 @@ from raypack.train import engines
 from raypack.train.engines import Engine
 from raypack.train.handoff import receive
 from raypack.train.checkpoint import TrainState, report_and_checkpoint, restore
-from raypack.train.dpo import DPOLoss, reporter_fields
-from raypack.train.dpo_reference import make_dpo_loss
-from raypack.train.loss import CausalLMLoss, make_loss, probe_batch
-from raypack.train.memory import resolve_checkpointing
-from raypack.train.expert_load import ExpertLoad
+from raypack.train.objectives.dpo import DPOLoss, reporter_fields
+from raypack.train.objectives.dpo_reference import make_dpo_loss
+from raypack.train.objectives.loss import CausalLMLoss, make_loss, probe_batch
+from raypack.train.memory.auto import resolve_checkpointing
+from raypack.train.objectives.expert_load import ExpertLoad
 from raypack.train.metrics import Eta, Reporter, model_flops_per_token
 from raypack.train.prefetch import StepBatch, prepare_step, to_device
-from raypack.train.router_loss import UNIT_KEYS, RouterLoss, make_router_loss
+from raypack.train.objectives.router_loss import RouterLoss, make_router_loss
 from raypack.train.sequence import data_rank, make_groups, probe_split, step_source
 from raypack.train.startup import Startup
-from raypack.train.stepvalues import HostCounts, Pending, StepTimer
+from raypack.train.step import train_step
+from raypack.train.stepvalues import HostCounts, Pending
 from raypack.train.stop import StopWatch
 from raypack.train.tracking import Trackers, TrackingTargets
 from raypack.train.vision_rows import VisionRows
@@ -86,8 +81,10 @@ def setup(cfg: Config, data: Prepared, world_size: int, clock: Startup | None = 
     m = cfg.model
     compute = engines.compute_dtype(cfg.train, m.dtype)
     dtype = engines.weights_dtype(cfg.train, m.dtype, adapters=m.peft.enabled)
+    # the model described once (raypack/model/facts.py): the estimate and the build read it
+    facts = describe(model_config(m.name, m.trust_remote_code, data.vocab_size), m.trust_remote_code)
     mode, why = resolve_checkpointing(cfg, "cuda" if cfg.train.use_gpu else "cpu", local_ranks,
-                                      patches=data.stats.get("widest_patches"))
+                                      patches=data.stats.get("widest_patches"), facts=facts)
     if rank == 0:
         print(f"[raypack] gradient checkpointing: {mode} ({why})", flush=True)
     # Under ZeRO-3 (zero.Init) and FSDP2 (the meta device on ranks > 0) no rank's GPU holds the
@@ -103,6 +100,7 @@ def setup(cfg: Config, data: Prepared, world_size: int, clock: Startup | None = 
             gradient_checkpointing=mode,
             vocab_size=data.vocab_size,
             quantization=quantization_config(compute) if m.peft.method == "qlora" else None,
+            facts=facts,
         )
     if rank == 0 and not data.padded and (found := mixers.find(decoder(model))):
         device_type = "cuda" if cfg.train.use_gpu else "cpu"
@@ -145,77 +143,6 @@ def base_digests(engine) -> list[int]:
     digests = [None] * dist.get_world_size()
     dist.all_gather_object(digests, frozen_digest(engine.module))
     return digests
-
-
-def forward_backward(engine, batches: list[dict], scale: float | torch.Tensor, loss: CausalLMLoss,
-                     offload: bool = False, router: RouterLoss | None = None, router_scale: float = 0.0,
-                     router_sums: list | None = None) -> torch.Tensor:
-    """Backward every micro-batch of one optimizer step; the caller runs the final engine.step().
-    `offload`: model.offload_checkpoints. `router`: the router loss, each micro-batch's sum of it
-    scaled by `router_scale` into the backward, and its sums (RouterLoss.sums) appended to
-    `router_sums`."""
-    total = torch.zeros((), device=engine.device)
-    for i, batch in enumerate(batches):
-        # move_batch keeps cu_seq_lens_q and _k one tensor; two copies would cost a device
-        # comparison (a sync) in every attention layer.
-        with checkpoint_offload(offload, engine.device):
-            moved = to_device(batch, engine.device)
-            if router is None:
-                loss_sum = loss(engine, moved)
-                objective = loss_sum * scale
-            else:
-                units = {k: moved.pop(k) for k in UNIT_KEYS}
-                with router.routers.capture() as calls:
-                    loss_sum = loss(engine, moved)
-                aux_sum, load = router.sums(calls, units)
-                objective = loss_sum * scale + aux_sum * router_scale
-                router_sums.append(torch.cat([aux_sum.detach().double().reshape(1), load.reshape(-1)]))
-        engine.backward(objective)
-        total += loss_sum.detach()
-        if i < len(batches) - 1:
-            engine.step()  # a no-op for the weights until the accumulation boundary
-    return total
-
-
-def train_step(engine, step: StepBatch, loss: CausalLMLoss, counts: HostCounts, number: int = 0,
-               wait_s: float = 0.0, offload: bool = False, stop: StopWatch | None = None,
-               router: RouterLoss | None = None) -> Pending | None:
-    """Enqueue optimizer step `number` on prefetched micro-batches; its values are read later
-    (`Pending.resolve`, raypack/train/stepvalues.py). `wait_s` is how long the loop waited for them;
-    `offload`: model.offload_checkpoints; `stop`: the run's StopWatch, whose vote rides the step's
-    host gather: None, and no step taken, when the ranks agree to stop after step `number - 1`;
-    `router`: the router loss (raypack/train/router_loss.py)."""
-    timer = StepTimer(engine.device)
-    # Every rank needs N, the step's global label count, before its first backward: host numbers,
-    # summed over the ranks on the host (nothing to sum on one rank). Every rank reads the same N,
-    # so a step with none is skipped by all of them alike. The router loss's units (U) ride along.
-    values = [step.label_tokens, step.tokens] + ([step.router_units] if router is not None else [])
-    sums = counts.sums(*values) if stop is None else stop.sums(counts, values, number - 1)
-    if sums is None:
-        return None
-    n_global, tokens, *routed_units = sums
-    units = routed_units[0] if routed_units else 0.0
-    host = {"label_tokens": n_global, "tokens": tokens, "data_wait_s": wait_s, "world_size": counts.world,
-            "skipped_steps": float(n_global == 0)}
-    if n_global == 0:
-        timer.stop()
-        return Pending(number, host, timer=timer)
-    scale = counts.world * len(step.batches) / n_global
-    if router is None:
-        loss_sum = forward_backward(engine, step.batches, scale, loss, offload)
-        engine.step()
-        return Pending.enqueued(number, host, counts.reduce(loss_sum), engine.grad_norm(), timer)
-    # The step's router loss is the mean over its U units: each unit's sum weighs coef / U once
-    # the engine has divided by the micro-batches and averaged over the ranks.
-    host["router_units"] = units
-    sums: list[torch.Tensor] = []
-    loss_sum = forward_backward(engine, step.batches, scale, loss, offload, router,
-                                router.coef * counts.world * len(step.batches) / max(units, 1.0), sums)
-    engine.step()
-    # one device all_reduce: the loss, the router loss and the expert load, not waited for
-    summed = counts.reduce(torch.cat([loss_sum.double().reshape(1), torch.stack(sums).sum(0)]))
-    return Pending.enqueued(number, host, summed[0], engine.grad_norm(), timer, extra=summed[1:],
-                            more=router.read)
 
 
 @torch.no_grad()
@@ -280,7 +207,7 @@ class Worker:
     group: SequenceGroup = SequenceGroup(size=1, rank=0)
     """The ranks that share this rank's rows (train.sequence_parallel; a group of one without)."""
     router: RouterLoss | None = None
-    """An MoE model's router load-balancing loss (raypack/train/router_loss.py); None: off."""
+    """An MoE model's router load-balancing loss (raypack/train/objectives/router_loss.py); None: off."""
     tokenizer: Any = None
     """Rank 0's tokenizer, saved with the final model (loaded at setup, not in the step loop)."""
     counts: HostCounts = HostCounts(world=1)
@@ -427,12 +354,8 @@ def take_step(w: Worker, step, epoch: int, wait_s: float) -> bool:
     stop after the last one. What every step of a run costs: benchmarks/step_syncs.py counts this."""
     state = w.state
     offload = w.cfg.model.offload_checkpoints
-    if isinstance(w.loss, DPOLoss):  # the same step over pairs: raypack/train/dpo.py
-        pending = w.loss.train_step(w.engine, step, w.counts, state.step + 1, wait_s=wait_s, offload=offload,
-                                    stop=w.stop)
-    else:
-        pending = train_step(w.engine, step, w.loss, w.counts, state.step + 1, wait_s=wait_s, offload=offload,
-                             stop=w.stop, router=w.router)
+    pending = train_step(w.engine, step, w.loss, w.counts, state.step + 1, wait_s=wait_s, offload=offload, stop=w.stop,
+                         router=w.router)  # SFT's and DPO's alike: raypack/train/step.py
     if pending is None:
         return False
     pending.host["lr"] = w.engine.scheduler.get_last_lr()[0]

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from raypack.data.progress import duration
-from raypack.train.expert_load import ExpertLoad
+from raypack.train.objectives.expert_load import ExpertLoad
 from raypack.train.stepvalues import rank_imbalance
 from raypack.train.tracking import Trackers
 
@@ -41,11 +41,11 @@ REPORTED = (
     "train_time_s", "eval_time_s", "step_time_s", "data_wait_s", "rank_imbalance", "peak_memory_gb",
     "window_peak_memory_gb", "memory_gb", "mfu", "total_steps", "steps_per_epoch", "packing_efficiency", "padding_fraction",
     "token_imbalance", "attention_imbalance",
-    # train.objective: dpo (raypack/train/dpo.py, TRL's names)
+    # train.objective: dpo (raypack/train/objectives/dpo.py, TRL's names)
     "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected",
     "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies", "eval_rewards/margins",
     "eval_logps/chosen", "eval_logps/rejected",
-    # MoE models with the router loss (raypack/train/expert_load.py)
+    # MoE models with the router loss (raypack/train/objectives/expert_load.py)
     "router_aux_loss", "expert_load_max", "expert_load_worst_layer",
 )
 """Every metric a report can carry (`Reporter.summary` and the static values the loop adds);
@@ -101,19 +101,18 @@ def model_flops_per_token(model_config: Any, seq_len_sq_mean: float, seq_len_mea
     compute no weight gradient (the other 2N); the adapters train in full (6A). A VLM counts its
     language model's (the vision tower's work is left out: MFU counts text tokens' FLOPs).
     """
-    c = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    hidden, layers = c.hidden_size, c.num_hidden_layers
-    heads = c.num_attention_heads
-    kv_heads = getattr(c, "num_key_value_heads", None) or heads
-    head_dim = getattr(c, "head_dim", None) or hidden // heads
-    inter = getattr(c, "intermediate_size", None) or 4 * hidden
-    attn_params = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o, k, v
-    mlp_params = 3 * hidden * inter  # gate, up, down (SwiGLU families)
-    n = layers * (attn_params + mlp_params) + hidden * c.vocab_size  # + LM head
+    from raypack.model.facts import describe
+
+    f = describe(model_config)
+    hidden = f.hidden
+    # per layer: Gemma 4's full-attention layers are wider than its sliding ones
+    attn_params = sum(hidden * d * (2 * h + 2 * kv) for h, kv, d in f.attention)  # q, o, k, v
+    mlp_params = 3 * hidden * f.inter  # gate, up, down (SwiGLU families)
+    n = attn_params + f.layers * mlp_params + hidden * f.vocab  # + LM head
     mean = seq_len_mean if seq_len_mean else seq_len_sq_mean**0.5
     ctx = seq_len_sq_mean / (2.0 * mean)
     weights = 6.0 * n if adapter_params is None else 4.0 * n + 6.0 * adapter_params
-    return weights + 12.0 * layers * heads * head_dim * ctx
+    return weights + 12.0 * sum(h * d for h, _, d in f.attention) * ctx
 
 
 REPORT_SHARE = 0.01
@@ -226,7 +225,7 @@ class Reporter:
         totals.train_time_s += seconds
         if self.eta is not None:
             self.eta.trained(len(window), seconds)
-        # Steps without a label token (skipped, see loop.train_step) weigh nothing; a window of
+        # Steps without a label token (skipped, see step.train_step) weigh nothing; a window of
         # only those has no loss, not a loss of 0.
         key = self.weight_key
         trained = [w for w in window if w[key] > 0]

@@ -28,9 +28,10 @@ from typing import Any
 import torch
 
 from raypack.data.collate import collate_packed, count_label_tokens, move_batch
+from raypack.model import vision_tower
 from raypack.model.exact import keep_host_copy
-from raypack.train.loss import label_targets
-from raypack.train.router_loss import batch_units
+from raypack.train.objectives.loss import label_targets
+from raypack.train.objectives.router_loss import batch_units
 
 
 @dataclass
@@ -52,7 +53,7 @@ def prepare_step(group: list[dict[str, Any]], padded: bool = False, pad_token_id
                  router_scope: str | None = None, collate: Callable[..., dict[str, Any]] | None = None) -> StepBatch:
     """Collate each packed row of `group` into a micro-batch; pin its tensors when `pin`.
     `router_scope` (train.router_aux_loss, when the router loss is on): each token's unit too
-    (raypack/train/router_loss.py). `collate`: collate_packed's stand-in (a VLM run's
+    (raypack/train/objectives/router_loss.py). `collate`: collate_packed's stand-in (a VLM run's
     `vision_collate.VisionRows`, which adds each row's images)."""
     batches = []
     for row in group:
@@ -144,12 +145,19 @@ class Prefetcher(Iterator[StepBatch]):
         self.close()
 
 
+HOST_COPIED = ("cu_seq_lens_q", *vision_tower.HOST_COPIED)
+"""Keys whose host tensors stay beside the moved ones: the exact attention's boundaries, and a
+grid tower's grid and offsets (raypack/model/vision_tower.py), read as numbers on the host."""
+
+
 def to_device(batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
-    """A micro-batch on `device` (collate.move_batch), its host cu_seq_lens_q kept beside the moved
-    one for the exact attention, which needs the boundaries as numbers and so reads the host's, not
-    the device's (raypack/model/exact.py: no device sync per micro-batch on CUDA)."""
+    """A micro-batch on `device` (collate.move_batch), the host tensors of HOST_COPIED kept beside
+    the moved ones for the exact attention and the vision tower, which need boundaries and grids
+    as numbers and so read the host's, not the device's (raypack/model/exact.py: no device sync
+    per micro-batch on CUDA)."""
     moved = move_batch(batch, device)
-    cu = batch.get("cu_seq_lens_q")
-    if isinstance(cu, torch.Tensor) and cu.device.type == "cpu":
-        keep_host_copy(moved["cu_seq_lens_q"], cu)
+    for key in HOST_COPIED:
+        host = batch.get(key)
+        if isinstance(host, torch.Tensor) and host.device.type == "cpu":
+            keep_host_copy(moved[key], host)
     return moved

@@ -150,13 +150,15 @@ def _check_rows(checked: Checked, vocab_size: int | None) -> None:
 def check_model_and_tokenizer(cfg: Config, tok) -> tuple[int, bool, Any]:
     """The model's vocabulary size, once its config resolves and the tokenizer fits it, whether it
     trains as a vision-language model (images: `vision.trains_as_vlm`), and then its vision
-    tower's cost (memory.tower_cost, for the plan's balance; None otherwise)."""
+    tower's cost (memory.tower_cost, for the plan's balance; None otherwise). The checks read one
+    description of the config (raypack/model/facts.py), whose meta model those that only read it
+    share; the adapters' and the tiled MLPs' checks change theirs, so build their own."""
     from raypack.data.encode import TokenizeError
     from raypack.model.build import model_config, model_vocab_size  # torch: seconds
-    from raypack.model.vision import trains_as_vlm
-    from raypack.train.memory import tower_cost
+    from raypack.model.facts import describe
+    from raypack.train.memory.estimate import tower_cost
     from raypack.train.preflight_setup import check_qlora, check_setup
-    from raypack.train.router_loss import check_router_setting
+    from raypack.train.objectives.router_loss import check_router_setting
 
     m = cfg.model
     # A tiny model is built with the tokenizer's vocabulary (see raypack.data.prepare), so it fits.
@@ -175,8 +177,7 @@ def check_model_and_tokenizer(cfg: Config, tok) -> tuple[int, bool, Any]:
             f"tokenize.tokenizer {cfg.tokenize.tokenizer!r} has {len(tok)} tokens but model.name {m.name!r} "
             f"embeds {vocab}: ids {vocab} and up would index past the embedding; use the model's own tokenizer"
         )
-    vlm = trains_as_vlm(config)
-    return vocab, vlm, tower_cost(config, m.trust_remote_code) if vlm else None
+    return vocab, describe(config, m.trust_remote_code).vlm, tower_cost(config, m.trust_remote_code)
 
 
 def check_vlm_processor(cfg: Config, config, tok) -> None:
@@ -186,10 +187,11 @@ def check_vlm_processor(cfg: Config, config, tok) -> None:
     rows are refused when they are tokenized, naming the trait."""
     from raypack.data.encode import load_image_tokenizer
     from raypack.errors import InputError
-    from raypack.model.vision import trains_as_vlm, vlm_model_class
+    from raypack.model.facts import describe
+    from raypack.model.vision import vlm_model_class
     from raypack.train.vision_rows import check_processor_fits
 
-    if not trains_as_vlm(config):
+    if not describe(config, cfg.model.trust_remote_code).vlm:
         return
     try:
         images = load_image_tokenizer(cfg.tokenize.tokenizer, tok)
@@ -222,15 +224,14 @@ def check_kernels(cfg: Config, config) -> None:
     """model.kernels: liger and train.loss: liger where Liger-Kernel can't run (no CUDA, no
     package, a family it has no kernels for, a structure it is not verified on), and selective
     checkpointing beside Liger's kernels uncompiled, are refused here, before Ray starts."""
+    from raypack.model.facts import describe
     from raypack.model.kernels import check_selective_with, liger_loss_available, resolve_kernels
 
     device = "cuda" if cfg.train.use_gpu else "cpu"
-    kernels = resolve_kernels(cfg.model.kernels, config.model_type, device, compiled=cfg.train.compile)
+    facts = describe(config, cfg.model.trust_remote_code)
+    kernels = resolve_kernels(cfg.model.kernels, facts.model_type, device, compiled=cfg.train.compile)
     if kernels == "liger":
-        from raypack.model.build import meta_model
-
-        resolve_kernels(cfg.model.kernels, config.model_type, device, meta_model(config, cfg.model.trust_remote_code),
-                        cfg.train.compile)
+        resolve_kernels(cfg.model.kernels, facts.model_type, device, facts.meta_model(), cfg.train.compile)
     check_selective_with(kernels, cfg.train.compile, cfg.model.gradient_checkpointing)
     if cfg.train.loss == "liger":
         liger_loss_available(device)
@@ -247,7 +248,7 @@ def check_adapters(cfg: Config, config):
 
     from raypack.model.adapters import AdapterError, apply_adapters
     from raypack.model.build import meta_model
-    from raypack.train.loss import CausalLMLoss
+    from raypack.train.objectives.loss import CausalLMLoss
 
     if p.method == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
         raise AdapterError("model.peft.method=qlora: needs the bitsandbytes package (pip install bitsandbytes)")
@@ -260,13 +261,14 @@ def check_freeze(cfg: Config, config) -> None:
     """model.freeze names parts the model has: a vision tower and/or a projector (on the meta device)."""
     if not cfg.model.freeze:
         return
-    from raypack.model.build import meta_model
-    from raypack.model.vision import parts, trains_as_vlm
+    from raypack.model.facts import describe
+    from raypack.model.vision import parts
 
-    if not trains_as_vlm(config):
+    facts = describe(config, cfg.model.trust_remote_code)
+    if not facts.vlm:
         raise ConfigError(f"model.freeze={list(cfg.model.freeze)}: model.name {cfg.model.name!r} is not a "
                           "vision-language model; there is no vision tower or projector to freeze")
-    parts(meta_model(config, cfg.model.trust_remote_code))
+    parts(facts.meta_model())
 
 
 def source_formats(cfg: Config, sources: Sources) -> dict[str, str]:

@@ -40,7 +40,7 @@ def check_setup(cfg: Config, config: Any, adapted: Any = None) -> None:
     `adapted`: the meta model with the run's adapters (preflight.check_adapters), if any."""
     from raypack.model.build import meta_model
     from raypack.model.routers import declared
-    from raypack.train.router_loss import check_router_setting
+    from raypack.train.objectives.router_loss import check_router_setting
 
     tiles = cfg.model.tiled_mlp_tokens
     routed = check_router_setting(cfg.train, config, cfg.model.name) > 0
@@ -48,7 +48,7 @@ def check_setup(cfg: Config, config: Any, adapted: Any = None) -> None:
         return
     model = adapted if adapted is not None else meta_model(config, cfg.model.trust_remote_code)
     if routed and declared(model) is not None:  # found by trait: only the workers' probe forward finds it
-        from raypack.train.router_loss import make_router_loss
+        from raypack.train.objectives.router_loss import make_router_loss
 
         router = make_router_loss(model, cfg.train, cfg.model.name)
         if router is not None:
@@ -65,9 +65,9 @@ def check_qlora(cfg: Config, config: Any) -> None:
         return
     from raypack.model.adapters import AdapterError
     from raypack.model.build import from_checkpoint
-    from raypack.model.vision import trains_as_vlm
+    from raypack.model.facts import describe
 
-    if trains_as_vlm(config):
+    if describe(config, cfg.model.trust_remote_code).vlm:
         raise AdapterError(f"model.peft.method=qlora: model.name {cfg.model.name!r} is a vision-language model, and "
                            "QLoRA on one is not supported yet; use model.peft.method: lora")
     if not from_checkpoint(cfg.model.name):

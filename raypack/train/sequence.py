@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from raypack.data.collate import shard_batch
 from raypack.model.ulysses import SequenceGroup, sequence_parallel
-from raypack.train.loss import label_targets, probe_batch
+from raypack.train.objectives.loss import label_targets, probe_batch
 from raypack.train.prefetch import Prefetcher, StepBatch, to_device
 
 

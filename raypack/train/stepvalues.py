@@ -137,7 +137,7 @@ class Pending:
     """The host value the loss is a mean over: label tokens (SFT), pairs (DPO)."""
     more: Any = None
     """Reads the readings after the named sums (another objective's: the router loss's sum and
-    expert load, raypack/train/router_loss.py): more(values, readings) -> values to add."""
+    expert load, raypack/train/objectives/router_loss.py): more(values, readings) -> values to add."""
     more_len: int = 0
 
     @classmethod

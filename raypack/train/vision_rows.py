@@ -3,7 +3,7 @@
 The packed rows are the text pipeline's (raypack/data/pack.py), naming their examples in
 `example_ids`; the images wait beside them by example id (`shards.rank_images`). `VisionRows`
 is the collate `prefetch.prepare_step` runs for a VLM (raypack/train/loop.py: `vision_rows`), and
-DPO's for a VLM's preference pairs (raypack/train/dpo.py: `pair_batch`).
+DPO's for a VLM's preference pairs (raypack/train/objectives/dpo.py: `pair_batch`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from raypack.data.image_layouts import MODEL_INPUTS
 from raypack.data.vision_pairs import image_owner
 from raypack.data.vision_collate import collate_vision_packed, collate_vision_padded
 from raypack.errors import InputError
+from raypack.model import vision_tower
 from raypack.model.vision import example_positions, image_token_id
 
 
@@ -63,7 +64,9 @@ class VisionRows:
     encoded bytes, its positions the model's own for it alone (`vision.example_positions`):
 
         packed   collate_vision_packed: one [1, T] row, positions per example (4-row for mRoPE
-                 models, the text position for the others: LLaVA, Idefics3), cu_seq_lens
+                 models, the text position for the others: LLaVA, Idefics3), cu_seq_lens; and
+                 for a grid tower that takes one, its host plan (`vision_tower.plan`: what the
+                 tower derives from the grid, computed here in the prefetch thread)
         padded   one example a row, right-padded, with an attention_mask and no position_ids:
                  the model builds its own positions (get_rope_index) as for any padded batch
 
@@ -80,6 +83,8 @@ class VisionRows:
         check_processor_fits(type(base), model.config, self.tokenize.layout.inputs, self.tokenize.pad_id, processor)
         self.workers = workers if workers is not None else decode_workers()
         self._pool: ThreadPoolExecutor | None = None
+        # a grid tower that runs from host plans gets its plan with every packed row
+        self.tower = vision_tower.tower_of(model) if vision_tower.installed(model) else None
 
     def examples(self, rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         found = []  # (example id, its tokens, its labels)
@@ -127,5 +132,8 @@ class VisionRows:
     def __call__(self, rows: Sequence[Mapping[str, Any]], padded: bool = False, pad_token_id: int = 0) -> dict[str, Any]:
         examples = self.examples(rows)
         if not padded:
-            return collate_vision_packed(examples)
+            batch = collate_vision_packed(examples)
+            if self.tower is not None and "image_grid_thw" in batch:
+                batch.update(vision_tower.plan_batch(self.tower, batch, image_token_id(self.model.config)))
+            return batch
         return collate_vision_padded(examples, image_token_id(self.model.config), pad_token_id)

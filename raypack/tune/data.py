@@ -74,14 +74,14 @@ def prepare_sweep_data(base: Config, sources: Sources, cache: str) -> SweepData:
     sweep can draw, into `cache`. Returns the equal-work batch sizes and what it cost. `sources`:
     the listing of `base.data.paths` (preflight's)."""
     from raypack.model.build import model_config
-    from raypack.model.vision import trains_as_vlm
-    from raypack.train.memory import tower_cost
+    from raypack.model.facts import describe
+    from raypack.train.memory.estimate import tower_cost
 
     out = SweepData(cache=cache)
     ranks, accum = base.train.data_parallel, base.train.grad_accum
     config = model_config(base.model.name, base.model.trust_remote_code)
-    vision_model = trains_as_vlm(config)
-    tower = tower_cost(config, base.model.trust_remote_code) if vision_model else None
+    vision_model = describe(config, base.model.trust_remote_code).vlm
+    tower = tower_cost(config, base.model.trust_remote_code)  # None for a text model
     tokenizations: dict[str, Any] = {}
     for strategy, budget in pack_configs(base):
         cfg = with_pack(base, cache, strategy, budget)

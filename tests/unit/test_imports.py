@@ -145,7 +145,7 @@ def test_gpu_side_modules_import_without_ray():
     """The attention and loss benchmarks and the GPU tests run where Ray and DeepSpeed are not installed."""
     code = (
         "import sys, raypack.model.build, raypack.model.attention, raypack.data.collate, raypack.data.synthetic,"
-        " raypack.train.loss, raypack.train.prefetch;"
+        " raypack.train.objectives.loss, raypack.train.prefetch;"
         "bad = [m for m in ('ray', 'deepspeed') if m in sys.modules]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,7 +1,7 @@
 """What the training loop asks of an engine: the one seam between raypack and DeepSpeed or torch.
 
     engine = engines.build(model, cfg.train, compute_dtype=..., world_size=..., total_steps=...)
-    for micro_batch in step:                # the loop (raypack/train/loop.py)
+    for micro_batch in step:                # the optimizer step (raypack/train/step.py)
         loss = loss_fn(engine, micro_batch)     # engine(**batch) runs the model's forward
         engine.backward(loss * scale)           # scale = world * accum / N (the loop's normalizer)
         engine.step()                           # after every micro-batch: updates at the boundary

@@ -48,7 +48,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 
 from raypack.config import TrainConfig
-from raypack.model.traits import decoder
+from raypack.model.facts import decoder, describe
 from raypack.train.engines.base import Engine, SavedWeights, param_groups
 from raypack.train.engines.optim import make_optimizer, schedule
 
@@ -202,14 +202,12 @@ def replicate(model: nn.Module, device: torch.device, world_size: int) -> nn.Mod
         return model
     from torch.nn.parallel import DistributedDataParallel
 
-    from raypack.model.vision import trains_as_vlm
-
     return DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,  # the gradients live in DDP's buckets: no second copy
         broadcast_buffers=False,  # raypack's models' buffers are constants (rotary frequencies)
         # a VLM micro-batch without images leaves the vision tower without gradients
-        find_unused_parameters=trains_as_vlm(getattr(model, "config", None)),
+        find_unused_parameters=describe(getattr(model, "config", None)).vlm,
     )
 
 
@@ -245,7 +243,7 @@ def shard(model: nn.Module, cfg: TrainConfig, device: torch.device, cast: torch.
             fully_shard(module, **kwargs)
     # The root (embeddings, final norm, head) keeps its weights gathered from its forward to its
     # backward, as FSDP2 does for a root by default: the chunked loss calls the head after the
-    # model's forward returns (raypack/train/loss.py).
+    # model's forward returns (raypack/train/objectives/loss.py).
     fully_shard(model, **{**kwargs, "reshard_after_forward": False})
     reduce_unused(model)
     # The root's pre-backward fires where a gradient reaches one of its outputs, which a VLM's
@@ -277,9 +275,9 @@ def reduce_unused(model: nn.Module) -> None:
         model.set_reduce_scatter_unused_params(True)
         return
     from raypack.model.traits import UnsupportedModelError
-    from raypack.model.vision import parts, trains_as_vlm
+    from raypack.model.vision import parts
 
-    if not trains_as_vlm(getattr(model, "config", None)):
+    if not describe(getattr(model, "config", None)).vlm:
         return
     named = dict(model.named_parameters())
     trained = [n for names in parts(model).values() for n in names if named[n].requires_grad]

@@ -126,7 +126,7 @@ def test_compiled_training_on_cuda(backend, checkpointing):
     from torch._dynamo.utils import counters
 
     from raypack.model import kernels
-    from raypack.train.loss import probe_batch
+    from raypack.train.objectives.loss import probe_batch
 
     torch._dynamo.reset()
     counters.clear()

@@ -18,7 +18,7 @@ from families import FAMILIES
 from raypack.data.collate import collate_packed, move_batch
 from raypack.model import kernels
 from raypack.model.build import load_model
-from raypack.train.loss import CausalLMLoss, label_targets
+from raypack.train.objectives.loss import CausalLMLoss, label_targets
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("liger_kernel")

@@ -1,4 +1,4 @@
-"""DPO on CUDA in bf16 (raypack/train/dpo.py): packed pairs on the varlen kernels give the pairs'
+"""DPO on CUDA in bf16 (raypack/train/objectives/dpo.py): packed pairs on the varlen kernels give the pairs'
 log-probability sums of each sequence run alone (the model's own SDPA), and the chunked DPO loss
 and its gradients match the full-logit path's."""
 
@@ -11,9 +11,9 @@ from dpo_check import SAMPLE, packed_pair_rows
 from raypack.config import DpoConfig
 from raypack.data.collate import move_batch
 from raypack.model.build import load_model
-from raypack.train.dpo import DPOLoss
-from raypack.train.dpo_reference import rows_logps
-from raypack.train.loss import make_loss
+from raypack.train.objectives.dpo import DPOLoss
+from raypack.train.objectives.dpo_reference import rows_logps
+from raypack.train.objectives.loss import make_loss
 
 pytestmark = pytest.mark.gpu
 

@@ -8,7 +8,7 @@ import torch
 
 from raypack.data.collate import collate_packed, move_batch
 from raypack.model.build import load_model
-from raypack.train.loss import CausalLMLoss, label_targets, make_loss
+from raypack.train.objectives.loss import CausalLMLoss, label_targets, make_loss
 from raypack.train.prefetch import prepare_step
 
 pytestmark = pytest.mark.gpu

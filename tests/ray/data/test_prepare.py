@@ -73,7 +73,7 @@ def test_the_vlm_plan_shown_weighs_the_tower_as_prepare_does(ray_local, tmp_path
     (data/tower.py); prepare reads the tokenized rows back from the cache (the tower's work from
     their grids) and packs the same cells, with the same tower figures."""
     from raypack.model.build import model_config
-    from raypack.train.memory import tower_cost
+    from raypack.train.memory.estimate import tower_cost
 
     config = str(REPO / "jobs" / "configs" / "vlm_quickstart.yaml")
     overrides = [f"run.storage_path={tmp_path}", "run.name=vlm-plan", f"data.cache_path={tmp_path / 'cache'}",

@@ -1,4 +1,4 @@
-"""DPO on 2 ranks (raypack/train/dpo.py), on either engine: exact, and trained end to end.
+"""DPO on 2 ranks (raypack/train/objectives/dpo.py), on either engine: exact, and trained end to end.
 
 - One optimizer step of 2 ranks x 2 micro-batches of packed pairs (unequal pair counts) under
   ZeRO 0, 1, 2 (with gradient checkpointing) and 3 (Gemma 2: a tied, softcapped head whose
@@ -84,9 +84,10 @@ def dpo_loop(config):
 
     from raypack.config import TrainConfig
     from raypack.train import engines
-    from raypack.train.dpo import DPOLoss
+    from raypack.train.objectives.dpo import DPOLoss
     from raypack.train.loop import global_count
-    from raypack.train.loss import make_loss
+    from raypack.train.objectives.loss import make_loss
+    from raypack.train.step import forward_backward
     from raypack.train.stepvalues import HostCounts
 
     rank = ray.train.get_context().get_world_rank()
@@ -104,8 +105,10 @@ def dpo_loop(config):
         else:
             loss = DPOLoss(base, DPO, global_count, reference=config["reference"])
         step = loss.prepare_step(rows)
-        pairs, chosen, _, _ = loss.step_counts(HostCounts(2), step)  # the default group: gloo on the CPU
-        total, _ = loss.forward_backward(engine, step, pairs, chosen, 2)
+        sums = HostCounts(2).sums(*loss.counts(step))  # the default group: gloo on the CPU
+        host, sft_scale = loss.host(sums)
+        pairs = host["pairs"]
+        total = forward_backward(engine, step.batches, 2 * len(step.batches) / pairs, loss, context=sft_scale)
         value = float(global_count([float(total)], engine.device)[:, 0].sum()) / pairs
         grads = full_grads(engine, trainable_only=True)
         results[case] = {"loss": value, "pairs": pairs, "grads": grads}

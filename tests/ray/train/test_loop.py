@@ -3,7 +3,7 @@
 
 2 ranks × 2 micro-batches of unequal packs under ZeRO-2 and ZeRO-3: the loss and the full
 gradients after one step's backward equal a single-process computation over the same examples, run
-one at a time with the model's own logits. The loss is the chunked one (raypack/train/loss.py), in
+one at a time with the model's own logits. The loss is the chunked one (raypack/train/objectives/loss.py), in
 chunks of 7 label tokens; under ZeRO-3 with a tied, softcapped head (Gemma 2), whose output weight
 is partitioned outside its module's forward and shared with the embedding.
 
@@ -113,14 +113,15 @@ def run_case(case, rank, preset):
 
     from raypack.config import TrainConfig
     from raypack.train import engines
-    from raypack.train.loop import forward_backward, global_count
-    from raypack.train.loss import make_loss
+    from raypack.train.loop import global_count
+    from raypack.train.step import forward_backward
+    from raypack.train.objectives.loss import make_loss
     from raypack.train.prefetch import prepare_step
 
     from raypack.data.collate import move_batch
     from raypack.model.checkpointing import active_mode, check_selective
     from raypack.model.kernels import check_compiled, compile_layers, compiled_graphs
-    from raypack.train.loss import probe_batch
+    from raypack.train.objectives.loss import probe_batch
 
     stage, _, _, extra = ALL_CASES[case]
     steps = extra.get("steps", 1)
@@ -316,8 +317,9 @@ def lora_loop(config):
     from raypack.config import TrainConfig
     from raypack.model.adapters import frozen_digest
     from raypack.train import engines
-    from raypack.train.loop import forward_backward, global_count
-    from raypack.train.loss import make_loss
+    from raypack.train.loop import global_count
+    from raypack.train.step import forward_backward
+    from raypack.train.objectives.loss import make_loss
     from raypack.train.prefetch import prepare_step
 
     rank = ray.train.get_context().get_world_rank()
@@ -385,8 +387,9 @@ def bf16_loop(config):
 
     from raypack.config import TrainConfig
     from raypack.train import engines
-    from raypack.train.loop import forward_backward, global_count
-    from raypack.train.loss import make_loss
+    from raypack.train.loop import global_count
+    from raypack.train.step import forward_backward
+    from raypack.train.objectives.loss import make_loss
     from raypack.train.prefetch import prepare_step
 
     rank = ray.train.get_context().get_world_rank()

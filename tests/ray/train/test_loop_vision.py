@@ -90,8 +90,9 @@ def sft_steps(name: str, rows: list[dict], images, processor) -> dict:
 
     from raypack.model.build import load_model
     from raypack.train import engines
-    from raypack.train.loop import forward_backward, global_count
-    from raypack.train.loss import make_loss
+    from raypack.train.loop import global_count
+    from raypack.train.step import forward_backward
+    from raypack.train.objectives.loss import make_loss
     from raypack.train.prefetch import prepare_step
     from raypack.train.vision_rows import VisionRows
 
@@ -135,11 +136,12 @@ def dpo_step(config, stage: int) -> dict:
     import ray.train
 
     from raypack.config import TrainConfig
-    from raypack.train.dpo import DPOLoss
-    from raypack.train.dpo_reference import rows_logps
+    from raypack.train.objectives.dpo import DPOLoss
+    from raypack.train.objectives.dpo_reference import rows_logps
     from raypack.train.engines.deepspeed_engine import setup_engine
     from raypack.train.loop import global_count
-    from raypack.train.loss import make_loss
+    from raypack.train.objectives.loss import make_loss
+    from raypack.train.step import forward_backward
     from raypack.train.stepvalues import HostCounts
     from raypack.train.vision_rows import VisionRows
 
@@ -155,8 +157,9 @@ def dpo_step(config, stage: int) -> dict:
     logps = rows_logps(loss, engine, rows[rank], False, 0, engine.device)
     step = loss.prepare_step(rows[rank])
     assert all("pixel_values" in b and b["position_ids"].shape[0] == 4 for b in step.batches)
-    pairs, chosen, _, _ = loss.step_counts(HostCounts(2), step)
-    total, _ = loss.forward_backward(engine, step, pairs, chosen, 2)
+    host, sft_scale = loss.host(HostCounts(2).sums(*loss.counts(step)))
+    pairs = host["pairs"]
+    total = forward_backward(engine, step.batches, 2 * len(step.batches) / pairs, loss, context=sft_scale)
     value = float(global_count([float(total)], engine.device)[:, 0].sum()) / pairs
     grads = {name: deepspeed.utils.safe_get_full_grad(p).clone() for name, p in engine.module.named_parameters()}
     everyone = [None, None]
@@ -212,7 +215,7 @@ def _pad_reference(rows: dict, images, processor) -> dict:
     from raypack.data.vision_collate import collate_vision_padded
     from raypack.model.build import load_model
     from raypack.train.engines.optim import make_optimizer
-    from raypack.train.loss import token_loss_sum
+    from raypack.train.objectives.loss import token_loss_sum
     from raypack.train.vision_rows import VisionRows
 
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 """The router loss on two ranks under ZeRO-2 and ZeRO-3: three optimizer steps of a tiny Qwen3-MoE
 (AdamW updates between them) train the same token loss, router loss and expert load whether each
 rank's examples are packed into rows or fed one per micro-batch (`example` scope), through the
-training loop's own step (loop.train_step: the host counts, one all_reduce, read a step late);
+training loop's own step (step.train_step: the host counts, one all_reduce, read a step late);
 the first step's router loss is also the mean, over the step's examples on both ranks, of
 transformers' load_balancing_loss_func on each example run alone through the model's eager
 attention. The same on the torch engine's FSDP2 (zero_stage 3), where its losses equal DeepSpeed's
@@ -56,10 +56,10 @@ def moe_loop(config):
 
     from raypack.config import TrainConfig
     from raypack.train import engines
-    from raypack.train.loop import train_step
-    from raypack.train.loss import make_loss
+    from raypack.train.step import train_step
+    from raypack.train.objectives.loss import make_loss
     from raypack.train.prefetch import prepare_step
-    from raypack.train.router_loss import make_router_loss
+    from raypack.train.objectives.router_loss import make_router_loss
     from raypack.train.stepvalues import HostCounts
 
     rank = ray.train.get_context().get_world_rank()

@@ -55,8 +55,9 @@ def loop(config):
     from raypack.config import TrainConfig
     from raypack.model.ulysses import sequence_parallel
     from raypack.train import engines
-    from raypack.train.loop import forward_backward, global_count
-    from raypack.train.loss import make_loss
+    from raypack.train.loop import global_count
+    from raypack.train.step import forward_backward
+    from raypack.train.objectives.loss import make_loss
     from raypack.train.prefetch import prepare_step
     from raypack.train.sequence import ShardedSteps, data_rank, make_groups, probe_split
 

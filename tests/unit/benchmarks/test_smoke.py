@@ -59,10 +59,10 @@ NO_RAY = {  # script -> what its results file must show
     # the synthetic image set, both models, before / after weighing the tower (issue 44)
     "tower_balance.py": ["| synthetic (2000,", "| tiny-qwen2_5_vl |", "| qwen2_5_vl-7b-shape |"],
     "vision_bytes.py": ["| bundled sample, tiny processor | 16-32 px PNG | 137 |", "| Qwen2.5-VL default | 640x480 JPEG q90 |"],
-    # the loop's steps by model kind, reads told apart by what they read (issue 52): the VLM's tower reads its grid
+    # the loop's steps by model kind, reads told apart by what they read (issue 52): the VLM's tower reads host copies
     "loop_syncs.py": ["| text | tiny-llama | 0.0 (+", "| MoE, router loss per example | tiny-qwen3_moe |",
                       "| hybrid (Mamba-2) | tiny-nemotron_h |", "read: tolist of a host copy | raypack (mixers._segments)",
-                      "of a device value | transformers (vision_utils.get_vision_window_index)"],
+                      "read: tolist of a host copy | raypack (vision_tower.tower_attention)"],
     # a VLM micro-batch's host time on 1, 2 and 4 decode threads, and the tiny model's step beside it (issue 52)
     "vision_host.py": ["| bundled sample, tiny processor | 252 | 6 | 1 |", "| 640x480 JPEG q90, Qwen2.5-VL default processor |",
                        "| 2 |", "CPU ms", "forward and backward of the bundled sample's micro-batch"],

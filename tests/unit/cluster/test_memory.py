@@ -1,6 +1,6 @@
 """The memory, disk and interconnect tables in cluster/README.md are what cluster/memory.py
 computes from the shipped configs, and the shipped configs and manifests fit within them.
-(The per-GPU arithmetic itself is tested in tests/unit/train/test_memory.py.)"""
+(The per-GPU arithmetic itself is tested in tests/unit/train/memory/test_estimate.py.)"""
 
 from __future__ import annotations
 

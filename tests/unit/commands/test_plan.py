@@ -89,10 +89,10 @@ def test_overrides_after_strategy_get_a_hint(tmp_path, capsys):
 
 
 def test_plan_prints_the_memory_estimate_of_the_configured_run(tmp_path, capsys):
-    """With --config, one line: raypack/train/memory.py's estimate for the mode, ZeRO stage,
+    """With --config, one line: raypack/train/memory/estimate.py's estimate for the mode, ZeRO stage,
     checkpointing and budget the config (and its overrides) set."""
     from raypack.model.build import model_config
-    from raypack.train.memory import Arch, estimate
+    from raypack.train.memory.estimate import Arch, estimate
 
     np.save(tmp_path / "l.npy", np.array([5, 3, 2, 7]))
     config = tmp_path / "run.yaml"

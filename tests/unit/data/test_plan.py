@@ -94,7 +94,7 @@ def test_fold_accumulation_gives_each_rank_accum_microsteps_per_virtual_step():
 
 
 def test_widest_padded_is_the_pack_whose_pieces_padded_make_the_largest_batch():
-    """What a hybrid's mixers run on the torch path (raypack/train/memory.py sizes it): over every
+    """What a hybrid's mixers run on the torch path (raypack/train/memory/estimate.py sizes it): over every
     pack, the most pieces x longest piece, read back from the plan's own table."""
     lengths = sample_lengths("flan", 500, seed=3, max_length=512)
     plan = make_plan(lengths, PackConfig(strategy="bfd", budget=512), 2)

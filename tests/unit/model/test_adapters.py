@@ -19,7 +19,7 @@ from raypack.model.adapters import (
     save_adapted, tensor_digest,
 )  # fmt: skip
 from raypack.model.build import load_model, tiny_config
-from raypack.train.loss import UnsupportedLossError, make_loss
+from raypack.train.objectives.loss import UnsupportedLossError, make_loss
 
 LORA = PeftConfig(method="lora", r=4, alpha=8)
 

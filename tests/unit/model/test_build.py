@@ -48,7 +48,7 @@ def test_a_raypack_model_config_is_not_guessed_at():
 
 
 def test_output_router_logits_warns_no_more_and_tiny_qwen3_moe_builds():
-    """The router loss is raypack's own now (raypack/train/router_loss.py): no warning that it isn't."""
+    """The router loss is raypack's own now (raypack/train/objectives/router_loss.py): no warning that it isn't."""
     import warnings
 
     cfg = tiny_config("llama")

@@ -17,7 +17,7 @@ from raypack.model.adapters import apply_adapters
 from raypack.model.build import load_model
 from raypack.model.kernels import decoder_layers
 from raypack.model.traits import UnsupportedModelError
-from raypack.train.loss import probe_batch
+from raypack.train.objectives.loss import probe_batch
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

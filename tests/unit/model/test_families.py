@@ -14,7 +14,7 @@ bypassed shows the trait really mixes examples, so no refusal here is spurious.
 Windows (8) and chunks (8) are shorter than the examples (up to 21 tokens). Models run in eval
 mode: MoE routers with jitter or sampling in training mode draw per token, which no two runs
 share. Routers pick experts per token here (no capacity, no token dropping), so packing can't
-change routing; the router loss is checked per family in tests/unit/train/test_router_loss.py.
+change routing; the router loss is checked per family in tests/unit/train/objectives/test_router_loss.py.
 
 The rows are the supported-models table's (raypack/model/family_table.py, imported through
 tests/families.py), which docs/reference/models.md shows; to check a family a newer transformers

@@ -40,7 +40,7 @@ def _compiled_training_vs_alone(family: str, checkpointing: str) -> None:
     first; packed rows exact against each example alone, no graph break, no recompile."""
     from torch._dynamo.utils import counters
 
-    from raypack.train.loss import probe_batch
+    from raypack.train.objectives.loss import probe_batch
 
     torch._dynamo.reset()
     counters.clear()
@@ -94,7 +94,7 @@ def test_a_layer_that_breaks_the_graph_is_refused_before_training():
     """A graph break inside a checkpointed layer would run the whole layer eagerly: the setup
     probe refuses it, naming the break (here: attention that reads a row's boundaries on the host)."""
     from raypack.model import attention
-    from raypack.train.loss import probe_batch
+    from raypack.train.objectives.loss import probe_batch
 
     torch._dynamo.reset()
     model = load_model("tiny-llama", attention="sdpa_varlen", dtype="float32", gradient_checkpointing="full").train()
@@ -110,7 +110,7 @@ import torch
 from torch._dynamo.utils import counters
 from raypack.model import kernels
 from raypack.model.build import load_model
-from raypack.train.loss import probe_batch
+from raypack.train.objectives.loss import probe_batch
 
 model = load_model("tiny-llama", attention="sdpa_varlen", dtype="float32", gradient_checkpointing="full").train()
 kernels.compile_layers(model)
@@ -135,7 +135,7 @@ def test_layers_that_run_eagerly_without_a_graph_break_are_refused(how, monkeypa
 
     from torch._dynamo.utils import counters
 
-    from raypack.train.loss import probe_batch
+    from raypack.train.objectives.loss import probe_batch
 
     if how == "recompile limit":
         # In a process of its own: Dynamo marks a frame that hit the limit "run only" for good
@@ -282,7 +282,7 @@ def test_offloaded_checkpoints_leave_the_loss_and_gradients_as_they_were():
     goes to the host; on the CPU a copy that stays there): the step's loss and every gradient are
     bit for bit the same. What it saves on a GPU is for the GPU benchmark to measure."""
     from raypack.data.collate import collate_packed
-    from raypack.train.loss import CausalLMLoss, label_targets
+    from raypack.train.objectives.loss import CausalLMLoss, label_targets
 
     torch.manual_seed(0)
     model = load_model("tiny-llama", attention="sdpa_varlen", dtype="float32", vocab_size=256,
@@ -318,7 +318,7 @@ def test_compiled_training_with_lora_or_offloaded_checkpoints(extra):
 
     from raypack.config import PeftConfig
     from raypack.model.adapters import apply_adapters
-    from raypack.train.loss import probe_batch
+    from raypack.train.objectives.loss import probe_batch
 
     torch._dynamo.reset()
     counters.clear()

@@ -17,8 +17,8 @@ from raypack.model.build import load_model
 from raypack.model import routers as routers_mod
 from raypack.model.build import meta_model
 from raypack.model.routers import builds_routers, RouterNotFoundError, by_trait, declared, expert_count, find_routers
-from raypack.train.loss import probe_batch
-from raypack.train.router_loss import make_router_loss
+from raypack.train.objectives.loss import probe_batch
+from raypack.train.objectives.router_loss import make_router_loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -97,7 +97,7 @@ def test_capture_through_compiled_layers_is_exact_and_compiles_once():
     graph) new packed lengths compile nothing."""
     from raypack.config.sections import TrainConfig
     from raypack.model.kernels import check_compiled, compile_layers, compiled_graphs
-    from raypack.train.router_loss import make_router_loss
+    from raypack.train.objectives.router_loss import make_router_loss
 
     # a fresh Dynamo: code objects other tests compiled count toward its recompile limit, past which
     # layers run eagerly (which check_compiled refuses)
@@ -139,7 +139,7 @@ def test_routers_that_dont_run_are_refused_before_training():
     """A kernel or wrapper that replaces the MoE block's router leaves the hooks silent: the setup
     probe refuses it, naming the model."""
     from raypack.config.sections import TrainConfig
-    from raypack.train.router_loss import make_router_loss
+    from raypack.train.objectives.router_loss import make_router_loss
 
     model = build("qwen3_moe")
     router = make_router_loss(model, TrainConfig(), "tiny-qwen3_moe")

@@ -15,7 +15,7 @@ from families import FAMILIES, TOLERANCE, exact
 
 from raypack.data.collate import collate_packed, shard_batch
 from raypack.data.formats import IGNORE_INDEX
-from raypack.train.loss import label_targets
+from raypack.train.objectives.loss import label_targets
 
 EXACT = exact()
 

@@ -105,13 +105,20 @@ def test_naive_mrope_packing_is_caught(naive):
     assert vlm_packed_vs_alone(model, ref, examples, batch)["logits"] > 1e-3
 
 
-def test_vision_tower_attention_is_never_raypacks():
+def test_vision_tower_attention_is_never_the_language_models():
     """The tower attends bidirectionally within an image: raypack's causal varlen attention must
-    never run it (it would refuse is_causal=False), and the language model must run raypack's."""
-    config = VLM_FAMILIES["qwen2_5_vl"].build_config()
-    model = build_vlm(config, "sdpa_varlen")
-    assert model.config.vision_config._attn_implementation == "sdpa"
+    never run it (it would refuse is_causal=False), and the language model must run raypack's.
+    A grid tower that takes host plans runs raypack's bidirectional tower attention; the others
+    keep transformers' sdpa."""
+    from raypack.model.vision_tower import TOWER_ATTENTION
+
+    model = build_vlm(VLM_FAMILIES["qwen2_5_vl"].build_config(), "sdpa_varlen")
+    assert {m.config._attn_implementation for m in model.model.visual.modules() if hasattr(m, "config")} == {
+        TOWER_ATTENTION}
     assert model.config.text_config._attn_implementation.startswith("raypack_")
+    for family in ("glm4v", "llava_clip"):
+        model = build_vlm(VLM_FAMILIES[family].build_config(), "sdpa_varlen")
+        assert model.config.vision_config._attn_implementation == "sdpa", family
 
 
 def test_language_model_traits_are_still_refused():

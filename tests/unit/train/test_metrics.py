@@ -56,6 +56,18 @@ def test_frozen_weights_cost_forward_and_input_gradients_only():
     assert full - lora == pytest.approx(2 * n - 6 * 1000)
 
 
+def test_flops_of_a_config_that_sizes_attention_per_layer_count_each_layer():
+    """Gemma 4's full-attention layers have their own head_dim (transformers refuses to read one
+    global value): the count sums each layer's own attention, and doesn't fail."""
+    from raypack.model.family_table import FAMILIES
+
+    cfg = FAMILIES["gemma4"].build_config("gemma4")
+    widths = [layer.num_attention_heads * layer.head_dim for layer in cfg.per_layer_config]
+    assert len(set(widths)) > 1, "the tiny Gemma 4 should mix attention widths"
+    short, long = model_flops_per_token(cfg, 100.0**2), model_flops_per_token(cfg, 1000.0**2)
+    assert long - short == pytest.approx(12 * sum(widths) * (500 - 50))
+
+
 def test_steps_without_label_tokens_weigh_nothing_and_a_window_of_them_has_no_loss(capsys):
     r = Reporter(rank=0, total_steps=3, report_every=1, static={})
     step = {"tokens": 100.0, "step_time_s": 0.1, "data_wait_s": 0.0, "rank_imbalance": 1.0, "lr": 1e-3}

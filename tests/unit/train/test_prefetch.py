@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from raypack.data.collate import collate_packed, count_label_tokens
-from raypack.train.loss import label_targets
+from raypack.train.objectives.loss import label_targets
 from raypack.train.prefetch import Prefetcher, prepare_step
 
 

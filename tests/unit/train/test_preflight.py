@@ -16,7 +16,7 @@ from raypack.data.encode import TokenizeError
 from raypack.model.build import UnsupportedModelError, tiny_config
 from raypack.data.listing import Sources
 from raypack.model.adapters import AdapterError
-from raypack.train.loss import UnsupportedLossError
+from raypack.train.objectives.loss import UnsupportedLossError
 from raypack.train.preflight import check_packed_model, preflight, source_formats
 
 

@@ -1,5 +1,5 @@
 """raypack/train/vision_rows.py: a VLM run's packed rows, through the code the workers run
-(VisionRows as prepare_step's collate, loop.forward_backward, the chunked loss), give the loss and
+(VisionRows as prepare_step's collate, step.forward_backward, the chunked loss), give the loss and
 every gradient (vision tower, projector, language model) of each example run alone through the
 model's own forward (its own attention and positions, a batch of one, transformers' logits), fp32
 on the CPU, 1e-5 relative; for each bundled tiny VLM: a grid processor on Qwen2.5-VL (mRoPE) and
@@ -39,7 +39,7 @@ def prepared_rows(overrides=(), steps: int = 3) -> tuple[dict[int, list[dict]], 
     from raypack.data.tower import grid_work, tower_extra
     from raypack.model.build import model_config
     from raypack.runs import absolute_paths
-    from raypack.train.memory import tower_cost
+    from raypack.train.memory.estimate import tower_cost
 
     cfg = absolute_paths(load(str(CONFIG), list(overrides)))
     t = cfg.tokenize
@@ -65,13 +65,13 @@ def prepared_rows(overrides=(), steps: int = 3) -> tuple[dict[int, list[dict]], 
 
 @pytest.mark.parametrize("overrides", [(), LLAVA, IDEFICS3], ids=["qwen2_5_vl", "llava", "idefics3"])
 def test_packed_rows_through_the_workers_code_equal_each_example_alone(overrides):
-    from tests.unit.train.test_dpo import OneRankEngine
+    from tests.unit.train.objectives.test_dpo import OneRankEngine
 
     from raypack.data.vision_collate import collate_vision_padded
     from raypack.model.build import load_model
     from raypack.model.vision import image_token_id, uses_mrope
-    from raypack.train.loop import forward_backward
-    from raypack.train.loss import make_loss, token_loss_sum
+    from raypack.train.step import forward_backward
+    from raypack.train.objectives.loss import make_loss, token_loss_sum
     from raypack.train.prefetch import prepare_step
     from raypack.train.vision_rows import VisionRows
 
@@ -122,7 +122,7 @@ def test_a_padded_batch_of_several_examples_equals_each_alone(overrides):
     from raypack.data.vision_collate import collate_vision_padded
     from raypack.model.build import load_model
     from raypack.model.vision import image_token_id
-    from raypack.train.loss import token_loss_sum
+    from raypack.train.objectives.loss import token_loss_sum
     from raypack.train.vision_rows import VisionRows
 
     rows, images, processor = prepared_rows(overrides, steps=2)

@@ -51,8 +51,9 @@ def _engine(stage: int, lora: bool):
 
 
 def _steps(engine, rank: int, n: int) -> list[float]:
-    from raypack.train.loop import forward_backward, global_count
-    from raypack.train.loss import make_loss
+    from raypack.train.loop import global_count
+    from raypack.train.step import forward_backward
+    from raypack.train.objectives.loss import make_loss
     from raypack.train.prefetch import prepare_step
 
     loss = make_loss(engine, "chunked", chunk_tokens=7)

@@ -10,7 +10,7 @@ import pytest
 from tensorboardX import SummaryWriter
 from trackfiles import tensorboard_images, tensorboard_scalars
 
-from raypack.train.expert_load import ExpertLoad, busiest_over_mean, heatmap, shares
+from raypack.train.objectives.expert_load import ExpertLoad, busiest_over_mean, heatmap, shares
 from raypack.train.metrics import Reporter
 from raypack.train.tracking import Trackers
 

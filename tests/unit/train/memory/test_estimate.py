@@ -10,8 +10,8 @@ from transformers import LlamaConfig, Qwen2Config
 from raypack.config import PeftConfig, load
 from raypack.model.adapters import apply_adapters, trainable_summary
 from raypack.model.build import load_model, model_config
-from raypack.train.memory import (AUTO_MARGIN, CHECKPOINTING, CONTEXT_BYTES, GB, NF4_BYTES, Arch, adapted,
-                                  choose_checkpointing, estimate, trained_params, usable_bytes)
+from raypack.train.memory.auto import AUTO_MARGIN, CONTEXT_BYTES, choose_checkpointing, usable_bytes
+from raypack.train.memory.estimate import CHECKPOINTING, GB, NF4_BYTES, Arch, adapted, estimate, trained_params
 
 LLAMA_8B = Arch(32, 4096, 14336, 32, 8, 128256)
 ZERO2 = {"reduce_bucket_size": 500_000_000}
@@ -162,7 +162,7 @@ def test_liger_uncompiled_rules_selective_out(monkeypatch):
     """Liger's RoPE writes into the q and k projections' outputs, which selective keeps."""
     from raypack.errors import InputError
     from raypack.model import kernels
-    from raypack.train.memory import resolve_checkpointing
+    from raypack.train.memory.auto import resolve_checkpointing
 
     monkeypatch.setattr(kernels, "resolve_kernels", lambda *args, **kwargs: "liger")
     run = ["model.name=tiny-llama", "pack.budget=64", "train.num_workers=1"]

@@ -1,10 +1,10 @@
 """DPO on packed rows: each pair's loss from its two sequences' summed log-probabilities, the
 step's loss the mean over the pairs of the whole optimizer step (`train.objective: dpo`).
 
-    loss = DPOLoss(make_loss(engine, ...), cfg.dpo, reference)  # once at setup (raypack/train/dpo_reference.py)
+    loss = DPOLoss(make_loss(engine, ...), cfg.dpo, reference)  # once at setup (raypack/train/objectives/dpo_reference.py)
     step = loss.prepare_step(rows)                              # the prefetcher's: pairs, their reference
-    pending = loss.train_step(engine, step, counts)             # forward, backward, update: loop.train_step's
-    values = pending.resolve()                                  #   Pending, read a step late; TRL's metrics
+    pending = train_step(engine, step, loss, counts)            # raypack/train/step.py, SFT's step too
+    values = pending.resolve()                                  #   read a step late; TRL's metrics
     extra = loss.evaluate(engine, data, group)                  # eval_loss, eval_rewards/accuracies, ...
 
 The loss is TRL's DPOTrainer's (trl/trainer/dpo_trainer.py), per pair, from S = Σ log p over a
@@ -15,7 +15,7 @@ completion's tokens for the policy and R for the reference:
     ipo      = ((S_c - R_c) / n_c - (S_r - R_r) / n_r - 1 / (2 beta))²       (n: completion tokens)
     + sft_weight x Σ chosen-token NLL / chosen tokens                       (dpo.sft_weight: RPO, TRL's `sft`)
 
-Exact over micro-batches, ranks and accumulation, as the SFT loss is (raypack/train/loop.py): a
+Exact over micro-batches, ranks and accumulation, as the SFT loss is (raypack/train/step.py): a
 pair's two sequences sit in one row (raypack/data/pairs.py), so each micro-batch's loss is a sum
 of whole pairs' losses, and the step divides by the pair count P of the whole step (all its
 micro-batches on all ranks), which every rank reads before its first backward, as it reads the
@@ -23,7 +23,7 @@ label count for SFT. The NLL term is a token mean over the step's chosen tokens,
 are weighted P / (chosen tokens of the step) inside the sum. Smoothing follows conservative DPO
 (the DPO paper's cDPO and TRL 0.x's `sigmoid`; TRL 1.x moved it to `robust`).
 
-The sums come from the final hidden states a chunk of tokens at a time (raypack/train/chunked_ce.py,
+The sums come from the final hidden states a chunk of tokens at a time (raypack/train/objectives/chunked_ce.py,
 `chunked_sequence_objective`): the [T, V] logits never exist at once here either. `train.loss:
 full` takes the model's logits instead.
 
@@ -34,6 +34,7 @@ rewards/margins, logps/chosen and logps/rejected (S); eval_ the same over the he
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,13 +47,10 @@ from raypack.data.collate import collate_packed, example_starts
 from raypack.data.formats import IGNORE_INDEX, row_labels
 from raypack.data.pairs import CHOSEN, PIECE_MASK, REJECTED
 from raypack.data.shards import Prepared, iter_rank_packs
-from raypack.model.kernels import checkpoint_offload
-from raypack.train.chunked_ce import chunked_sequence_objective
-from raypack.train.loss import TARGET_KEYS, CausalLMLoss, label_targets
+from raypack.train.objectives.chunked_ce import chunked_sequence_objective
+from raypack.train.objectives.loss import TARGET_KEYS, CausalLMLoss, label_targets
 from raypack.train.prefetch import StepBatch, to_device
-from raypack.train.router_loss import UNIT_KEYS
-from raypack.train.stepvalues import HostCounts, Pending, StepTimer
-from raypack.train.stop import StopWatch
+from raypack.train.objectives.router_loss import UNIT_KEYS
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -112,7 +110,7 @@ class DPOLoss:
             self.ids, self.values = self.ids[order], np.fromiter(reference.values(), np.float64, len(reference))[order]
         self.adapters_off, self.collate = adapters_off, collate
         self.router = None
-        """The policy's router loss (an MoE model: raypack/train/router_loss.py), set by the loop."""
+        """The policy's router loss (an MoE model: raypack/train/objectives/router_loss.py), set by the loop."""
 
     # --- host side: pairs of a step ---------------------------------------------------------------
 
@@ -153,11 +151,9 @@ class DPOLoss:
 
     # --- the loss of one micro-batch ----------------------------------------------------------------
 
-    def __call__(self, forward, batch: dict[str, Any], stats: list | None = None,
-                 router_calls: list | None = None) -> torch.Tensor:
+    def __call__(self, forward, batch: dict[str, Any], stats: list | None = None) -> torch.Tensor:
         """Σ over the micro-batch's pairs of their loss (+ the NLL term's share), fp32; `stats`,
-        when given, receives the pairs' METRICS sums, and `router_calls` the policy forward's
-        router calls (the reference's forward is not captured)."""
+        when given, receives the pairs' METRICS sums."""
         batch = {k: v for k, v in batch.items() if k not in UNIT_KEYS}
         sequence, tokens = batch.pop("sequence"), batch.pop("completion_tokens")
         ref = batch.pop("ref_logps", None)
@@ -170,12 +166,7 @@ class DPOLoss:
             loss = pair_losses(sums, ref, tokens, self.cfg).sum()
             return loss - sft_scale * sums[0::2].sum() if sft_scale else loss
 
-        if router_calls is None:
-            loss, sums = self.objective(forward, batch, sequence, len(tokens), objective)
-        else:
-            with self.router.routers.capture() as calls:
-                loss, sums = self.objective(forward, batch, sequence, len(tokens), objective)
-            router_calls.extend(calls)
+        loss, sums = self.objective(forward, batch, sequence, len(tokens), objective)
         if stats is not None:
             stats.append(pair_stats(sums, ref, self.cfg))
         return loss
@@ -211,82 +202,27 @@ class DPOLoss:
         """The reference's sums for a micro-batch, now: LoRA's base, with the adapters off."""
         if self.adapters_off is None:
             raise RuntimeError("no reference log-probabilities: precomputed ones were not loaded")
-        with self.adapters_off():
+        # the router loss is the policy's: the step's capture of its calls is paused here
+        paused = self.router.routers.paused() if self.router is not None else contextlib.nullcontext()
+        with self.adapters_off(), paused:
             return self.objective(forward, batch, sequence, num, lambda sums: sums.sum())[1]
 
-    # --- one optimizer step -------------------------------------------------------------------------
+    # --- as an optimizer step's objective (raypack/train/step.py): the mean over pairs --------------
 
-    def train_step(self, engine, step: PairStep, counts: HostCounts, number: int = 0, wait_s: float = 0.0,
-                   offload: bool = False, stop: StopWatch | None = None) -> Pending | None:
-        """Enqueue optimizer step `number` on prefetched micro-batches of pairs (loop.train_step's
-        DPO twin): the same host counts before the first backward, the stop vote riding them (None,
-        no step taken, when the ranks agree to stop), and the loss and METRICS sums read a step
-        late (raypack/train/stepvalues.py), as means over the step's pairs."""
-        timer = StepTimer(engine.device)
-        counted = self.step_counts(counts, step, stop, number - 1)
-        if counted is None:
-            return None
-        pairs, chosen_tokens, labels, tokens, *routed_units = counted
-        units = routed_units[0] if routed_units else 0.0
-        host = {"pairs": pairs, "label_tokens": labels, "tokens": tokens, "data_wait_s": wait_s,
-                "world_size": counts.world, "skipped_steps": float(pairs == 0)}
-        if self.router is not None:
-            host["router_units"] = units
-        if pairs == 0:
-            timer.stop()
-            return Pending(number, host, timer=timer)
-        routed: list = []
-        total, stats = self.forward_backward(engine, step, pairs, chosen_tokens, counts.world, offload, units, routed)
-        engine.step()
-        parts = [total.reshape(1).double(), stats] + ([torch.stack(routed).sum(0)] if routed else [])
-        sums = counts.reduce(torch.cat(parts))  # one device all_reduce, not waited for
-        return Pending.enqueued(number, host, sums[0], engine.grad_norm(), timer, extra=sums[1:],
-                                names=METRICS, per="pairs", more=self.router.read if self.router else None)
+    names = METRICS
+    per = "pairs"
 
-    def step_counts(self, counts: HostCounts, step: PairStep, stop: StopWatch | None = None,
-                    after: int = 0) -> list[float] | None:
-        """The step's pairs, chosen tokens, label tokens, tokens and (with the router loss) the
-        router's units over every rank: host numbers, as SFT's label count (one gloo all_gather on
-        many ranks, nothing on one), with `stop`'s vote after step `after` in the same gather: None
-        when the ranks agree to stop there."""
-        values = [step.pairs, step.chosen_tokens, step.label_tokens, step.tokens]
-        if self.router is not None:
-            values.append(step.router_units)
-        return counts.sums(*values) if stop is None else stop.sums(counts, values, after)
+    def counts(self, step: PairStep) -> list[float]:
+        return [step.pairs, step.chosen_tokens, step.label_tokens, step.tokens]
 
-    def forward_backward(self, engine, step: PairStep, pairs: float, chosen_tokens: float, world: int,
-                         offload: bool = False, units: float = 0.0,
-                         routed: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Backward every micro-batch of one optimizer step, each scaled so that the step's
-        gradient is that of the mean over all `pairs` of the step (see the module docstring); the
-        caller runs the final engine.step(). Returns this rank's Σ loss and its METRICS sums, on the
-        device (nothing read). With the router loss, the policy's, the mean over the step's `units`
-        (its sequences) times its coefficient, is added as TRL adds the model's aux loss, and each
-        micro-batch's router sums go to `routed`."""
-        scale = world * len(step.batches) / pairs  # DeepSpeed divides by both
-        sft_scale = self.cfg.sft_weight * pairs / max(chosen_tokens, 1.0)
-        total = torch.zeros((), device=engine.device)
-        stats: list = []
-        router = self.router
-        for i, batch in enumerate(step.batches):
-            with checkpoint_offload(offload, engine.device):
-                moved = to_device(batch, engine.device)
-                if router is None:
-                    loss_sum = self(engine, {**moved, "sft_scale": sft_scale}, stats)
-                    objective = loss_sum * scale
-                else:
-                    calls: list = []
-                    loss_sum = self(engine, {**moved, "sft_scale": sft_scale}, stats, calls)
-                    aux_sum, load = router.sums(calls, moved)
-                    objective = loss_sum * scale + aux_sum * (router.coef * world * len(step.batches) / max(units, 1.0))
-                    routed.append(torch.cat([aux_sum.detach().double().reshape(1), load.reshape(-1)]))
-            engine.backward(objective)
-            total += loss_sum.detach()
-            if i < len(step.batches) - 1:
-                engine.step()  # a no-op for the weights until the accumulation boundary
-        local = torch.stack(stats).sum(0) if stats else torch.zeros(len(METRICS), dtype=torch.float64,
-                                                                    device=engine.device)
-        return total, local
+    def host(self, sums: list[float]) -> tuple[dict[str, float], float]:
+        """The step's host values, and the NLL term's weight on each chosen token's log-prob: P
+        over the step's chosen tokens, so that, once the step divides by P, the term is their mean."""
+        pairs, chosen_tokens, labels, tokens = sums
+        return {"pairs": pairs, "label_tokens": labels, "tokens": tokens}, self.cfg.sft_weight * pairs / max(chosen_tokens, 1.0)
+
+    def micro(self, forward, batch: dict[str, Any], sft_scale: float, stats: list) -> torch.Tensor:
+        return self(forward, {**batch, "sft_scale": sft_scale}, stats)
 
     @torch.no_grad()
     def evaluate(self, engine, data: Prepared, rank: int) -> dict[str, float]:

@@ -1,5 +1,5 @@
 """The chunked cross-entropy: Σ CE(transform(hidden @ W.T + b), targets) a chunk of rows at a
-time, so that the [rows, vocab] logits never exist at once (raypack/train/loss.py says where the
+time, so that the [rows, vocab] logits never exist at once (raypack/train/objectives/loss.py says where the
 hidden states come from and why).
 
     loss = chunked_cross_entropy(hidden, head.weight, head.bias, targets, chunk=2048, transform=fn)

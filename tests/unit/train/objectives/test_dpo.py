@@ -1,4 +1,4 @@
-"""DPO on packed rows is exact (raypack/train/dpo.py): the loss, every gradient and the metrics of
+"""DPO on packed rows is exact (raypack/train/objectives/dpo.py): the loss, every gradient and the metrics of
 a packed step equal TRL's DPOTrainer on the same pairs (unpacked, padded, one batch, reference
 precomputed), in fp32 on a tiny Llama, to 1e-5 relative; and for every model family that packs
 exactly, equal each pair run alone through the model's own eager attention.
@@ -23,9 +23,10 @@ from families import FAMILIES, exact
 
 from raypack.config import ASSETS, DpoConfig
 from raypack.model.build import load_model
-from raypack.train.dpo import METRICS, DPOLoss
-from raypack.train.dpo_reference import rows_logps
-from raypack.train.loss import UnsupportedLossError, make_loss
+from raypack.train.objectives.dpo import METRICS, DPOLoss
+from raypack.train.objectives.dpo_reference import rows_logps
+from raypack.train.objectives.loss import UnsupportedLossError, make_loss
+from raypack.train.step import train_step
 from raypack.train.stepvalues import HostCounts
 
 PAIRS = 8
@@ -36,7 +37,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class OneRankEngine:
-    """What DPOLoss.train_step asks of DeepSpeed's engine on one rank, without an optimizer: the
+    """What the optimizer step (raypack/train/step.py) asks of DeepSpeed's engine on one rank, without an optimizer: the
     forward, a backward scaled down by the accumulation steps as DeepSpeed's is, and no update
     (the gradients are compared after the step)."""
 
@@ -58,7 +59,7 @@ class OneRankEngine:
 
 def raypack_step(model, rows: list[dict], dpo: DpoConfig, kind: str = "chunked", after_reference=None,
                  padded: bool = False, collate=None, logps: dict | None = None, on_the_fly: bool = False):
-    """raypack's packed step, as the training loop runs it (DPOLoss.train_step, its values read
+    """raypack's packed step, as the training loop runs it (step.train_step, its values read
     through stepvalues.Pending): the reference pass over `rows`, then each row a micro-batch;
     returns (loss, metrics) with the gradients in `model`. `collate`: a VLM's VisionRows;
     `logps`, when given, receives the reference pass's sums ("reference") and the moved policy's
@@ -79,7 +80,7 @@ def raypack_step(model, rows: list[dict], dpo: DpoConfig, kind: str = "chunked",
     else:
         loss = DPOLoss(loss.base, dpo, gather=None, reference=reference, collate=collate)
     step = loss.prepare_step(rows, padded=padded, pad_token_id=2)
-    values = loss.train_step(OneRankEngine(model, len(step.batches)), step, HostCounts(1), 1).resolve()
+    values = train_step(OneRankEngine(model, len(step.batches)), step, loss, HostCounts(1), 1).resolve()
     assert values["pairs"] == step.pairs and values["skipped_steps"] == 0.0
     return values["loss"], {name: values[name] for name in METRICS}
 
@@ -270,7 +271,7 @@ def test_router_loss_is_added_to_dpo_per_sequence_packed_or_not():
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
     from raypack.config.sections import TrainConfig
-    from raypack.train.router_loss import make_router_loss
+    from raypack.train.objectives.router_loss import make_router_loss
 
     dpo = DpoConfig(beta=0.1)
     rows = packed_pair_rows(SAMPLE, 6, budget=600)[0]
@@ -284,7 +285,7 @@ def test_router_loss_is_added_to_dpo_per_sequence_packed_or_not():
         loss = DPOLoss(loss.base, dpo, gather=None, reference=reference)
         loss.router = make_router_loss(model, TrainConfig(router_aux_loss_coef=0.5), "tiny-qwen3_moe")
         step = loss.prepare_step(layout)
-        values = loss.train_step(OneRankEngine(model, len(step.batches)), step, HostCounts(1), 1).resolve()
+        values = train_step(OneRankEngine(model, len(step.batches)), step, loss, HostCounts(1), 1, router=loss.router).resolve()
         results.append((values, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
         loss.router.routers.remove()
     (packed, grads), (alone, alone_grads) = results
@@ -298,6 +299,44 @@ def test_router_loss_is_added_to_dpo_per_sequence_packed_or_not():
     assert packed["router_aux_loss"] == pytest.approx(sum(own) / len(own), rel=TOLERANCE)
     assert errors_between(grads, alone_grads) < TOLERANCE
     assert any("mlp.gate" in n for n in grads)  # the router trains on DPO's step
+
+
+def test_a_reference_taken_in_the_step_adds_no_router_calls_to_the_policys():
+    """LoRA on the tiny Qwen3-MoE with the router loss, the reference the base with the adapters
+    off taken in the step (dpo.reference: on_the_fly): the step captures the policy's router calls
+    only (the reference forward pauses the capture; with both, the router check refuses the step
+    for running each router twice), and equals the step whose reference was precomputed."""
+    from exactness import random_lora_b
+
+    from raypack.config import PeftConfig
+    from raypack.config.sections import TrainConfig
+    from raypack.model.adapters import apply_adapters
+    from raypack.train.objectives.router_loss import make_router_loss
+
+    dpo = DpoConfig(beta=0.1)
+    rows = packed_pair_rows(SAMPLE, 4, budget=600)[0]
+    results = []
+    for on_the_fly in (False, True):
+        torch.manual_seed(0)
+        model = load_model("tiny-qwen3_moe", attention="sdpa_varlen", dtype="float32", vocab_size=768).eval()
+        model = random_lora_b(apply_adapters(model, PeftConfig(method="lora", r=4, alpha=8)))
+        base = make_loss(model, "chunked", chunk_tokens=7)
+        if on_the_fly:
+            loss = DPOLoss(base, dpo, gather=None, adapters_off=model.disable_adapter)
+        else:
+            with model.disable_adapter():
+                reference = rows_logps(DPOLoss(base, dpo, gather=None), model, rows, False, 2, "cpu")
+            loss = DPOLoss(base, dpo, gather=None, reference=reference)
+        loss.router = make_router_loss(model, TrainConfig(router_aux_loss_coef=0.5), "tiny-qwen3_moe")
+        step = loss.prepare_step(rows)
+        values = train_step(OneRankEngine(model, len(step.batches)), step, loss, HostCounts(1), 1,
+                            router=loss.router).resolve()
+        results.append((values, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        loss.router.routers.remove()
+    (pre, pre_grads), (fly, fly_grads) = results
+    assert fly["loss"] == pytest.approx(pre["loss"], rel=TOLERANCE)
+    assert fly["router_aux_loss"] == pytest.approx(pre["router_aux_loss"], rel=TOLERANCE)
+    assert errors_between(fly_grads, pre_grads) < TOLERANCE
 
 
 def _sequences(row):

@@ -1,4 +1,4 @@
-"""The chunked loss (raypack/train/loss.py) against the full-logit loss, on the CPU in fp32: the
+"""The chunked loss (raypack/train/objectives/loss.py) against the full-logit loss, on the CPU in fp32: the
 loss and every parameter gradient, for untied, tied, softcapped and scaled heads, packed and
 padded; the probe that refuses a model whose logits it can't reproduce; and the memory property
 (no [tokens, vocab] tensor kept for backward)."""
@@ -11,8 +11,8 @@ import transformers
 
 from raypack.data.collate import collate_packed
 from raypack.model.build import load_model, tiny_config
-from raypack.train import loss as loss_mod
-from raypack.train.loss import CausalLMLoss, UnsupportedLossError, label_targets, make_loss
+from raypack.train.objectives import loss as loss_mod
+from raypack.train.objectives.loss import CausalLMLoss, UnsupportedLossError, label_targets, make_loss
 
 LENGTHS = ([21, 6], [13, 1, 9])
 FAMILIES = {

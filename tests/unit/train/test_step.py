@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from benchmarks.router_loss import OneRank
 
-from raypack.train.loop import train_step
-from raypack.train.loss import token_loss_sum
+from raypack.train.objectives.loss import CausalLMLoss
 from raypack.train.prefetch import prepare_step
+from raypack.train.step import train_step
 from raypack.train.stepvalues import HostCounts
 
 
@@ -56,9 +56,8 @@ def row(labels):
             "example_ids": [n]}
 
 
-def full_loss(engine, batch):
-    """The `full` loss on the recording engine's uniform logits (the chunked loss needs a real model)."""
-    return token_loss_sum(engine(input_ids=batch["input_ids"]).logits, batch["labels"])
+full_loss = CausalLMLoss(torch.nn.Module(), "full")
+"""The `full` loss, on the recording engine's uniform logits (the chunked loss needs a real model)."""
 
 
 def test_a_step_without_label_tokens_is_skipped(process_group):
@@ -81,8 +80,8 @@ def moe_step(model, groups, padded=False, scope="example"):
     """One optimizer step of the chunked loss plus the router loss over micro-batches `groups`
     (each a list of packed rows): (its values, every gradient)."""
     from raypack.config.sections import TrainConfig
-    from raypack.train.loss import make_loss
-    from raypack.train.router_loss import make_router_loss
+    from raypack.train.objectives.loss import make_loss
+    from raypack.train.objectives.router_loss import make_router_loss
 
     model.zero_grad(set_to_none=True)
     router = make_router_loss(model, TrainConfig(router_aux_loss_coef=0.5, router_aux_loss=scope), "tiny-qwen3_moe")
@@ -187,8 +186,8 @@ def test_router_loss_adds_no_host_read_to_the_step(process_group):
     from benchmarks.step_syncs import SyncCounter
 
     from raypack.config.sections import TrainConfig
-    from raypack.train.loss import make_loss
-    from raypack.train.router_loss import make_router_loss
+    from raypack.train.objectives.loss import make_loss
+    from raypack.train.objectives.router_loss import make_router_loss
 
     model = tiny_moe()
     examples = [{"input_ids": list(range(3, 3 + n)), "labels": list(range(3, 3 + n)), "position_ids": list(range(n)),

@@ -37,7 +37,7 @@ from raypack import storage
 from raypack.config import Config
 from raypack.data.shards import Prepared, iter_rank_packs
 from raypack.model.adapters import is_peft_model, weights_digest
-from raypack.train.dpo import DPOLoss, pair_batch
+from raypack.train.objectives.dpo import DPOLoss, pair_batch
 from raypack.train.prefetch import to_device
 
 MANIFEST = "manifest.json"

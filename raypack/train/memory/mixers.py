@@ -1,10 +1,10 @@
 """What a hybrid model's token mixers (raypack/model/mixers.py) keep for backward, for the memory
-estimate (raypack/train/memory.py): the gated delta rule, Mamba-2, the short convolution and KDA on
+estimate (raypack/train/memory/estimate.py): the gated delta rule, Mamba-2, the short convolution and KDA on
 the exact torch path, per layer. Arithmetic over the mixer's shape, read from the model's structure
-on the meta device (no weights), as mixers.find recognizes it.
+on the meta device (no weights), as the model's description found it (raypack/model/facts.py).
 
 The torch path runs a packed row's examples as the rows of right-padded batches, one per length
-bucket (mixers.py, raypack/model/mixer_buckets.py), and the scans pad each row up to their chunk:
+bucket (raypack/model/mixers.py and mixer_buckets.py), and the scans pad each row up to their chunk:
 
     row     [a a a a a a | b b | c c c]           9 tokens: what attention and the MLP keep
     mixer   [b b] [c c c] [a a a a a a] [.]       3 buckets of one example, and a spare call on
@@ -19,7 +19,7 @@ Per layer, for `examples` rows of `longest` tokens (P = longest rounded up to th
 
 - per token of the padded batch, `token_bytes`: what transformers' torch fallbacks save, counted
   from their code and checked against what autograd saves on the tiny models
-  (tests/unit/train/test_memory_mixers.py). Inputs and projections in bf16, the scans in fp32 (as
+  (tests/unit/train/memory/test_mixers.py). Inputs and projections in bf16, the scans in fp32 (as
   transformers computes them):
     gated delta rule (value heads Hv, key heads Hk, dims dk dv, chunk C, conv channels D = 2Hk dk + Hv dv):
         5 fp32 C x C products a head (the decay matrix, k·k and q·k, the triangular system, the
@@ -60,6 +60,8 @@ from raypack.model.mixer_buckets import BUCKETS, layout
 
 if TYPE_CHECKING:  # the estimate's module imports this one; torch only where a model is read
     from torch import nn
+
+    from raypack.model.mixers import MixerKind
 
 TORCH_CHUNK = 64
 """transformers' torch gated delta rule scans in chunks of 64 tokens (its chunk_size default)."""
@@ -137,16 +139,15 @@ SIZES = {"gated delta rule": _gated_delta, "Mamba-2": _mamba2, "short convolutio
 """mixers.KINDS by name -> (token_bytes, chunk_state_bytes, chunk) of one such module."""
 
 
-def mixer_layers(model: nn.Module) -> tuple[MixerLayers, ...]:
-    """The known mixers of `model` (a meta-device model will do), by kind."""
-    from raypack.model import mixers
-
-    found: dict[str, list[nn.Module]] = {}
-    modules = dict(model.named_modules())
-    for name, kind in mixers.find(model).items():
-        found.setdefault(kind.name, []).append(modules[name])
+def mixer_layers(decoder: nn.Module, found: dict[str, MixerKind]) -> tuple[MixerLayers, ...]:
+    """The known mixers of a text `decoder` (a meta-device one will do), by kind: `found`, its
+    mixers by module name (ModelTree.mixers)."""
+    by_kind: dict[str, list[nn.Module]] = {}
+    modules = dict(decoder.named_modules())
+    for name, kind in found.items():
+        by_kind.setdefault(kind.name, []).append(modules[name])
     out = []
-    for kind, ms in found.items():
+    for kind, ms in by_kind.items():
         token, state, chunk = SIZES[kind](ms[0])  # a model's layers of one kind share a shape
         params = sum(p.numel() for m in ms for p in m.parameters())
         proj = getattr(ms[0], "out_proj", None) or ms[0].o_proj  # KDA's is o_proj

@@ -4,7 +4,7 @@
     metrics, per_layer, image = load.summary(window)   # window: the steps' values since the last report
 
 Each step's values carry `router_load`, [layers, E] tokens routed to each expert (summed over its
-micro-batches and ranks on the device, read a step late with the loss: raypack/train/router_loss.py).
+micro-batches and ranks on the device, read a step late with the loss: raypack/train/objectives/router_loss.py).
 A report sums its window's and gives:
 
 - `router_aux_loss`: the window's mean router loss (each step's weighted by its units);

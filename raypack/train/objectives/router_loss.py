@@ -1,6 +1,6 @@
 """A mixture-of-experts router's load-balancing loss, exact per example on packed rows
 (`train.router_aux_loss_coef`, `train.router_aux_loss`): the third training objective beside
-SFT's token loss (raypack/train/loss.py) and DPO's pair loss (raypack/train/dpo.py), in their
+SFT's token loss (raypack/train/objectives/loss.py) and DPO's pair loss (raypack/train/objectives/dpo.py), in their
 shape: the host finds each micro-batch's units, the step sums on the device, and its mean is
 read a step late with the loss.
 
@@ -37,7 +37,7 @@ raypack packs has a router z-loss in transformers 5.24, so there is none here.
 
 Expert load. Each step also sums, per MoE layer, the tokens routed to each expert (the router's own
 choice), [Λ, E], over its micro-batches and ranks in the loss's all_reduce: the reports' busiest
-expert's share over the mean per layer, and the heatmap (raypack/train/expert_load.py).
+expert's share over the mean per layer, and the heatmap (raypack/train/objectives/expert_load.py).
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ from torch import nn
 
 from raypack.config.sections import TrainConfig
 from raypack.errors import InputError
-from raypack.model.routers import RouterCall, RouterNotFoundError, Routers, expert_count, find_routers
+from raypack.model.facts import describe
+from raypack.model.routers import RouterCall, RouterNotFoundError, Routers, find_routers
 
 DEFAULT_COEF = 0.001
 """`auto` for an MoE model whose config names no router_aux_loss_coef: TRL's default."""
@@ -66,9 +67,8 @@ def resolve_coef(setting: str | float, config: Any, moe: bool) -> float:
         return float(setting)
     if not moe:
         return 0.0
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    named = getattr(text, "router_aux_loss_coef", None)
-    return float(named) if isinstance(named, (int, float)) and not isinstance(named, bool) else DEFAULT_COEF
+    named = describe(config).router_coef
+    return DEFAULT_COEF if named is None else named
 
 
 def batch_units(batch: dict[str, Any], scope: str) -> dict[str, Any]:
@@ -187,7 +187,7 @@ class RouterLoss:
 
     def read(self, values: dict[str, float], readings: list[float]) -> dict[str, Any]:
         """A step's values from its summed readings (Pending.more): the mean router loss over the
-        step's units, and the expert load, [layers, E] tokens (raypack/train/expert_load.py)."""
+        step's units, and the expert load, [layers, E] tokens (raypack/train/objectives/expert_load.py)."""
         return {"router_aux_loss": readings[0] / max(values["router_units"], 1.0),
                 "router_load": np.asarray(readings[1:], dtype=np.float64).reshape(self.layers, self.experts)}
 
@@ -203,7 +203,7 @@ def check_router_setting(train: TrainConfig, config: Any, name: str) -> float:
     """The coefficient this run's router loss will have (0: none), from the model's config alone
     (the driver's check before Ray starts, and the worker's); refuses a number above 0 on a dense
     model and what the router loss can't do exactly yet (sequence parallelism)."""
-    moe = bool(expert_count(config)) if config is not None else False
+    moe = bool(describe(config).experts)
     coef = resolve_coef(train.router_aux_loss_coef, config, moe)
     if coef == 0:
         return 0.0

@@ -1,4 +1,4 @@
-"""raypack/train/memory_vision.py: a VLM's vision tower in the memory estimate and the plan's
+"""raypack/train/memory/vision.py: a VLM's vision tower in the memory estimate and the plan's
 weights, against what autograd keeps, what torch's FLOP counter counts and what the model holds."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from saved import saved_bytes
 from raypack.config import load
 from raypack.model.build import model_config
 from raypack.model.vision import build_vlm, parts
-from raypack.train.memory import Arch, estimate, tower_cost
+from raypack.train.memory.estimate import Arch, estimate, tower_cost
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

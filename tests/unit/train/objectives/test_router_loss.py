@@ -27,7 +27,7 @@ from raypack.data.collate import collate_packed
 from raypack.model.build import load_model
 from raypack.model.build import meta_model
 from raypack.model.routers import builds_routers, declared, expert_count
-from raypack.train.router_loss import batch_units, make_router_loss, resolve_coef
+from raypack.train.objectives.router_loss import batch_units, make_router_loss, resolve_coef
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -219,7 +219,7 @@ def test_tiled_mlps_give_the_same_router_loss(family):
     padded (a padded batch is tiled as one sequence of its rows' tokens, in their order). The
     setup probe (12 tokens, 3 tiles) accepts it."""
     from raypack.model.kernels import tile_mlps
-    from raypack.train.loss import probe_batch
+    from raypack.train.objectives.loss import probe_batch
 
     rows, _ = make_rows(vocab=512)
     for padded, plain in zip((False, True), models(family)):  # raypack's packed model; eager for padded rows

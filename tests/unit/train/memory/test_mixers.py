@@ -1,4 +1,4 @@
-"""raypack/train/memory_mixers.py: what the estimate says a hybrid's mixers keep for backward,
+"""raypack/train/memory/mixers.py: what the estimate says a hybrid's mixers keep for backward,
 against what autograd really keeps when raypack's torch path runs a packed row through them (bf16
 inputs, as a GPU run holds them), and what follows from it in the estimate."""
 
@@ -12,7 +12,7 @@ from raypack.config import load
 from raypack.model import mixers
 from raypack.model.build import load_model, model_config
 from raypack.model.mixer_buckets import BUCKETS
-from raypack.train.memory import CHECKPOINTING, Arch, estimate
+from raypack.train.memory.estimate import CHECKPOINTING, Arch, estimate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

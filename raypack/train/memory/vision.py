@@ -1,4 +1,4 @@
-"""A VLM's vision tower for the memory estimate (raypack/train/memory.py) and the plan's balance
+"""A VLM's vision tower for the memory estimate (raypack/train/memory/estimate.py) and the plan's balance
 (raypack/data/tower.py): its parameters, what it keeps for backward per patch, and its training
 FLOPs. Arithmetic over the tower's shape, read from the model's structure on the meta device (no
 weights), for towers of patch blocks (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: `blocks` of attention + MLP
@@ -6,7 +6,7 @@ over a flat sequence of patches, a patch merger as the projector).
 
 What a block keeps for backward, per patch, bf16 (d: width, i: MLP width, H: heads), counted from
 transformers' code and checked against what autograd saves for the tiny Qwen2.5-VL
-(tests/unit/train/test_memory_vision.py):
+(tests/unit/train/memory/test_vision.py):
 
     each norm          RMSNorm: fp32 input 4d, rsqrt 4, bf16 normed input 2d (6d + 4);
                        LayerNorm: input 2d, mean and rstd 8 (2d + 8)
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from raypack.data.tower import TowerCost
+    from raypack.model.facts import ModelTree
 
 
 @dataclass(frozen=True)
@@ -112,13 +113,12 @@ def _mlp(block: nn.Module) -> tuple[int, bool]:
     return linears[0].out_features, len(linears) == 3
 
 
-def vision_tower(model: nn.Module, config: Any) -> Tower | None:
-    """The Tower of a VLM (a meta-device model will do), or None where it has no tower of patch
-    blocks the arithmetic knows (LLaVA's CLIP/SigLIP towers, Idefics3's: not sized yet)."""
-    from raypack.model.vision import _inner, parts
+def vision_tower(tree: ModelTree, config: Any) -> Tower | None:
+    """The Tower of a VLM (its ModelTree: a meta-device model will do), or None where it has no
+    tower of patch blocks the arithmetic knows (LLaVA's CLIP/SigLIP towers, Idefics3's: not sized yet)."""
+    from raypack.model.vision import parts
 
-    inner = _inner(model)
-    tower = getattr(inner, "visual", None)
+    model, tower = tree.model, tree.tower
     blocks = getattr(tower, "blocks", None)
     if tower is None or not blocks or not hasattr(blocks[0], "attn") or not hasattr(blocks[0], "mlp"):
         return None

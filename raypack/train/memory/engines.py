@@ -1,5 +1,5 @@
 """What each engine keeps per GPU for the weights, gradients and optimizer state: the estimate's
-(raypack/train/memory.py) engine-specific terms. Arithmetic, not a measurement.
+(raypack/train/memory/estimate.py) engine-specific terms. Arithmetic, not a measurement.
 
 P parameters, P_t of them trained, N ranks, c the compute dtype's bytes (2 for bf16, 4 for fp32).
 

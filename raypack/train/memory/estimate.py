@@ -7,7 +7,7 @@
 
 Per rank (= per GPU); P parameters, P_t of them trained, N ranks, T = tokens in a micro-batch:
 
-- weights, gradients and optimizer state: what the engine keeps (raypack/train/memory_engines.py).
+- weights, gradients and optimizer state: what the engine keeps (raypack/train/memory/engines.py).
   Under DeepSpeed: bf16 weights, 2 B/param, whole under ZeRO 0-2, a 1/N shard plus the gathered
   working set under ZeRO-3; bf16 gradients, sharded for ZeRO >= 2, plus one reduce bucket; fp32
   master + m + v, 12 B per trained param (8 B for train.precision bf16), sharded 1/N, on the host
@@ -36,7 +36,7 @@ Per rank (= per GPU); P parameters, P_t of them trained, N ranks, T = tokens in 
   host. With `train.sequence_parallel` N, T is a rank's 1/N of the row.
 - hybrids (Qwen3.5, Nemotron-H, LFM2, ...): a layer whose token mixer is a gated delta rule, Mamba-2
   or a short convolution (raypack/model/mixers.py) keeps the layer less attention's q, k, v and
-  output, plus what its mixer keeps on the exact torch path (raypack/train/memory_mixers.py): the
+  output, plus what its mixer keeps on the exact torch path (raypack/train/memory/mixers.py): the
   row's examples as a padded batch, examples x longest tokens, with the scans' fp32 chunk products
   and the recurrent state at every chunk (heads x k x v for the gated delta rule, heads x head_dim x
   state for Mamba-2) per example. `raypack plan` sizes it for the plan's widest padded batch
@@ -44,7 +44,7 @@ Per rank (= per GPU); P parameters, P_t of them trained, N ranks, T = tokens in 
   is counted whole. Parameters are the model's own count (its structure on the meta device).
 - vision-language models (Qwen2/2.5/3-VL): the vision tower and projector are parameters like
   the rest (less what `model.freeze` freezes), and the tower keeps, per patch of the micro-batch,
-  what raypack/train/memory_vision.py counts (checked against autograd on the tiny Qwen2.5-VL),
+  what raypack/train/memory/vision.py counts (checked against autograd on the tiny Qwen2.5-VL),
   for the plan's widest micro-batch in patches (`raypack plan`, and the workers from the prepared
   data's stats); without a plan, every token an image token. Its recomputed block and the language
   model's recomputed layer never coexist: the larger counts.
@@ -54,22 +54,22 @@ Per rank (= per GPU); P parameters, P_t of them trained, N ranks, T = tokens in 
   adapters: the chunked loss refuses an adapted head).
 - not counted: CUDA context, NCCL buffers and allocator fragmentation, ~3-5 GB per GPU.
 
-`model.gradient_checkpointing: auto` takes the fastest mode whose estimate fits the worker's
-device (`choose_checkpointing`): its memory less CONTEXT_BYTES, less AUTO_MARGIN of it for what the
-arithmetic misses. The margin is a guess until a GPU run checks the estimate against measured peaks
-(tests/gpu/train/test_memory.py, benchmarks/recompute.py).
+`model.gradient_checkpointing: auto` picks a mode by this estimate: raypack/train/memory/auto.py.
+
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from raypack.config import Config, PeftConfig
-from raypack.train.memory_engines import engine_state
-from raypack.train.memory_mixers import MixerLayers, mixer_layers
-from raypack.train.memory_vision import Tower, vision_tower
+from raypack.train.memory.engines import engine_state
+from raypack.train.memory.mixers import MixerLayers, mixer_layers
+from raypack.train.memory.vision import Tower, vision_tower
+
+if TYPE_CHECKING:
+    from raypack.model.facts import ModelFacts
 
 GB = 1e9
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -101,10 +101,6 @@ def default_chunk(vocab: int) -> int:
 
 CHECKPOINTING = ("none", "selective", "full")
 """model.gradient_checkpointing's modes, fastest first (raypack/model/checkpointing.py's MODES)."""
-AUTO_MARGIN = 0.10
-"""Share of the device's memory (after CONTEXT_BYTES) that `auto` leaves unplanned."""
-CONTEXT_BYTES = 4 * GB
-"""What the estimate doesn't count on a GPU: CUDA context, NCCL buffers, fragmentation (~3-5 GB)."""
 
 
 @dataclass(frozen=True)
@@ -122,32 +118,37 @@ class Arch:
     head_dim: int = 0
     """0: hidden // heads."""
     mixers: tuple[MixerLayers, ...] = ()
-    """A hybrid's token mixers other than attention (raypack/train/memory_mixers.py), each in
+    """A hybrid's token mixers other than attention (raypack/train/memory/mixers.py), each in
     place of attention in its layers."""
     counted_params: int = 0
     """The model's own parameter count where its structure was read (hybrids); 0: the arithmetic's."""
     tower: Tower | None = None
-    """A VLM's vision tower and projector (raypack/train/memory_vision.py): in the parameters, and
+    """A VLM's vision tower and projector (raypack/train/memory/vision.py): in the parameters, and
     its activations over a micro-batch's patches."""
 
     @classmethod
     def from_config(cls, config: Any, trust_remote_code: bool = False) -> Arch:
-        """From a transformers config (`raypack.model.build.model_config`: no weights needed). A
-        hybrid's mixers and parameter count come from its structure on the meta device."""
-        c = config.get_text_config() if hasattr(config, "get_text_config") else config
-        model = _meta(config, trust_remote_code)
-        hybrid = _mixers_of(model)
-        tower = vision_tower(model, config) if model is not None and _is_vlm(config) else None
-        heads = c.num_attention_heads
-        head_dim = getattr(c, "head_dim", None) or 0
-        # Qwen2 builds q/k/v with a bias that its config doesn't mention; Llama-likes say attention_bias.
-        bias = bool(getattr(c, "attention_bias", False)) or getattr(c, "model_type", "") == "qwen2"
-        return cls(layers=c.num_hidden_layers, hidden=c.hidden_size, inter=c.intermediate_size or 4 * c.hidden_size,
-                   heads=heads, kv_heads=getattr(c, "num_key_value_heads", None) or heads, vocab=c.vocab_size,
-                   tied=bool(getattr(c, "tie_word_embeddings", False)), qkv_bias=bias,
-                   head_dim=0 if head_dim == c.hidden_size // heads else head_dim,
-                   mixers=hybrid[0] if hybrid else (), counted_params=hybrid[1] if hybrid else 0,
-                   tower=tower)  # fmt: skip
+        """From a transformers config (`raypack.model.build.model_config`: no weights needed)."""
+        from raypack.model.facts import describe  # transformers: only where a config is sized
+
+        return cls.from_facts(describe(config, trust_remote_code))
+
+    @classmethod
+    def from_facts(cls, facts: ModelFacts) -> Arch:
+        """From a model's description (raypack/model/facts.py). A hybrid's mixers and parameter
+        count, and a VLM's tower, come from its structure on the meta device; where transformers
+        builds none here (remote code not at hand), it is sized as a Llama-like decoder."""
+        if facts.varies:
+            raise AttributeError(f"{type(facts.text).__name__} sets {', '.join(facts.varies)} per layer")
+        if missing := [name for name in ("layers", "hidden", "heads", "vocab") if getattr(facts, name) is None]:
+            raise AttributeError(f"{type(facts.config).__name__} names no {', '.join(missing)}")
+        tree = facts.meta_tree()
+        hybrid = mixer_layers(tree.decoder, tree.mixers) if tree is not None else ()
+        return cls(layers=facts.layers, hidden=facts.hidden, inter=facts.inter, heads=facts.heads,
+                   kv_heads=facts.kv_heads, vocab=facts.vocab, tied=facts.tied, qkv_bias=facts.qkv_bias,
+                   head_dim=0 if facts.head_dim == facts.hidden // facts.heads else facts.head_dim,
+                   mixers=hybrid, counted_params=sum(p.numel() for p in tree.model.parameters()) if hybrid else 0,
+                   tower=vision_tower(tree, facts.config) if tree is not None and facts.vlm else None)  # fmt: skip
 
     @property
     def q(self) -> int:
@@ -185,30 +186,6 @@ class Arch:
         embed = self.vocab * self.hidden
         tower = self.tower.params if self.tower else 0
         return self.layers * self.layer_params + embed * (1 if self.tied else 2) + self.hidden + tower
-
-
-def _meta(config: Any, trust_remote_code: bool):
-    """The model on the meta device, or None where transformers builds none here (remote code not
-    at hand): then sized as a Llama-like decoder, as before hybrids and towers were known."""
-    from raypack.model.build import meta_model  # transformers: only where a config is sized
-
-    try:
-        return meta_model(config, trust_remote_code)
-    except Exception:
-        return None
-
-
-def _is_vlm(config: Any) -> bool:
-    from raypack.model.vision import trains_as_vlm
-
-    return trains_as_vlm(config)
-
-
-def _mixers_of(model) -> tuple[tuple[MixerLayers, ...], int] | None:
-    """(mixers, parameter count) of a hybrid model, read from its structure on the meta device;
-    None where it has no mixers but attention (or no model was built)."""
-    found = mixer_layers(model) if model is not None else ()
-    return (found, sum(p.numel() for p in model.parameters())) if found else None
 
 
 def adapted(peft: PeftConfig) -> tuple[str, ...]:
@@ -303,7 +280,7 @@ def rank_tokens(cfg: Config) -> int:
 
 
 def chunk_tokens(cfg: Config, vocab: int) -> int:
-    """The chunked loss's chunk, as raypack.train.loss.CausalLMLoss picks it."""
+    """The chunked loss's chunk, as raypack.train.objectives.loss.CausalLMLoss picks it."""
     return cfg.train.loss_chunk_tokens or default_chunk(vocab)
 
 
@@ -322,7 +299,7 @@ def estimate(cfg: Config, arch: Arch, *, tokens: int | None = None, loss: str | 
     a rank's share of pack.budget), `loss` full or chunked (default train.loss) in chunks of `chunk` tokens (default
     the loss's own), `zero` the preset's ZeRO section (default read from train.deepspeed_preset),
     `checkpointing` one of CHECKPOINTING (default model.gradient_checkpointing; `auto` must be resolved
-    first, by choose_checkpointing), `padded` the (examples, longest example) of the row a hybrid's
+    first, by memory/auto.py), `padded` the (examples, longest example) of the row a hybrid's
     mixers run as a padded batch (default one example of all the tokens: no padding), `patches` the
     most patches a micro-batch runs through a VLM's vision tower (the plan's widest; default every
     token an image token, the most a row of `tokens` can carry)."""
@@ -340,7 +317,7 @@ def estimate(cfg: Config, arch: Arch, *, tokens: int | None = None, loss: str | 
         quantized = arch.layers * arch.linear_params
         working = max(a * b for a, b in arch.linears().values())  # one linear dequantized at a time
         base = NF4_BYTES * quantized + 2 * (p - quantized) + 2 * working
-    # what the engine keeps of the weights, gradients and optimizer state (memory_engines.py)
+    # what the engine keeps of the weights, gradients and optimizer state (memory/engines.py)
     state = engine_state(cfg, arch, trained, zero, base)
     weights, grads, optimizer, host = state.weights, state.grads, state.optimizer, state.host
 
@@ -356,7 +333,7 @@ def estimate(cfg: Config, arch: Arch, *, tokens: int | None = None, loss: str | 
     # model.tiled_mlp_tokens: the MLP's gate/up/act/product exist for one tile at a time
     tile = min(m.tiled_mlp_tokens or tokens, tokens)
     layer = tokens * per_layer - (tokens - tile) * 8 * arch.inter
-    # A hybrid's mixer layers (memory_mixers.py): the layer less attention's q, k, v and output
+    # A hybrid's mixer layers (memory/mixers.py): the layer less attention's q, k, v and output
     # (and, kept by selective, its matmul outputs and log-sum-exp), plus what the mixer keeps over
     # its padded batch. Selective keeps the mixers' matmul outputs, most of what their scans keep:
     # counted whole.
@@ -376,7 +353,7 @@ def estimate(cfg: Config, arch: Arch, *, tokens: int | None = None, loss: str | 
     else:
         activations = layer * arch.layers - attention * n_mixed + mixed
     tower = arch.tower
-    if tower is not None:  # memory_vision.py: its blocks over the micro-batch's patches
+    if tower is not None:  # memory/vision.py: its blocks over the micro-batch's patches
         patches = tokens * tower.merge if patches is None else patches
         recomputed = 2 * largest if mode != "none" else 0.0
         # the tower's block recomputed in backward and the language model's layer never coexist
@@ -396,38 +373,6 @@ def estimate(cfg: Config, arch: Arch, *, tokens: int | None = None, loss: str | 
                   head_sum=head_sum, host=host, trained=trained, checkpointing=mode, mixers=told)  # fmt: skip
 
 
-def usable_bytes(capacity: float, device_type: str) -> float:
-    """What `auto` plans with on a device of `capacity` bytes (module doc)."""
-    return (capacity - (CONTEXT_BYTES if device_type == "cuda" else 0)) * (1 - AUTO_MARGIN)
-
-
-def choose_checkpointing(cfg: Config, arch: Arch, capacity: float, device_type: str = "cuda",
-                         selective: bool = True, padded: tuple[int, int] | None = None,
-                         patches: int | None = None) -> tuple[str, str]:
-    """model.gradient_checkpointing as a worker with `capacity` bytes of device memory runs it:
-    the configured mode, or for `auto` the fastest of CHECKPOINTING whose estimate fits
-    `usable_bytes` (full where none does: the smallest, and the run may still fit). Returns the
-    mode and one line saying why. `selective`: whether this run may use it at all."""
-    m = cfg.model
-    if m.gradient_checkpointing != "auto":
-        return m.gradient_checkpointing, "as configured"
-    # selective is refused with tiled MLPs (they drop what it keeps) and under DeepSpeed's ZeRO-3 (config/__init__.py)
-    zero3 = cfg.train.zero_stage == 3 and cfg.train.engine == "deepspeed"
-    selective = selective and not (m.tiled_mlp_tokens or zero3)
-    modes = [c for c in CHECKPOINTING if selective or c != "selective"]
-    usable, unit = usable_bytes(capacity, device_type), GB
-    sizes = {c: estimate(cfg, arch, checkpointing=c, padded=padded, patches=patches).total for c in modes}
-    fits = [c for c in modes if sizes[c] <= usable]
-    chosen = fits[0] if fits else "full"
-    told = ", ".join(f"{c} {sizes[c] / unit:.1f} GB" for c in modes)
-    room = (f"{usable / unit:.1f} GB usable of the {device_type} device's {capacity / unit:.1f} GB (less "
-            f"{'CUDA context ' + format(CONTEXT_BYTES / unit, '.0f') + ' GB, ' if device_type == 'cuda' else ''}"
-            f"{AUTO_MARGIN:.0%} margin)")
-    why = (f"the fastest that fits: {told} estimated, {room}" if fits
-           else f"no mode fits: {told} estimated, {room}; full needs least")
-    return chosen, why
-
-
 def summary(cfg: Config, arch: Arch, padded: tuple[int, int] | None = None, patches: int | None = None) -> str:
     """`Memory.line` of cfg's run (a hybrid's mixers sized for `padded`, as `estimate`); under
     `auto`, which the worker's device decides, every mode's total first, then full's line."""
@@ -440,43 +385,15 @@ def summary(cfg: Config, arch: Arch, padded: tuple[int, int] | None = None, patc
             f"with full: {sizes['full'].line(cfg, arch)}")
 
 
-def device_bytes(device_type: str, ranks_here: int = 1) -> float:
-    """Memory one rank can plan with: its GPU's, or on the CPU the host's shared by its `ranks_here` ranks."""
-    if device_type == "cuda":
-        import torch
-
-        return float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(ranks_here, 1)
-
-
-def resolve_checkpointing(cfg: Config, device_type: str, ranks_here: int = 1,
-                          patches: int | None = None) -> tuple[str, str]:
-    """`choose_checkpointing` on this worker: its device's memory, its model's shape from the model's
-    config (no weights). A shape the arithmetic can't size leaves auto at full, saying why. Where
-    the kernels rule selective out (kernels.check_selective_with), it is refused or left out."""
-    from raypack.model.build import model_config  # transformers: only on a worker
-    from raypack.model.kernels import check_selective_with, resolve_kernels
-
-    m = cfg.model
-    config = model_config(m.name, m.trust_remote_code)
-    kernels = resolve_kernels(m.kernels, config.model_type, device_type, compiled=cfg.train.compile)
-    selective = check_selective_with(kernels, cfg.train.compile, m.gradient_checkpointing)
-    if m.gradient_checkpointing != "auto":
-        return m.gradient_checkpointing, "as configured"
-    try:
-        arch = Arch.from_config(config, m.trust_remote_code)
-        return choose_checkpointing(cfg, arch, device_bytes(device_type, ranks_here), device_type, selective,
-                                    patches=patches)
-    except (AttributeError, TypeError, ValueError) as e:  # a config without a Llama-like shape
-        return "full", f"the memory estimate can't size this model ({e}); full needs least"
-
-
 def tower_cost(config: Any, trust_remote_code: bool = False):
-    """A VLM's vision tower's cost against its language model's (memory_vision.Tower.cost), which
+    """A VLM's vision tower's cost against its language model's (memory.vision.Tower.cost), which
     the plan's balance weighs patches by; None for a model without a tower the arithmetic knows."""
-    if not _is_vlm(config):
+    from raypack.model.facts import describe
+
+    facts = describe(config, trust_remote_code)
+    if not facts.vlm:
         return None
-    arch = Arch.from_config(config, trust_remote_code)
+    arch = Arch.from_facts(facts)
     if arch.tower is None:
         return None
     lm_token = 6 * (arch.layers * arch.linear_params + arch.vocab * arch.hidden)

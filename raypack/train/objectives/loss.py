@@ -13,7 +13,7 @@ default) asks the model for no logits at all:
         ──> the model's own output transforms ──> fp32 cross-entropy ──> loss, dL/dhidden, dL/dW
 
 Each chunk's gradients are taken at once, inside the forward, and held until backward scales them
-(raypack/train/chunked_ce.py): no chunk's logits outlive it and nothing is recomputed, so the loss
+(raypack/train/objectives/chunked_ce.py): no chunk's logits outlive it and nothing is recomputed, so the loss
 costs O(C x V) memory and the same FLOPs as `full`.
 
 How it reaches the hidden states: during the model's own forward its output-embeddings module is
@@ -45,9 +45,9 @@ from raypack.data.collate import collate_packed
 from raypack.data.formats import IGNORE_INDEX
 from raypack.errors import InputError
 from raypack.model.adapters import adapted_head
-from raypack.train.chunked_ce import Transform, chunked_cross_entropy
+from raypack.train.objectives.chunked_ce import Transform, chunked_cross_entropy
 # the chunk size is a memory budget: its home is the (torch-free) memory estimate
-from raypack.train.memory import CHUNK_BYTES, CHUNK_TOKENS, default_chunk  # noqa: F401
+from raypack.train.memory.estimate import CHUNK_BYTES, CHUNK_TOKENS, default_chunk  # noqa: F401
 
 LOSSES = ("chunked", "full", "liger")
 TARGET_KEYS = ("loss_positions", "loss_targets")
@@ -197,6 +197,20 @@ class CausalLMLoss:
         selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, targets["loss_positions"])
         return self._call_head(selected, targets["loss_targets"])
 
+    # --- as an optimizer step's objective (raypack/train/step.py): the mean over label tokens ------
+
+    names: tuple[str, ...] = ()
+    per = "label_tokens"
+
+    def counts(self, step: Any) -> list[float]:
+        return [step.label_tokens, step.tokens]
+
+    def host(self, sums: list[float]) -> tuple[dict[str, float], None]:
+        return {"label_tokens": sums[0], "tokens": sums[1]}, None
+
+    def micro(self, forward: Callable[..., Any], batch: dict[str, Any], context: None, stats: list) -> torch.Tensor:
+        return self(forward, batch)
+
     def hidden_states(self, forward: Callable[..., Any], batch: dict[str, Any]) -> torch.Tensor:
         """Run the model with its output head captured: the head's input, no logits computed."""
         capture = _Capture(self.vocab)
@@ -214,7 +228,7 @@ class CausalLMLoss:
 
     def through_head(self, hidden: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """fn(hidden), run as the head module's forward, so that its hooks (DeepSpeed ZeRO-3's
-        gathers) fire around it as for any layer (another objective's loss: raypack/train/dpo.py)."""
+        gathers) fire around it as for any layer (another objective's loss: raypack/train/objectives/dpo.py)."""
         with _forward_as(self.head, fn):
             return self.head(hidden)
 
