@@ -37,10 +37,11 @@ Per rank (= per GPU); P parameters, P_t of them trained, N ranks, T = tokens in 
 - hybrids (Qwen3.5, Nemotron-H, LFM2, ...): a layer whose token mixer is a gated delta rule, Mamba-2
   or a short convolution (raypack/model/mixers.py) keeps the layer less attention's q, k, v and
   output, plus what its mixer keeps on the exact torch path (raypack/train/memory/mixers.py): the
-  row's examples as a padded batch, examples x longest tokens, with the scans' fp32 chunk products
-  and the recurrent state at every chunk (heads x k x v for the gated delta rule, heads x head_dim x
-  state for Mamba-2) per example. `raypack plan` sizes it for the plan's widest padded batch
-  (Plan.widest_padded); without a plan, one example of T tokens. Under `selective` the mixer's part
+  row's examples in length buckets, each padded to its own longest (raypack/model/mixer_buckets.py),
+  with the scans' fp32 chunk products and the recurrent state at every chunk (heads x k x v for the
+  gated delta rule, heads x head_dim x state for Mamba-2) per example. `raypack plan` sizes it for
+  the plan's widest padded batch (Plan.widest_padded, examples x longest: an upper bound of the
+  buckets); without a plan, one example of T tokens. Under `selective` the mixer's part
   is counted whole. Parameters are the model's own count (its structure on the meta device).
 - vision-language models (Qwen2/2.5/3-VL): the vision tower and projector are parameters like
   the rest (less what `model.freeze` freezes), and the tower keeps, per patch of the micro-batch,
