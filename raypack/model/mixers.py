@@ -378,8 +378,11 @@ def _packed_forward(original, kind: MixerKind, hidden_states: torch.Tensor, cach
         outs = [original(part.view(n, longest, width), cache=None, attention_mask=None, **rest).reshape(size, -1)
                 for (n, longest), size, part in zip(shapes, sizes, padded.split(sizes))]  # fmt: skip
         out = (outs[0] if len(outs) == 1 else torch.cat(outs)).index_select(0, index)
-        spares = [original(row.new_zeros(1, 1, width), cache=None, attention_mask=None, **rest)
-                  for _ in range(mixer_buckets.BUCKETS - len(shapes))]  # fmt: skip
+        # A spare's input requires a gradient where the row's does, so its backward runs the same
+        # submodules' backward as a real bucket's: with frozen weights (LoRA) a spare input without
+        # one skips the frozen linears' backward, and ZeRO-3 gathers their weights fewer times.
+        spares = [original(row.new_zeros(1, 1, width).requires_grad_(row.requires_grad), cache=None,
+                           attention_mask=None, **rest) for _ in range(mixer_buckets.BUCKETS - len(shapes))]  # fmt: skip
         if spares:
             out = _Alongside.apply(out, *spares)
     return out.reshape(batch, length, -1)
