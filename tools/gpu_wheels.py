@@ -90,11 +90,15 @@ TRIM = {
     # without client/build/ and client/build/static/, so their small files stay. The GPU machine is
     # reached by no browser anyway.
     # Its examples, and Ray on Spark and on Dask (each imported only inside the functions that use
-    # them: ray.data's from_spark / to_dask, the Spark cluster launcher), go too.
+    # them: ray.data's from_spark / to_dask, the Spark cluster launcher), go too; so do the cluster
+    # launcher's cloud providers (imported by provider type, and the GPU machine launches no
+    # cluster: KubeRay's and the local ones stay) and the experimental sandbox (imported by none).
     "ray": ("ray/rllib/", "ray/serve/", "ray/llm/", "ray/jars/", "ray/dashboard/client/build/static/js/",
             "ray/dashboard/client/build/static/media/", "ray/dashboard/client/build/speedscope-",
             "ray/tune/examples/", "ray/train/examples/", "ray/train/v2/examples/", "ray/util/spark/", "ray/util/dask/",
-            "ray/autoscaler/_private/spark/"),
+            "ray/autoscaler/_private/spark/", "ray/autoscaler/_private/aws/", "ray/autoscaler/_private/gcp/",
+            "ray/autoscaler/_private/_azure/", "ray/autoscaler/_private/vsphere/", "ray/autoscaler/_private/aliyun/",
+            "ray/experimental/sandbox/"),
 }
 """Paths dropped from a carried wheel: raypack never imports them."""
 
