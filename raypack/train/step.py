@@ -105,11 +105,11 @@ def train_step(engine, step: StepBatch, objective: Objective, counts: HostCounts
     if count == 0:
         timer.stop()
         return Pending(number, host, timer=timer)
-    accum = counts.world * len(step.batches)
-    router_scale = router.coef * accum / max(host["router_units"], 1.0) if router is not None else 0.0
+    world_accum = counts.world * len(step.batches)  # what the engine divides each backward by
+    router_scale = router.coef * world_accum / max(host["router_units"], 1.0) if router is not None else 0.0
     sums: list[torch.Tensor] = []
-    total = forward_backward(engine, step.batches, accum / count, objective, offload, router, router_scale, context,
-                             sums)
+    total = forward_backward(engine, step.batches, world_accum / count, objective, offload, router, router_scale,
+                             context, sums)
     engine.step()
     parts = [total.double().reshape(1)] + ([torch.stack(sums).sum(0)] if sums else [])
     read = counts.reduce(torch.cat(parts))  # one device all_reduce, not waited for

@@ -51,12 +51,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             with torch.enable_grad():
                 loss = F.cross_entropy(transform(logits).float(), targets[start:end], reduction="sum")
                 (dlogits,) = torch.autograd.grad(loss, logits)
-            if needs[0]:
-                torch.mm(dlogits, weight, out=grads[0][start:end])
-            if needs[1]:
-                _add_matmul(grads[1], dlogits.t(), h)
-            if needs[2]:
-                grads[2] += dlogits.sum(0, dtype=grads[2].dtype)
+            _head_grads(grads, needs, dlogits, h, weight, start, end)
             total += loss.detach()
         ctx.grads = grads
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
@@ -69,6 +64,18 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             out.append(None if g is None else g.mul_(grad_out).to(dtype))
         ctx.grads = None
         return (*out, None, None, None)
+
+
+def _head_grads(grads: list, needs, dlogits: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, start: int,
+                end: int) -> None:
+    """One chunk's share of the head's gradients from its dL/dlogits: the hidden states' rows
+    [start, end), and the weight's and bias's sums (fp32), each where `needs` asks for it."""
+    if needs[0]:
+        torch.mm(dlogits, weight, out=grads[0][start:end])
+    if needs[1]:
+        _add_matmul(grads[1], dlogits.t(), h)
+    if needs[2]:
+        grads[2] += dlogits.sum(0, dtype=grads[2].dtype)
 
 
 def _accum_dtype(t: torch.Tensor) -> torch.dtype:
@@ -168,12 +175,7 @@ class _ChunkedSequenceObjective(torch.autograd.Function):
                 logits = F.linear(h, weight, bias).detach().requires_grad_()
                 logps = -F.cross_entropy(transform(logits).float(), targets[start:end], reduction="none")
                 (dlogits,) = torch.autograd.grad((logps * weights[sequence[start:end]]).sum(), logits)
-            if needs[0]:
-                torch.mm(dlogits, weight, out=grads[0][start:end])
-            if needs[1]:
-                _add_matmul(grads[1], dlogits.t(), h)
-            if needs[2]:
-                grads[2] += dlogits.sum(0, dtype=grads[2].dtype)
+            _head_grads(grads, needs, dlogits, h, weight, start, end)
         ctx.grads = grads
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.mark_non_differentiable(sums)

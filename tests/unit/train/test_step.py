@@ -76,6 +76,17 @@ def test_a_step_with_label_tokens_trains(process_group):
     assert values["loss"] == pytest.approx(math.log(8))  # uniform logits over 8 classes
 
 
+def moe_examples(seed: int) -> list[dict]:
+    """Four examples of 9, 4, 12 and 6 random tokens (vocabulary 64), each its own labels."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in (9, 4, 12, 6):
+        ids = torch.randint(3, 64, (n,), generator=g).tolist()
+        out.append({"input_ids": ids, "labels": ids, "position_ids": list(range(n)), "num_tokens": n,
+                    "example_ids": [n]})
+    return out
+
+
 def moe_step(model, groups, padded=False, scope="example"):
     """One optimizer step of the chunked loss plus the router loss over micro-batches `groups`
     (each a list of packed rows): (its values, every gradient)."""
@@ -109,12 +120,7 @@ def test_router_loss_step_is_the_same_packed_unpacked_and_padded(process_group):
     with torch.no_grad():
         for layer in model.model.layers:
             layer.mlp.gate.weight.normal_(0, 0.5)
-    g = torch.Generator().manual_seed(1)
-    examples = []
-    for n in (9, 4, 12, 6):
-        ids = torch.randint(3, 64, (n,), generator=g).tolist()
-        examples.append({"input_ids": ids, "labels": ids, "position_ids": list(range(n)), "num_tokens": n,
-                         "example_ids": [n]})
+    examples = moe_examples(seed=1)
     packed, p_grads = moe_step(model, [examples[:3], examples[3:]])
     alone, a_grads = moe_step(model, [[e] for e in examples])
     model_sdpa = load_model("tiny-qwen3_moe", attention="sdpa", dtype="float32", vocab_size=64).eval()
@@ -160,12 +166,7 @@ def test_router_loss_with_checkpointing_and_lora_is_the_same_packed_and_alone(pr
     """The router scores keep their gradient through raypack's (non-reentrant) recompute, whose
     second router calls the capture ignores; with LoRA the frozen routers pass the router loss's
     gradient on to the adapters."""
-    g = torch.Generator().manual_seed(2)
-    examples = []
-    for n in (9, 4, 12, 6):
-        ids = torch.randint(3, 64, (n,), generator=g).tolist()
-        examples.append({"input_ids": ids, "labels": ids, "position_ids": list(range(n)), "num_tokens": n,
-                         "example_ids": [n]})
+    examples = moe_examples(seed=2)
     packed, p_grads = moe_step(tiny_moe(checkpointing, lora), [examples[:3], examples[3:]])
     alone, a_grads = moe_step(tiny_moe(checkpointing, lora), [[e] for e in examples])
     plain, n_grads = moe_step(tiny_moe("none", lora), [examples[:3], examples[3:]])
