@@ -1,7 +1,9 @@
 """No benchmark can rot (the Ray half; tests/unit/benchmarks/test_smoke.py has the rest and checks
 that every script is covered): the benchmark scripts that need Ray run their --smoke mode as
 commands, and `make bench-smoke`'s driver (tools/bench_gpu.py --smoke) runs its steps, installing
-wheels first as it does on the bare GPU machine."""
+wheels first as it does on the bare GPU machine. The start-up and scale benchmarks (SLOW) run with
+`pytest -m slow`: each starts several fresh processes and Ray instances, 3.4 minutes of the suite
+for what the tests of `raypack train` and `prepare` already run."""
 
 from __future__ import annotations
 
@@ -34,6 +36,16 @@ COMMANDS = {  # script -> what its results file must show
     "dpo.py": ["| trl | ", "| raypack | ", "raypack / TRL tokens/s, the steps alone", "| precomputed | ",
                "| on the fly | ", "on the fly / precomputed, a step"],
 }
+SLOW = {
+    "startup_floor.py": "five fresh processes, three with their own Ray instance (90 s); its trl and raypack "
+                        "sides are peers.py's rows, run below",
+    "startup.py": "four fresh DeepSpeed inits and two `raypack train` runs with their own Ray (68 s); "
+                  "train.overlap_start and the skipped shm build have their own tests",
+    "prepare_scale.py": "prepare on its own Ray instance beside the pyarrow floor (43 s); prepare is tested "
+                        "in tests/ray/data/test_prepare.py",
+}
+"""Run by `pytest -m slow` (or RAYPACK_SLOW=1), not by the default suite: seconds on the 2-core CI machine,
+measured by `pytest --durations`, for checks the default suite already makes another way."""
 ARGS = {"peers.py": ["--configs", "raypack", "trl", "trl-mixed", "--gradient-checkpointing"]}
 """Beyond --smoke: peers' other rows (raypack-full, raypack-bf16, trl-sdpa) run the same two children with
 other settings: tests/unit/benchmarks/test_peers.py checks that raypack accepts each raypack row's config on
@@ -47,7 +59,7 @@ def run(cmd: list[str], env: dict | None = None, timeout: int = 900) -> subproce
     return proc
 
 
-@pytest.mark.parametrize("script", sorted(COMMANDS))
+@pytest.mark.parametrize("script", [pytest.param(s, marks=[pytest.mark.slow] * (s in SLOW)) for s in sorted(COMMANDS)])
 def test_smoke_run_writes_its_results_file(script, tmp_path):
     out = tmp_path / f"{script}.md"
     run([sys.executable, f"benchmarks/{script}", "--smoke", *ARGS.get(script, []), "--out", str(out)])
