@@ -21,6 +21,9 @@ So, where the tower takes it (`host_plan_refusal`, by trait):
                                 host counts it; everything a kernel reads is on the device
     the placeholder mask        counted on the host (`plan_batch`), so a planned forward takes
                                 the model's own masks without transformers' device-side check
+    Qwen3-VL's deepstack        its features added at the image tokens' positions, found on the
+                                host (`VISUAL_INDEX`), not by a boolean mask, which reads the
+                                device twice a layer and three times in its backward
     each block's attention      `TOWER_ATTENTION`: the block's offsets as one varlen kernel call
                                 on CUDA (flash-attn, else torch's varlen_attn; fp16/bf16), or one
                                 SDPA call per image or window from the host offsets (CPU, fp32)
@@ -61,6 +64,10 @@ HOST_COPIED = ("image_grid_thw", "image_cu_seqlens", "image_cu_window_seqlens")
 the grid, which the host counts, and the offsets, which the CPU path splits by."""
 PLAN_KEY = "image_cu_seqlens"
 """A batch holds a plan when it holds this key."""
+VISUAL_INDEX = "raypack_visual_index"
+"""A planned batch's image tokens, as positions in its flattened (batch x sequence) tokens, found by
+collate on the host: where Qwen3-VL's deepstack layers add the tower's features. The pre-hook takes
+it out of the forward's keywords (`_host_grid`), the language model's `_deepstack_process` reads it."""
 
 
 def _offsets(name: str, longest: str, cu: torch.Tensor) -> dict[str, Any]:
@@ -234,6 +241,9 @@ def install(model: torch.nn.Module) -> str | None:
     inner.register_forward_pre_hook(_host_grid, with_kwargs=True)
     if _same_masks(inner):
         inner.get_placeholder_mask = types.MethodType(_placeholder_mask, inner)
+    text = getattr(inner, "language_model", None)
+    if text is not None and _same_deepstack(text):
+        text._deepstack_process = types.MethodType(_deepstack_process, text)
     return None
 
 
@@ -248,6 +258,10 @@ def _host_grid(module, args, kwargs):
     The placeholder tokens were counted against the grid on the host (`plan_batch`)."""
     grid = kwargs.get("image_grid_thw")
     module._raypack_host_counted = PLAN_KEY in kwargs
+    index = kwargs.pop(VISUAL_INDEX, None)  # not a keyword of the model's: the language model reads it
+    text = getattr(module, "language_model", None)
+    if text is not None:
+        text._raypack_visual_index = index
     if PLAN_KEY in kwargs and isinstance(grid, torch.Tensor):
         host = host_copy(grid)
         if host is not None:
@@ -263,7 +277,8 @@ def plan_batch(tower: torch.nn.Module, batch: dict[str, Any], image_token: int) 
     tokens = int((batch["input_ids"] == image_token).sum())
     if tokens != features:
         raise ValueError(f"a packed row holds {tokens} image tokens for {features} image features")
-    return plan(tower, grid)
+    index = torch.nonzero(batch["input_ids"].reshape(-1) == image_token).squeeze(1)
+    return {**plan(tower, grid), VISUAL_INDEX: index}
 
 
 def _placeholder_mask(self, input_ids, inputs_embeds, image_features=None, video_features=None):
@@ -296,6 +311,41 @@ def _same_masks(inner: torch.nn.Module) -> bool:
     finally:
         inner._raypack_host_counted = False
     return len(theirs) == len(mine) == 2 and all(torch.equal(a, b) for a, b in zip(theirs, mine))
+
+
+def _deepstack_process(self, hidden_states, visual_pos_masks, visual_embeds):
+    """transformers' Qwen3-VL `_deepstack_process` (the features added at the image tokens: clone,
+    gather, add, scatter) at the positions collate found (`VISUAL_INDEX`) instead of by the mask,
+    whose boolean indexing reads the device; transformers' own for a forward without them."""
+    index = getattr(self, "_raypack_visual_index", None)
+    if index is None:
+        return type(self)._deepstack_process(self, hidden_states, visual_pos_masks, visual_embeds)
+    visual_embeds = visual_embeds.to(hidden_states.device, hidden_states.dtype)
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1]).clone()
+    flat[index] = flat[index] + visual_embeds
+    return flat.view_as(hidden_states)
+
+
+def _same_deepstack(text: torch.nn.Module) -> bool:
+    """Whether `_deepstack_process` gives what `text`'s own gives, values and gradients, on a probe
+    of two rows (the trait that lets a planned forward add by host positions)."""
+    own = getattr(type(text), "_deepstack_process", None)
+    if own is None:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 5, 3, generator=gen, requires_grad=True)
+    mask = torch.tensor([[0, 1, 1, 0, 0], [1, 0, 0, 0, 1]], dtype=torch.bool)
+    embeds = torch.randn(4, 3, generator=gen, requires_grad=True)
+    try:
+        theirs = own(text, hidden, mask, embeds)
+        text._raypack_visual_index = torch.nonzero(mask.reshape(-1)).squeeze(1)
+        mine = _deepstack_process(text, hidden, mask, embeds)
+        grads = [torch.autograd.grad((out * out).sum(), (hidden, embeds)) for out in (theirs, mine)]
+    except Exception:
+        return False
+    finally:
+        text._raypack_visual_index = None
+    return torch.equal(theirs, mine) and all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 # --- the tower's attention ------------------------------------------------------------------------

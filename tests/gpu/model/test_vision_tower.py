@@ -78,16 +78,18 @@ def test_the_planned_tower_on_cuda_equals_transformers_sdpa_and_reads_nothing(fa
             assert _rel(p.grad, ref_params[name].grad) < 2 * TOLERANCE[dtype], f"{family} {dtype}: {name}"
 
 
-def test_a_packed_forward_with_its_plan_equals_one_without():
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_packed_forward_with_its_plan_equals_one_without(family):
     """The whole model on CUDA, bf16: the batch as VisionRows gives it (plan, host copies, the
-    pre-hook's host grid) against the same batch without its plan (transformers derives it all on
-    the device), same attention: no device mismatch anywhere in the model, the same logits."""
-    config, model, _ = _models("qwen2_5_vl", torch.bfloat16)
-    examples = make_examples(VLM_FAMILIES["qwen2_5_vl"], config, layout=LAYOUT)
+    pre-hook's host grid, Qwen3-VL's deepstack positions) against the same batch without its plan
+    (transformers derives it all on the device), same attention: no device mismatch anywhere in
+    the model, the same logits."""
+    config, model, _ = _models(family, torch.bfloat16)
+    examples = make_examples(VLM_FAMILIES[family], config, layout=LAYOUT)
     batch = collate_vision_packed(with_positions(model, examples))
     batch["pixel_values"] = batch["pixel_values"].to(torch.bfloat16)
     batch.pop("labels")
-    planned = {**batch, **vt.plan(vt.tower_of(model), batch["image_grid_thw"])}
+    planned = {**batch, **vt.plan_batch(vt.tower_of(model), batch, config.image_token_id)}
     with torch.no_grad():
         a = model(**to_device(planned, "cuda")).logits
         b = model(**to_device(batch, "cuda")).logits

@@ -132,6 +132,45 @@ def test_a_vlm_step_reads_nothing_from_the_device():
     assert sum("vision_utils" in r for r in control) >= 3 and any("get_placeholder_mask" in r for r in control), control
 
 
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe"])
+def test_qwen3_vls_deepstack_adds_at_host_positions_and_reads_nothing(family):
+    """Qwen3-VL adds the tower's deepstack features to the language model's hidden states at the
+    image tokens, found by a boolean mask: two device reads a deepstack layer forward, three
+    backward (5 for the tiny model). From the positions collate finds on the host, none; the
+    control, the same planned batch without them, must read (transformers' own add), so the
+    count can fail. The values are transformers' (test_a_planned_packed_forward_equals_the_unplanned_one)."""
+    config, model, _ = _towers(family)
+    text = _inner(model).language_model
+    assert getattr(text._deepstack_process, "__func__", None) is vt._deepstack_process
+    examples = make_examples(VLM_FAMILIES[family], config, layout=LAYOUT)
+    batch = collate_vision_packed(with_positions(model, examples))
+    planned = {**batch, **vt.plan_batch(vt.tower_of(model), batch, config.image_token_id)}
+    index = planned[vt.VISUAL_INDEX]
+    assert torch.equal(index, torch.nonzero(batch["input_ids"].reshape(-1) == config.image_token_id).squeeze(1))
+    assert _device_reads(model, planned) == []
+    control = _device_reads(model, {k: v for k, v in planned.items() if k != vt.VISUAL_INDEX})
+    assert sum("_deepstack_process" in r for r in control) >= 2, control
+
+
+def test_the_deepstack_add_is_replaced_only_where_it_gives_the_models_own():
+    """By trait, on a probe: a language model whose own add differs (here it scales the features)
+    keeps it; one without deepstack (Qwen2.5-VL's) gets nothing."""
+
+    class Own(torch.nn.Module):
+        def _deepstack_process(self, hidden_states, visual_pos_masks, visual_embeds):
+            hidden_states = hidden_states.clone()
+            hidden_states[visual_pos_masks, :] = hidden_states[visual_pos_masks, :] + visual_embeds
+            return hidden_states
+
+    class Scaled(Own):
+        def _deepstack_process(self, hidden_states, visual_pos_masks, visual_embeds):
+            return super()._deepstack_process(hidden_states, visual_pos_masks, 0.5 * visual_embeds)
+
+    assert vt._same_deepstack(Own()) and not vt._same_deepstack(Scaled()) and not vt._same_deepstack(torch.nn.Module())
+    _, model, _ = _towers("qwen2_5_vl")
+    assert "_deepstack_process" not in vars(_inner(model).language_model)
+
+
 @pytest.mark.parametrize("variant", ["", "checkpointed", "lora"])
 @pytest.mark.parametrize("family", PLANNED)
 def test_a_planned_packed_forward_equals_the_unplanned_one(family, variant):
