@@ -73,6 +73,13 @@ def write_results(theme: str, smoke: bool, out: str | None, lines: list[str]) ->
     return path
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """A child process's environment: this one's, the repository first on PYTHONPATH and what was on
+    it kept (on the GPU machine, the kit's wheels: tools/bench_gpu.py puts them there)."""
+    path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def run_streaming(cmd: list[str], *, cwd, env: dict[str, str], timeout: float, echo) -> tuple[int, float, list[str]]:
     """Run `cmd` in its own process group, each line of its output (stderr merged) passed to `echo`
     as it comes; at `timeout` seconds the group gets SIGTERM, then SIGKILL 15 s later. Returns (exit

@@ -50,7 +50,8 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")  # ray.train.r
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import command_line, device_name, gpu_or_smoke, machine, smoke_banner, versions, write_results  # noqa: E402
+from benchmarks.common import (child_env, command_line, device_name, gpu_or_smoke, machine, smoke_banner,  # noqa: E402
+                               versions, write_results)
 
 CONFIGS = ("steps", "trl", "raypack", "lora-reference")
 ROUNDS = 5
@@ -345,7 +346,7 @@ def _moved(batch: dict, device) -> dict:
 def run_config(name: str, args, work: Path) -> dict:
     cmd = [sys.executable, __file__, "--child", name, "--work", str(work), *child_args(args)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.timeout,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env=child_env())
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise SystemExit(f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")

@@ -56,7 +56,7 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")  # ray.train.r
 import numpy as np  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
-    command_line, device_name, gpu_or_smoke, machine, results_path, run_streaming, smoke_banner, versions,
+    child_env, command_line, device_name, gpu_or_smoke, machine, results_path, run_streaming, smoke_banner, versions,
 )  # fmt: skip
 
 
@@ -270,9 +270,8 @@ def _liger() -> bool:
 def run_config(name: str, args, work: Path, timeout: float) -> dict:
     """One configuration in a fresh process, its output streamed; its scratch folder removed after."""
     cmd = [sys.executable, "-u", __file__, "--child", name, "--work", str(work), *child_args(args)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     launched = time.time()
-    rc, seconds, lines = run_streaming(cmd, cwd=REPO, env=env, timeout=timeout,
+    rc, seconds, lines = run_streaming(cmd, cwd=REPO, env=child_env(), timeout=timeout,
                                        echo=lambda line: print(f"[{name}] {line}", end="", flush=True))  # fmt: skip
     shutil.rmtree(work / "scratch", ignore_errors=True)
     results = [line for line in lines if line.startswith("RESULT ")]

@@ -16,20 +16,22 @@ each requirement in requirements.json against what is installed and prints any t
     0. install           the wheels in .whl, where there are any (or where Ray or DeepSpeed is missing)
     1. gpu_tests         pytest -m "gpu and not slow": the GPU tests that guard exactness
     2. peers             benchmarks/peers.py: raypack against TRL, a row per configuration as it ends
-    3. profile           benchmarks/step_profile.py: where a train step's time goes
-    4. profile_compiled  the same with train.compile
-    5. hybrid            benchmarks/hybrid_throughput.py: a Qwen3.5-shaped hybrid exact on CUDA, packed over padded
-    6. vlm               benchmarks/vlm_throughput.py: a Qwen2.5-VL-shaped model the same, images and text
+    3. engines           benchmarks/engines.py: DeepSpeed's ZeRO 0/2/3 against the torch engine's DDP and FSDP2
+    4. profile           benchmarks/step_profile.py: where a train step's time goes
+    5. profile_compiled  the same with train.compile
+    6. hybrid            benchmarks/hybrid_throughput.py: a Qwen3.5-shaped hybrid exact on CUDA, packed over padded
+    7. vlm               benchmarks/vlm_throughput.py: a Qwen2.5-VL-shaped model the same, images and text
     -- as time allows --
-    7. syncs             benchmarks/step_syncs.py
-    8. train             benchmarks/train_throughput.py (ZeRO-2)
-    9. loss              benchmarks/loss_memory.py
-   10. attention         benchmarks/attention_throughput.py
-   11. lora              benchmarks/lora_throughput.py
-   12. moe               benchmarks/router_loss.py
-   13. hybrid_kda        benchmarks/hybrid_throughput.py --family kimi_linear: KDA the same as hybrid
-   14. long              benchmarks/long_context.py
-   15. gpu_tests_more    pytest -m "gpu and slow": the other Liger families and the DeepSeek diagnostic
+    8. dpo               benchmarks/dpo.py: packed DPO against TRL's DPOTrainer
+    9. syncs             benchmarks/step_syncs.py
+   10. train             benchmarks/train_throughput.py (ZeRO-2)
+   11. loss              benchmarks/loss_memory.py
+   12. attention         benchmarks/attention_throughput.py
+   13. lora              benchmarks/lora_throughput.py
+   14. moe               benchmarks/router_loss.py
+   15. hybrid_kda        benchmarks/hybrid_throughput.py --family kimi_linear: KDA the same as hybrid
+   16. long              benchmarks/long_context.py
+   17. gpu_tests_more    pytest -m "gpu and slow": the other Liger families and the DeepSeek diagnostic
 
 Each step runs in its own process group under its own time limit: its cap, cut so that the steps
 before the line keep at least their min_s; a step after the line starts only with its min_s left.
@@ -116,6 +118,11 @@ STEPS = [
     # and mamba-ssm's can't: tools/gpu_wheels.py); fla's Triton kernels compile in its warm-up.
     Step("hybrid", "hybrid", ["benchmarks/hybrid_throughput.py"], cap_s=150, min_s=40, smoke_args=["--smoke"]),
     Step("vlm", "vlm", ["benchmarks/vlm_throughput.py"], cap_s=90, min_s=40, smoke_args=["--smoke"]),
+    # Packed DPO against TRL's DPOTrainer, a goal of issue 50 (not yet run on a GPU): the ~1.1B model, the
+    # full stacks one after the other, then the two steps alone alternating in one process; LoRA's
+    # reference (its fourth side) is left to a run of its own. The results file is written at the end.
+    Step("dpo", "dpo", ["benchmarks/dpo.py", "--pairs", "2000", "--steps", "10", "--configs", "trl", "raypack", "steps"],
+         cap_s=180, min_s=100, required=False, smoke_args=["--smoke"]),
     # What a step waits for before and after issue 35's lean step, with both sides' tokens/s and
     # torch's sync debug mode: two ~1.2B ZeRO-2 engines, 13 steps of 16k tokens each (not yet run
     # on a GPU; ~1 min expected).
