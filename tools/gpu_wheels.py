@@ -105,8 +105,8 @@ TRIM = {
 STRIP = {"ray"}
 """Carried wheels whose ELF files (Ray's gcs_server, raylet and _raylet.so, 114 MiB unpacked) go
 without their symbol tables (`strip --strip-unneeded`: what the dynamic linker and Python's import
-need stays). They are shipped unstripped; stripped they compress 4.2 MiB smaller. What is lost is
-function names in a Ray process's own crash stack trace, which the kit has never needed."""
+need stays). They are shipped unstripped; stripped, Ray's wheel goes from 39.7 to 33.4 MiB. What is
+lost is function names in a Ray process's own crash stack trace, which the kit has never needed."""
 
 
 def fail(message: str) -> None:

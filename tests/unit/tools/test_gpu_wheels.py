@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import shutil
+import subprocess
 import sys
 import zipfile
 
@@ -71,6 +73,29 @@ def test_a_rewritten_wheel_drops_what_it_is_told_and_keeps_a_valid_record(tmp_pa
         assert sorted(z.namelist()) == ["pkg-1.0.dist-info/RECORD", "pkg/__init__.py"]
         record = z.read("pkg-1.0.dist-info/RECORD").decode().splitlines()
     assert record[0].startswith("pkg/__init__.py,sha256=") and record[-1] == "pkg-1.0.dist-info/RECORD,,"
+
+
+@pytest.mark.skipif(not shutil.which("gcc") or not shutil.which("strip"), reason="needs gcc and binutils' strip")
+def test_a_stripped_wheel_keeps_its_programs_running_and_its_other_files_as_they_were(tmp_path):
+    """STRIP's rewrite: an ELF member loses its symbol table and still runs; the rest is byte for byte."""
+    source = tmp_path / "hello.c"
+    source.write_text('#include <stdio.h>\nint main(void) { puts("hello"); return 0; }\n')
+    subprocess.run(["gcc", "-g", "-o", str(tmp_path / "hello"), str(source)], check=True)
+    program = (tmp_path / "hello").read_bytes()
+    src, dest = tmp_path / "pkg-1.0-py3-none-any.whl", tmp_path / "out" / "pkg-1.0-py3-none-any.whl"
+    dest.parent.mkdir()
+    with zipfile.ZipFile(src, "w") as z:
+        z.writestr("pkg/__init__.py", "VALUE = 1\n")
+        z.writestr("pkg/bin/hello", program)
+        z.writestr("pkg-1.0.dist-info/RECORD", "")
+    assert gpu_wheels.rewrite(src, dest, lambda name: False, strip=True) == 0
+    with zipfile.ZipFile(dest) as z:
+        assert z.read("pkg/__init__.py") == b"VALUE = 1\n"
+        stripped = z.read("pkg/bin/hello")
+    assert len(stripped) < len(program) and b".symtab" in program and b".symtab" not in stripped
+    (tmp_path / "stripped").write_bytes(stripped)
+    (tmp_path / "stripped").chmod(0o755)
+    assert subprocess.run([str(tmp_path / "stripped")], capture_output=True, text=True).stdout == "hello\n"
 
 
 def test_import_time_models_are_only_what_runs_on_import():
