@@ -44,7 +44,7 @@ SLOW = {
     "prepare_scale.py": "prepare on its own Ray instance beside the pyarrow floor (43 s); prepare is tested "
                         "in tests/ray/data/test_prepare.py",
 }
-"""Run by `pytest -m slow` (or RAYPACK_SLOW=1), not by the default suite: seconds on the 2-core CI machine,
+"""Run by `pytest -m slow` (or RAYPACK_SLOW=1), not by the default suite: seconds on the 2-core development machine,
 measured by `pytest --durations`, for checks the default suite already makes another way."""
 ARGS = {"peers.py": ["--configs", "raypack", "trl", "trl-mixed", "--gradient-checkpointing"]}
 """Beyond --smoke: peers' other rows (raypack-full, raypack-bf16, trl-sdpa) run the same two children with
