@@ -274,10 +274,9 @@ def plan_batch(tower: torch.nn.Module, batch: dict[str, Any], image_token: int) 
     check transformers makes on the device, `get_placeholder_mask`, which a planned forward skips)."""
     grid = batch["image_grid_thw"]
     features = int((grid.prod(-1) // tower.spatial_merge_size**2).sum())
-    tokens = int((batch["input_ids"] == image_token).sum())
-    if tokens != features:
-        raise ValueError(f"a packed row holds {tokens} image tokens for {features} image features")
     index = torch.nonzero(batch["input_ids"].reshape(-1) == image_token).squeeze(1)
+    if len(index) != features:
+        raise ValueError(f"a packed row holds {len(index)} image tokens for {features} image features")
     return {**plan(tower, grid), VISUAL_INDEX: index}
 
 
