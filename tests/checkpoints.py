@@ -46,9 +46,14 @@ def config_of(name: str, vocab_size: int = 1024, **overrides: Any):
 def saved(name: str = "tiny-llama", *, vocab_size: int = 1024, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
           **overrides: Any) -> Path:
     """The folder of `name`'s tiny model (random init from `seed`), saved in `dtype` and sharded."""
+    return saved_config(config_of(name, vocab_size, **overrides), name, dtype=dtype, seed=seed)
+
+
+def saved_config(config, name: str, *, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> Path:
+    """The folder of a model built from `config` (random init from `seed`), saved as `saved` saves
+    one; `name` starts the folder's name (the layouts of tests/families.py, named by family)."""
     import transformers
 
-    config = config_of(name, vocab_size, **overrides)
     key = hashlib.sha256("\n".join([config.to_json_string(), str(dtype), str(seed), transformers.__version__,
                                     torch.__version__]).encode()).hexdigest()[:12]  # fmt: skip
     folder = ROOT / f"{name}-{key}"

@@ -280,7 +280,9 @@ def load_model(
     if late:
         common["attn_implementation"] = "eager"
     if pretrained:
-        model = AutoModelForCausalLM.from_pretrained(source, config=config, **common)
+        # packed: the layers raypack checks, not hub kernels transformers would swap in (mixer_kernels)
+        model = AutoModelForCausalLM.from_pretrained(source, config=config, **common,
+                                                     **(mixers.HUB_KERNELS_OFF if packed else {}))
     else:
         model = AutoModelForCausalLM.from_config(config, **common)
     if late:
@@ -295,7 +297,10 @@ def load_model(
     # output_router_logits changes nothing here: the training loop reads the routers' scores with
     # its own hooks and adds their load-balancing loss itself, exact per example
     # (train.router_aux_loss_coef, raypack/train/objectives/router_loss.py).
-    return _ready(model, gradient_checkpointing, facts)
+    model = _ready(model, gradient_checkpointing, facts)
+    if packed:
+        mixers.check_kept(model, name)  # after train(), at which transformers would kernelize again
+    return model
 
 
 def _ready(model, gradient_checkpointing: str | bool, facts: ModelFacts):

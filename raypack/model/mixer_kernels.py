@@ -12,6 +12,18 @@ a flash-linear-attention `chunk_gated_delta_rule` without `cu_seqlens` would get
 row with the boundaries silently dropped. `problem` finds each function the way transformers
 does and reads its signature: the keyword must be a named parameter (a `**kwargs` catch-all is
 filtered out by the line above).
+
+Hub kernels. With the `kernels` package installed (transformers 5.25 installs it), transformers
+also loads a model "kernelized" (`from_pretrained`'s `use_kernels`, on by default there; off
+before, and never applied by `from_config`): every layer class decorated for hub kernels gets its
+forward replaced by one downloaded from the Hub for the device, or, with none for the device, has
+its instance's own `forward` removed, and so do the private copies of the kernel functions a layer
+calls (`_kernel_funcs`); again at every `train()` and `eval()` that changes the mode. Removing the
+instance's forward drops raypack's packed forward (mixers.install) from Qwen3.5's gated delta rule
+layer, which then hands the boundaries to its torch fallback (which refuses them, on the CPU); a
+hub function in place of the package's skips transformers' signature filter and `problem`'s check
+alike. So raypack loads packed models without them (`HUB_KERNELS_OFF`), and `swapped` finds the
+trait in a loaded layer, whatever turned it on.
 """
 
 from __future__ import annotations
@@ -20,6 +32,27 @@ import importlib
 import importlib.metadata
 import inspect
 from dataclasses import dataclass
+
+
+HUB_KERNELS_OFF = {"use_kernels": False}
+"""`from_pretrained`'s keywords for a model raypack trains on packed rows: the layers as transformers
+wrote them, calling the kernel packages `problem` checks (or their torch fallbacks), as
+`from_config` builds them; the default before transformers 5.25."""
+
+
+def swapped(module, packed_forward) -> list[str]:
+    """What of `module` (a mixer raypack routed) a hub kernel replaced or kernelization removed:
+    its forward, where raypack's packed forward is no longer the instance's, and each kernel
+    function whose private copy has a forward of its own (a hub kernel's: the torch one is the
+    class's). Empty: the layer runs raypack's forward over transformers' own functions."""
+    found = []
+    forward = module.__dict__.get("forward")
+    if getattr(forward, "func", None) is not packed_forward:  # functools.partial(packed_forward, ...)
+        found.append("forward")
+    for name, function in (module.__dict__.get("_kernel_funcs") or {}).items():
+        if "forward" in vars(function):
+            found.append(name)
+    return found
 
 
 @dataclass(frozen=True)

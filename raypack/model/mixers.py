@@ -59,7 +59,7 @@ from torch import nn
 
 from raypack.errors import UnsupportedModelError
 from raypack.model import mixer_buckets, ulysses
-from raypack.model.mixer_kernels import CONV, KernelCall, problem
+from raypack.model.mixer_kernels import CONV, HUB_KERNELS_OFF, KernelCall, problem, swapped  # noqa: F401 (build's)
 from raypack.model.exact import LastCache, host_copy
 
 PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
@@ -401,6 +401,29 @@ def install(decoder: nn.Module) -> dict[str, MixerKind]:
         module.forward = functools.partial(_packed_forward, module.forward, kind)
         module._raypack_packed = True
     return found
+
+
+def check_kept(model: nn.Module, name: str) -> None:
+    """Refuse (UnsupportedModelError, one line) a loaded model whose routed mixers no longer run
+    raypack's packed forward over transformers' own kernel functions (mixer_kernels.swapped: hub
+    kernels swapped in, or raypack's forward removed, by transformers' kernelization), or which
+    transformers would kernelize again at its next train() or eval(). raypack loads without them
+    (mixer_kernels.HUB_KERNELS_OFF); this is the check that nothing turned them back on."""
+    found = find(model)
+    for where, kind in found.items():
+        if lost := swapped(model.get_submodule(where), _packed_forward):
+            what = ", ".join("raypack's packed forward removed" if x == "forward" else f"{x} replaced" for x in lost)
+            raise UnsupportedModelError(
+                f"{name}: transformers' hub kernels (the kernels package) changed its {kind.name} layer {where} "
+                f"({what}), and raypack can't tell that they keep a packed row's examples apart; load it without "
+                "them: set USE_HUB_KERNELS=NO in the environment"
+            )
+    if found and getattr(model, "use_kernels", False):
+        raise UnsupportedModelError(
+            f"{name}: transformers loaded it with hub kernels on (use_kernels), and would swap them into its "
+            f"{next(iter(found.values())).name} layers at the next train() or eval(), where raypack can't tell that "
+            "they keep a packed row's examples apart; set USE_HUB_KERNELS=NO in the environment"
+        )
 
 
 def fused_linears(model: nn.Module) -> list[str]:

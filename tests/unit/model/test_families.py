@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoints import saved_config
 from exactness import packed_vs_alone, random_lora_b
 from families import FAMILIES, HYBRID
 from transformers import AutoModelForCausalLM
@@ -36,7 +37,7 @@ from raypack.config import PeftConfig
 from raypack.model.adapters import apply_adapters
 from raypack.model import mixers
 from raypack.model.attention import NAMES, attn_implementation_name
-from raypack.model.build import UnsupportedModelError, check_model, load_model
+from raypack.model.build import UnsupportedModelError, check_model, load_model, meta_model
 from raypack.model.traits import decoder
 
 
@@ -72,9 +73,14 @@ def test_family_is_exact_or_refused(family):
             assert packed_vs_alone(model, ref)["logits"] > 1e-3, "refused, yet packing looks exact"
         return
 
-    model = load_model(config, attention="sdpa_varlen", dtype="float32").eval()
+    source = config
+    if mixers.find(decoder(meta_model(config))):
+        # a hybrid from a saved (fp32) folder, as users load theirs: from_pretrained, which
+        # kernelizes where the kernels package is installed and from_config never does
+        source = str(saved_config(config, family, dtype=torch.float32))
+    model = load_model(source, attention="sdpa_varlen", dtype="float32").eval()
     assert model.config._attn_implementation == NAMES["sdpa_varlen"]
-    ref = load_model(config, attention="eager", dtype="float32").eval()
+    ref = load_model(source, attention="eager", dtype="float32").eval()
     ref.load_state_dict(model.state_dict())
     errors = packed_vs_alone(model, ref)
     worst = max(errors, key=errors.get)

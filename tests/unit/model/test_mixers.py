@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 import transformers
+from checkpoints import saved, saved_config
 from exactness import make_rows, summed_loss
 from families import FAMILIES
 
@@ -88,6 +89,15 @@ def test_the_torch_path_runs_each_mixer_on_the_examples_bucketed_by_length():
     assert seen == [torch.Size([1, 3, 64]), torch.Size([1, 4, 64]), torch.Size([1, 5, 64]), torch.Size([1, 1, 64])]
 
 
+def _from_folder(family: str):
+    """The family's layout (tests/families.py) saved in fp32 (save_pretrained, sharded) and loaded
+    as users load a checkpoint, with from_pretrained (which kernelizes where the `kernels` package
+    is installed, as transformers 5.25 installs it): packed, and the unpacked reference."""
+    folder = str(saved_config(FAMILIES[family].build_config(family), family, dtype=torch.float32))
+    return (load_model(folder, attention="sdpa_varlen", dtype="float32").eval(),
+            load_model(folder, attention="eager", dtype="float32").eval())
+
+
 def _slots_seen(model) -> list[int]:
     """Token slots (batch x length) each call of each mixer's output projection received."""
     seen = []
@@ -102,18 +112,16 @@ UNEQUAL = ([200] + [3 + i % 10 for i in range(30)],)
 """One row: an example of 200 tokens and thirty of 3 to 12 (one padded batch: 31 x 200 slots)."""
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h", "lfm2", "kimi_linear"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "nemotron_h", "lfm2", "kimi_linear"])
 def test_a_row_of_very_unequal_examples_packs_exactly_on_about_its_tokens(family):
     """The logits, summed loss and every gradient against each example alone, on a row one
     padded batch would run as 31 x 200 = 6200 slots for its 425 tokens: the buckets run under
-    1.5x the tokens through each mixer (the spare calls' one token each aside)."""
+    1.5x the tokens through each mixer (the spare calls' one token each aside). From a saved
+    folder, as users load theirs."""
     from exactness import packed_vs_alone
 
     torch.manual_seed(0)
-    config = FAMILIES[family].build_config(family)
-    model = load_model(config, attention="sdpa_varlen", dtype="float32").eval()
-    ref = load_model(config, attention="eager", dtype="float32").eval()
-    ref.load_state_dict(model.state_dict())
+    model, ref = _from_folder(family)
     seen = _slots_seen(model)
     errors = packed_vs_alone(model, ref, lengths=UNEQUAL)
     worst = max(errors, key=errors.get)
@@ -198,9 +206,9 @@ def test_a_spare_output_gets_a_zero_gradient_and_its_backward_runs():
 def test_without_boundaries_the_layer_runs_as_transformers_wrote_it():
     """Generation and callers outside raypack's batches pass no cu_seq_lens_q: the row is one sequence."""
     torch.manual_seed(0)
-    model = load_model("tiny-qwen3_5", attention="sdpa_varlen", dtype="float32").eval()
-    ref = load_model("tiny-qwen3_5", attention="eager", dtype="float32").eval()
-    ref.load_state_dict(model.state_dict())
+    folder = str(saved("tiny-qwen3_5", dtype=torch.float32))
+    model = load_model(folder, attention="sdpa_varlen", dtype="float32").eval()
+    ref = load_model(folder, attention="eager", dtype="float32").eval()
     ids = torch.randint(3, 512, (2, 9))
     with torch.no_grad():
         torch.testing.assert_close(model.model.layers[0].linear_attn(model.model.embed_tokens(ids)),
@@ -261,6 +269,60 @@ def test_transformers_own_torch_path_refuses_what_raypack_runs():
     batch.pop("labels")
     with pytest.raises(ValueError, match=r"can't keep packed sequences apart"):
         model(**batch)
+
+
+def test_a_mixer_hub_kernels_changed_is_refused_naming_what_changed():
+    """transformers' kernelization (the `kernels` package; from_pretrained's default from 5.25, and
+    again at every train() or eval()) removes the instance's forward of a layer decorated for hub
+    kernels, raypack's packed forward with it, and puts hub kernels in place of the functions a
+    layer calls. raypack loads without it; a model in which anything turned it back on is refused,
+    in one line naming the layer and what changed. Here each trait is set by hand, as kernelize
+    sets it (tests/unit/model/test_mixers.py's next test gets it from the `kernels` package)."""
+    import types
+
+    model = load_model(str(saved("tiny-qwen3_5", dtype=torch.float32)), attention="sdpa_varlen", dtype="float32")
+    mixers.check_kept(model, "my-qwen")
+    layer = model.model.layers[0].linear_attn
+    packed = layer.__dict__.pop("forward")  # kernelize's _replace_forward, with no hub layer for the device
+    with pytest.raises(UnsupportedModelError) as e:
+        mixers.check_kept(model, "my-qwen")
+    assert str(e.value) == ("my-qwen: transformers' hub kernels (the kernels package) changed its gated delta rule "
+                            "layer model.layers.0.linear_attn (raypack's packed forward removed), and raypack can't "
+                            "tell that they keep a packed row's examples apart; load it without them: set "
+                            "USE_HUB_KERNELS=NO in the environment")
+    layer.forward = packed
+    hub = types.SimpleNamespace(forward=lambda *args, **kwargs: None)  # a private copy given a hub kernel's forward
+    torch_only = types.SimpleNamespace()
+    layer.__dict__["_kernel_funcs"] = {"torch_chunk_gated_delta_rule": hub, "causal_conv1d_fn": torch_only}
+    with pytest.raises(UnsupportedModelError, match=r"\(torch_chunk_gated_delta_rule replaced\)"):
+        mixers.check_kept(model, "my-qwen")
+    layer.__dict__["_kernel_funcs"] = {"causal_conv1d_fn": torch_only}
+    mixers.check_kept(model, "my-qwen")
+    model._use_kernels = True  # what transformers' train() and eval() read to kernelize again
+    with pytest.raises(UnsupportedModelError, match=r"with hub kernels on \(use_kernels\).*next train\(\) or eval"):
+        mixers.check_kept(model, "my-qwen")
+
+
+def test_from_pretrained_kernelized_would_drop_the_packed_forward(monkeypatch):
+    """With the `kernels` package installed, from_pretrained as transformers 5.25 calls it by
+    default kernelizes the model: on the CPU, Qwen3.5's gated delta rule layer loses raypack's
+    packed forward, and the packed row's boundaries reach transformers' torch fallback, which
+    refuses them inside the workers ("can't keep packed sequences apart"). raypack loads without
+    hub kernels (mixer_kernels.HUB_KERNELS_OFF); asked to load with them, the load is refused."""
+    pytest.importorskip("kernels")
+    from raypack.model import mixer_kernels
+
+    folder = str(saved("tiny-qwen3_5", dtype=torch.float32))
+    assert mixers.HUB_KERNELS_OFF is mixer_kernels.HUB_KERNELS_OFF == {"use_kernels": False}
+    plain = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    if not getattr(plain, "use_kernels", False):
+        pytest.skip(f"transformers {transformers.__version__} does not kernelize by default")
+    model = load_model(folder, attention="sdpa_varlen", dtype="float32")
+    assert not model.use_kernels
+    assert mixer_kernels.swapped(model.model.layers[0].linear_attn, mixers._packed_forward) == []
+    monkeypatch.setattr(mixers, "HUB_KERNELS_OFF", {})
+    with pytest.raises(UnsupportedModelError, match=r"linear_attn \(raypack's packed forward removed\)"):
+        load_model(folder, attention="sdpa_varlen", dtype="float32")
 
 
 def test_a_published_multimodal_qwen3_5_checkpoint_loads_its_text_model(tmp_path):
@@ -526,10 +588,7 @@ def test_kda_is_exact_over_several_of_its_chunks():
     from exactness import packed_vs_alone
 
     torch.manual_seed(0)
-    config = FAMILIES["kimi_linear"].build_config("kimi_linear")
-    model = load_model(config, attention="sdpa_varlen", dtype="float32").eval()
-    ref = load_model(config, attention="eager", dtype="float32").eval()
-    ref.load_state_dict(model.state_dict())
+    model, ref = _from_folder("kimi_linear")
     errors = packed_vs_alone(model, ref, lengths=([150, 1], [70, 40]))
     worst = max(errors, key=errors.get)
     assert errors[worst] < 2e-5, (worst, errors[worst])
