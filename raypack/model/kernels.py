@@ -15,6 +15,13 @@ layers break the graph (a broken checkpointed layer would run eagerly, forward a
 Inductor fuses the memory-bound elementwise work (norms, RoPE, the MLP's activation, the
 residual adds), so with compile `model.kernels: auto` leaves Liger off (KERNELS_COMPILED), and
 `liger` puts Liger's kernels in the graphs as opaque ops (liger_graph.py).
+A module whose class the `kernels` package decorated for hub kernel functions (transformers 5.25
+installs it: Llama's attention, for RoPE) sets a context variable on every call to route those
+functions to the instance's private copies (`_kernel_funcs`), a side effect Dynamo won't trace
+inside a checkpoint ("HOP: Unsafe side effect"). Where no copy holds a hub kernel (raypack loads
+packed models without them: mixer_kernels.HUB_KERNELS_OFF), each copy runs the function's own
+code, as the unrouted call does, so the routing is taken off the instance before compiling
+(`_unrouted`); where one does, the check refuses, naming the cause.
 Refused under ZeRO-3, whose weight gathers run in hooks on every submodule that a compiled layer
 would have to trace, and with sequence parallelism, which no test has run compiled.
 
@@ -83,10 +90,47 @@ def compile_layers(model: nn.Module) -> int:
     """torch.compile each decoder layer in place (see the module doc); returns how many."""
     layers = decoder_layers(model, "train.compile")
     attention.prepare_compile()
+    _unrouted(layers)
     _liger_into_graphs(layers)
     for layer in layers:
         layer.compile(dynamic=True)
     return len(layers)
+
+
+def _routed(module: nn.Module) -> bool | None:
+    """None: `module` routes no hub kernel functions (see the module doc); False: it routes them,
+    to private copies that all run the functions' own code; True: a copy holds a hub kernel."""
+    copies = module.__dict__.get("_kernel_funcs")
+    if not isinstance(copies, dict):
+        return None
+    return any("forward" in vars(copy) for copy in copies.values())  # a hub kernel's forward set on the copy
+
+
+def _routing_wrapped(module: nn.Module):
+    """The forward that `module`'s class forward routes kernel functions around, or None where that
+    class forward is not the router: it wraps the function (`__wrapped__`) and closes over it and
+    over the functions `_kernel_funcs` names (a subclass's own forward would not)."""
+    forward = type(module).forward
+    inner = getattr(forward, "__wrapped__", None)
+    cells = [cell.cell_contents for cell in (getattr(forward, "__closure__", None) or ())]
+    named = {getattr(f, "__name__", None) or getattr(f, "kernel_layer_name", None)
+             for cell in cells if isinstance(cell, tuple) for f in cell}  # fmt: skip
+    if inner is None or not any(cell is inner for cell in cells) or not set(module._kernel_funcs) <= named:
+        return None
+    return inner
+
+
+def _unrouted(layers: nn.Module) -> int:
+    """Take the kernel-function routing off every module under `layers` whose private copies all
+    run the functions' own code: the instance's forward becomes the one the router wraps. Returns
+    how many."""
+    done = 0
+    for module in layers.modules():
+        if _routed(module) is False and "forward" not in module.__dict__:
+            if (inner := _routing_wrapped(module)) is not None:
+                module.forward = inner.__get__(module)
+                done += 1
+    return done
 
 
 def check_compiled(model: nn.Module, batch: dict) -> int:
@@ -114,10 +158,14 @@ def check_compiled(model: nn.Module, batch: dict) -> int:
     breaks = {why: n - before.get(why, 0) for why, n in counters["graph_break"].items() if n > before.get(why, 0)}
     if breaks:
         reasons = "; ".join(why.strip().splitlines()[0][:200] for why in breaks)
+        hub = sorted({type(m).__name__ for m in decoder_layers(model, "train.compile").modules() if _routed(m)})
+        cause = (f"; {', '.join(hub)} call hub kernels, routed through a context variable set on every call, which "
+                 "Dynamo won't trace inside a checkpoint: set USE_HUB_KERNELS=NO in the environment, or"
+                 if hub else "; ")  # fmt: skip
         raise UnsupportedModelError(
             f"train.compile: {type(model).__name__}'s decoder layers don't compile whole, so a compiled layer would "
-            f"run eagerly where it breaks, and a checkpointed one entirely (Dynamo's graph breaks: {reasons}); set "
-            "train.compile: false"
+            f"run eagerly where it breaks, and a checkpointed one entirely (Dynamo's graph breaks: {reasons}){cause} "
+            "set train.compile: false"
         )
     if eager:
         layers = len(decoder_layers(model, "train.compile"))
