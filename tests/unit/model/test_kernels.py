@@ -90,6 +90,39 @@ def test_more_families_compiled(family):
     _compiled_training_vs_alone(family, "full")
 
 
+def test_the_kernels_packages_routing_is_taken_off_where_it_routes_to_the_functions_own_code():
+    """transformers 5.25 installs the `kernels` package, whose decorator wraps Llama's attention in a
+    forward that sets a context variable on every call (routing RoPE to the instance's private
+    copy): inside a checkpoint Dynamo refuses that ("HOP: Unsafe side effect"), and train.compile
+    with checkpointing was refused. Where every copy runs the function's own code, compile_layers
+    takes the routing off, the layers computing the same; where a copy holds a hub kernel (its
+    own forward) the routing stays, and check_compiled's refusal would name it. Compiled whole in
+    test_compiled_layers_train_exactly_checkpointed_whole_without_recompiling."""
+    import types
+
+    pytest.importorskip("kernels")
+    from raypack.train.objectives.loss import probe_batch
+
+    torch.manual_seed(0)
+    model = load_model("tiny-llama", attention="sdpa_varlen", dtype="float32")
+    layers = kernels.decoder_layers(model, "test")
+    routed = [m for m in layers.modules() if kernels._routed(m) is not None]
+    if not routed:
+        pytest.skip("no module here routes kernel functions")
+    probe = {k: v for k, v in probe_batch(1024, padded=False).items() if k != "labels"}
+    with torch.no_grad():
+        before = model(**probe).logits
+    hub = routed[0]
+    copy = next(iter(hub._kernel_funcs.values()))
+    copy.forward = types.MethodType(type(copy).forward, copy)  # as kernelize sets a hub kernel's
+    assert kernels._unrouted(layers) == len(routed) - 1
+    assert "forward" not in vars(hub) and all("forward" in vars(m) for m in routed[1:])
+    del copy.forward
+    assert kernels._unrouted(layers) == 1 and kernels._unrouted(layers) == 0
+    with torch.no_grad():
+        assert torch.equal(model(**probe).logits, before)
+
+
 def test_a_layer_that_breaks_the_graph_is_refused_before_training():
     """A graph break inside a checkpointed layer would run the whole layer eagerly: the setup
     probe refuses it, naming the break (here: attention that reads a row's boundaries on the host)."""
