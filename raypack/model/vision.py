@@ -96,9 +96,10 @@ def load_vlm(source, attention: str, dtype: torch.dtype, trust_remote_code: bool
     if isinstance(source, PretrainedConfig):
         model = build_vlm(source, attention, dtype, check=False)
     else:
+        # packed: the layers raypack checks, not hub kernels transformers would swap in (mixer_kernels)
         model = AutoModelForImageTextToText.from_pretrained(
             source, attn_implementation=attn_implementation(AutoConfig.from_pretrained(source), attention),
-            dtype=dtype, trust_remote_code=trust_remote_code)  # fmt: skip
+            dtype=dtype, trust_remote_code=trust_remote_code, **(mixers.HUB_KERNELS_OFF if packed else {}))  # fmt: skip
     if packed and check:
         check_vlm_packable(model, name or type(model.config).__name__, attention)
     if packed:
