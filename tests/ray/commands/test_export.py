@@ -185,6 +185,21 @@ def test_a_step_without_a_checkpoint_is_one_line_naming_the_run_and_its_steps(fu
     assert not (tmp_path / "x").exists()
 
 
+def reseeded(run: Path, tmp_path: Path) -> Path:
+    """A copy of `run` whose saved config has another train.seed: a tiny base rebuilt from it is
+    not the one the run trained on, so export must take the final checkpoint's base/."""
+    import dataclasses
+
+    from raypack import runs
+    from raypack.config import dumps
+
+    copy = tmp_path / f"{run.name}-reseeded"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("packed", "tensorboard", "export"))
+    cfg = runs.saved_config(str(copy))
+    (copy / runs.SAVED_CONFIG).write_text(dumps(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=1))))
+    return copy
+
+
 def test_a_uri_run_is_downloaded_and_needs_out(full_run, lora_run, tmp_path, capsys):
     """`file://` stands for object storage: the same pyarrow filesystem calls reach S3 or GCS."""
     from safetensors.torch import load_file
@@ -193,9 +208,10 @@ def test_a_uri_run_is_downloaded_and_needs_out(full_run, lora_run, tmp_path, cap
 
     code, _, err = export(capsys, f"file://{full_run}", "--checkpoint", 2)
     assert code == 2 and "name a local folder for the export with --out" in err, err
-    for run in (full_run, lora_run):  # LoRA: the base weights come from the final base/, downloaded too
-        code, _, err = export(capsys, f"file://{run}", "--checkpoint", 2, "--out", tmp_path / run.name / "uri")
+    for run in (full_run, reseeded(lora_run, tmp_path)):  # LoRA: the base weights from the final base/, downloaded
+        code, out, err = export(capsys, f"file://{run}", "--checkpoint", 2, "--out", tmp_path / run.name / "uri")
         assert code == 0, err
+        assert run == full_run or "/base: their checksums match" in out, out
         export_here(str(run), step=2, out=str(tmp_path / run.name / "local"), log=lambda line: None)
         ours = load_file(tmp_path / run.name / "uri" / "model" / "model.safetensors")
         local = load_file(tmp_path / run.name / "local" / "model" / "model.safetensors")
@@ -211,8 +227,9 @@ def test_lora_middle_checkpoint_exports_adapter_merged_model_and_base_that_agree
     assert code == 0, err
     folder = lora_run / "export" / "step_2"
     assert {p.name for p in folder.iterdir()} == {"adapter", "model", "base", "raypack_export.json"}
-    # the base came from the run's final base/, checked against the checkpoint's checksums
-    assert "base weights from " in out and "/base: their checksums match the checkpoint's" in out
+    # the base rebuilt from train.seed (ZeRO-3 builds a tiny model as every engine and stage does),
+    # checked against the checkpoint's checksums
+    assert "base weights from tiny-llama initialized with train.seed=0: their checksums match" in out
     base = f'AutoModelForCausalLM.from_pretrained("{folder}/base")'
     assert f'PeftModel.from_pretrained({base}, "{folder}/adapter")' in out
 
@@ -233,32 +250,24 @@ def test_lora_middle_checkpoint_exports_adapter_merged_model_and_base_that_agree
 
 
 def test_lora_without_its_base_weights_is_refused_and_adapter_only_still_exports(lora_run, tmp_path, capsys):
-    """A ZeRO-3 run whose base was built from a config and that has not finished (no final base/):
-    its base is rebuilt from train.seed, as every rank built it. With another seed in its saved
-    config (the base model.name names now differs from the one it trained on) the merged model
-    can't be made exactly, and is refused; the adapter alone can be exported."""
-    import dataclasses
-
+    """A ZeRO-3 run whose base was built from a config, with another train.seed in its saved config
+    (what model.name names is not what it trained on): the base comes from the run's final base/,
+    whose checksums match; without base/ (the run unfinished) the merged model can't be made
+    exactly, and is refused; the adapter alone can be exported, and chat says it has no base."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import load_file
 
-    from raypack import runs
-    from raypack.config import dumps
-
-    copy = tmp_path / lora_run.name
-    shutil.copytree(lora_run, copy, ignore=shutil.ignore_patterns("packed", "tensorboard", "export", "base",
-                                                                 "raypack_result.json"))
-    code, out, err = export(capsys, copy, "--checkpoint", 2, "--out", tmp_path / "rebuilt")
+    copy = reseeded(lora_run, tmp_path)
+    code, out, err = export(capsys, copy, "--checkpoint", 2, "--out", tmp_path / "from-base")
     assert code == 0, err
-    assert "base weights from tiny-llama initialized with train.seed=0: their checksums match" in out
-    code, _, err = export(capsys, lora_run, "--checkpoint", 2, "--out", tmp_path / "from-base")  # the final base/
+    assert "initialized with train.seed=1" not in out and "/base: their checksums match the checkpoint's" in out
+    code, _, err = export(capsys, lora_run, "--checkpoint", 2, "--out", tmp_path / "from-seed")
     assert code == 0, err
-    ours = load_file(tmp_path / "rebuilt" / "model" / "model.safetensors")
-    theirs = load_file(tmp_path / "from-base" / "model" / "model.safetensors")
+    ours, theirs = (load_file(tmp_path / f / "model" / "model.safetensors") for f in ("from-base", "from-seed"))
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
-    cfg = runs.saved_config(str(copy))
-    (copy / runs.SAVED_CONFIG).write_text(dumps(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=1))))
+    for base in copy.glob("checkpoint_*/base"):
+        shutil.rmtree(base)
     code, _, err = export(capsys, copy, "--checkpoint", 2, "--out", tmp_path / "merged")
     assert code == 2 and err.count("\n") == 1, err
     assert "were trained on other base weights than" in err and "--adapter-only" in err
