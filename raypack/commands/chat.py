@@ -2,12 +2,14 @@
 
     raypack chat RUN                        # a run folder: its final model/, or its last checkpoint exported
     raypack chat RUN/export/step_200/model  # any Hugging Face model folder with a chat template
+    raypack chat RUN/export/step_200/adapter   # a peft adapter folder, loaded onto its base
     raypack chat MODEL_DIR --prompt "Hi" --temperature 0     # answer once, for scripts
     raypack chat VLM_DIR --image cat.png --prompt "What is it?"   # a vision-language model
 
 In the conversation, `/reset` starts a new one, `/image PATH` puts an image before the next
 message (a vision-language model), and `/exit` (or Ctrl-D) ends it; Ctrl-C ends it too, with exit
-code 130; `--image` goes with the first message. A run that has not finished (no final model/, or one with merge: false)
+code 130; `--image` goes with the first message. A peft adapter folder (LoRA's adapter/) loads onto
+the base/ an export writes beside it, else the base its adapter_config.json names. A run that has not finished (no final model/, or one with merge: false)
 has its last checkpoint exported into a temporary folder first (raypack/train/export.py), which is
 removed on exit. No Ray: one process, on CUDA when there is one, else on the CPU. Status lines go
 to stderr, so `--prompt` prints the answer alone on stdout.
@@ -23,7 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from raypack import runs, storage
-from raypack.train.chat import Chat, ChatError, model_folder
+from raypack.train.chat import Chat, ChatError, adapter_base, is_adapter, model_folder
 from raypack.train.stop import signal_of
 
 USER, ASSISTANT = "user> ", "assistant> "
@@ -38,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         with model_of(args.target) as target:
             folder = model_folder(target)
-            say(f"loading {folder}")
+            say(f"loading the peft adapter {folder} onto {adapter_base(folder)}" if is_adapter(folder) else
+                f"loading {folder}")
             chat = Chat.load(folder, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              max_image_pixels=args.max_image_pixels)
             images = list(args.image or ())

@@ -8,8 +8,8 @@
 RUN is a run folder (<run.storage_path>/<run.name>), local or a URI, from any working folder.
 The weights are consolidated on the CPU from every rank's DeepSpeed shard; nothing starts Ray.
 The output has the final checkpoint's layout: model/, or with LoRA adapter/ (peft), the merged
-model/ (model.peft.merge) and base/ (for a base built from a config). The library side is
-raypack/train/export.py.
+model/ (model.peft.merge) and base/ (for a base built from a config); `raypack chat` loads any of
+them (an adapter onto its base). The library side is raypack/train/export.py.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ def how_to_load(done: Exported) -> list[str]:
     if "adapter" in done.folders:
         base = f'AutoModelForCausalLM.from_pretrained("{done.base}")' if done.base else "<the base model>"
         lines.append(f'peft:         PeftModel.from_pretrained({base}, "{done.out}/adapter")')
+        if "model" not in done.folders and done.base:  # chat loads the adapter onto its base (train/chat.py)
+            lines.append(f"chat:         raypack chat {done.out}/adapter")
     return lines
 
 

@@ -149,14 +149,30 @@ def frozen_digest(model: nn.Module) -> int:
     """A checksum of the bits of this rank's frozen weights (under ZeRO-3, its partition of them):
     it changes if any bit of any frozen weight does, short of a collision. Computed on the weights'
     device, a few int64 sums per tensor, so it costs seconds even for 70B."""
+    _at_rest(model)
     return tensor_digest(_held(p) for _, p in _frozen(model))
 
 
 def weights_digest(model: nn.Module, frozen_only: bool = False) -> int:
     """`frozen_digest` over every weight of this rank (or the frozen ones alone): what identifies
     the starting weights of a DPO reference (raypack/train/objectives/dpo_reference.py)."""
+    _at_rest(model)
     params = _frozen(model) if frozen_only else sorted(model.named_parameters(), key=lambda item: item[0])
     return tensor_digest(_held(p) for _, p in params)
+
+
+def _at_rest(model: nn.Module) -> None:
+    """FSDP2's units back to their shards. A unit that keeps its weights gathered after its forward
+    (train.zero_stage 1-2, and the root at every stage) registers the whole tensors as its
+    parameters until a backward reshards it, and the loss probe's forward has none: a digest
+    taken then would be of every weight on every rank, not of the `fsdp` shards
+    `expected_digests` rebuilds, and one taken at the last step of what that step left gathered.
+    Resharding only frees the gathered copies (no collective); the next forward gathers again."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _held(p: nn.Parameter) -> torch.Tensor:

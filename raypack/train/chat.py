@@ -46,18 +46,47 @@ class ChatError(InputError):
     """A folder raypack can't chat with (the message names it)."""
 
 
+ADAPTER_CONFIG = "adapter_config.json"
+"""What marks a peft adapter folder (adapter/ of an export or a LoRA run's checkpoint)."""
+
+
 def model_folder(path: str | Path) -> Path:
-    """The Hugging Face model folder at `path`, or its model/ (an export or a final checkpoint)."""
+    """The Hugging Face model folder or peft adapter folder at `path`, or else its model/ (an
+    export or a final checkpoint), or else its adapter/ (an export with --adapter-only)."""
     path = Path(path).expanduser().resolve()
     if not path.exists():
         raise ChatError(f"{path}: no such folder")
-    for folder in (path, path / "model"):
-        if (folder / "config.json").exists():
+    for folder in (path, path / "model", path / "adapter"):
+        if (folder / "config.json").exists() or (folder / ADAPTER_CONFIG).exists():
             return folder
-    if (path / "adapter_config.json").exists():
-        raise ChatError(f"{path} holds a peft adapter, not a model: chat with the merged model/ beside it "
-                        "(model.peft.merge), or with the run folder")
-    raise ChatError(f"{path}: no Hugging Face model there (no config.json), nor a run folder")
+    raise ChatError(f"{path}: no Hugging Face model there (no config.json), nor a peft adapter "
+                    f"({ADAPTER_CONFIG}), nor a run folder")
+
+
+def is_adapter(folder: Path) -> bool:
+    return (folder / ADAPTER_CONFIG).exists() and not (folder / "config.json").exists()
+
+
+def adapter_base(adapter: Path) -> str:
+    """What the peft adapter in `adapter` loads onto: the base/ an export writes beside it (a base
+    built from a config, which no name reaches), else the base its adapter_config.json names (the
+    run's model.name: a folder, or a hub name from_pretrained fetches). A ChatError naming the file
+    for an adapter whose base can't be found."""
+    beside = adapter.parent / "base"
+    if (beside / "config.json").exists():
+        return str(beside)
+    try:
+        named = json.loads((adapter / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or ""
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ChatError(f"{adapter / ADAPTER_CONFIG}: not valid JSON ({_first_line(e)}); {AGAIN}") from None
+    if not named:
+        raise ChatError(f"{adapter / ADAPTER_CONFIG} names no base model (base_model_name_or_path) and no base/ is "
+                        "beside it: a base built from a config (a tiny- model) is saved by the run's final checkpoint "
+                        "and by raypack export without --adapter-only, as base/ beside adapter/")
+    if named.startswith(("/", ".", "~")) and not Path(named).expanduser().exists():
+        raise ChatError(f"{adapter / ADAPTER_CONFIG}: its base model {named} is not there any more; put the folder "
+                        "back, or chat with a merged model/")
+    return named
 
 
 AGAIN = "export it again (raypack export RUN --out FOLDER), or chat with the run folder"
@@ -131,8 +160,14 @@ class Chat:
 
     @classmethod
     def load(cls, path: str | Path, device: str | None = None, **kwargs) -> Chat:
+        """The model at `path` (model_folder), or a peft adapter on its base (adapter_base): the
+        tokenizer and image processor from the folder itself (training saves them beside the
+        adapter too), the weights from the base with the adapter on them."""
         folder = model_folder(path)
-        check_model_files(folder)
+        adapter = folder if is_adapter(folder) else None
+        weights = adapter_base(adapter) if adapter else folder
+        if Path(weights).exists():
+            check_model_files(Path(weights))
         try:
             tokenizer = AutoTokenizer.from_pretrained(folder)
         except (OSError, ValueError) as e:
@@ -141,7 +176,7 @@ class Chat:
             raise ChatError(f"{folder}: its tokenizer has no chat template (raypack saves the one training used)")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         images, auto = None, AutoModelForCausalLM
-        if is_vlm(AutoConfig.from_pretrained(folder)):
+        if is_vlm(AutoConfig.from_pretrained(weights)):
             try:
                 images = ImageTokenizer(AutoImageProcessor.from_pretrained(folder), tokenizer, processor_settings(folder))
             except (OSError, ValueError) as e:
@@ -149,9 +184,14 @@ class Chat:
                                 f"({_first_line(e)}); {AGAIN}") from e
             auto = AutoModelForImageTextToText
         try:
-            model = auto.from_pretrained(folder, dtype="auto").to(device).eval()
+            model = auto.from_pretrained(weights, dtype="auto")
+            if adapter is not None:
+                from peft import PeftModel
+
+                model = PeftModel.from_pretrained(model, adapter)
+            model = model.to(device).eval()
         except (OSError, ValueError, RuntimeError, SafetensorError) as e:  # a truncated or foreign weights file
-            raise ChatError(f"{folder}: can't load its model ({_first_line(e)}); {AGAIN}") from e
+            raise ChatError(f"{adapter or folder}: can't load its model ({_first_line(e)}); {AGAIN}") from e
         return cls(model, tokenizer, images=images, **kwargs)
 
     @property

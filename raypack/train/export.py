@@ -16,8 +16,9 @@ the TrainState inside the checkpoint confirms the step.
 
 Exact or refused. A full fine-tune's weights are all in the checkpoint. With LoRA the frozen base
 weights are not: they come from where training took them (model.name, or for a base built from a
-config, the train.seed init or the run's final base/), and must match the checksums of them that
-the checkpoint carries (`adapters.expected_digests`), or the export stops. QLoRA's adapters were
+config, the train.seed init, which every engine and stage builds alike, or the run's final base/),
+and must match the checksums of them that the checkpoint carries (each rank's: its whole copy, or
+its ZeRO-3 or FSDP2 shard, `adapters.expected_digests`), or the export stops. QLoRA's adapters were
 trained on 4-bit weights, which no merged full-precision model reproduces: only `adapter_only`.
 """
 
@@ -315,8 +316,9 @@ def adapted_model(cfg: Config, saved: Saved, vocab_size: int, root: str, log: Ca
         tried.append(what)
     raise ExportError(f"run {root}: the checkpoint's adapters were trained on other base weights than "
                       f"{' or '.join(tried)} hold (their checksums differ): model.name now names other weights, "
-                      "or, for a base built from a config, the run has not finished (no base/ yet) and its init "
-                      "under ZeRO-3 is not reproducible here; export the adapter alone with --adapter-only")
+                      "or, for a base built from a config, the run has not finished (no base/ yet) and its "
+                      "train.seed or its init differ (a ZeRO-3 run from before tiny models were built whole); "
+                      "export the adapter alone with --adapter-only")
 
 
 def _base_sources(cfg: Config, root: str, vocab_size: int, dtype: torch.dtype):

@@ -29,6 +29,7 @@ after the next step is enqueued (raypack/train/stepvalues.py), or before a repor
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
@@ -88,8 +89,13 @@ def setup(cfg: Config, data: Prepared, world_size: int, clock: Startup | None = 
     if rank == 0:
         print(f"[raypack] gradient checkpointing: {mode} ({why})", flush=True)
     # Under ZeRO-3 (zero.Init) and FSDP2 (the meta device on ranks > 0) no rank's GPU holds the
-    # whole model at any time (8 x 140 GB for 70B otherwise): engines.building.
-    with engines.building(cfg.train, dtype=compute, world_size=world_size):
+    # whole model at any time (8 x 140 GB for 70B otherwise): engines.building. Not a tiny model
+    # built from a config under DeepSpeed: zero.Init initialises it module by module, gathered,
+    # drawing other numbers from train.seed than a plain build, so ZeRO-3 trained from another
+    # start than ZeRO 0-2, the torch engine and export's rebuild of it. Built whole on every rank
+    # (it is tiny), it is partitioned by deepspeed.initialize instead.
+    whole = cfg.train.engine == "deepspeed" and m.name.startswith("tiny-")
+    with contextlib.nullcontext() if whole else engines.building(cfg.train, dtype=compute, world_size=world_size):
         model = load_model(
             m.name,
             # Padded batches carry an attention_mask, which the model's own SDPA handles; packed rows
@@ -112,6 +118,11 @@ def setup(cfg: Config, data: Prepared, world_size: int, clock: Startup | None = 
     # before adapters wrap its modules
     apply_kernels(model, m.kernels, "cuda" if cfg.train.use_gpu else "cpu", compiled=cfg.train.compile)
     if m.peft.enabled:
+        # The adapters' random init (and every draw after it) from train.seed alone, not from what
+        # building the base left of the generator: ZeRO-3's zero.Init initialises the base another
+        # way (gathered, on rank 0) than a plain build, and a loaded checkpoint draws nothing, so
+        # without this ZeRO-3 trained other adapters than ZeRO 0-2 and the torch engine.
+        torch.manual_seed(cfg.train.seed)
         model = apply_adapters(model, m.peft, m.name)
     if m.tiled_mlp_tokens:
         tile_mlps(model, m.tiled_mlp_tokens)

@@ -1,5 +1,8 @@
-"""`raypack export` (and `raypack chat` on a run folder) on real runs: one ZeRO-3 fine-tune and
-one ZeRO-3 LoRA run of the tiny model, 4 steps each with a checkpoint every 2, shared by the tests.
+"""`raypack export`, then `raypack chat` on what it wrote, on real runs of 4 steps each with a
+checkpoint every 2, shared by the tests: a ZeRO-3 fine-tune and a ZeRO-3 LoRA run of the tiny
+model built from its config, the same LoRA run on the torch engine's FSDP2 (its losses equal the
+ZeRO-3 run's step by step: one base and one adapter init under every engine and stage), and a
+ZeRO-2 LoRA run from a saved bf16 folder, as users train a published checkpoint.
 
 The references are independent of the export's code: the middle checkpoint against the output of
 the `zero_to_fp32.py` script DeepSpeed saved into that checkpoint, the last against the final
@@ -22,6 +25,7 @@ import torch
 from raypack.cli import main
 from raypack.config import load
 
+from answers import greedy
 from paths import REPO
 
 pytestmark = pytest.mark.ray
@@ -52,9 +56,30 @@ def full_run(ray_local, runs_dir) -> Path:
     return train(runs_dir)
 
 
+LORA = ("model.peft.method=lora", "model.peft.r=4", "train.lr=1e-2")
+
+
 @pytest.fixture(scope="module")
 def lora_run(ray_local, runs_dir) -> Path:
-    return train(runs_dir, "model.peft.method=lora", "model.peft.r=4", "train.lr=1e-2")
+    return train(runs_dir, *LORA)
+
+
+@pytest.fixture(scope="module")
+def torch_lora_run(ray_local, runs_dir) -> Path:
+    """lora_run on the torch engine (FSDP2, stage 2), with no merged model/ (model.peft.merge=false)."""
+    return train(runs_dir, *LORA, "train.engine=torch", "train.zero_stage=2", "model.peft.merge=false")
+
+
+@pytest.fixture(scope="module")
+def saved_lora_run(ray_local, runs_dir) -> Path:
+    """A published checkpoint's LoRA run: the base a saved bf16 folder, as users load theirs."""
+    from checkpoints import saved
+    from transformers import AutoTokenizer
+
+    from raypack.config import ASSETS
+
+    base = saved("tiny-llama", vocab_size=len(AutoTokenizer.from_pretrained(ASSETS / "tokenizer")))
+    return train(runs_dir, *LORA, f"model.name={base}", "model.dtype=bfloat16", "train.zero_stage=2")
 
 
 def checkpoints(run: Path) -> dict[int, Path]:
@@ -160,6 +185,21 @@ def test_a_step_without_a_checkpoint_is_one_line_naming_the_run_and_its_steps(fu
     assert not (tmp_path / "x").exists()
 
 
+def reseeded(run: Path, tmp_path: Path) -> Path:
+    """A copy of `run` whose saved config has another train.seed: a tiny base rebuilt from it is
+    not the one the run trained on, so export must take the final checkpoint's base/."""
+    import dataclasses
+
+    from raypack import runs
+    from raypack.config import dumps
+
+    copy = tmp_path / f"{run.name}-reseeded"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("packed", "tensorboard", "export"))
+    cfg = runs.saved_config(str(copy))
+    (copy / runs.SAVED_CONFIG).write_text(dumps(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=1))))
+    return copy
+
+
 def test_a_uri_run_is_downloaded_and_needs_out(full_run, lora_run, tmp_path, capsys):
     """`file://` stands for object storage: the same pyarrow filesystem calls reach S3 or GCS."""
     from safetensors.torch import load_file
@@ -168,9 +208,10 @@ def test_a_uri_run_is_downloaded_and_needs_out(full_run, lora_run, tmp_path, cap
 
     code, _, err = export(capsys, f"file://{full_run}", "--checkpoint", 2)
     assert code == 2 and "name a local folder for the export with --out" in err, err
-    for run in (full_run, lora_run):  # LoRA: the base weights come from the final base/, downloaded too
-        code, _, err = export(capsys, f"file://{run}", "--checkpoint", 2, "--out", tmp_path / run.name / "uri")
+    for run in (full_run, reseeded(lora_run, tmp_path)):  # LoRA: the base weights from the final base/, downloaded
+        code, out, err = export(capsys, f"file://{run}", "--checkpoint", 2, "--out", tmp_path / run.name / "uri")
         assert code == 0, err
+        assert run == full_run or "/base: their checksums match" in out, out
         export_here(str(run), step=2, out=str(tmp_path / run.name / "local"), log=lambda line: None)
         ours = load_file(tmp_path / run.name / "uri" / "model" / "model.safetensors")
         local = load_file(tmp_path / run.name / "local" / "model" / "model.safetensors")
@@ -186,8 +227,9 @@ def test_lora_middle_checkpoint_exports_adapter_merged_model_and_base_that_agree
     assert code == 0, err
     folder = lora_run / "export" / "step_2"
     assert {p.name for p in folder.iterdir()} == {"adapter", "model", "base", "raypack_export.json"}
-    # the base came from the run's final base/, checked against the checkpoint's checksums
-    assert "base weights from " in out and "/base: their checksums match the checkpoint's" in out
+    # the base rebuilt from train.seed (ZeRO-3 builds a tiny model as every engine and stage does),
+    # checked against the checkpoint's checksums
+    assert "base weights from tiny-llama initialized with train.seed=0: their checksums match" in out
     base = f'AutoModelForCausalLM.from_pretrained("{folder}/base")'
     assert f'PeftModel.from_pretrained({base}, "{folder}/adapter")' in out
 
@@ -208,14 +250,24 @@ def test_lora_middle_checkpoint_exports_adapter_merged_model_and_base_that_agree
 
 
 def test_lora_without_its_base_weights_is_refused_and_adapter_only_still_exports(lora_run, tmp_path, capsys):
-    """A ZeRO-3 run whose base was built from a config and that has not finished (no final base/):
-    its init can't be reproduced here, so the merged model can't be made exactly; the adapter can."""
+    """A ZeRO-3 run whose base was built from a config, with another train.seed in its saved config
+    (what model.name names is not what it trained on): the base comes from the run's final base/,
+    whose checksums match; without base/ (the run unfinished) the merged model can't be made
+    exactly, and is refused; the adapter alone can be exported, and chat says it has no base."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import load_file
 
-    copy = tmp_path / lora_run.name
-    shutil.copytree(lora_run, copy, ignore=shutil.ignore_patterns("packed", "tensorboard", "export", "base",
-                                                                 "raypack_result.json"))
+    copy = reseeded(lora_run, tmp_path)
+    code, out, err = export(capsys, copy, "--checkpoint", 2, "--out", tmp_path / "from-base")
+    assert code == 0, err
+    assert "initialized with train.seed=1" not in out and "/base: their checksums match the checkpoint's" in out
+    code, _, err = export(capsys, lora_run, "--checkpoint", 2, "--out", tmp_path / "from-seed")
+    assert code == 0, err
+    ours, theirs = (load_file(tmp_path / f / "model" / "model.safetensors") for f in ("from-base", "from-seed"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+    for base in copy.glob("checkpoint_*/base"):
+        shutil.rmtree(base)
     code, _, err = export(capsys, copy, "--checkpoint", 2, "--out", tmp_path / "merged")
     assert code == 2 and err.count("\n") == 1, err
     assert "were trained on other base weights than" in err and "--adapter-only" in err
@@ -224,12 +276,94 @@ def test_lora_without_its_base_weights_is_refused_and_adapter_only_still_exports
     code, out, err = export(capsys, copy, "--checkpoint", 2, "--out", tmp_path / "alone", "--adapter-only")
     assert code == 0, err
     assert {p.name for p in (tmp_path / "alone").iterdir()} == {"adapter", "raypack_export.json"}
+    assert "raypack chat" not in out  # no base to chat with: built from a config, not saved with it
     alone = load_file(tmp_path / "alone" / "adapter" / "adapter_model.safetensors")
     trained = get_fp32_state_dict_from_zero_checkpoint(str(checkpoints(copy)[2]), tag="ds",
                                                        exclude_frozen_parameters=True)
     # peft's files drop the adapter's name ("default") from the keys
     assert alone.keys() == {k.replace(".default", "") for k in trained}
     assert all(torch.equal(alone[k.replace(".default", "")], v) for k, v in trained.items())
+    assert main(["chat", str(tmp_path / "alone"), "--prompt", "hi"]) == 2
+    assert "names no base model (base_model_name_or_path) and no base/ is beside it" in capsys.readouterr().err
+
+
+def chat(capsys, target: Path) -> tuple[str, str]:
+    """`raypack chat TARGET --prompt hello --temperature 0`: its answer (stdout) and status lines."""
+    assert main(["chat", str(target), "--prompt", "hello", "--temperature", "0", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr()
+    return out.out, out.err
+
+
+def adapted(base, adapter):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype="auto"), adapter)
+
+
+def test_torch_engine_lora_exports_and_trains_the_losses_of_zero3(lora_run, torch_lora_run, capsys):
+    """FSDP2's LoRA checkpoint exports (its frozen weights' checksums are of each rank's shard, as
+    export rebuilds them), as adapter/ beside base/ (merge: false), which chat loads; the run's
+    losses are the ZeRO-3 run's step by step, and so are its adapters."""
+    from trackfiles import tensorboard_scalars
+
+    ours, theirs = (tensorboard_scalars(run / "tensorboard") for run in (torch_lora_run, lora_run))
+    losses = sorted(tag for tag in theirs if tag.endswith("loss"))
+    assert losses and all(sorted(ours[tag]) == sorted(theirs[tag]) for tag in losses), (ours.keys(), losses)
+    for tag in losses:
+        for step, value in theirs[tag].items():
+            assert ours[tag][step] == pytest.approx(value, rel=1e-5), (tag, step)
+
+    code, out, err = export(capsys, torch_lora_run, "--checkpoint", 2)
+    assert code == 0, err
+    folder = torch_lora_run / "export" / "step_2"
+    assert {p.name for p in folder.iterdir()} == {"adapter", "base", "raypack_export.json"}
+    assert "base weights from tiny-llama initialized with train.seed=0: their checksums match" in out
+    assert f"chat:         raypack chat {folder}/adapter" in out
+    model = adapted(folder / "base", folder / "adapter")
+    code, _, err = export(capsys, lora_run, "--checkpoint", 2, "--out", folder.parent / "zero3")
+    assert code == 0, err
+    with torch.no_grad():  # the two engines' adapters of step 2, each on its own export's base
+        torch.testing.assert_close(model(input_ids=IDS).logits, logits(folder.parent / "zero3" / "model"),
+                                   rtol=1e-4, atol=1e-5)
+    for target in (folder, folder / "adapter"):
+        answer, status = chat(capsys, target)
+        assert answer == greedy(model, folder / "adapter") + "\n"
+        assert f"loading the peft adapter {folder}/adapter onto {folder}/base" in status
+
+
+def test_a_saved_bf16_base_exports_adapter_and_merged_model_that_chat_loads(saved_lora_run, capsys):
+    """A run from a saved bf16 folder (model.name a folder, as a published checkpoint): export
+    takes the base from that folder (its checksums match), writes bf16, and chat answers through
+    the merged model/, through adapter/ on the folder it names, and through an --adapter-only export."""
+    from transformers import AutoModelForCausalLM
+
+    base = runs_config(saved_lora_run).model.name
+    code, out, err = export(capsys, saved_lora_run)
+    assert code == 0, err
+    folder = saved_lora_run / "export" / "step_4"
+    assert {p.name for p in folder.iterdir()} == {"adapter", "model", "raypack_export.json"}
+    assert f"base weights from {base}: their checksums match" in out and "(bfloat16)" in out
+    merged = AutoModelForCausalLM.from_pretrained(folder / "model", dtype="auto")
+    assert merged.dtype == torch.bfloat16
+    answer, status = chat(capsys, folder)
+    assert answer == greedy(merged, folder / "model") + "\n" and f"loading {folder}/model" in status
+    model = adapted(base, folder / "adapter")
+    expected = greedy(model, folder / "adapter") + "\n"
+    answer, status = chat(capsys, folder / "adapter")
+    assert answer == expected and f"onto {base}" in status
+
+    code, out, err = export(capsys, saved_lora_run, "--adapter-only", "--out", folder.parent / "alone")
+    assert code == 0, err
+    assert f"chat:         raypack chat {folder.parent}/alone/adapter" in out
+    answer, _ = chat(capsys, folder.parent / "alone")
+    assert answer == expected
+
+
+def runs_config(run: Path):
+    from raypack import runs
+
+    return runs.saved_config(str(run))
 
 
 def test_chat_on_an_unfinished_run_exports_its_last_checkpoint_first(full_run, tmp_path, capsys):

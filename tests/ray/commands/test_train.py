@@ -142,14 +142,18 @@ def _train_until(cmd: list[str], env: dict, cwd: Path, step: int):
 
 
 @pytest.mark.parametrize("engine", [[], ["train.engine=torch", "train.zero_stage=3"]], ids=["deepspeed", "torch-fsdp3"])
-def test_sigterm_mid_epoch_checkpoints_exits_143_and_the_resume_trains_every_example_once(ray_local, tmp_path, engine):
+def test_sigterm_mid_epoch_checkpoints_exits_143_and_the_resume_trains_every_example_once(ray_local, tmp_path, engine,
+                                                                                          capsys):
     """SIGTERM (a pod evicted, `ray job stop`, Slurm, kill) to the driver in the middle of an epoch:
     the workers stop after one step, save a checkpoint there and register it, the command prints
     one line with the resume command and exits 143, leaving no unregistered checkpoint and no
     result file (the run isn't finished). `--resume` then trains the rest of the epoch: every step
     once in the final model's step logs and in TensorBoard, every example once, and the curve
     goes on from where it stopped (the learning rate on its schedule, the loss not back at its start).
-    On either engine (the torch engine's FSDP2 resharding: its shards and schedule come back)."""
+    On either engine (the torch engine's FSDP2 resharding: its shards and schedule come back). Then
+    `raypack export` of the last checkpoint is the final model/ bit for bit, and `raypack chat` on
+    the export answers as transformers' generate does (folded in here: a full fine-tune on each
+    engine, which the export tests' runs are not)."""
     import signal
     import time
 
@@ -205,6 +209,23 @@ def test_sigterm_mid_epoch_checkpoints_exits_143_and_the_resume_trains_every_exa
     # cosine decay after 2 warmup steps: the resumed schedule goes on, it does not start over
     assert lr[stopped + 1] < lr[stopped] < lr[3], lr
     assert abs(loss[stopped + 1] - loss[stopped]) < 0.5 * (loss[1] - loss[stopped]), loss
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from answers import greedy
+
+    capsys.readouterr()
+    assert main(["export", str(root), "--out", str(tmp_path / "export")]) == 0, capsys.readouterr().err
+    final = Path(result["checkpoint"]) / "model"
+    ours, theirs = (load_file(f / "model.safetensors") for f in (tmp_path / "export" / "model", final))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    capsys.readouterr()
+    assert main(["chat", str(tmp_path / "export"), "--prompt", "hello", "--temperature", "0",
+                 "--max-new-tokens", "8"]) == 0
+    model = AutoModelForCausalLM.from_pretrained(final, dtype="auto")
+    assert capsys.readouterr().out == greedy(model, final) + "\n"
 
 
 def test_ctrl_c_in_training_exits_130_with_one_line_and_the_resume_continues(ray_local, tmp_path):

@@ -316,3 +316,72 @@ def test_an_empty_answer_says_so_on_stderr(capsys):
     answer(Quiet(), "hi", prefix="")
     out = capsys.readouterr()
     assert out.out == " \n" and "the answer is empty: the model ended its turn without text" in out.err
+
+
+# --- a peft adapter folder: what `raypack export` writes for a LoRA run -----------------------------
+
+
+@pytest.fixture(scope="module")
+def adapted(model_dir, tmp_path_factory):
+    """model_dir's model with LoRA adapters (B drawn at random, so they change the answers), saved
+    as peft saves them, with the tokenizer beside, naming model_dir as their base; and the merged
+    model, saved as a plain folder: what the answers through the adapter must equal."""
+    from exactness import random_lora_b
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from raypack.config import PeftConfig
+    from raypack.model.adapters import lora_config
+
+    root = tmp_path_factory.mktemp("adapted")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), lora_config(PeftConfig(method="lora", r=4)))
+    random_lora_b(model, scale=2.0)
+    model.save_pretrained(root / "adapter")
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(root / "adapter")
+    model.merge_and_unload().save_pretrained(root / "merged")
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(root / "merged")
+    return root
+
+
+def test_an_adapter_folder_answers_as_its_merged_model(adapted, model_dir, tmp_path, capsys):
+    """On the base its adapter_config.json names; an export's layout (adapter/ beside base/, the
+    base named by no one: a tiny model built from a config); and an export folder holding
+    adapter/ alone (--adapter-only), which is found under it."""
+    import json
+    import shutil
+
+    from raypack.cli import main
+
+    expected = greedy(adapted / "merged", [{"role": "user", "content": "hello"}])
+    assert expected != greedy(model_dir, [{"role": "user", "content": "hello"}]), "the adapter changes nothing"
+    export = tmp_path / "export"
+    shutil.copytree(adapted / "adapter", export / "adapter")
+    shutil.copytree(model_dir, export / "base")
+    settings = json.loads((export / "adapter" / "adapter_config.json").read_text())
+    assert settings["base_model_name_or_path"] == str(model_dir)
+    (export / "adapter" / "adapter_config.json").write_text(json.dumps({**settings, "base_model_name_or_path": ""}))
+    for target, base in ((adapted / "adapter", model_dir), (export / "adapter", export / "base"), (export, export / "base")):
+        args = ["chat", str(target), "--prompt", "hello", "--temperature", "0", "--max-new-tokens", str(MAX_NEW)]
+        assert main(args) == 0
+        out = capsys.readouterr()
+        assert out.out == expected + "\n", target
+        assert "loading" in out.err and "adapter" in out.err, out.err
+
+
+def test_an_adapter_without_its_base_is_one_line_naming_the_file(adapted, tmp_path, capsys):
+    import json
+    import shutil
+
+    from raypack.cli import main
+
+    settings = json.loads((adapted / "adapter" / "adapter_config.json").read_text())
+    cases = {"": "names no base model (base_model_name_or_path) and no base/ is beside it",
+             str(tmp_path / "gone"): f"its base model {tmp_path / 'gone'} is not there any more"}
+    for i, (base, said) in enumerate(cases.items()):
+        folder = tmp_path / f"case{i}" / "adapter"
+        shutil.copytree(adapted / "adapter", folder)
+        (folder / "adapter_config.json").write_text(json.dumps({**settings, "base_model_name_or_path": base}))
+        assert main(["chat", str(folder), "--prompt", "hi"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"raypack: error: {folder / 'adapter_config.json'}"), err
+        assert said in err, err

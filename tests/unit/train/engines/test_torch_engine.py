@@ -93,10 +93,16 @@ def _rank(rank: int, store: str, folder: str, stage: int, lora: bool, out: str) 
     dist.barrier()
     b, _ = _engine(stage, lora)
     state = b.load(Path(folder) / "merged", frozen=lora)
+    probed = None
+    if lora:  # as a worker's setup takes it: after the loss probe's forward, which has no backward
+        from raypack.train.objectives.loss import make_loss
+
+        make_loss(b, "chunked", chunk_tokens=7)
+        probed = frozen_digest(b.module)
     losses_b, weights_b = _steps(b, rank, 2), _whole(b)
     digest = frozen_digest(b.module) if lora else None
     torch.save({"meta": meta, "state": state, "losses": (losses_a, losses_b), "lr": (lr_a, b.scheduler.get_last_lr()),
-                "weights": (weights_a, weights_b), "at_save": at_save, "digest": digest, "full": b.full_state_dict()}, f"{out}.{rank}")
+                "weights": (weights_a, weights_b), "at_save": at_save, "digest": digest, "probed": probed, "full": b.full_state_dict()}, f"{out}.{rank}")
     dist.destroy_process_group()
 
 
@@ -137,7 +143,7 @@ def test_a_checkpoint_resumes_bit_for_bit_and_reads_back_offline(tmp_path, stage
         torch.manual_seed(0)
         model = apply_adapters(load_model("tiny-llama", dtype="float32", vocab_size=VOCAB),
                                PeftConfig(method="lora", r=4, alpha=8), "tiny-llama")
-        assert expected_digests(model, 2, "fsdp") == [g["digest"] for g in got]
+        assert expected_digests(model, 2, "fsdp") == [g["digest"] for g in got] == [g["probed"] for g in got]
         assert expected_digests(model, 2, "fsdp") != expected_digests(model, 2, "replicated")
 
 
