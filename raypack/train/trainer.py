@@ -50,6 +50,7 @@ from raypack.data.prepare import prepare
 from raypack.data.shards import Prepared
 from raypack.errors import ConfigError, InputError
 from raypack.runtime import init_ray, is_local_instance
+from raypack.train import resize
 from raypack.train.handoff import Handoff
 from raypack.train.placement import check_request, process_group, worker_resources
 from raypack.train.preflight import Checked, preflight
@@ -98,6 +99,8 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
     trained = runs.has_checkpoint(root)
     if not resume:
         runs.check_same_config(cfg, root)
+    if trained:  # another worker count than the checkpoint's, where its state can't be resharded
+        resize.check_resizable(cfg, resize.last_position(root))
     if reprepare and trained:
         raise ConfigError(
             f"--reprepare: run {cfg.run.name!r} in {root} has checkpoints taken on its packed data, which a resume "
@@ -161,7 +164,10 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
         # Not finished: no result file, which says a run is complete (chat, export, a rerun read it).
         stopped["signal"] = signal.Signals(stop.signum).name
         return Outcome(root, False, summary, checkpoint, tracking, result, startup, stopped)
-    runs.write_result(root, metrics.get("step", 0), summary, checkpoint, startup=startup)
+    trained = resize.trained_totals(checkpoint) if checkpoint and storage.exists(checkpoint) else None
+    runs.write_result(root, metrics.get("step", 0), summary, checkpoint, startup=startup, trained=trained)
+    if trained is not None:  # from the step logs, a resize's or a restart's included
+        summary["trained"] = trained
     return Outcome(root, False, summary, checkpoint, tracking, result, startup)
 
 
@@ -182,6 +188,11 @@ def _check_same_data(cfg: Config, root: str, checked: Checked) -> None:
     if checked.prepared is not None:
         return  # this config's packed data is there, made from these sources
     saved = runs.saved_config(root)
+    resizing = [d for d in runs.differences(saved, cfg) if d.startswith(runs.RESIZE_FIELDS)]
+    pos = resize.last_position(root)
+    if resizing and pos is not None and pos.world_size:
+        resize.check_resizable(cfg, pos)
+        return  # the epoch's rest is planned again from the step logs, whatever packs they index
     # The run's packed/ is there, but keyed otherwise: packing again would overwrite the rows
     # its checkpoints index, so only a missing folder is made again.
     made = read_manifest(storage.absolute(packed_root(cfg, n, root)))
@@ -211,6 +222,9 @@ def prepare_data(checked: Checked, reprepare: bool, clock: Startup | None = None
     n = cfg.train.data_parallel  # packed rows per data-parallel rank: a sequence-parallel group shares them
     prepared = prepare(cfg, n, packed_root(cfg, n, runs.run_dir(cfg)), checked.sources, vocab_size=checked.vocab_size,
                        reprepare=reprepare, vision_model=checked.vision_model, tower=checked.tower)
+    # a checkpoint whose position indexes other packs (taken on another worker count): its epoch's rest
+    prepared = resize.resized(cfg, prepared, runs.run_dir(cfg), checked.sources, vocab_size=checked.vocab_size,
+                              tower=checked.tower)
     clock.mark("data")
     return prepared
 
