@@ -34,7 +34,7 @@ from raypack import runlock, runs, storage
 from raypack.config import Config, load
 from raypack.errors import ConfigError
 from raypack.runs import SAVED_CONFIG, absolute_paths, check_rerun, run_dir, saved_config
-from raypack.train.resize import keep_step_size, last_position
+from raypack.train.resize import check_resizable, keep_step_size, last_position
 from raypack.train.startup import describe
 from raypack.train.stop import resumes, signal_of, stopped_by
 from raypack.train.tracking import offline_runs
@@ -52,7 +52,9 @@ def run(args: argparse.Namespace) -> int:
     root = run_dir(absolute_paths(cfg))
     if args.resume:  # on another worker count than its checkpoint's: a step keeps its size where it can
         accum_given = any(o.startswith("train.grad_accum=") for o in args.overrides)
-        cfg, line = keep_step_size(cfg, last_position(root), accum_given)
+        position = last_position(root)
+        check_resizable(cfg, position)  # state that can't be resharded: refused before anything runs
+        cfg, line = keep_step_size(cfg, position, accum_given)
         if line:
             print(line, flush=True)
     fresh = not storage.exists(root)
