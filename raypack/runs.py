@@ -224,10 +224,12 @@ def read_result(root: str) -> dict[str, Any] | None:
 
 
 def write_result(root: str, step: int, metrics: dict[str, Any], checkpoint: str | None,
-                 startup: dict[str, float] | None = None, trained: dict[str, Any] | None = None) -> None:
+                 startup: dict[str, float] | None = None, trained: dict[str, Any] | None = None,
+                 ran: dict[str, Any] | None = None) -> None:
     """`startup`: seconds per start-up phase before the first step (raypack/train/startup.py);
-    `trained`: the examples and label tokens the run trained, per epoch too (train/resize.py)."""
-    result = {"step": step, "metrics": metrics, "checkpoint": checkpoint}
+    `trained`: the examples and label tokens the run trained, per epoch too (train/resize.py);
+    `ran`: the train.epochs and train.max_steps it finished under."""
+    result = {"step": step, "metrics": metrics, "checkpoint": checkpoint, **({"ran": ran} if ran else {})}
     if trained is not None:
         result["trained"] = trained
     if startup:

@@ -165,7 +165,8 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
         stopped["signal"] = signal.Signals(stop.signum).name
         return Outcome(root, False, summary, checkpoint, tracking, result, startup, stopped)
     trained = resize.trained_totals(checkpoint) if checkpoint and storage.exists(checkpoint) else None
-    runs.write_result(root, metrics.get("step", 0), summary, checkpoint, startup=startup, trained=trained)
+    runs.write_result(root, metrics.get("step", 0), summary, checkpoint, startup=startup, trained=trained,
+                      ran={"epochs": cfg.train.epochs, "max_steps": cfg.train.max_steps})
     if trained is not None:  # from the step logs, a resize's or a restart's included
         summary["trained"] = trained
     return Outcome(root, False, summary, checkpoint, tracking, result, startup)
@@ -174,9 +175,15 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
 def _finished(root: str, checked: Checked) -> dict | None:
     """The run's saved result if it already took every step this config asks for."""
     result = runs.read_result(root)
+    t = checked.cfg.train
+    if result is not None and checked.prepared is None and "ran" in result:
+        # Its packed data is for another worker count (it finished after a resize): no plan to
+        # count steps in, but the epochs and step cap it finished under say whether more is asked.
+        ran = result["ran"]
+        capped = t.max_steps is not None and result.get("step", 0) >= t.max_steps
+        return result if capped or (t.epochs <= ran["epochs"] and t.max_steps == ran["max_steps"]) else None
     if checked.prepared is None or result is None:
         return None
-    t = checked.cfg.train
     total = checked.prepared.total_steps(t.grad_accum, t.epochs, t.max_steps)
     return result if result.get("step", 0) >= total else None
 
@@ -190,7 +197,8 @@ def _check_same_data(cfg: Config, root: str, checked: Checked) -> None:
     saved = runs.saved_config(root)
     resizing = [d for d in runs.differences(saved, cfg) if d.startswith(runs.RESIZE_FIELDS)]
     pos = resize.last_position(root)
-    if resizing and pos is not None and pos.world_size:
+    shape = (cfg.train.num_workers, cfg.train.grad_accum)
+    if pos is not None and pos.world_size and (resizing or (pos.world_size, pos.grad_accum) != shape):
         resize.check_resizable(cfg, pos)
         return  # the epoch's rest is planned again from the step logs, whatever packs they index
     # The run's packed/ is there, but keyed otherwise: packing again would overwrite the rows
