@@ -114,7 +114,8 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
         more = "train.max_steps=null" if cfg.train.max_steps == done["step"] else "train.epochs=N"
         print(f"[raypack] run {cfg.run.name!r} is complete ({done['step']} steps); nothing to train. "
               f"Start a new run with run.name=NEW_NAME, or train on with --resume {root} {more}", flush=True)
-        return Outcome(root, True, done["metrics"], done.get("checkpoint"), targets(cfg, root, check=False))
+        shown = {**done["metrics"], **({"trained": done["trained"]} if done.get("trained") else {})}
+        return Outcome(root, True, shown, done.get("checkpoint"), targets(cfg, root, check=False))
     if trained:
         _check_same_data(cfg, root, checked)
         print(f"[raypack] run {cfg.run.name!r} exists in {root}: continuing from its last checkpoint", flush=True)
