@@ -7,7 +7,10 @@ A checkpoint folder (one `ray.train.Checkpoint`) holds the engine's state under 
 for DeepSpeed, `torch/` for the torch engine: weights, optimizer, schedule, and the `TrainState`
 as its client state; raypack/train/engines/), one step log per rank
 (`steps_rank<R>.npz`: the example ids of every optimizer step that rank took, 8 bytes an
-example), and, at the last step, a Hugging Face `model/` folder with the tokenizer beside it.
+example, and its label tokens), rank 0's position (`raypack_position.json`: epoch, micro-step,
+step, plan, worker count and grad_accum, which the driver reads to resume on another worker
+count, raypack/train/resize.py), and, at the last step, a Hugging Face `model/` folder with the
+tokenizer beside it.
 With LoRA (`model.peft`) the engine state holds the adapters and their optimizer state only,
 not the frozen base weights (they are loaded again from where they came from, and a checksum of
 them travels in the TrainState, so a resume onto other base weights is refused); the last
@@ -115,7 +118,8 @@ def restore(engine: Engine, rank: int, plan: str, base_digest: list[int] | None 
         state.plan, state.epoch, state.micro_step = plan, int(resized["epoch"]), 0
     if state.plan != plan:
         # The position is an index into one plan's packs; on another plan it would skip or
-        # repeat examples. Changing data, tokenize, pack, ranks or grad_accum needs a new run.
+        # repeat examples. Changing data, tokenize or pack needs a new run; another worker count
+        # or grad_accum comes with a `resized` record (the driver planned the epoch's rest again).
         raise InputError(
             f"checkpoint {checkpoint.path} was taken on packed data {state.plan or '<unknown>'}, but this run's "
             f"data is {plan}: the data, tokenize or pack config, num_workers or grad_accum changed. "
