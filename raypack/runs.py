@@ -154,12 +154,18 @@ trains, how it is evaluated, checkpointed, watched and placed, never what a step
 dot stands for every field under it."""
 
 
+RESIZE_FIELDS = ("train.num_workers", "train.grad_accum")
+"""What `--resume` may change besides RERUN_FIELDS: the run goes on at another size, the rest of
+its epoch planned again from the step logs (raypack/train/resize.py). Not a `--config` rerun's:
+that one trains the config it names, whose packed data the checkpoints must index."""
+
+
 def check_rerun(overrides: Sequence[str], folder: str) -> None:
-    """A ConfigError naming the first of `--resume folder`'s overrides that a rerun may not change."""
+    """A ConfigError naming the first of `--resume folder`'s overrides that a resume may not change."""
     for item in overrides:
         key = item.partition("=")[0]
-        if not key.startswith(RERUN_FIELDS):
-            may = ", ".join(f + "*" if f.endswith(".") else f for f in RERUN_FIELDS)
+        if not key.startswith(RERUN_FIELDS + RESIZE_FIELDS):
+            may = ", ".join(f + "*" if f.endswith(".") else f for f in RERUN_FIELDS + RESIZE_FIELDS)
             raise ConfigError(
                 f"--resume {folder}: override {item}: a resumed run trains the config it was started with; a rerun "
                 f"may change only {may}. Start a new run for the rest: raypack train --config FILE run.name=NEW_NAME"
@@ -218,9 +224,14 @@ def read_result(root: str) -> dict[str, Any] | None:
 
 
 def write_result(root: str, step: int, metrics: dict[str, Any], checkpoint: str | None,
-                 startup: dict[str, float] | None = None) -> None:
-    """`startup`: seconds per start-up phase before the first step (raypack/train/startup.py)."""
-    result = {"step": step, "metrics": metrics, "checkpoint": checkpoint}
+                 startup: dict[str, float] | None = None, trained: dict[str, Any] | None = None,
+                 ran: dict[str, Any] | None = None) -> None:
+    """`startup`: seconds per start-up phase before the first step (raypack/train/startup.py);
+    `trained`: the examples and label tokens the run trained, per epoch too (train/resize.py);
+    `ran`: the train.epochs and train.max_steps it finished under."""
+    result = {"step": step, "metrics": metrics, "checkpoint": checkpoint, **({"ran": ran} if ran else {})}
+    if trained is not None:
+        result["trained"] = trained
     if startup:
         result["startup_s"] = startup
     storage.write_text(f"{root}/{RESULT}", json.dumps(result, indent=1))

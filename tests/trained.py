@@ -29,3 +29,23 @@ def planned_train_ids(cfg) -> list[int]:
     ds, _ = tokenize_dataset(cfg, Sources.of(cfg.data.paths))
     _, ids = lengths_and_ids(ds)
     return sorted(ids[~is_eval(ids, cfg.data.eval_fraction, cfg.pack.seed)].tolist())
+
+
+def planned_label_tokens(cfg) -> int:
+    """Label tokens the loss sees in every example kept for training (each example's first
+    position never counts: collate masks it), read back independently of the run."""
+    import numpy as np
+
+    from raypack.data.listing import Sources
+    from raypack.data.tokenize import tokenize_dataset
+    from raypack.runs import absolute_paths
+
+    cfg = absolute_paths(cfg)
+    ds, _ = tokenize_dataset(cfg, Sources.of(cfg.data.paths))
+    keep = set(planned_train_ids(cfg))
+    total = 0
+    for row in ds.select_columns(["example_id", "labels", "length"]).iter_rows():
+        if row["example_id"] in keep:
+            labels = row["labels"]
+            total += int(row["length"]) - 1 if labels is None else int((np.asarray(labels)[1:] != -100).sum())
+    return total

@@ -34,6 +34,7 @@ from raypack import runlock, runs, storage
 from raypack.config import Config, load
 from raypack.errors import ConfigError
 from raypack.runs import SAVED_CONFIG, absolute_paths, check_rerun, run_dir, saved_config
+from raypack.train.resize import check_resizable, keep_step_size, last_position
 from raypack.train.startup import describe
 from raypack.train.stop import resumes, signal_of, stopped_by
 from raypack.train.tracking import offline_runs
@@ -49,6 +50,13 @@ def run(args: argparse.Namespace) -> int:
         check_rerun(args.overrides, args.resume)
     cfg = saved_config(args.resume, args.overrides) if args.resume else load(args.config, args.overrides)
     root = run_dir(absolute_paths(cfg))
+    if args.resume:  # on another worker count than its checkpoint's: a step keeps its size where it can
+        accum_given = any(o.startswith("train.grad_accum=") for o in args.overrides)
+        position = last_position(root)
+        check_resizable(cfg, position)  # state that can't be resharded: refused before anything runs
+        cfg, line = keep_step_size(cfg, position, accum_given)
+        if line:
+            print(line, flush=True)
     fresh = not storage.exists(root)
     # The run's folder is this command's until it ends: a second one on it is refused (raypack/runlock.py)
     with runlock.hold(root, f"run {cfg.run.name!r}", "train", guards=runs.sweep_of(root)):
@@ -73,7 +81,12 @@ def train(args: argparse.Namespace, cfg: Config, root: str, fresh: bool) -> int:
 
 def print_summary(outcome: Outcome) -> None:
     rows = [(key, f"{value:.4f}" if isinstance(value, float) else str(value))
-            for key, value in outcome.metrics.items() if value is not None]
+            for key, value in outcome.metrics.items() if value is not None and key != "trained"]
+    if trained := outcome.metrics.get("trained"):
+        per = trained["epochs"]
+        rows.append(("trained", f"{trained['examples']} examples, {trained['label_tokens']} label tokens"
+                     + (" (" + "; ".join(f"epoch {e + 1}: {p['examples']}, {p['label_tokens']}" for e, p in enumerate(per))
+                        + ")" if len(per) > 1 else "")))
     if outcome.startup:
         rows.append(("start-up", describe(outcome.startup)))
     rows.append(("results", outcome.root))

@@ -77,6 +77,11 @@ class Prepared:
     eval_sources: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """A mixture's eval steps, one source at a time: {"name", "steps": [first, stop]} in step
     order, every eval row of those steps (on every rank) that source's; empty for data.paths."""
+    resized: dict[str, Any] | None = None
+    """A resume on another worker count (raypack/train/resize.py): the examples epoch "epoch" had
+    not trained at optimizer step "step", planned again for these ranks ({"epoch", "step", "dir",
+    "steps_per_rank", "stats", "from": the fingerprint the checkpoint's position indexes}); that
+    epoch reads these rows from micro-step 0, and later epochs this record's own."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -87,6 +92,8 @@ class Prepared:
 
     def epoch_rows(self, epoch: int) -> tuple[str, int, bool]:
         """(folder, micro-steps per rank, reordered?) that epoch `epoch` trains on."""
+        if self.resized is not None and epoch == self.resized["epoch"]:
+            return self.resized["dir"], int(self.resized["steps_per_rank"]), False  # the rest, in its plan's order
         if self.epochs:
             e = self.epochs[epoch % len(self.epochs)]
             return e["dir"], int(e["steps_per_rank"]), False  # a new plan: its own seeded order
@@ -95,7 +102,9 @@ class Prepared:
     def total_steps(self, grad_accum: int, epochs: int, max_steps: int | None) -> int:
         """Optimizer steps a run over this data takes: every epoch's (each repacked epoch has its
         own count), or `max_steps` if fewer."""
-        total = sum(self.epoch_rows(e)[1] // grad_accum for e in range(epochs))
+        first = int(self.resized["epoch"]) if self.resized is not None else 0
+        total = (int(self.resized["step"]) if self.resized is not None else 0) + sum(
+            self.epoch_rows(e)[1] // grad_accum for e in range(first, epochs))
         return min(total, max_steps) if max_steps else total
 
     def eval_source(self, step: int) -> str | None:
@@ -109,6 +118,8 @@ class Prepared:
         """Plan statistics reported with every ray.train.report: efficiency, padding, and the
         wall-time overhead of imbalance (tokens and attention; mean and worst step)."""
         stats = self.epochs[epoch % len(self.epochs)]["stats"] if self.epochs else self.stats
+        if self.resized is not None and epoch == self.resized["epoch"]:
+            stats = self.resized["stats"]
         keys = ("packing_efficiency", "padding_fraction", "token_imbalance", "attention_imbalance",
                 "token_imbalance_worst", "attention_imbalance_worst")
         return {k: float(stats[k]) for k in keys if k in stats}
@@ -191,6 +202,8 @@ def iter_epoch_packs(data: Prepared, rank: int, epoch: int, start_step: int = 0)
     """The packed rows `rank` trains in epoch `epoch`, in that epoch's order, from micro-step
     `start_step` (a multiple of grad_accum: a resumed run's position) on."""
     folder, steps, reordered = data.epoch_rows(epoch)
+    if steps == 0:  # a resumed epoch with nothing left to train (resized at its last step)
+        return
     accum = data.grad_accum
     order = epoch_order(steps // accum, data.group_steps, data.order_seed, epoch if reordered else 0)
     yield from _iter_steps(f"{folder.rstrip('/')}/rank={rank}", order, accum, data.group_steps, start_step // accum)

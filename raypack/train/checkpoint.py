@@ -7,7 +7,10 @@ A checkpoint folder (one `ray.train.Checkpoint`) holds the engine's state under 
 for DeepSpeed, `torch/` for the torch engine: weights, optimizer, schedule, and the `TrainState`
 as its client state; raypack/train/engines/), one step log per rank
 (`steps_rank<R>.npz`: the example ids of every optimizer step that rank took, 8 bytes an
-example), and, at the last step, a Hugging Face `model/` folder with the tokenizer beside it.
+example, and its label tokens), rank 0's position (`raypack_position.json`: epoch, micro-step,
+step, plan, worker count and grad_accum, which the driver reads to resume on another worker
+count, raypack/train/resize.py), and, at the last step, a Hugging Face `model/` folder with the
+tokenizer beside it.
 With LoRA (`model.peft`) the engine state holds the adapters and their optimizer state only,
 not the frozen base weights (they are loaded again from where they came from, and a checksum of
 them travels in the TrainState, so a resume onto other base weights is refused); the last
@@ -43,6 +46,12 @@ from raypack.train.engines import Engine
 from raypack.train.metrics import Totals
 
 
+POSITION = "raypack_position.json"
+"""Rank 0's `TrainState.position()` beside the engine state, which the driver reads without the engine."""
+LOGGED = ("steps_log", "steps_labels")
+"""TrainState fields kept per rank in `steps_rank<R>.npz`, not in the engine's client state."""
+
+
 @dataclass
 class TrainState:
     """Where the run is; saved with every checkpoint and restored after a failure."""
@@ -61,20 +70,34 @@ class TrainState:
     """The running totals the Reporter adds to, so curves and clocks go on after a restart."""
     base_digest: list[int] = field(default_factory=list)
     """With adapters: every rank's checksum of its frozen base weights (`adapters.frozen_digest`)."""
+    steps_labels: list[int] = field(default_factory=list)
+    """Label tokens of each step in `steps_log` on this rank: what the run's `trained` totals add up."""
+    world_size: int = 0
+    grad_accum: int = 0
+    """The shape the position was taken under (set at every start): a resume on another worker
+    count plans the epoch's rest again from the step logs (raypack/train/resize.py)."""
 
     def to_client_state(self) -> dict[str, Any]:
         """What the engine's checkpoint carries (the step log goes to its own file)."""
-        return {k: v for k, v in asdict(self).items() if k != "steps_log"}
+        return {k: v for k, v in asdict(self).items() if k not in LOGGED}
+
+    def position(self) -> dict[str, Any]:
+        """What the driver reads back before a resume (POSITION), engine-independent."""
+        return {k: getattr(self, k) for k in ("epoch", "micro_step", "step", "plan", "world_size", "grad_accum")}
 
     @classmethod
     def from_client_state(cls, saved: dict[str, Any]) -> TrainState:
-        known = {f.name for f in fields(cls)} - {"steps_log", "totals"}
+        known = {f.name for f in fields(cls)} - {*LOGGED, "totals"}
         return cls(**{k: v for k, v in saved.items() if k in known}, totals=Totals(**saved.get("totals", {})))
 
 
-def restore(engine: Engine, rank: int, plan: str, base_digest: list[int] | None = None) -> TrainState:
+def restore(engine: Engine, rank: int, plan: str, base_digest: list[int] | None = None,
+            resized: dict[str, Any] | None = None, world_size: int = 1) -> TrainState:
     """Load the last reported checkpoint, if any: weights, optimizer, schedule and data position.
-    `base_digest`: with adapters, the checksums of the frozen base weights this run loaded."""
+    `base_digest`: with adapters, the checksums of the frozen base weights this run loaded.
+    `resized`: the packed data's `Prepared.resized`, when the epoch's rest was planned again for
+    this run's `world_size` ranks (a resume on another worker count): the position then moves to
+    its start, and this rank takes over the step logs of the old ranks r with r % world_size == rank."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return TrainState(plan=plan, base_digest=base_digest or [])
@@ -83,10 +106,20 @@ def restore(engine: Engine, rank: int, plan: str, base_digest: list[int] | None 
         # With adapters the checkpoint leaves the frozen base weights out (see the module doc).
         client = engine.load(Path(path), frozen=is_peft_model(engine.module))
         state = TrainState.from_client_state(client)
-        state.steps_log = read_steps_log(Path(path) / f"steps_rank{rank}.npz")
+        moved = resized is not None and state.plan == resized["from"] and state.step == resized["step"]
+        logs = sorted(Path(path).glob("steps_rank*.npz"), key=lambda f: int(f.stem.removeprefix("steps_rank")))
+        for log in logs:
+            r = int(log.stem.removeprefix("steps_rank"))
+            if r == rank or (moved and r % world_size == rank):
+                entries, labels = read_steps_log(log), read_steps_labels(log)
+                state.steps_log += entries
+                state.steps_labels += labels
+    if moved:
+        state.plan, state.epoch, state.micro_step = plan, int(resized["epoch"]), 0
     if state.plan != plan:
         # The position is an index into one plan's packs; on another plan it would skip or
-        # repeat examples. Changing data, tokenize, pack, ranks or grad_accum needs a new run.
+        # repeat examples. Changing data, tokenize or pack needs a new run; another worker count
+        # or grad_accum comes with a `resized` record (the driver planned the epoch's rest again).
         raise InputError(
             f"checkpoint {checkpoint.path} was taken on packed data {state.plan or '<unknown>'}, but this run's "
             f"data is {plan}: the data, tokenize or pack config, num_workers or grad_accum changed. "
@@ -123,7 +156,9 @@ def report_and_checkpoint(
     adapters = is_peft_model(engine.module)
     with tempfile.TemporaryDirectory(prefix="raypack-ckpt-") as path:
         engine.save(Path(path), state.to_client_state(), frozen=adapters)
-        write_steps_log(Path(path) / f"steps_rank{rank}.npz", state.steps_log)
+        write_steps_log(Path(path) / f"steps_rank{rank}.npz", state.steps_log, state.steps_labels)
+        if rank == 0:
+            (Path(path) / POSITION).write_text(json.dumps(state.position()))
         if final:
             state_dict = engine.full_state_dict()
             if rank == 0 and adapters:
@@ -134,11 +169,13 @@ def report_and_checkpoint(
         ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(path))
 
 
-def write_steps_log(path: Path, log: list[tuple[int, int, list[int]]]) -> None:
-    """The step log as flat arrays (8 bytes an example), not JSON: it is rewritten every checkpoint."""
+def write_steps_log(path: Path, log: list[tuple[int, int, list[int]]], labels: list[int] | None = None) -> None:
+    """The step log as flat arrays (8 bytes an example), not JSON: it is rewritten every checkpoint.
+    `labels`: each step's label tokens on this rank (absent from logs written before they were kept)."""
     ids = [np.asarray(example_ids, dtype=np.int64) for _, _, example_ids in log]
     np.savez(
         path,
+        **({"labels": np.asarray(labels, dtype=np.int64)} if labels is not None and len(labels) == len(log) else {}),
         step=np.array([s for s, _, _ in log], dtype=np.int64),
         epoch=np.array([e for _, e, _ in log], dtype=np.int64),
         offsets=np.cumsum([0] + [len(i) for i in ids]),
@@ -152,6 +189,14 @@ def read_steps_log(path: Path) -> list[tuple[int, int, list[int]]]:
     z = np.load(path)
     o = z["offsets"]
     return [(int(s), int(e), z["example_ids"][o[i]:o[i + 1]].tolist()) for i, (s, e) in enumerate(zip(z["step"], z["epoch"]))]
+
+
+def read_steps_labels(path: Path) -> list[int]:
+    """Each logged step's label tokens on that rank; [] for a log that has none."""
+    if not path.exists():
+        return []
+    z = np.load(path)
+    return z["labels"].tolist() if "labels" in z.files else []
 
 
 def save_hf_model(model, state: dict, path: Path, tokenizer=None) -> None:

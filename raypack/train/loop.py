@@ -276,7 +276,8 @@ def setup_worker(config: dict) -> Worker:
         loss = make_dpo_loss(engine, loss, cfg, data, rank, global_count, collate=images)
         loss.router = router  # after the reference pass, which needs no router loss
     base = base_digests(engine) if cfg.model.peft.enabled else None
-    state = restore(engine, rank, data.fingerprint, base)
+    state = restore(engine, rank, data.fingerprint, base, resized=data.resized, world_size=world)
+    state.world_size, state.grad_accum = world, cfg.train.grad_accum  # the shape its checkpoints are taken under
     counts = trainable_summary(engine.module)
     t = cfg.train
     reporter = Reporter(
@@ -377,6 +378,7 @@ def take_step(w: Worker, step, epoch: int, wait_s: float) -> bool:
     state.step += 1
     state.micro_step += w.cfg.train.grad_accum
     state.steps_log.append((state.step, epoch, step.example_ids))
+    state.steps_labels.append(int(getattr(step, "label_tokens", 0)))
     # The previous step's values: read now, with this step enqueued behind it.
     log_pending(w)
     w.pending = pending

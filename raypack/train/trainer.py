@@ -50,6 +50,7 @@ from raypack.data.prepare import prepare
 from raypack.data.shards import Prepared
 from raypack.errors import ConfigError, InputError
 from raypack.runtime import init_ray, is_local_instance
+from raypack.train import resize
 from raypack.train.handoff import Handoff
 from raypack.train.placement import check_request, process_group, worker_resources
 from raypack.train.preflight import Checked, preflight
@@ -98,6 +99,8 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
     trained = runs.has_checkpoint(root)
     if not resume:
         runs.check_same_config(cfg, root)
+    if trained:  # another worker count than the checkpoint's, where its state can't be resharded
+        resize.check_resizable(cfg, resize.last_position(root))
     if reprepare and trained:
         raise ConfigError(
             f"--reprepare: run {cfg.run.name!r} in {root} has checkpoints taken on its packed data, which a resume "
@@ -111,7 +114,8 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
         more = "train.max_steps=null" if cfg.train.max_steps == done["step"] else "train.epochs=N"
         print(f"[raypack] run {cfg.run.name!r} is complete ({done['step']} steps); nothing to train. "
               f"Start a new run with run.name=NEW_NAME, or train on with --resume {root} {more}", flush=True)
-        return Outcome(root, True, done["metrics"], done.get("checkpoint"), targets(cfg, root, check=False))
+        shown = {**done["metrics"], **({"trained": done["trained"]} if done.get("trained") else {})}
+        return Outcome(root, True, shown, done.get("checkpoint"), targets(cfg, root, check=False))
     if trained:
         _check_same_data(cfg, root, checked)
         print(f"[raypack] run {cfg.run.name!r} exists in {root}: continuing from its last checkpoint", flush=True)
@@ -161,16 +165,26 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
         # Not finished: no result file, which says a run is complete (chat, export, a rerun read it).
         stopped["signal"] = signal.Signals(stop.signum).name
         return Outcome(root, False, summary, checkpoint, tracking, result, startup, stopped)
-    runs.write_result(root, metrics.get("step", 0), summary, checkpoint, startup=startup)
+    trained = resize.trained_totals(checkpoint) if checkpoint and storage.exists(checkpoint) else None
+    runs.write_result(root, metrics.get("step", 0), summary, checkpoint, startup=startup, trained=trained,
+                      ran={"epochs": cfg.train.epochs, "max_steps": cfg.train.max_steps})
+    if trained is not None:  # from the step logs, a resize's or a restart's included
+        summary["trained"] = trained
     return Outcome(root, False, summary, checkpoint, tracking, result, startup)
 
 
 def _finished(root: str, checked: Checked) -> dict | None:
     """The run's saved result if it already took every step this config asks for."""
     result = runs.read_result(root)
+    t = checked.cfg.train
+    if result is not None and checked.prepared is None and "ran" in result:
+        # Its packed data is for another worker count (it finished after a resize): no plan to
+        # count steps in, but the epochs and step cap it finished under say whether more is asked.
+        ran = result["ran"]
+        capped = t.max_steps is not None and result.get("step", 0) >= t.max_steps
+        return result if capped or (t.epochs <= ran["epochs"] and t.max_steps == ran["max_steps"]) else None
     if checked.prepared is None or result is None:
         return None
-    t = checked.cfg.train
     total = checked.prepared.total_steps(t.grad_accum, t.epochs, t.max_steps)
     return result if result.get("step", 0) >= total else None
 
@@ -182,6 +196,12 @@ def _check_same_data(cfg: Config, root: str, checked: Checked) -> None:
     if checked.prepared is not None:
         return  # this config's packed data is there, made from these sources
     saved = runs.saved_config(root)
+    resizing = [d for d in runs.differences(saved, cfg) if d.startswith(runs.RESIZE_FIELDS)]
+    pos = resize.last_position(root)
+    shape = (cfg.train.num_workers, cfg.train.grad_accum)
+    if pos is not None and pos.world_size and (resizing or (pos.world_size, pos.grad_accum) != shape):
+        resize.check_resizable(cfg, pos)
+        return  # the epoch's rest is planned again from the step logs, whatever packs they index
     # The run's packed/ is there, but keyed otherwise: packing again would overwrite the rows
     # its checkpoints index, so only a missing folder is made again.
     made = read_manifest(storage.absolute(packed_root(cfg, n, root)))
@@ -211,6 +231,9 @@ def prepare_data(checked: Checked, reprepare: bool, clock: Startup | None = None
     n = cfg.train.data_parallel  # packed rows per data-parallel rank: a sequence-parallel group shares them
     prepared = prepare(cfg, n, packed_root(cfg, n, runs.run_dir(cfg)), checked.sources, vocab_size=checked.vocab_size,
                        reprepare=reprepare, vision_model=checked.vision_model, tower=checked.tower)
+    # a checkpoint whose position indexes other packs (taken on another worker count): its epoch's rest
+    prepared = resize.resized(cfg, prepared, runs.run_dir(cfg), checked.sources, vocab_size=checked.vocab_size,
+                              tower=checked.tower)
     clock.mark("data")
     return prepared
 

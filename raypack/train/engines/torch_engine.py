@@ -178,7 +178,9 @@ class TorchEngine(Engine):
                        optim_state_dict=loaded["optim"], options=self._options(frozen))
         extra = torch.load(source / STATE_FILE, map_location="cpu", weights_only=False)
         self.scheduler.load_state_dict(extra["scheduler"])
-        self.micro = int(extra["micro"])
+        # Checkpoints are taken at step boundaries, and a resume on another worker count may
+        # change grad_accum: count this start's micro-batches from a boundary.
+        self.micro = 0
         return extra["train_state"]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

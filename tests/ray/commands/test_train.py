@@ -153,14 +153,20 @@ def test_sigterm_mid_epoch_checkpoints_exits_143_and_the_resume_trains_every_exa
     On either engine (the torch engine's FSDP2 resharding: its shards and schedule come back). Then
     `raypack export` of the last checkpoint is the final model/ bit for bit, and `raypack chat` on
     the export answers as transformers' generate does (folded in here: a full fine-tune on each
-    engine, which the export tests' runs are not)."""
+    engine, which the export tests' runs are not).
+
+    The torch engine's run also changes size (issue 62): stopped on 2 workers, it goes on with 3
+    (4 packs a step don't divide over 3: one line says a step now trains 6), is stopped again in
+    the middle of the epoch's rest, and finishes on 1 (grad_accum 2 -> 6: the 3 workers' step
+    size). Its DCP state reshards both times; the epoch still trains every example once, and the
+    result's trained totals are the data's. DeepSpeed's resume on 1 worker is refused in one line."""
     import signal
     import time
 
     from raypack.config import load
 
     from trackfiles import tensorboard_events
-    from trained import planned_train_ids, trained_ids
+    from trained import planned_label_tokens, planned_train_ids, trained_ids
 
     name = f"sigterm-{uuid.uuid4().hex[:6]}"
     root = tmp_path / "results" / name
@@ -175,6 +181,7 @@ def test_sigterm_mid_epoch_checkpoints_exits_143_and_the_resume_trains_every_exa
     rest = proc.stdout.read()
     code = proc.wait()
     waited = time.perf_counter() - t0
+    assert rest.strip(), f"exit {code} with nothing after the signal: " + "".join(screen)[-3000:]
     last = rest.strip().splitlines()[-1]
     assert code == 143, rest[-3000:]
     assert last.startswith("[raypack] stopped by SIGTERM after step ") and last.endswith(
@@ -192,13 +199,42 @@ def test_sigterm_mid_epoch_checkpoints_exits_143_and_the_resume_trains_every_exa
     epoch = int(next(line for line in screen if "[raypack] step 6/" in line).split("/")[1].split()[0])
     assert stopped < epoch // 2, "the stop came too late to test a resume mid-epoch"
 
-    assert main(["train", "--resume", str(root)]) == 0
+    resized = bool(engine)
+    if resized:  # on 3 workers, stopped again in the middle of the epoch's rest
+        resume = [sys.executable, "-m", "raypack.cli", "train", "--resume", str(root), "train.num_workers=3"]
+        proc, screen = _train_until(resume, _join_session_ray(ray_local), tmp_path, step=stopped + 3)
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stdout.read()
+        assert proc.wait() == 143, rest[-3000:]
+        shown = "".join(screen)
+        assert ("[raypack] resuming on 3 workers, the checkpoint's 2: an optimizer step now trains 6 packs instead "
+                "of 4 (4 packs don't divide over 3 ranks), with train.grad_accum 2;") in shown, shown[-3000:]
+        assert f"examples trained by step {stopped}; the other " in shown, shown[-3000:]
+        stopped = int(rest.strip().splitlines()[-1].split("after step ")[1].split()[0])
+        capsys.readouterr()
+        assert main(["train", "--resume", str(root), "train.num_workers=1"]) == 0
+        shown = capsys.readouterr().out
+        assert ("[raypack] resuming on 1 worker, the checkpoint's 3: train.grad_accum 2 -> 6, so an optimizer step "
+                "still trains 6 packs") in shown, shown[-3000:]
+    else:  # DeepSpeed's ZeRO partitions aren't resharded: refused before anything runs, the run as it was
+        before = sorted(p.name for p in root.iterdir())
+        assert main(["train", "--resume", str(root), "train.num_workers=1"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("raypack: error: train.num_workers=1: the checkpoint ") and err.count("\n") == 1, err
+        assert "resume with train.num_workers=2" in err and sorted(p.name for p in root.iterdir()) == before
+        assert main(["train", "--resume", str(root)]) == 0
     cfg = load(config, overrides)
     result = json.loads((root / "raypack_result.json").read_text())
-    assert result["step"] == epoch
     ids, steps = trained_ids(Path(result["checkpoint"]))
-    assert steps == [list(range(1, epoch + 1))] * cfg.train.num_workers
+    if resized:  # the steps are the ones the three sizes took, one after another, each once
+        epoch = result["step"]
+        assert sorted(set(s for rank in steps for s in rank)) == list(range(1, epoch + 1)), steps
+    else:
+        assert result["step"] == epoch
+        assert steps == [list(range(1, epoch + 1))] * cfg.train.num_workers
     assert len(ids) == len(set(ids)) and sorted(ids) == planned_train_ids(cfg), "an example trained twice or never"
+    assert result["trained"] == {"examples": len(ids), "label_tokens": planned_label_tokens(cfg),
+                                 "epochs": [{"examples": len(ids), "label_tokens": planned_label_tokens(cfg)}]}
     logged = {}
     for tag, step, value in tensorboard_events(root / "tensorboard"):
         logged.setdefault(tag, []).append((step, value))
@@ -206,8 +242,9 @@ def test_sigterm_mid_epoch_checkpoints_exits_143_and_the_resume_trains_every_exa
     assert all(len({s for s, _ in v}) == len(v) for v in logged.values()), "a value logged twice at one step"
     loss = dict(logged["train/loss"])
     lr = dict(logged["train/lr"])
-    # cosine decay after 2 warmup steps: the resumed schedule goes on, it does not start over
-    assert lr[stopped + 1] < lr[stopped] < lr[3], lr
+    # cosine decay after 2 warmup steps: the resumed schedule goes on, it does not start over (a
+    # resize recomputes its total steps, which may move the curve a little, never back to the top)
+    assert lr[stopped + 1] < lr[3] and (resized or lr[stopped + 1] < lr[stopped]), lr
     assert abs(loss[stopped + 1] - loss[stopped]) < 0.5 * (loss[1] - loss[stopped]), loss
 
     import torch

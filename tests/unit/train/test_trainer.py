@@ -24,6 +24,13 @@ def test_a_finished_run_is_known_by_its_steps(tmp_path):
     more = load(None, ["train.grad_accum=2", "train.epochs=2"])  # asks for 10 steps: train on
     assert _finished(str(tmp_path), checked(more)) is None
     assert _finished(str(tmp_path), checked(cfg, None)) is None  # data not packed yet
+    # finished after a resize: its packed data is for another worker count, so no plan counts the
+    # steps; the epochs and step cap it finished under say whether more is asked
+    (tmp_path / RESULT).write_text(json.dumps({"step": 5, "metrics": {}, "ran": {"epochs": 1, "max_steps": None}}))
+    assert _finished(str(tmp_path), checked(cfg, None))["step"] == 5
+    assert _finished(str(tmp_path), checked(more, None)) is None
+    assert _finished(str(tmp_path), checked(load(None, ["train.max_steps=4"]), None))["step"] == 5
+    assert _finished(str(tmp_path), checked(load(None, ["train.max_steps=9"]), None)) is None
 
 
 def test_a_run_whose_packed_data_another_version_keyed_is_refused_not_repacked(tmp_path):
