@@ -19,8 +19,8 @@ MAX_IMAGE_PIXELS = 178_956_970
 """data.max_image_pixels' default: PIL's limit, past which Image.open raises DecompressionBombError."""
 
 
-Format = Literal["auto", "chat", "instruction", "completion", "tokenized", "preference"]
-EXAMPLE_FIELDS = ("messages", "instruction", "input", "output", "prompt", "completion", "input_ids", "labels",
+Format = Literal["auto", "chat", "sharegpt", "instruction", "completion", "tokenized", "preference"]
+EXAMPLE_FIELDS = ("messages", "conversations", "tools", "instruction", "input", "output", "prompt", "completion", "input_ids", "labels",
                   "chosen", "rejected")
 """The fields of the example formats (raypack/data/formats.py): what `data.sources[].columns` maps onto."""
 DEFAULT_PATHS = (str(ASSETS / "sample" / "chat.jsonl"),)

@@ -41,16 +41,19 @@ would "train" with loss 0.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from jinja2 import TemplateError
 from transformers import AutoTokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from raypack import storage
+from raypack.data.chat import TRAIN
 from raypack.data.formats import IGNORE_INDEX
 from raypack.data.images import ImageTokenizer, Vision
 from raypack.data.pairs import CHOSEN, REJECTED, Pair, fit_pair, tokenize_pairs
@@ -152,6 +155,24 @@ def check_chat_template(tok, name: str) -> None:
         )
 
 
+TEMPLATE_FIELDS = ("tools", "tool_calls", "reasoning_content", "thinking")
+"""Fields a template must name to render them (a word search of its source: a template that never
+names `tool_calls` can't render them; one that does renders them as the model was trained to)."""
+
+
+def check_template_fields(template: str, name: str, convs: list[list[dict]], tools: list[str | None]) -> None:
+    """Refuse data whose fields the chat template never reads: `tools`, an assistant's `tool_calls`
+    or reasoning would render as nothing, and the row would train as a plain chat."""
+    used = {k for conv in convs for m in conv for k in m}
+    if any(t is not None for t in tools):
+        used.add("tools")
+    for field in sorted(used & set(TEMPLATE_FIELDS)):
+        if not re.search(rf"\b{field}\b", template):
+            raise TokenizeError(f"the data has `{field}`, but the chat template of {name!r} never renders it, so those "
+                                "rows would train without it; use the model's template that does "
+                                "(tokenize.chat_template), or remove the field")
+
+
 class Encoder:
     """Ray Data `map_batches` callable class: raw example rows (pyarrow) -> OUT_SCHEMA rows."""
 
@@ -174,12 +195,12 @@ class Encoder:
 
     # --- per format: lists of (ids, labels) as int lists / arrays ---------------------------------
 
-    def _spans(self, convs: list[list[dict]], rendered: list[str], indices) -> list[list[tuple[int, int]]]:
+    def _spans(self, convs: list[list[dict]], rendered: list[str], indices, tools=None) -> list[list[tuple[int, int]]]:
         """Character spans of each assistant turn in each rendered conversation."""
         if indices is not None:
             return [list(x) for x in indices]
         try:  # no {% generation %} markers: locate each turn in the rendering (raypack.data.turns)
-            return TurnLocator(self.tok, self.tok.chat_template).spans(convs, rendered)
+            return TurnLocator(self.tok, self.tok.chat_template, tools).spans(convs, rendered)
         except TurnError as e:
             raise TokenizeError(
                 f"chat template of {self.name!r}: can't locate the assistant turns in its rendering ({e}). Use a "
@@ -187,19 +208,44 @@ class Encoder:
                 "end-of-turn markup; tokenize.chat_template), or tokenize.label_mask=all"
             ) from None
 
-    def encode_chat(self, convs: list[list[dict]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    def encode_chat(self, messages: list[str], tools: list[str | None]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Chat rows (sources.SCHEMA's `messages` and `tools`, JSON: raypack/data/chat.py), rendered
+        with `tools=` as a TRL run renders them; a turn with `train: false` carries no loss."""
         check_chat_template(self.tok, self.name)
+        convs = [json.loads(m) for m in messages]
+        flags = [[m.pop(TRAIN, True) for m in conv if m["role"] == "assistant"] for conv in convs]
+        check_template_fields(self.tok.chat_template, self.name, convs, tools)
+        out: list = [None] * len(convs)
+        groups: dict[str | None, list[int]] = {}
+        for i, t in enumerate(tools):  # render_jinja_template takes one `tools` per call
+            groups.setdefault(t, []).append(i)
+        for t, rows in groups.items():
+            encoded = self._encode_chats([convs[i] for i in rows], None if t is None else json.loads(t),
+                                         [flags[i] for i in rows])
+            for i, r in zip(rows, encoded):
+                out[i] = r
+        return out
+
+    def _encode_chats(self, convs: list[list[dict]], tools: list | None,
+                      flags: list[list[bool]]) -> list[tuple[np.ndarray, np.ndarray]]:
         template = self.tok.chat_template
         marked = bool(_GENERATION.search(template))
-        rendered, indices = render_jinja_template(
-            convs, chat_template=template, return_assistant_tokens_mask=marked, **self.tok.special_tokens_map
-        )
-        spans = self._spans(convs, rendered, indices if marked else None)
+        kw = dict(self.tok.special_tokens_map, tools=tools)
+        try:
+            rendered, indices = render_jinja_template(convs, chat_template=template, return_assistant_tokens_mask=marked,
+                                                      **kw)  # fmt: skip
+            spans = self._spans(convs, rendered, indices if marked else None, tools)
+        except TemplateError as e:  # the template's own raise_exception (Llama 3.1: one tool call a turn)
+            raise TokenizeError(f"chat template of {self.name!r} refused a row: {e}") from None
         enc = self.tok(rendered, add_special_tokens=False, return_offsets_mapping=True)
         out = []
-        for conv, ids, offsets, sp in zip(convs, enc["input_ids"], enc["offset_mapping"], spans):
+        for conv, ids, offsets, sp, trains in zip(convs, enc["input_ids"], enc["offset_mapping"], spans, flags):
             ids = np.asarray(ids, dtype=np.int32)
             mode = "assistant" if self.label_mask == "auto" else self.label_mask
+            if len(sp) != len(trains) and not all(trains):
+                raise TokenizeError(f"chat template of {self.name!r}: {len(sp)} {{% generation %}} blocks for "
+                                    f"{len(trains)} assistant turns, so `train: false` can't tell which to leave out")
+            sp = [s for s, t in zip(sp, trains) if t] if len(sp) == len(trains) else sp
             if mode == "all":
                 keep = np.ones(len(ids), dtype=bool)
             else:
@@ -207,7 +253,8 @@ class Encoder:
                 keep = np.zeros(len(ids), dtype=bool)
                 for s, e in sp[-1:] if mode == "completion" else sp:
                     keep |= (starts >= s) & (starts < e)
-            out.append(self._finish(ids, keep, eos_loss=mode == "all" or conv[-1]["role"] == "assistant"))
+            ends_trained = conv[-1]["role"] == "assistant" and (not trains or trains[-1])
+            out.append(self._finish(ids, keep, eos_loss=mode == "all" or ends_trained))
         return out
 
     def encode_vision(self, messages: list[str], images: list[list[bytes]], eids: list[int]) -> list[Vision]:
@@ -251,7 +298,7 @@ class Encoder:
             rows = [i for i, f in enumerate(formats) if f == fmt]
             sub = batch.take(rows)
             if fmt == "chat":
-                encoded = self.encode_chat(sub["messages"].to_pylist())
+                encoded = self.encode_chat(sub["messages"].to_pylist(), sub["tools"].to_pylist())
             elif fmt == "completion":
                 encoded = self.encode_pairs(sub["prompt"].to_pylist(), sub["completion"].to_pylist())
             elif fmt == "vision":

@@ -57,12 +57,20 @@ def _common_prefix(a: str, b: str) -> int:
     return i
 
 
+def _bare(message: dict) -> bool:
+    """An assistant turn of tool calls and no content: a sentinel in its content would change
+    its rendering (Qwen3 puts a newline before the calls only after content; Llama 3.1 drops
+    content beside calls), so it is located by its own rendering instead (`_bare_end`)."""
+    return bool(message.get("tool_calls")) and not message["content"].strip()
+
+
 class TurnLocator:
     """Character spans of the assistant turns of rendered chats (see the module docstring)."""
 
-    def __init__(self, tokenizer, template: str):
+    def __init__(self, tokenizer, template: str, tools: list | None = None):
+        """`tools`: the conversations' tool schemas (one list for all), rendered in every rendering."""
         self.tok, self.template = tokenizer, template
-        self.kw = dict(tokenizer.special_tokens_map)
+        self.kw = dict(tokenizer.special_tokens_map, tools=tools)
 
     def _render(self, convs: list[list[dict]], generation_prompt: bool = False) -> list[str]:
         if not convs:
@@ -86,7 +94,7 @@ class TurnLocator:
         for conv, js in zip(convs, turns):
             if len(js) > 0x1000:
                 raise TurnError(f"{len(js)} assistant turns in one conversation; at most 4096")
-            chars = {j: chr(SENTINEL + k) for k, j in enumerate(js)}
+            chars = {j: chr(SENTINEL + k) for k, j in enumerate(js) if not _bare(conv[j])}
             marked.append([dict(m, content=_mark(m["content"], chars[j])) if j in chars else m for j, m in enumerate(conv)])
         whole = self._render([m for m, js in zip(marked, turns) if js])
         # per turn: the prompt before it, and the turn ending the chat with or without a follower
@@ -102,11 +110,16 @@ class TurnLocator:
                 out.append([])
                 continue
             full = rendered[c]
-            content_end = self._content_ends(whole[w], full, len(js), c)
+            content_end = self._content_ends(whole[w], full, [not _bare(conv[j]) for j in js], c)
             w += 1
             spans, prev = [], 0
             for t, j in enumerate(js):
                 start = self._start(prompts[k], full, convs[c][:j], c, j)
+                if content_end[t] is None:  # tool calls without content: no sentinel to place
+                    end = self._bare_end(prompts[k], ends[k], full, start, c, j)
+                    spans.append((start, end))
+                    prev, k = end, k + 1
+                    continue
                 char = chr(SENTINEL + t)
                 closing = self._closing(ends[k].split(char, 1)[1], follows[k].split(char, 1)[1])
                 end = content_end[t]
@@ -124,8 +137,21 @@ class TurnLocator:
             out.append(spans)
         return out
 
-    def _content_ends(self, marked: str, full: str, count: int, c: int) -> list[int]:
-        """Offsets in `full` where each assistant content ends, from the sentinel rendering."""
+    def _bare_end(self, prompt: str, alone: str, full: str, start: int, c: int, j: int) -> int:
+        """Where a turn of tool calls without content ends in `full`: its text in `alone` (the chat
+        rendered up to it, it last), after the generation prompt, without trailing whitespace,
+        must stand in `full` at `start` whole. A template that renders the turn otherwise when it
+        is not the last (Qwen3 adds an empty <think> block to the last turn only) is refused."""
+        alone = "".join(ch for ch in alone if not 0 <= ord(ch) - SENTINEL < 0x1000)  # earlier turns' marks
+        text = alone[_common_prefix(prompt, alone):].rstrip()
+        if not text or not full.startswith(text, start):
+            raise TurnError(f"conversation {c}, message {j}: its tool calls render otherwise when the turn ends the chat")
+        return start + len(text)
+
+    def _content_ends(self, marked: str, full: str, expected: list[bool], c: int) -> list[int | None]:
+        """Offsets in `full` where each assistant content ends, from the sentinel rendering (None
+        for the turns not `expected` to carry a sentinel)."""
+        count = len(expected)
         ends, plain, last = [None] * count, [], 0
         for i, ch in enumerate(marked):
             t = ord(ch) - SENTINEL
@@ -136,7 +162,8 @@ class TurnLocator:
                 ends[t] = sum(map(len, plain))
                 last = i + 1
         plain.append(marked[last:])
-        if "".join(plain) != full or None in ends or ends != sorted(ends):
+        found = [e for e in ends if e is not None]
+        if "".join(plain) != full or [e is not None for e in ends] != expected or found != sorted(found):
             raise TurnError(f"conversation {c}: the template changes or drops assistant content it renders")
         return ends
 
