@@ -13,7 +13,8 @@ parses the same way). What raypack changes, and why:
 - content parts (`[{"type": "text", "text": ...}]`) of a text row are joined into one string:
   text-only templates (Qwen3's, Llama 3.1's) render a list as nothing or as its repr, and the
   templates that take parts (Qwen3.5's) render the texts one after another, with nothing between;
-- an assistant's null content beside `tool_calls` becomes "", which templates treat alike;
+- an assistant's null content beside `tool_calls` stays null: DeepSeek-R1's template renders the
+  calls only then (and drops them beside "");
 - `tools: []` becomes no tools, as TRL's `apply_chat_template` does (Llama 3.1's template
   renders its tool preamble for an empty list);
 - ShareGPT becomes messages: `from`/`value` are `role`/`content` (TRL's `maybe_convert_to_chatml`),
@@ -102,7 +103,7 @@ def _sharegpt(rec: dict[str, Any]) -> list[dict]:
                 raise FormatError(f"{where}.value: a function_call's value is not JSON ({e})") from None
             if not isinstance(call, dict):
                 raise FormatError(f"{where}.value: a function_call's value must be a JSON object with name and arguments")
-            m.update(role="assistant", content="", tool_calls=[{"type": "function", "function": call}])
+            m.update(role="assistant", content=None, tool_calls=[{"type": "function", "function": call}])
         else:
             m.update(role=SHAREGPT_ROLES[speaker], content=value)
         messages.append(m)
@@ -130,7 +131,7 @@ def _message(m: Any, where: str, sharegpt: bool) -> dict:
     for k in ASSISTANT_FIELDS:
         if k in m and role != "assistant":
             raise FormatError(f"{where}.{k}: only an assistant message may hold {k}, this one is {role}")
-    out = {"role": role, "content": _content(m.get("content"), where, "tool_calls" in m)}
+    out = {"role": role, "content": _content(m.get("content"), where, "tool_calls" in m)}  # null stays null
     if "tool_calls" in m:
         out["tool_calls"] = _tool_calls(m["tool_calls"], f"{where}.tool_calls")
     for k in ("reasoning_content", "thinking", "name", "tool_call_id"):
@@ -147,9 +148,9 @@ def _message(m: Any, where: str, sharegpt: bool) -> dict:
     return out
 
 
-def _content(content: Any, where: str, has_calls: bool) -> str:
+def _content(content: Any, where: str, has_calls: bool) -> str | None:
     if content is None and has_calls:
-        return ""
+        return None
     if isinstance(content, str):
         return content
     if isinstance(content, (list, tuple)):

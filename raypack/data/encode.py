@@ -235,8 +235,8 @@ class Encoder:
             rendered, indices = render_jinja_template(convs, chat_template=template, return_assistant_tokens_mask=marked,
                                                       **kw)  # fmt: skip
             spans = self._spans(convs, rendered, indices if marked else None, tools)
-        except TemplateError as e:  # the template's own raise_exception (Llama 3.1: one tool call a turn)
-            raise TokenizeError(f"chat template of {self.name!r} refused a row: {e}") from None
+        except (TemplateError, TypeError) as e:  # its raise_exception (Llama 3.1: one call a turn); str + dict
+            raise TokenizeError(f"chat template of {self.name!r} can't render a row: {e}") from None
         enc = self.tok(rendered, add_special_tokens=False, return_offsets_mapping=True)
         out = []
         for conv, ids, offsets, sp, trains in zip(convs, enc["input_ids"], enc["offset_mapping"], spans, flags):

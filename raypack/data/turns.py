@@ -57,11 +57,22 @@ def _common_prefix(a: str, b: str) -> int:
     return i
 
 
+def _calls_inside(message: dict, full: str, start: int, end: int, c: int, j: int) -> tuple[int, int]:
+    """The span, once each of the turn's tool calls is seen in it by its function name: a template
+    that renders a turn's calls only sometimes (DeepSeek-R1's: only beside null content) must not
+    train the turn as if it had none."""
+    for call in message.get("tool_calls") or ():
+        name = call.get("function", call)["name"]
+        if name not in full[start:end]:
+            raise TurnError(f"conversation {c}, message {j}: the template does not render its tool call {name!r} in it")
+    return start, end
+
+
 def _bare(message: dict) -> bool:
     """An assistant turn of tool calls and no content: a sentinel in its content would change
     its rendering (Qwen3 puts a newline before the calls only after content; Llama 3.1 drops
     content beside calls), so it is located by its own rendering instead (`_bare_end`)."""
-    return bool(message.get("tool_calls")) and not message["content"].strip()
+    return bool(message.get("tool_calls")) and not (message["content"] or "").strip()
 
 
 class TurnLocator:
@@ -117,7 +128,7 @@ class TurnLocator:
                 start = self._start(prompts[k], full, convs[c][:j], c, j)
                 if content_end[t] is None:  # tool calls without content: no sentinel to place
                     end = self._bare_end(prompts[k], ends[k], full, start, c, j)
-                    spans.append((start, end))
+                    spans.append(_calls_inside(conv[j], full, start, end, c, j))
                     prev, k = end, k + 1
                     continue
                 char = chr(SENTINEL + t)
@@ -132,7 +143,7 @@ class TurnLocator:
                     raise TurnError(f"conversation {c}, message {j}: its closing markup {closing!r} does not follow it")
                 if not prev <= start <= content_end[t]:
                     raise TurnError(f"conversation {c}, message {j}: its generation prompt ends after its content starts")
-                spans.append((start, end))
+                spans.append(_calls_inside(conv[j], full, start, end, c, j))
                 prev, k = end, k + 1
             out.append(spans)
         return out
@@ -174,5 +185,11 @@ class TurnLocator:
         # where they part, as long as the messages before the turn render as F's prefix.
         context = self._render([before])[0] if before else ""
         if full.startswith(context) and prompt.startswith(context):
-            return _common_prefix(prompt, full)
+            # cut back to where both the prompt's tokens and F's part: F's turn can begin with the
+            # character the prompt goes on with ("<" of DeepSeek-R1's "<｜tool▁calls▁begin｜>" after
+            # its "<think>"), and a token of F that starts before the cut would not train
+            common = _common_prefix(prompt, full)
+            ends = {e for _, e in self.tok(prompt, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]}
+            starts = {s for s, _ in self.tok(full, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]}
+            return max((e for e in ends & starts if e <= common), default=0)
         raise TurnError(f"conversation {c}, message {j}: the messages before it don't render as a prefix of the chat")

@@ -84,7 +84,7 @@ def test_sharegpt_is_detected_and_read_as_messages(tmp_path):
     assert row["error"] is None and row["format"] == "chat"
     assert json.loads(row["messages"]) == [
         {"role": "system", "content": "be brief"}, {"role": "user", "content": "weather?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": json.loads(call)}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": json.loads(call)}]},
         {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny.", "train": False}]
     assert json.loads(row["tools"]) == TOOLS
 
@@ -152,6 +152,9 @@ def _trl(records: list[dict], chat_template: str) -> list[dict]:
             for r in records]
 
 
+R1_CALL = {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+R1_AGENT = [{"role": "user", "content": "USER-TEXT"}, {"role": "assistant", "content": None, "tool_calls": [R1_CALL]},
+            {"role": "tool", "content": "RESULT-TEXT"}, {"role": "assistant", "content": "FINAL-ANSWER"}]
 TRL_CASES = {  # TRL's training templates: {% generation %} marks each assistant turn, TRL masks by it
     "qwen3_training": [{"messages": agent(), "tools": json.dumps(TOOLS)},
                        {"messages": agent(content=""), "tools": json.dumps(TOOLS)}],
@@ -163,7 +166,8 @@ TRL_CASES = {  # TRL's training templates: {% generation %} marks each assistant
 def test_tool_rows_train_as_trl_trains_them(name):
     records = TRL_CASES[name]
     for record, ref in zip(records, _trl(records, template(name))):
-        ours = encode({"messages": record["messages"], "tools": json.loads(record["tools"])}, template(name))
+        ours = encode({"messages": record["messages"], "tools": record["tools"] and json.loads(record["tools"])},
+                      template(name))
         n = len(ref["input_ids"])  # raypack appends EOS, trained, where TRL doesn't
         assert ours["input_ids"][:n] == ref["input_ids"] and ours["labels"][:n] == ref["labels"]
         assert ours["input_ids"][n:] == ours["labels"][n:] == [AutoTokenizer.from_pretrained(TOK).eos_token_id]
@@ -230,20 +234,38 @@ def test_train_false_keeps_a_turn_out_of_the_loss(tok):
     assert out["labels"][-1] == IGNORE and "FINAL-ANSWER" not in trained_text(tok, out)
 
 
-@pytest.mark.parametrize("field,record", [
-    ("tool_calls", {"messages": agent(reasoning="", final_reasoning="")}),
+REASONED = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "r"}]}
+
+
+@pytest.mark.parametrize("field,record,chat_template", [
+    ("tool_calls", {"messages": agent(reasoning="", final_reasoning="")}, "chatml"),
     ("tools", {"messages": agent(content="x", reasoning="", final_reasoning="")[:2] + [{"role": "assistant", "content": "y"}],
-               "tools": TOOLS}),
-    ("reasoning_content", {"messages": [{"role": "user", "content": "q"},
-                                        {"role": "assistant", "content": "a", "reasoning_content": "r"}]}),
+               "tools": TOOLS}, "chatml"),
+    ("reasoning_content", REASONED, "chatml"),
+    # DeepSeek-R1's distills read reasoning inside the content (<think>...</think>), and no tools
+    ("reasoning_content", REASONED, "trl/deepseek_r1_distill"),
 ])
-def test_a_field_the_template_never_renders_is_refused(field, record):
-    chatml = (TEST_ASSETS / "chat_templates" / "chatml.jinja").read_text()  # no tools, no reasoning
+def test_a_field_the_template_never_renders_is_refused(field, record, chat_template):
+    text = (TEST_ASSETS / "chat_templates" / f"{chat_template}.jinja").read_text()
     with pytest.raises(TokenizeError, match=f"the data has `{field}`, but the chat template .* never renders it"):
-        encode(record, chatml)
+        encode(record, text)
 
 
 def test_a_template_that_drops_content_beside_tool_calls_is_refused():
     # Llama 3.1 renders only the call of a turn that has one: "Let me look." would vanish
     with pytest.raises(TokenizeError, match="can't locate the assistant turns"):
         encode({"messages": agent(reasoning="", final_reasoning=""), "tools": TOOLS}, template("llama3_1"))
+
+
+def test_tool_calls_a_template_leaves_out_are_refused(tok):
+    # DeepSeek-R1 renders a call only where the content is null (its arguments a JSON string):
+    # the call trains from where the rendering parts from the generation prompt "<｜Assistant｜><think>\n",
+    # which with this character-level tokenizer is after their shared "<"; beside "" the call would vanish
+    out = encode({"messages": R1_AGENT}, template("deepseek_r1_distill"))
+    call = ('｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Paris"}'
+            '\n```<｜tool▁call▁end｜>')
+    assert trained_text(tok, out) == tok.decode(tok(call + "FINAL-ANSWER<｜end▁of▁sentence｜>", add_special_tokens=False)
+                                                ["input_ids"] + [tok.eos_token_id])
+    dropped = [dict(m, content="") if m.get("tool_calls") else m for m in R1_AGENT]
+    with pytest.raises(TokenizeError, match="does not render its tool call 'get_weather'"):
+        encode({"messages": dropped}, template("deepseek_r1_distill"))
