@@ -175,7 +175,8 @@ class TokenizeConfig:
     tokenizer: str = str(ASSETS / "tokenizer")
     """Hugging Face tokenizer name or local path."""
     chat_template: str | None = None
-    """Jinja chat template that replaces (or supplies) the tokenizer's own."""
+    """Jinja chat template that replaces (or supplies) the tokenizer's own: its text, or a `.jinja`
+    file (a path or URI every node can read, as data.paths; the cache keys by its text)."""
     label_mask: Literal["auto", "assistant", "completion", "all"] = "auto"
     """Which tokens carry loss. `auto`: assistant turns for chat, the output/completion otherwise."""
     overlength: Literal["drop", "truncate", "split"] = "truncate"

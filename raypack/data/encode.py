@@ -106,12 +106,23 @@ def load_tokenizer(name: str, chat_template: str | None = None):
         where = "" if local else "not a local folder, and from the hub: "
         raise TokenizeError(f"tokenize.tokenizer {name!r}: can't load it ({where}{reason})") from e
     if chat_template is not None:
-        tok.chat_template = chat_template
+        tok.chat_template = template_text(chat_template)
     if tok.eos_token_id is None:
         raise TokenizeError(f"tokenize.tokenizer {name!r} has no EOS token; raypack appends EOS to every example")
     if not getattr(tok, "is_fast", False):
         raise TokenizeError(f"tokenize.tokenizer {name!r} is not a fast tokenizer; label masking needs character offsets")
     return tok
+
+
+def template_text(chat_template: str) -> str:
+    """tokenize.chat_template: the Jinja text, or a `.jinja` file holding it (as models ship
+    chat_template.jinja), read whole."""
+    if chat_template.endswith(".jinja") and "\n" not in chat_template:
+        try:
+            return storage.read_text(chat_template)
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenizeError(f"tokenize.chat_template {chat_template!r}: can't read it ({e})") from None
+    return chat_template
 
 
 def load_image_processor(name: str):

@@ -21,3 +21,49 @@ def test_the_quickstarts_data_is_summarized_without_ray(monkeypatch, capsys):
     lines = out.splitlines()
     assert lines[0] == "examples   300 in (chat 300), 300 out", out
     assert [line.split()[0] for line in lines] == ["examples", "tokens", "length", "over", "no", "bad", "lost"], out
+
+
+def test_show_json_says_which_tokens_train_for_each_format(tmp_path, capsys):
+    """`raypack data --show N --json` on ShareGPT with a function call and OpenAI messages with
+    content parts, tools and reasoning: the trained text of each row, read back from its labels."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from raypack.config import ASSETS
+
+    from paths import TEST_ASSETS
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    call = {"name": "get_weather", "arguments": {"city": "Paris"}}
+    sharegpt = {"tools": json.dumps(tools), "conversations": [
+        {"from": "human", "value": "weather?"}, {"from": "function_call", "value": json.dumps(call)},
+        {"from": "observation", "value": "RESULT"}, {"from": "gpt", "value": "Sunny."}]}
+    openai = {"tools": tools, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]},
+        {"role": "assistant", "content": "Hello.", "reasoning_content": "greet", "train": False},
+        {"role": "user", "content": "again"}, {"role": "assistant", "content": "Hi again."}]}
+    (tmp_path / "a.jsonl").write_text(json.dumps(sharegpt) + "\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps(openai) + "\n")
+    template = TEST_ASSETS / "chat_templates" / "trl" / "qwen3_training.jinja"
+    assert main(["data", f"data.paths=[{tmp_path}]", f"tokenize.chat_template={template}", "--show", "2", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    tok = AutoTokenizer.from_pretrained(str(ASSETS / "tokenizer"))
+    trained = [tok.decode([t for t in r["labels"] if t != -100]) for r in rows]
+    assert [(r["source"], r["line"]) for r in rows] == [(str(tmp_path / "a.jsonl"), 1), (str(tmp_path / "b.jsonl"), 1)]
+    assert [len(r["input_ids"]) == len(r["labels"]) for r in rows] == [True, True]
+    assert trained == [
+        '<think>\n\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+        "<think>\n\n</think>\n\nSunny.<|im_end|>\n<|eos|>",
+        "<think>\n\n</think>\n\nHi again.<|im_end|>\n<|eos|>",  # the first answer is train: false
+    ]
+    assert "RESULT" in tok.decode(rows[0]["input_ids"]) and "hi there" in tok.decode(rows[1]["input_ids"])
+    # as text: the trained runs between [[ and ]] when not on a terminal, green on one
+    from raypack.data.show import marked_text
+
+    assert main(["data", f"data.paths=[{tmp_path}]", f"tokenize.chat_template={template}", "--show", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"--- {tmp_path / 'a.jsonl'} line 1: {len(rows[0]['input_ids'])} tokens, ")
+    assert "[[<think>\n\n</think>\n\nSunny.<|im_end|>\n<|eos|>]]" in out and "RESULT" in out.split("]]")[1].split("[[")[0]
+    ids = tok("ab", add_special_tokens=False)["input_ids"]
+    assert marked_text(tok, ids, [False, True], colour=True) == "a\033[32mb\033[0m"
