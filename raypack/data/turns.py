@@ -127,7 +127,7 @@ class TurnLocator:
             for t, j in enumerate(js):
                 start = self._start(prompts[k], full, convs[c][:j], c, j)
                 if content_end[t] is None:  # tool calls without content: no sentinel to place
-                    end = self._bare_end(prompts[k], ends[k], full, start, c, j)
+                    end = self._bare_end(prompts[k], ends[k], full, start, c, j, convs[c])
                     spans.append(_calls_inside(conv[j], full, start, end, c, j))
                     prev, k = end, k + 1
                     continue
@@ -148,16 +148,45 @@ class TurnLocator:
             out.append(spans)
         return out
 
-    def _bare_end(self, prompt: str, alone: str, full: str, start: int, c: int, j: int) -> int:
-        """Where a turn of tool calls without content ends in `full`: its text in `alone` (the chat
-        rendered up to it, it last), after the generation prompt, without trailing whitespace,
-        must stand in `full` at `start` whole. A template that renders the turn otherwise when it
-        is not the last (Qwen3 adds an empty <think> block to the last turn only) is refused."""
+    def _bare_end(self, prompt: str, alone: str, full: str, start: int, c: int, j: int, conv: list[dict]) -> int:
+        """Where a turn of tool calls without content ends in `full`. Its text in `alone` (the
+        chat rendered up to it, it last), after the generation prompt, without trailing
+        whitespace, standing in `full` at `start` whole; else, where the next message starts
+        (`_before_next`). A turn neither finds is refused."""
         alone = "".join(ch for ch in alone if not 0 <= ord(ch) - SENTINEL < 0x1000)  # earlier turns' marks
         text = alone[_common_prefix(prompt, alone):].rstrip()
-        if not text or not full.startswith(text, start):
+        if text and full.startswith(text, start):
+            return start + len(text)
+        # Qwen3 opens an empty <think> block in the last turn only: as the chat's end the turn
+        # renders otherwise than in it
+        end = self._before_next(conv, j, full) if j + 1 < len(conv) else None
+        if end is None or end <= start:
             raise TurnError(f"conversation {c}, message {j}: its tool calls render otherwise when the turn ends the chat")
-        return start + len(text)
+        return end
+
+    def _before_next(self, conv: list[dict], j: int, full: str) -> int | None:
+        """The end of turn j's closing markup in `full`, found from the message after it: that
+        message's content marked at its start gives where it starts in `full`; what precedes
+        the mark alike in `full` and in the chat with turn j as plain content (its closing
+        markup and the next message's header) is cut there, less the header (None if the
+        template renders either otherwise)."""
+        after = conv[j + 1]
+        if not isinstance(after.get("content"), str) or not after["content"]:
+            return None
+        mark, plain_mark = chr(SENTINEL), chr(SENTINEL + 1)
+        nxt = dict(after, content=mark + after["content"])
+        plain = {"role": "assistant", "content": plain_mark}
+        real, alike, alone, follow = self._render([conv[: j + 1] + [nxt] + conv[j + 2 :],
+                                                  conv[:j] + [plain, nxt] + conv[j + 2 :],
+                                                  conv[:j] + [plain], conv[:j] + [plain, {"role": "user", "content": _FOLLOWER}]])
+        if real.count(mark) != 1 or real.replace(mark, "") != full or alike.count(plain_mark) != 1:
+            return None
+        at = real.index(mark)
+        gap = alike[alike.index(plain_mark) + 1 : alike.index(mark)]  # closing markup, then the header
+        closing = self._closing(alone.split(plain_mark, 1)[1], follow.split(plain_mark, 1)[1])
+        if not gap.startswith(closing) or not real[:at].endswith(gap[len(closing):]) or not real[:at - len(gap) + len(closing)].endswith(closing):
+            return None
+        return at - len(gap) + len(closing)
 
     def _content_ends(self, marked: str, full: str, expected: list[bool], c: int) -> list[int | None]:
         """Offsets in `full` where each assistant content ends, from the sentinel rendering (None

@@ -185,6 +185,10 @@ PLAIN = {
     "qwen3 (no content)": ({"messages": agent(content=""), "tools": TOOLS}, [
         f"<think>\nREASON-A\n</think>\n\n<tool_call>\n{CALL_TEXT}\n</tool_call><|im_end|>",
         "<think>\nREASON-B\n</think>\n\nFINAL-ANSWER<|im_end|>"]),
+    # ... where a call without reasoning, as the chat's last turn, would open an empty <think>
+    # block that it doesn't have in the chat: located from the tool message after it
+    "qwen3 (no content, no reasoning)": ({"messages": agent(content="", reasoning="", final_reasoning=""), "tools": TOOLS}, [
+        f"<tool_call>\n{CALL_TEXT}\n</tool_call><|im_end|>", "<think>\n\n</think>\n\nFINAL-ANSWER<|im_end|>"]),
     # Qwen3.5: the generation prompt opens "<think>\n", so the trained reasoning starts after it
     "qwen3_5_think": ({"messages": agent(), "tools": TOOLS}, [
         "REASON-A\n</think>\n\nLet me look.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
