@@ -184,6 +184,10 @@ class TokenizeConfig:
     no_labels: Literal["drop", "error"] = "drop"
     """An example no token of which carries loss (a chat without an assistant turn, a prompt that
     truncate cut before its answer) is dropped and counted, or is an error naming it."""
+    empty_answers: Literal["train", "error"] = "train"
+    """A chat that ends with an empty assistant turn (no content, tool call or reasoning) trains its
+    end-of-turn markup as the answer, as TRL does, and is counted in `raypack data`'s summary; or
+    is an error naming it."""
     max_length: int | None = None
     """Longest example kept whole; None means `pack.budget` (`Config.max_length` says which applies)."""
     batch_size: int = 256

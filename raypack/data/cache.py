@@ -78,6 +78,8 @@ def tokenized_key(cfg: Config) -> str:
     plain = cfg.to_dict()
     tokenize = {k: v for k, v in plain["tokenize"].items() if k not in TOKENIZE_SPEED_KNOBS}
     tokenize["max_length"] = cfg.max_length
+    if cfg.tokenize.empty_answers == "train":  # the default keys as every config did before the field existed
+        del tokenize["empty_answers"]
     if cfg.tokenize.chat_template is not None:  # a .jinja file keys by its text, which may change
         tokenize["chat_template"] = template_text(cfg.tokenize.chat_template)
     data = {k: v for k, v in plain["data"].items() if k not in DATA_NOT_SHAPING + MIXTURE_DRAW}

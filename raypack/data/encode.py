@@ -171,6 +171,14 @@ TEMPLATE_FIELDS = ("tools", "tool_calls", "reasoning_content", "thinking")
 names `tool_calls` can't render them; one that does renders them as the model was trained to)."""
 
 
+def _empty_answer(conv: list[dict], trains: list[bool]) -> bool:
+    """Whether a chat ends with a trained assistant turn that says nothing: its end-of-turn markup
+    would train as the answer (a reply cut off, or a prompt saved with its empty answer slot)."""
+    last = conv[-1]
+    return (last["role"] == "assistant" and (not trains or trains[-1]) and not (last["content"] or "").strip()
+            and not any(last.get(k) for k in ("tool_calls", "reasoning_content", "thinking")))
+
+
 def check_template_fields(template: str, name: str, convs: list[list[dict]], tools: list[str | None]) -> None:
     """Refuse data whose fields the chat template never reads: `tools`, an assistant's `tool_calls`
     or reasoning would render as nothing, and the row would train as a plain chat."""
@@ -203,6 +211,7 @@ class Encoder:
         # Whatever the tokenizer puts before a text (BOS, for most causal LMs), minus a trailing EOS.
         self.prefix = [t for t in self.tok("")["input_ids"] if t != self.eos]
         self.images = None  # the image tokenizer, loaded at the first vision row
+        self.empty_answers: list[int] = []
 
     # --- per format: lists of (ids, labels) as int lists / arrays ---------------------------------
 
@@ -226,6 +235,7 @@ class Encoder:
         convs = [json.loads(m) for m in messages]
         flags = [[m.pop(TRAIN, True) for m in conv if m["role"] == "assistant"] for conv in convs]
         check_template_fields(self.tok.chat_template, self.name, convs, tools)
+        self.empty = [i for i, (conv, trains) in enumerate(zip(convs, flags)) if _empty_answer(conv, trains)]
         out: list = [None] * len(convs)
         groups: dict[str | None, list[int]] = {}
         for i, t in enumerate(tools):  # render_jinja_template takes one `tools` per call
@@ -303,13 +313,17 @@ class Encoder:
     # --- the batch callable -----------------------------------------------------------------------
 
     def encode(self, batch: pa.Table) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The batch's (ids, labels) per row; `empty_answers` then holds the example ids of its
+        chats that end with an empty assistant turn (tokenize counts them)."""
         formats = batch["format"].to_pylist()
         results: list = [None] * len(formats)
+        self.empty_answers = []
         for fmt in set(formats):
             rows = [i for i, f in enumerate(formats) if f == fmt]
             sub = batch.take(rows)
             if fmt == "chat":
                 encoded = self.encode_chat(sub["messages"].to_pylist(), sub["tools"].to_pylist())
+                self.empty_answers += [sub["example_id"][i].as_py() for i in self.empty]
             elif fmt == "completion":
                 encoded = self.encode_pairs(sub["prompt"].to_pylist(), sub["completion"].to_pylist())
             elif fmt == "vision":
@@ -351,6 +365,7 @@ class Encoder:
     def encode_table(self, batch: pa.Table) -> pa.Table:
         """Rows in OUT_SCHEMA: the output columns plus a flag and label-token count per row
         (dropped examples stay, flagged, until __call__ removes them)."""
+        self.empty_answers = []  # this batch's (encode sets them; pre-tokenized rows have none)
         if batch.num_rows and pc.all(pc.equal(batch["format"], "tokenized")).as_py():
             if (table := self._tokenized_table(batch)) is not None:
                 return table

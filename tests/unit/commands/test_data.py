@@ -67,3 +67,22 @@ def test_show_json_says_which_tokens_train_for_each_format(tmp_path, capsys):
     assert "[[<think>\n\n</think>\n\nSunny.<|im_end|>\n<|eos|>]]" in out and "RESULT" in out.split("]]")[1].split("[[")[0]
     ids = tok("ab", add_special_tokens=False)["input_ids"]
     assert marked_text(tok, ids, [False, True], colour=True) == "a\033[32mb\033[0m"
+
+
+def test_an_empty_final_assistant_turn_is_counted_or_refused(tmp_path, capsys):
+    """It trains its end-of-turn markup as the answer (as TRL does): said, and refusable."""
+    import json
+
+    turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    rows = [turn, turn[:1] + [{"role": "assistant", "content": ""}], turn,
+            turn + [{"role": "user", "content": "and?"}, {"role": "assistant", "content": " \n"}],
+            turn[:1] + [{"role": "assistant", "content": "", "train": False}]]  # not trained: not counted
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"messages": r}) + "\n" for r in rows))
+    assert main(["data", f"data.paths=[{path}]", "tokenize.no_labels=drop"]) == 0
+    out = capsys.readouterr().out
+    assert f"empty      2 chats end with an empty assistant turn, whose end-of-turn markup trains as the answer " \
+           f"(tokenize.empty_answers=error refuses them); first: {path} line 2, {path} line 4\n" in out, out
+    assert main(["data", f"data.paths=[{path}]", "tokenize.empty_answers=error"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{path} line 2: the chat ends with an empty assistant turn" in err, err
