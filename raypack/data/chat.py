@@ -38,7 +38,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from raypack.data.formats import FormatError
+
+
+class FormatError(ValueError):
+    """A chat row that can't go to the template as it is; raypack/data/formats.py raises it as
+    its own FormatError (this module stays below that one, no import cycle)."""
 
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",

@@ -37,6 +37,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from raypack.data.chat import FormatError as ChatError
+from raypack.data.chat import chat_fields
+
 ROLES = ("system", "user", "assistant")
 IGNORE_INDEX = -100
 """The label of a token that carries no loss: in tokenized rows, packed rows and batches alike."""
@@ -209,11 +212,12 @@ def _validate(rec: Any, fmt: str, vocab_size: int | None) -> dict[str, Any]:
     if not isinstance(rec, dict):
         raise FormatError(f"expected a JSON object, got {type(rec).__name__}")
     if fmt in ("chat", "sharegpt"):
-        from raypack.data.chat import chat_fields  # it raises this module's FormatError
-
         if rec.get("images"):  # placeholders would train as the text "<image>", without the pictures
             raise FormatError(f"`images`: {IMAGES_NOT_TRAINED}")
-        return chat_fields(rec, fmt)
+        try:
+            return chat_fields(rec, fmt)
+        except ChatError as e:
+            raise FormatError(str(e)) from None
     if fmt == "preference":
         return preference_record(rec)
     if fmt == "instruction":
