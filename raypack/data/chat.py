@@ -36,13 +36,14 @@ row keeps whichever it had.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
-
 
 
 class FormatError(ValueError):
     """A chat row that can't go to the template as it is; raypack/data/formats.py raises it as
     its own FormatError (this module stays below that one, no import cycle)."""
+
 
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
@@ -210,3 +211,25 @@ def _tools(tools: Any) -> list | None:
     if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
         raise FormatError(f"`tools` must be a list of tool schemas (objects), got {type(tools).__name__}")
     return list(tools) or None
+
+
+TEMPLATE_FIELDS = ("tools", "tool_calls", "reasoning_content", "thinking")
+"""Fields a template must name to render them (a word search of its source: a template that never
+names `tool_calls` can't render them; one that does renders them as the model was trained to)."""
+
+
+def unrendered_field(template: str, convs: list[list[dict]], tools: list[str | None]) -> str | None:
+    """The first field of the data that the chat template never reads, if any: `tools`, an
+    assistant's `tool_calls` or reasoning would render as nothing, and the row train as a plain chat."""
+    used = {k for conv in convs for m in conv for k in m}
+    if any(t is not None for t in tools):
+        used.add("tools")
+    return next((f for f in sorted(used & set(TEMPLATE_FIELDS)) if not re.search(rf"\b{f}\b", template)), None)
+
+
+def empty_answer(conv: list[dict], trains: list[bool]) -> bool:
+    """Whether a chat ends with a trained assistant turn that says nothing: its end-of-turn markup
+    would train as the answer (a reply cut off, or a prompt saved with its empty answer slot)."""
+    last = conv[-1]
+    return (last["role"] == "assistant" and (not trains or trains[-1]) and not (last["content"] or "").strip()
+            and not any(last.get(k) for k in ASSISTANT_FIELDS))

@@ -53,7 +53,7 @@ from transformers import AutoTokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from raypack import storage
-from raypack.data.chat import TRAIN
+from raypack.data.chat import TRAIN, empty_answer, unrendered_field
 from raypack.data.formats import IGNORE_INDEX
 from raypack.data.images import ImageTokenizer, Vision
 from raypack.data.pairs import CHOSEN, REJECTED, Pair, fit_pair, tokenize_pairs
@@ -166,32 +166,6 @@ def check_chat_template(tok, name: str) -> None:
         )
 
 
-TEMPLATE_FIELDS = ("tools", "tool_calls", "reasoning_content", "thinking")
-"""Fields a template must name to render them (a word search of its source: a template that never
-names `tool_calls` can't render them; one that does renders them as the model was trained to)."""
-
-
-def _empty_answer(conv: list[dict], trains: list[bool]) -> bool:
-    """Whether a chat ends with a trained assistant turn that says nothing: its end-of-turn markup
-    would train as the answer (a reply cut off, or a prompt saved with its empty answer slot)."""
-    last = conv[-1]
-    return (last["role"] == "assistant" and (not trains or trains[-1]) and not (last["content"] or "").strip()
-            and not any(last.get(k) for k in ("tool_calls", "reasoning_content", "thinking")))
-
-
-def check_template_fields(template: str, name: str, convs: list[list[dict]], tools: list[str | None]) -> None:
-    """Refuse data whose fields the chat template never reads: `tools`, an assistant's `tool_calls`
-    or reasoning would render as nothing, and the row would train as a plain chat."""
-    used = {k for conv in convs for m in conv for k in m}
-    if any(t is not None for t in tools):
-        used.add("tools")
-    for field in sorted(used & set(TEMPLATE_FIELDS)):
-        if not re.search(rf"\b{field}\b", template):
-            raise TokenizeError(f"the data has `{field}`, but the chat template of {name!r} never renders it, so those "
-                                "rows would train without it; use the model's template that does "
-                                "(tokenize.chat_template), or remove the field")
-
-
 class Encoder:
     """Ray Data `map_batches` callable class: raw example rows (pyarrow) -> OUT_SCHEMA rows."""
 
@@ -234,8 +208,11 @@ class Encoder:
         check_chat_template(self.tok, self.name)
         convs = [json.loads(m) for m in messages]
         flags = [[m.pop(TRAIN, True) for m in conv if m["role"] == "assistant"] for conv in convs]
-        check_template_fields(self.tok.chat_template, self.name, convs, tools)
-        self.empty = [i for i, (conv, trains) in enumerate(zip(convs, flags)) if _empty_answer(conv, trains)]
+        if field := unrendered_field(self.tok.chat_template, convs, tools):
+            raise TokenizeError(f"the data has `{field}`, but the chat template of {self.name!r} never renders it, so "
+                                "those rows would train without it; use the model's template that does "
+                                "(tokenize.chat_template), or remove the field")
+        self.empty = [i for i, (conv, trains) in enumerate(zip(convs, flags)) if empty_answer(conv, trains)]
         out: list = [None] * len(convs)
         groups: dict[str | None, list[int]] = {}
         for i, t in enumerate(tools):  # render_jinja_template takes one `tools` per call

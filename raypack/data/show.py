@@ -65,8 +65,9 @@ def _where(row: dict, sources: Sources) -> dict:
             "input_ids": row["input_ids"], "labels": labels}
 
 
-def write(examples: list[dict], tok, as_json: bool, out: IO[str] = sys.stdout, colour: bool | None = None) -> None:
+def write(examples: list[dict], tok, as_json: bool, out: IO[str] | None = None, colour: bool | None = None) -> None:
     """Print `examples` (from `first_examples`) as JSON lines, or as text with the trained part marked."""
+    out = sys.stdout if out is None else out  # at the call: whatever stdout is now (a redirect, a test's capture)
     if as_json:
         for e in examples:
             out.write(json.dumps(e) + "\n")
