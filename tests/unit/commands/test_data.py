@@ -86,3 +86,26 @@ def test_an_empty_final_assistant_turn_is_counted_or_refused(tmp_path, capsys):
     assert main(["data", f"data.paths=[{path}]", "tokenize.empty_answers=error"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{path} line 2: the chat ends with an empty assistant turn" in err, err
+
+
+def test_the_data_guide_shows_what_raypack_data_show_prints(tmp_path, monkeypatch, capsys):
+    """docs/guides/data.md's conversation rows, each through the command the guide names: its
+    quoted lines (the tools preamble left out there) are the output's, in order."""
+    from paths import REPO
+
+    page = (REPO / "docs" / "guides" / "data.md").read_text().split("## Conversations, tools and reasoning", 1)[1]
+    page = page.split("\n## ", 1)[0]
+    blocks = [b.split("```", 1)[0] for b in page.split("```json\n")[1:]]
+    assert len(blocks) == 3
+    monkeypatch.chdir(REPO)
+    for k, block in enumerate(blocks):
+        row, quoted = block.strip(), page.split(block, 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+        path = tmp_path / f"{k}.jsonl"
+        path.write_text(row + "\n")
+        assert main(["data", "--config", "jobs/configs/quickstart.yaml", f"data.paths=[{path}]",
+                     "tokenize.chat_template=tests/assets/chat_templates/trl/qwen3.jinja", "pack.budget=2048",
+                     "--show", "1"]) == 0
+        out = iter(capsys.readouterr().out.splitlines())
+        for line in quoted.splitlines():
+            if line != "# Tools ... <|im_end|>":  # the preamble, left out in the guide
+                assert any(o == line for o in out), (k, line)
