@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("data", parents=[common], help="read and tokenize the configured data, print a summary")
     _add_config(p)
+    p.add_argument("--show", type=int, metavar="N",
+                   help="print the first N examples as the model sees them, the trained text marked, instead of the summary")
+    p.add_argument("--json", action="store_true", help="with --show: one JSON object a line (input_ids, labels, source, line)")
 
     p = sub.add_parser("plan", parents=[common], help="dry run: the packing plan a run would train, on its data or a lengths file")
     _add_config(p)

@@ -19,8 +19,8 @@ MAX_IMAGE_PIXELS = 178_956_970
 """data.max_image_pixels' default: PIL's limit, past which Image.open raises DecompressionBombError."""
 
 
-Format = Literal["auto", "chat", "instruction", "completion", "tokenized", "preference"]
-EXAMPLE_FIELDS = ("messages", "instruction", "input", "output", "prompt", "completion", "input_ids", "labels",
+Format = Literal["auto", "chat", "sharegpt", "instruction", "completion", "tokenized", "preference"]
+EXAMPLE_FIELDS = ("messages", "conversations", "tools", "instruction", "input", "output", "prompt", "completion", "input_ids", "labels",
                   "chosen", "rejected")
 """The fields of the example formats (raypack/data/formats.py): what `data.sources[].columns` maps onto."""
 DEFAULT_PATHS = (str(ASSETS / "sample" / "chat.jsonl"),)
@@ -175,7 +175,8 @@ class TokenizeConfig:
     tokenizer: str = str(ASSETS / "tokenizer")
     """Hugging Face tokenizer name or local path."""
     chat_template: str | None = None
-    """Jinja chat template that replaces (or supplies) the tokenizer's own."""
+    """Jinja chat template that replaces (or supplies) the tokenizer's own: its text, or a `.jinja`
+    file (a path or URI every node can read, as data.paths; the cache keys by its text)."""
     label_mask: Literal["auto", "assistant", "completion", "all"] = "auto"
     """Which tokens carry loss. `auto`: assistant turns for chat, the output/completion otherwise."""
     overlength: Literal["drop", "truncate", "split"] = "truncate"
@@ -183,6 +184,10 @@ class TokenizeConfig:
     no_labels: Literal["drop", "error"] = "drop"
     """An example no token of which carries loss (a chat without an assistant turn, a prompt that
     truncate cut before its answer) is dropped and counted, or is an error naming it."""
+    empty_answers: Literal["train", "error"] = "train"
+    """A chat that ends with an empty assistant turn (no content, tool call or reasoning) trains its
+    end-of-turn markup as the answer, as TRL does, and is counted in `raypack data`'s summary; or
+    is an error naming it."""
     max_length: int | None = None
     """Longest example kept whole; None means `pack.budget` (`Config.max_length` says which applies)."""
     batch_size: int = 256

@@ -41,6 +41,7 @@ import pyarrow.dataset as pads
 from raypack import storage
 from raypack.config import Config
 from raypack.config.sections import MAX_IMAGE_PIXELS
+from raypack.data.encode import template_text
 from raypack.data.fingerprint import changed_sources, recorded
 from raypack.data.listing import Sources, source_bytes
 from raypack.data.shards import Prepared
@@ -77,6 +78,10 @@ def tokenized_key(cfg: Config) -> str:
     plain = cfg.to_dict()
     tokenize = {k: v for k, v in plain["tokenize"].items() if k not in TOKENIZE_SPEED_KNOBS}
     tokenize["max_length"] = cfg.max_length
+    if cfg.tokenize.empty_answers == "train":  # the default keys as every config did before the field existed
+        del tokenize["empty_answers"]
+    if cfg.tokenize.chat_template is not None:  # a .jinja file keys by its text, which may change
+        tokenize["chat_template"] = template_text(cfg.tokenize.chat_template)
     data = {k: v for k, v in plain["data"].items() if k not in DATA_NOT_SHAPING + MIXTURE_DRAW}
     if cfg.data.sources:  # what reads each source's rows; the draw (weights, names) is the packed key's
         data["sources"] = [{k: v for k, v in s.items() if k in ("paths", "format", "columns")} for s in data["sources"]]

@@ -41,16 +41,19 @@ would "train" with loss 0.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from jinja2 import TemplateError
 from transformers import AutoTokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from raypack import storage
+from raypack.data.chat import TRAIN, empty_answer, unrendered_field
 from raypack.data.formats import IGNORE_INDEX
 from raypack.data.images import ImageTokenizer, Vision
 from raypack.data.pairs import CHOSEN, REJECTED, Pair, fit_pair, tokenize_pairs
@@ -103,12 +106,23 @@ def load_tokenizer(name: str, chat_template: str | None = None):
         where = "" if local else "not a local folder, and from the hub: "
         raise TokenizeError(f"tokenize.tokenizer {name!r}: can't load it ({where}{reason})") from e
     if chat_template is not None:
-        tok.chat_template = chat_template
+        tok.chat_template = template_text(chat_template)
     if tok.eos_token_id is None:
         raise TokenizeError(f"tokenize.tokenizer {name!r} has no EOS token; raypack appends EOS to every example")
     if not getattr(tok, "is_fast", False):
         raise TokenizeError(f"tokenize.tokenizer {name!r} is not a fast tokenizer; label masking needs character offsets")
     return tok
+
+
+def template_text(chat_template: str) -> str:
+    """tokenize.chat_template: the Jinja text, or a `.jinja` file holding it (as models ship
+    chat_template.jinja), read whole."""
+    if chat_template.endswith(".jinja") and "\n" not in chat_template:
+        try:
+            return storage.read_text(chat_template)
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenizeError(f"tokenize.chat_template {chat_template!r}: can't read it ({e})") from None
+    return chat_template
 
 
 def load_image_processor(name: str):
@@ -171,15 +185,16 @@ class Encoder:
         # Whatever the tokenizer puts before a text (BOS, for most causal LMs), minus a trailing EOS.
         self.prefix = [t for t in self.tok("")["input_ids"] if t != self.eos]
         self.images = None  # the image tokenizer, loaded at the first vision row
+        self.empty_answers: list[int] = []
 
     # --- per format: lists of (ids, labels) as int lists / arrays ---------------------------------
 
-    def _spans(self, convs: list[list[dict]], rendered: list[str], indices) -> list[list[tuple[int, int]]]:
+    def _spans(self, convs: list[list[dict]], rendered: list[str], indices, tools=None) -> list[list[tuple[int, int]]]:
         """Character spans of each assistant turn in each rendered conversation."""
         if indices is not None:
             return [list(x) for x in indices]
         try:  # no {% generation %} markers: locate each turn in the rendering (raypack.data.turns)
-            return TurnLocator(self.tok, self.tok.chat_template).spans(convs, rendered)
+            return TurnLocator(self.tok, self.tok.chat_template, tools).spans(convs, rendered)
         except TurnError as e:
             raise TokenizeError(
                 f"chat template of {self.name!r}: can't locate the assistant turns in its rendering ({e}). Use a "
@@ -187,19 +202,48 @@ class Encoder:
                 "end-of-turn markup; tokenize.chat_template), or tokenize.label_mask=all"
             ) from None
 
-    def encode_chat(self, convs: list[list[dict]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    def encode_chat(self, messages: list[str], tools: list[str | None]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Chat rows (sources.SCHEMA's `messages` and `tools`, JSON: raypack/data/chat.py), rendered
+        with `tools=` as a TRL run renders them; a turn with `train: false` carries no loss."""
         check_chat_template(self.tok, self.name)
+        convs = [json.loads(m) for m in messages]
+        flags = [[m.pop(TRAIN, True) for m in conv if m["role"] == "assistant"] for conv in convs]
+        if field := unrendered_field(self.tok.chat_template, convs, tools):
+            raise TokenizeError(f"the data has `{field}`, but the chat template of {self.name!r} never renders it, so "
+                                "those rows would train without it; use the model's template that does "
+                                "(tokenize.chat_template), or remove the field")
+        self.empty = [i for i, (conv, trains) in enumerate(zip(convs, flags)) if empty_answer(conv, trains)]
+        out: list = [None] * len(convs)
+        groups: dict[str | None, list[int]] = {}
+        for i, t in enumerate(tools):  # render_jinja_template takes one `tools` per call
+            groups.setdefault(t, []).append(i)
+        for t, rows in groups.items():
+            encoded = self._encode_chats([convs[i] for i in rows], None if t is None else json.loads(t),
+                                         [flags[i] for i in rows])
+            for i, r in zip(rows, encoded):
+                out[i] = r
+        return out
+
+    def _encode_chats(self, convs: list[list[dict]], tools: list | None,
+                      flags: list[list[bool]]) -> list[tuple[np.ndarray, np.ndarray]]:
         template = self.tok.chat_template
         marked = bool(_GENERATION.search(template))
-        rendered, indices = render_jinja_template(
-            convs, chat_template=template, return_assistant_tokens_mask=marked, **self.tok.special_tokens_map
-        )
-        spans = self._spans(convs, rendered, indices if marked else None)
+        kw = dict(self.tok.special_tokens_map, tools=tools)
+        try:
+            rendered, indices = render_jinja_template(convs, chat_template=template, return_assistant_tokens_mask=marked,
+                                                      **kw)  # fmt: skip
+            spans = self._spans(convs, rendered, indices if marked else None, tools)
+        except (TemplateError, TypeError) as e:  # its raise_exception (Llama 3.1: one call a turn); str + dict
+            raise TokenizeError(f"chat template of {self.name!r} can't render a row: {e}") from None
         enc = self.tok(rendered, add_special_tokens=False, return_offsets_mapping=True)
         out = []
-        for conv, ids, offsets, sp in zip(convs, enc["input_ids"], enc["offset_mapping"], spans):
+        for conv, ids, offsets, sp, trains in zip(convs, enc["input_ids"], enc["offset_mapping"], spans, flags):
             ids = np.asarray(ids, dtype=np.int32)
             mode = "assistant" if self.label_mask == "auto" else self.label_mask
+            if len(sp) != len(trains) and not all(trains):
+                raise TokenizeError(f"chat template of {self.name!r}: {len(sp)} {{% generation %}} blocks for "
+                                    f"{len(trains)} assistant turns, so `train: false` can't tell which to leave out")
+            sp = [s for s, t in zip(sp, trains) if t] if len(sp) == len(trains) else sp
             if mode == "all":
                 keep = np.ones(len(ids), dtype=bool)
             else:
@@ -207,7 +251,8 @@ class Encoder:
                 keep = np.zeros(len(ids), dtype=bool)
                 for s, e in sp[-1:] if mode == "completion" else sp:
                     keep |= (starts >= s) & (starts < e)
-            out.append(self._finish(ids, keep, eos_loss=mode == "all" or conv[-1]["role"] == "assistant"))
+            ends_trained = conv[-1]["role"] == "assistant" and (not trains or trains[-1])
+            out.append(self._finish(ids, keep, eos_loss=mode == "all" or ends_trained))
         return out
 
     def encode_vision(self, messages: list[str], images: list[list[bytes]], eids: list[int]) -> list[Vision]:
@@ -245,13 +290,17 @@ class Encoder:
     # --- the batch callable -----------------------------------------------------------------------
 
     def encode(self, batch: pa.Table) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The batch's (ids, labels) per row; `empty_answers` then holds the example ids of its
+        chats that end with an empty assistant turn (tokenize counts them)."""
         formats = batch["format"].to_pylist()
         results: list = [None] * len(formats)
+        self.empty_answers = []
         for fmt in set(formats):
             rows = [i for i, f in enumerate(formats) if f == fmt]
             sub = batch.take(rows)
             if fmt == "chat":
-                encoded = self.encode_chat(sub["messages"].to_pylist())
+                encoded = self.encode_chat(sub["messages"].to_pylist(), sub["tools"].to_pylist())
+                self.empty_answers += [sub["example_id"][i].as_py() for i in self.empty]
             elif fmt == "completion":
                 encoded = self.encode_pairs(sub["prompt"].to_pylist(), sub["completion"].to_pylist())
             elif fmt == "vision":
@@ -293,6 +342,7 @@ class Encoder:
     def encode_table(self, batch: pa.Table) -> pa.Table:
         """Rows in OUT_SCHEMA: the output columns plus a flag and label-token count per row
         (dropped examples stay, flagged, until __call__ removes them)."""
+        self.empty_answers = []  # this batch's (encode sets them; pre-tokenized rows have none)
         if batch.num_rows and pc.all(pc.equal(batch["format"], "tokenized")).as_py():
             if (table := self._tokenized_table(batch)) is not None:
                 return table

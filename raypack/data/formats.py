@@ -1,6 +1,9 @@
 """The example formats: which one a source holds, and whether a record is a valid example.
 
-    chat         {"messages": [{"role": "system" | "user" | "assistant", "content": str}, ...]}
+    chat         {"messages": [{"role": "system" | "user" | "assistant" | "tool", "content": ...}, ...],
+                 "tools": [...] (optional)}: OpenAI messages, with content parts, tool calls and
+                 reasoning (raypack/data/chat.py says what each field may hold)
+    sharegpt     {"conversations": [{"from": "human" | "gpt" | ..., "value": str}, ...]}: read as chat
     instruction  {"instruction": str, "input": str (optional), "output": str}
     completion   {"prompt": str, "completion": str}
     tokenized    {"input_ids": [int >= 0, ...], "labels": [int, ...] (optional, same length)}
@@ -34,6 +37,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from raypack.data.chat import FormatError as ChatError
+from raypack.data.chat import chat_fields
+
 ROLES = ("system", "user", "assistant")
 IGNORE_INDEX = -100
 """The label of a token that carries no loss: in tokenized rows, packed rows and batches alike."""
@@ -60,6 +66,8 @@ def detect(keys, declared: str, where: str) -> str:
         return "preference"
     if "messages" in keys:
         return "chat"
+    if "conversations" in keys:
+        return "sharegpt"
     if "input_ids" in keys:
         return "tokenized"
     if "instruction" in keys and "output" in keys:
@@ -68,7 +76,7 @@ def detect(keys, declared: str, where: str) -> str:
         return "completion"
     raise FormatError(
         f"{where}: can't tell the format from the fields {sorted(keys)}; expected `messages` (chat), "
-        "`instruction`/`input`/`output`, `prompt`/`completion`, `input_ids` (+ `labels`) or `chosen`/`rejected` "
+        "`conversations` (sharegpt), `instruction`/`input`/`output`, `prompt`/`completion`, `input_ids` (+ `labels`) or `chosen`/`rejected` "
         "(+ `prompt`), or set data.format"
     )
 
@@ -203,15 +211,13 @@ def _a(fmt: str) -> str:
 def _validate(rec: Any, fmt: str, vocab_size: int | None) -> dict[str, Any]:
     if not isinstance(rec, dict):
         raise FormatError(f"expected a JSON object, got {type(rec).__name__}")
-    if fmt == "chat":
-        messages = rec.get("messages")
-        if messages is None:
-            raise FormatError("missing field `messages` (chat format)")
+    if fmt in ("chat", "sharegpt"):
         if rec.get("images"):  # placeholders would train as the text "<image>", without the pictures
             raise FormatError(f"`images`: {IMAGES_NOT_TRAINED}")
-        if len(out := _messages(messages, "messages")) == 0:
-            raise FormatError("empty conversation (`messages` is [])")
-        return {"messages": out}
+        try:
+            return chat_fields(rec, fmt)
+        except ChatError as e:
+            raise FormatError(str(e)) from None
     if fmt == "preference":
         return preference_record(rec)
     if fmt == "instruction":

@@ -51,11 +51,14 @@ from raypack.storage import resolve  # local paths and s3://, gs:// URIs through
 
 FILE_SHIFT, ROW_SHIFT = 42, 10
 _MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+"""A preference pair's messages. A chat row's `messages` (and its `tools`) are JSON instead
+(raypack/data/chat.py): tool-call arguments may be objects or strings, and key by key."""
 SCHEMA = pa.schema(
     [
         ("example_id", pa.int64()),
         ("format", pa.string()),
-        ("messages", _MESSAGES),
+        ("messages", pa.string()),
+        ("tools", pa.string()),
         ("instruction", pa.string()),
         ("input", pa.string()),
         ("output", pa.string()),
@@ -226,6 +229,7 @@ def read_unit(batch: dict[str, np.ndarray], declared: str, vocab_size: int | Non
                 fields, error = {}, f"{at}: {e}"
             except ImageError as e:  # names the row already
                 fields, error = {}, str(e)
+            kind = "chat" if kind == "sharegpt" else kind  # read as chat messages: encoded as chat
             fields.update(example_id=example_id(int(unit["file_index"]), row), format=kind, error=error, fatal=False)
             for name in SCHEMA.names:
                 out[name].append(fields.get(name))

@@ -83,6 +83,10 @@ class TokenizeStats:
     """Split pieces dropped for the same reason, from examples whose other pieces train."""
     no_label_examples: list[str] = field(default_factory=list)
     """Where the first few of the `no_labels` examples are (file:line)."""
+    empty_answers: int = 0
+    """Chats that end with an empty assistant turn, whose end-of-turn markup trains as the answer."""
+    empty_answer_examples: list[str] = field(default_factory=list)
+    """Where the first few of them are (file:line)."""
     max_length: int = 0
     pad_token_id: int = 0
     """The tokenizer's pad id (its EOS where it has none): what padded batches and empty packs hold."""
@@ -117,6 +121,9 @@ class TokenizeStats:
             + (f", and {self.no_label_pieces} split pieces" if self.no_label_pieces else "")
             + (f"; first: {', '.join(self.no_label_examples[:3])}" if self.no_label_examples else ""),
             f"bad rows   {self.bad_rows} skipped",
+            *([f"empty      {self.empty_answers} chats end with an empty assistant turn, whose end-of-turn markup "
+               f"trains as the answer (tokenize.empty_answers=error refuses them); first: "
+               f"{', '.join(self.empty_answer_examples[:3])}"] if self.empty_answers else []),
             *([f"images     {self.images} ({self.image_tokens} image tokens in the lengths, "
                f"{self.vision_patches} vision-tower patches)"] if self.images else []),
             f"lost       {self.losses()}",
@@ -195,6 +202,8 @@ def encode_source_batch(encoder: Encoder, batch: pa.Table) -> tuple[pa.Table, di
     good = batch.filter(pc.invert(bad)).drop_columns(["error", "fatal"])
     table = encoder.encode_table(good)
     c = counts(table)
+    empty = sorted(getattr(encoder, "empty_answers", []))  # set by the encode above (chat rows)
+    c["empty_answers"], c["empty_answer_examples"] = len(empty), empty[:5]
     c["formats"] = {v["values"]: v["counts"] for v in pc.value_counts(good["format"]).to_pylist()}
     b = batch.filter(bad)
     c["bad_rows"] = b.num_rows
@@ -332,6 +341,9 @@ def gather_stats(batches: list[dict], tok, max_length: int, sources: Sources) ->
         for cause, n in b["label_tokens_lost"].items():
             stats.label_tokens_lost[cause] = stats.label_tokens_lost.get(cause, 0) + n
     stats.no_label_examples = [row_location(e, sources.files) for e in sorted(e for b in batches for e in b["no_label_examples"])[:5]]
+    stats.empty_answers = sum(b.get("empty_answers", 0) for b in batches)
+    stats.empty_answer_examples = [row_location(e, sources.files)
+                                   for e in sorted(e for b in batches for e in b.get("empty_answer_examples", []))[:5]]
     for b in batches:
         for fmt, n in b["formats"].items():
             stats.formats[fmt] = stats.formats.get(fmt, 0) + n
@@ -356,6 +368,12 @@ def require_supervised(stats: TokenizeStats, cfg: Config) -> None:
         raise TokenizeError(
             f"{stats.no_label_examples[0]}: no token carries loss (a chat without an assistant turn, or a prompt "
             f"truncated before its answer); {stats.no_labels} such examples. tokenize.no_labels=drop drops them"
+        )
+    if stats.empty_answers and cfg.tokenize.empty_answers == "error":
+        raise TokenizeError(
+            f"{stats.empty_answer_examples[0]}: the chat ends with an empty assistant turn, whose end-of-turn markup "
+            f"would train as the answer; {stats.empty_answers} such examples. Remove those turns, or "
+            "tokenize.empty_answers=train trains them"
         )
     causes = drop_causes(stats, cfg)
     if stats.label_tokens == 0:

@@ -57,12 +57,31 @@ def _common_prefix(a: str, b: str) -> int:
     return i
 
 
+def _calls_inside(message: dict, full: str, start: int, end: int, c: int, j: int) -> tuple[int, int]:
+    """The span, once each of the turn's tool calls is seen in it by its function name: a template
+    that renders a turn's calls only sometimes (DeepSeek-R1's: only beside null content) must not
+    train the turn as if it had none."""
+    for call in message.get("tool_calls") or ():
+        name = call.get("function", call)["name"]
+        if name not in full[start:end]:
+            raise TurnError(f"conversation {c}, message {j}: the template does not render its tool call {name!r} in it")
+    return start, end
+
+
+def _bare(message: dict) -> bool:
+    """An assistant turn of tool calls and no content: a sentinel in its content would change
+    its rendering (Qwen3 puts a newline before the calls only after content; Llama 3.1 drops
+    content beside calls), so it is located by its own rendering instead (`_bare_end`)."""
+    return bool(message.get("tool_calls")) and not (message["content"] or "").strip()
+
+
 class TurnLocator:
     """Character spans of the assistant turns of rendered chats (see the module docstring)."""
 
-    def __init__(self, tokenizer, template: str):
+    def __init__(self, tokenizer, template: str, tools: list | None = None):
+        """`tools`: the conversations' tool schemas (one list for all), rendered in every rendering."""
         self.tok, self.template = tokenizer, template
-        self.kw = dict(tokenizer.special_tokens_map)
+        self.kw = dict(tokenizer.special_tokens_map, tools=tools)
 
     def _render(self, convs: list[list[dict]], generation_prompt: bool = False) -> list[str]:
         if not convs:
@@ -86,7 +105,7 @@ class TurnLocator:
         for conv, js in zip(convs, turns):
             if len(js) > 0x1000:
                 raise TurnError(f"{len(js)} assistant turns in one conversation; at most 4096")
-            chars = {j: chr(SENTINEL + k) for k, j in enumerate(js)}
+            chars = {j: chr(SENTINEL + k) for k, j in enumerate(js) if not _bare(conv[j])}
             marked.append([dict(m, content=_mark(m["content"], chars[j])) if j in chars else m for j, m in enumerate(conv)])
         whole = self._render([m for m, js in zip(marked, turns) if js])
         # per turn: the prompt before it, and the turn ending the chat with or without a follower
@@ -102,11 +121,16 @@ class TurnLocator:
                 out.append([])
                 continue
             full = rendered[c]
-            content_end = self._content_ends(whole[w], full, len(js), c)
+            content_end = self._content_ends(whole[w], full, [not _bare(conv[j]) for j in js], c)
             w += 1
             spans, prev = [], 0
             for t, j in enumerate(js):
                 start = self._start(prompts[k], full, convs[c][:j], c, j)
+                if content_end[t] is None:  # tool calls without content: no sentinel to place
+                    end = self._bare_end(prompts[k], ends[k], full, start, c, j, convs[c])
+                    spans.append(_calls_inside(conv[j], full, start, end, c, j))
+                    prev, k = end, k + 1
+                    continue
                 char = chr(SENTINEL + t)
                 closing = self._closing(ends[k].split(char, 1)[1], follows[k].split(char, 1)[1])
                 end = content_end[t]
@@ -119,13 +143,55 @@ class TurnLocator:
                     raise TurnError(f"conversation {c}, message {j}: its closing markup {closing!r} does not follow it")
                 if not prev <= start <= content_end[t]:
                     raise TurnError(f"conversation {c}, message {j}: its generation prompt ends after its content starts")
-                spans.append((start, end))
+                spans.append(_calls_inside(conv[j], full, start, end, c, j))
                 prev, k = end, k + 1
             out.append(spans)
         return out
 
-    def _content_ends(self, marked: str, full: str, count: int, c: int) -> list[int]:
-        """Offsets in `full` where each assistant content ends, from the sentinel rendering."""
+    def _bare_end(self, prompt: str, alone: str, full: str, start: int, c: int, j: int, conv: list[dict]) -> int:
+        """Where a turn of tool calls without content ends in `full`. Its text in `alone` (the
+        chat rendered up to it, it last), after the generation prompt, without trailing
+        whitespace, standing in `full` at `start` whole; else, where the next message starts
+        (`_before_next`). A turn neither finds is refused."""
+        alone = "".join(ch for ch in alone if not 0 <= ord(ch) - SENTINEL < 0x1000)  # earlier turns' marks
+        text = alone[_common_prefix(prompt, alone):].rstrip()
+        if text and full.startswith(text, start):
+            return start + len(text)
+        # Qwen3 opens an empty <think> block in the last turn only: as the chat's end the turn
+        # renders otherwise than in it
+        end = self._before_next(conv, j, full) if j + 1 < len(conv) else None
+        if end is None or end <= start:
+            raise TurnError(f"conversation {c}, message {j}: its tool calls render otherwise when the turn ends the chat")
+        return end
+
+    def _before_next(self, conv: list[dict], j: int, full: str) -> int | None:
+        """The end of turn j's closing markup in `full`, found from the message after it: that
+        message's content marked at its start gives where it starts in `full`; what precedes
+        the mark alike in `full` and in the chat with turn j as plain content (its closing
+        markup and the next message's header) is cut there, less the header (None if the
+        template renders either otherwise)."""
+        after = conv[j + 1]
+        if not isinstance(after.get("content"), str) or not after["content"]:
+            return None
+        mark, plain_mark = chr(SENTINEL), chr(SENTINEL + 1)
+        nxt = dict(after, content=mark + after["content"])
+        plain = {"role": "assistant", "content": plain_mark}
+        real, alike, alone, follow = self._render([conv[: j + 1] + [nxt] + conv[j + 2 :],
+                                                  conv[:j] + [plain, nxt] + conv[j + 2 :],
+                                                  conv[:j] + [plain], conv[:j] + [plain, {"role": "user", "content": _FOLLOWER}]])
+        if real.count(mark) != 1 or real.replace(mark, "") != full or alike.count(plain_mark) != 1:
+            return None
+        at = real.index(mark)
+        gap = alike[alike.index(plain_mark) + 1 : alike.index(mark)]  # closing markup, then the header
+        closing = self._closing(alone.split(plain_mark, 1)[1], follow.split(plain_mark, 1)[1])
+        if not gap.startswith(closing) or not real[:at].endswith(gap[len(closing):]) or not real[:at - len(gap) + len(closing)].endswith(closing):
+            return None
+        return at - len(gap) + len(closing)
+
+    def _content_ends(self, marked: str, full: str, expected: list[bool], c: int) -> list[int | None]:
+        """Offsets in `full` where each assistant content ends, from the sentinel rendering (None
+        for the turns not `expected` to carry a sentinel)."""
+        count = len(expected)
         ends, plain, last = [None] * count, [], 0
         for i, ch in enumerate(marked):
             t = ord(ch) - SENTINEL
@@ -136,7 +202,8 @@ class TurnLocator:
                 ends[t] = sum(map(len, plain))
                 last = i + 1
         plain.append(marked[last:])
-        if "".join(plain) != full or None in ends or ends != sorted(ends):
+        found = [e for e in ends if e is not None]
+        if "".join(plain) != full or [e is not None for e in ends] != expected or found != sorted(found):
             raise TurnError(f"conversation {c}: the template changes or drops assistant content it renders")
         return ends
 
@@ -147,5 +214,11 @@ class TurnLocator:
         # where they part, as long as the messages before the turn render as F's prefix.
         context = self._render([before])[0] if before else ""
         if full.startswith(context) and prompt.startswith(context):
-            return _common_prefix(prompt, full)
+            # cut back to where both the prompt's tokens and F's part: F's turn can begin with the
+            # character the prompt goes on with ("<" of DeepSeek-R1's "<｜tool▁calls▁begin｜>" after
+            # its "<think>"), and a token of F that starts before the cut would not train
+            common = _common_prefix(prompt, full)
+            ends = {e for _, e in self.tok(prompt, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]}
+            starts = {s for s, _ in self.tok(full, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]}
+            return max((e for e in ends & starts if e <= common), default=0)
         raise TurnError(f"conversation {c}, message {j}: the messages before it don't render as a prefix of the chat")

@@ -55,6 +55,13 @@ what a sweep may rank trials by."""
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
 
 
+def source_eval_losses(metrics: dict[str, Any]) -> dict[str, float]:
+    """A mixture's per-source eval losses in `metrics` (`eval_<name>_loss`, raypack/train/loop.py
+    evaluate), in their order: what each eval line and the run's summary show beside eval_loss."""
+    return {k: v for k, v in metrics.items()
+            if k.startswith("eval_") and k.endswith("_loss") and k != "eval_loss" and v is not None}
+
+
 def peak_flops() -> float | None:
     if not torch.cuda.is_available():
         return None
@@ -285,6 +292,8 @@ class Reporter:
 
     def _progress(self, m: dict[str, Any]) -> None:
         eval_part = f" eval_loss {m['eval_loss']:.4f}" if m.get("eval_loss") is not None else ""
+        if per := source_eval_losses(m):  # a mixture's sources: "(chat 1.2345, code 0.9876)"
+            eval_part += " (" + ", ".join(f"{k[5:-5]} {v:.4f}" for k, v in per.items()) + ")"
         for key, name in (("rewards/accuracies", "acc"), ("eval_rewards/accuracies", "eval_acc")):  # DPO
             if m.get(key) is not None:
                 eval_part += f" {name} {m[key]:.2f}"

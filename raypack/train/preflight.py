@@ -130,7 +130,7 @@ def _tokenizer(cfg: Config, sources: Sources, formats: dict[str, str]):
     kinds = dict(sources.files)
     # Conversational preference pairs (chosen and rejected as messages) are chat too: without
     # this, the missing template would fail a Ray Data task instead.
-    if any(f == "chat" or (f == "preference" and (_first_record(p, kinds[p]) or {}).get("chosen")) for p, f in
+    if any(f in ("chat", "sharegpt") or (f == "preference" and (_first_record(p, kinds[p]) or {}).get("chosen")) for p, f in
            formats.items()):
         check_chat_template(tok, cfg.tokenize.tokenizer)
     return tok

@@ -52,6 +52,7 @@ from raypack.errors import ConfigError, InputError
 from raypack.runtime import init_ray, is_local_instance
 from raypack.train import resize
 from raypack.train.handoff import Handoff
+from raypack.train.metrics import source_eval_losses
 from raypack.train.placement import check_request, process_group, worker_resources
 from raypack.train.preflight import Checked, preflight
 from raypack.train.remote import LocalScalingPolicy, StopOnInputError, worker_loop
@@ -63,7 +64,18 @@ SUMMARY = ("step", "loss", "eval_loss", "rewards/accuracies", "eval_rewards/accu
            "router_aux_loss", "expert_load_max", "expert_load_worst_layer",
            "tokens_per_s", "packing_efficiency", "peak_memory_gb")
 """The metrics a finished run records in its result file and prints (a run that lacks one, as SFT
-lacks DPO's rewards, records it as null and prints none)."""
+lacks DPO's rewards, records it as null and prints none); a mixture's `eval_<name>_loss` follow
+eval_loss (`summarized`)."""
+
+
+def summarized(metrics: dict) -> dict:
+    """The SUMMARY metrics of `metrics`, a mixture's per-source eval losses right after eval_loss."""
+    summary = {}
+    for k in SUMMARY:
+        summary[k] = metrics.get(k)
+        if k == "eval_loss":
+            summary.update(source_eval_losses(metrics))
+    return summary
 
 
 @dataclass
@@ -159,7 +171,7 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
         raise preparing.error
     metrics = dict(result.metrics or {})
     checkpoint = result.checkpoint.path if result.checkpoint else None
-    summary = {k: metrics.get(k) for k in SUMMARY}
+    summary = summarized(metrics)
     startup = metrics.get("startup_s")
     if stopped := stop.stopped_at():
         # Not finished: no result file, which says a run is complete (chat, export, a rerun read it).

@@ -379,6 +379,7 @@ def test_a_mixture_trains_each_draw_once_resumes_and_a_changed_weight_is_another
     from raypack.data.shards import iter_rank_packs
     from raypack.data.sources import locate
     from raypack.errors import ConfigError
+    from raypack import runs
     from raypack.runs import run_dir, saved_config
 
     paths = []
@@ -405,6 +406,9 @@ def test_a_mixture_trains_each_draw_once_resumes_and_a_changed_weight_is_another
     assert all(np.isfinite(per)) and min(per) <= resumed.metrics["eval_loss"] <= max(per), per
 
     out = capsys.readouterr().out  # each start says what each source gives, the resume from the packed data's record
+    # ... and the result file holds each source's eval loss beside the whole's (the workers' eval
+    # lines, which show them too, are not this process's output: tests/unit/commands/test_train.py)
+    assert [runs.read_result(run_dir(cfg))["metrics"][f"eval_{n}_loss"] for n in ("chat", "completion")] == per
     assert out.count("[raypack] mixture of 3 sources: ") == 2 and out.count("[raypack]   chat         weight 0.5, ") == 2
     ids, steps = trained_ids(Path(resumed.checkpoint.path))
     assert steps == [list(range(1, resumed.metrics["step"] + 1))] * 2  # each step once, through the resume

@@ -40,6 +40,32 @@ def test_the_summary_aligns_its_values_under_the_longest_name(tmp_path, capsys):
     assert starts == {2 + len("eval_rewards/accuracies") + 1}, lines  # one column of values
 
 
+def test_a_mixtures_eval_losses_are_on_each_eval_line_in_the_summary_and_the_result_file(tmp_path, capsys):
+    """Per-source eval losses (`eval_<name>_loss`) used to reach TensorBoard only."""
+    from types import SimpleNamespace
+
+    from raypack import runs
+    from raypack.commands.train import print_summary
+    from raypack.train.metrics import Reporter
+    from raypack.train.tracking import TrackingTargets
+    from raypack.train.trainer import Outcome, summarized
+
+    metrics = {"step": 8, "epoch": 0, "loss": 1.5, "eval_loss": 1.25, "eval_chat_loss": 1.0, "eval_code_loss": 2.0,
+               "tokens_per_s": 100.0, "data_wait_s": 0.0, "peak_memory_gb": 1.0, "unrelated": 3}
+    Reporter._progress(SimpleNamespace(total_steps=8, epochs=1, eta=None), metrics)
+    line = capsys.readouterr().out
+    assert "loss 1.5000 eval_loss 1.2500 (chat 1.0000, code 2.0000) tok/s" in line, line
+    summary = summarized(metrics)
+    keys = list(summary)
+    assert keys[keys.index("eval_loss"):][:3] == ["eval_loss", "eval_chat_loss", "eval_code_loss"]
+    assert "unrelated" not in summary
+    runs.write_result(str(tmp_path), 8, summary, None)
+    assert runs.read_result(str(tmp_path))["metrics"]["eval_code_loss"] == 2.0
+    print_summary(Outcome(str(tmp_path), False, summary, None, TrackingTargets(None)))
+    rows = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()}
+    assert rows["eval_chat_loss"] == "1.0000" and rows["eval_code_loss"] == "2.0000"
+
+
 def test_the_tensorboard_line_names_a_command_that_runs_from_the_users_shell(tmp_path, monkeypatch):
     """After `make run` the venv's bin/ is not on PATH: the line names `.venv/bin/tensorboard`,
     where the default setup installs it (a dependency, not an extra); `tensorboard` where it is on

@@ -190,7 +190,7 @@ def test_the_source_stage_reads_both_layouts_into_the_same_vision_rows():
         assert row["images"] == [(SAMPLE / p).read_bytes() for p in paths]
         assert json.loads(row["vision_messages"])[0]["content"][0] == {"type": "image"}
     text = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
-    assert sources.validate(text, "chat")["messages"][0]["content"] == "hi"
+    assert json.loads(sources.validate(text, "chat")["messages"])[0]["content"] == "hi"
 
 
 def test_idefics3_tokens_labels_and_pixels_match_idefics3_processor():

@@ -68,8 +68,8 @@ BAD_LINES = [
     ("{not json", "malformed JSON"),
     ({"messages": []}, "empty conversation"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "unknown role 'robot'"),
-    ({"messages": [{"role": "user", "content": 3}]}, "content must be a string, got int"),
-    ({"messages": [{"role": "user", "content": None}]}, "content must be a string, got NoneType"),
+    ({"messages": [{"role": "user", "content": 3}]}, "content must be a string or a list of content parts, got int"),
+    ({"messages": [{"role": "user", "content": None}]}, "content must be a string or a list of content parts, got NoneType"),
     ({"messages": "hello"}, "`messages` must be a list"),
     ({"prompt": "only"}, "missing field `messages`"),
     ("[1, 2]", "expected a JSON object, got list"),
@@ -169,7 +169,7 @@ def test_save_to_disk_folder(tmp_path):
     datasets.Dataset.from_dict({"messages": msgs}).save_to_disk(tmp_path / "hf", num_shards=2)
     rows = read(tmp_path / "hf")
     assert [r["format"] for r in rows] == ["chat"] * 6
-    assert [r["messages"][0]["content"] for r in rows if r["error"] is None] == ["q0", "q1", "q2", "q3", "q5"]
+    assert [json.loads(r["messages"])[0]["content"] for r in rows if r["error"] is None] == ["q0", "q1", "q2", "q3", "q5"]
     bad = rows[4]["error"]
     assert "data-00001-of-00002.arrow row 1 (0-based): " in bad and "unknown role 'wizard'" in bad
     # a DatasetDict folder reads its train split
