@@ -1,10 +1,12 @@
 """The torch engine (train.engine: torch): torch's own data parallelism, no DeepSpeed.
 
-| train.zero_stage | what each rank holds at rest           | how                                          |
-|------------------|----------------------------------------|----------------------------------------------|
-| 0                | everything, replicated                 | DDP                                          |
-| 1, 2             | 1/N of weights, gradients, moments     | FSDP2 (fsdp.py): weights gathered and gradients reduce-scattered once an optimizer step |
-| 3                | the same, and the weights let go after each unit's forward | FSDP2: gathered and reduce-scattered every micro-batch |
+| train.zero_stage | what each rank holds at rest       | how (fsdp.py)                                 |
+|------------------|------------------------------------|-----------------------------------------------|
+| 0                | everything, replicated             | DDP                                           |
+| 1, 2             | 1/N of weights, gradients, moments | FSDP2: weights gathered and gradients         |
+|                  |                                    | reduce-scattered once an optimizer step       |
+| 3                | the same, weights let go after     | FSDP2: gathered and reduce-scattered every    |
+|                  | each unit's forward and backward   | micro-batch                                   |
 
 One rank trains the bare model at every stage (no DDP, no FSDP2 on a 1-rank mesh, whose hooks
 cost time for nothing), unless offload asks for FSDP2's CPUOffloadPolicy; its checkpoints are
@@ -132,10 +134,12 @@ class TorchEngine(Engine):
     # --- the step ---------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # DDP all-reduces, and FSDP2 at stages 1-2 reduce-scatters, in the backward of an optimizer
+        # step's last micro-batch only; an eval's forward (no backward) changes nothing
         last = (self.micro + 1) % self.accum == 0
-        if self.wrapped is not self.module:  # DDP all-reduces in the backward of an optimizer step's last micro-batch only
+        if self.wrapped is not self.module:
             self.wrapped.require_backward_grad_sync = last
-        elif self.sharded and torch.is_grad_enabled():  # an eval's forward (no backward) changes nothing
+        elif self.sharded and torch.is_grad_enabled():
             fsdp.accumulate(self.units, self.cfg, last)
         if self.cast is not None and not self.sharded:
             with torch.autocast(self.device.type, dtype=self.cast):

@@ -43,7 +43,8 @@ def test_an_offloading_fsdp2_run_on_gpus_reduces_host_tensors_over_gloo():
     from raypack.config import TrainConfig
     from raypack.train.placement import backend, process_group
 
-    assert backend(TrainConfig(engine="torch", zero_stage=2, use_gpu=True, offload_optimizer=True)) == "cpu:gloo,cuda:nccl"
+    offloaded = TrainConfig(engine="torch", zero_stage=2, use_gpu=True, offload_optimizer=True)
+    assert backend(offloaded) == "cpu:gloo,cuda:nccl"
     assert backend(TrainConfig(engine="torch", zero_stage=3, use_gpu=True, offload_params=True)) == "cpu:gloo,cuda:nccl"
     assert backend(TrainConfig(engine="torch", zero_stage=2, use_gpu=True)) == "nccl"
     assert backend(TrainConfig(zero_stage=2, use_gpu=True, offload_optimizer=True)) == "nccl"  # DeepSpeed's CPU Adam
