@@ -329,13 +329,14 @@ class TrainConfig:
     """How workers spread over nodes; SPREAD puts ranks on different nodes where it can."""
     engine: Literal["deepspeed", "torch"] = "deepspeed"
     """What trains the model: `deepspeed` (ZeRO with its JSON presets and offload) or `torch`, torch's
-    own data parallelism (DDP at zero_stage 0, the bare model on one rank; FSDP2 at 1-3), without
+    own data parallelism (DDP at zero_stage 0, FSDP2 at 1-3, the bare model on one rank), without
     DeepSpeed (raypack/train/engines/). The default stays deepspeed until a GPU has measured the two
     side by side (docs/guides/engines.md)."""
     zero_stage: Literal[0, 1, 2, 3] = 2
     """What each rank keeps whole, on either engine: 0 everything (replicated); 1-2 the weights,
-    sharded optimizer state and gradients (DeepSpeed's ZeRO-1/2; FSDP2 without resharding after
-    the forward); 3 the weights sharded too (ZeRO-3; FSDP2 resharding after each layer's forward)."""
+    sharded optimizer state and gradients (DeepSpeed's ZeRO-1/2; FSDP2 gathering the weights and
+    reduce-scattering the gradients once an optimizer step); 3 the weights sharded too (ZeRO-3;
+    FSDP2 resharding after each layer's forward and backward, every micro-batch)."""
     deepspeed_preset: str | None = None
     """A DeepSpeed JSON preset by name (raypack/configs/deepspeed/<name>.json) or a path, overlaid by this config."""
     offload_optimizer: bool = False

@@ -200,7 +200,7 @@ def check_images_trainable(cfg: Config, stats: dict[str, Any], vision_model: boo
 def gathers_per_module(cfg: Config) -> bool:
     """Whether every rank's forward must run the same modules: DeepSpeed's ZeRO-3 gathers each
     module's weights with the other ranks as it runs. The torch engine's FSDP2 keeps a VLM's
-    vision tower in the root unit, gathered on every rank whatever runs (raypack/train/engines/torch_engine.py)."""
+    vision tower in the root unit, gathered on every rank whatever runs (raypack/train/engines/fsdp.py)."""
     return cfg.train.zero_stage == 3 and cfg.train.engine == "deepspeed"
 
 

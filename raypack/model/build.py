@@ -160,6 +160,11 @@ def _attn_implementation(attention: str) -> str:
     return attention if attention in ("sdpa", "eager") else attn.attn_implementation_name(attention)
 
 
+def _on_meta() -> bool:
+    """Whether the model is being built under `torch.device("meta")`: structure, no weights."""
+    return torch.get_default_device().type == "meta"
+
+
 def from_checkpoint(name: str) -> bool:
     """Whether `load_model(name)` loads weights (a hub name or folder), not a random init (`tiny-<family>`)."""
     return not name.startswith("tiny-")
@@ -253,6 +258,10 @@ def load_model(
 
     packed = impl in attn.BACKEND_OF
     zero3 = is_deepspeed_zero3_enabled()
+    if pretrained and _on_meta():
+        # FSDP2's ranks > 0 (torch_engine.building): the structure alone, which rank 0's weights
+        # fill after sharding; transformers refuses from_pretrained under a meta device
+        pretrained, source = False, config
     if facts.vlm:
         if quantization is not None:
             raise InputError(f"model.name {name!r}: QLoRA on a vision-language model is not supported yet")

@@ -2,7 +2,7 @@
 prepared, and, on a local instance, a process group that listens on loopback only.
 
     check_request(cfg)                                   # in seconds, or a bounded wait
-    torch_config, env = process_group(use_gpu, local)    # for TorchTrainer and the workers' env
+    torch_config, env = process_group(cfg.train, local)  # for TorchTrainer and the workers' env
 
 A local instance can't grow: its totals decide. A joined cluster is judged by its nodes and by
 the node types its autoscaler publishes; room for workers that could fit is waited for at most
@@ -130,17 +130,29 @@ def _wait_for_room(t, view: ClusterView) -> None:
         remove_placement_group(pg)
 
 
-def process_group(use_gpu: bool, local: bool) -> tuple[TorchConfig, dict[str, str]]:
-    """Ray Train's TorchConfig for the run, and the environment its workers need: on a local
-    instance, a store and collectives that listen on loopback only."""
-    backend = "nccl" if use_gpu else "gloo"
+def backend(t) -> str:
+    """The process group's backend (`t`: the train section): NCCL on GPUs, gloo on CPUs. Where
+    the torch engine's FSDP2 offloads (CPUOffloadPolicy), its shards and gradients are host
+    tensors, and the gradient norm's all-reduce runs on them, which NCCL can't (pytorch#148532):
+    then both, each tensor to the backend of its device, as torchtitan does."""
+    if not t.use_gpu:
+        return "gloo"
+    if t.engine == "torch" and t.zero_stage > 0 and (t.offload_optimizer or t.offload_params):
+        return "cpu:gloo,cuda:nccl"
+    return "nccl"
+
+
+def process_group(t, local: bool) -> tuple[TorchConfig, dict[str, str]]:
+    """Ray Train's TorchConfig for the run (`t`: the train section), and the environment its
+    workers need: on a local instance, a store and collectives that listen on loopback only."""
+    backend_ = backend(t)
     if not local:
-        return TorchConfig(backend=backend), {}
+        return TorchConfig(backend=backend_), {}
     # gloo and NCCL listen on the address of the interface named here (else on the host name's
     # address, or the first interface that isn't loopback): loopback, as Ray does.
     loopback = "lo0" if sys.platform == "darwin" else "lo"
     env = {k: os.environ.get(k, loopback) for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
-    return LoopbackStoreTorchConfig(backend=backend), env
+    return LoopbackStoreTorchConfig(backend=backend_), env
 
 
 def _store_on_master_addr() -> None:

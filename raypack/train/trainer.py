@@ -320,7 +320,7 @@ def build_trainer(checked: Checked, tracking: TrackingTargets, data: dict | Any,
     }
     env.update({k: os.environ.get(k, v) for k, v in quiet.items()})  # the user's own settings win
     local = is_local_instance()
-    torch_config, listen_env = process_group(t.use_gpu, local)
+    torch_config, listen_env = process_group(t, local)
     env.update(listen_env)
     return RunTrainer(
         worker_loop,

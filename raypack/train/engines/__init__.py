@@ -50,11 +50,13 @@ def compute_dtype(cfg: TrainConfig, model_dtype: str) -> torch.dtype:
 def weights_dtype(cfg: TrainConfig, model_dtype: str, adapters: bool = False) -> torch.dtype:
     """The dtype the model is built in. DeepSpeed builds it in the compute dtype and keeps its fp32
     master copy in its optimizer; the torch engine keeps the master weights in the model itself
-    (fp32 for precision mixed), casting them for the forward. With `adapters` (LoRA) the frozen
-    base needs no master copy: it is built in the compute dtype, and the torch engine keeps the
-    trained weights alone in fp32."""
+    (fp32 for precision mixed), casting them for the forward. Under FSDP2 (zero_stage 1-3) it too
+    is built in the compute dtype, and each rank casts its shards to fp32 after sharding: the one
+    rank that reads a checkpoint then holds it in bf16, not fp32 (engines/fsdp.py). With
+    `adapters` (LoRA) the frozen base needs no master copy: it is built in the compute dtype, and
+    the torch engine keeps the trained weights alone in fp32."""
     compute = compute_dtype(cfg, model_dtype)
-    if cfg.engine == "torch" and cfg.precision == "mixed" and not adapters:
+    if cfg.engine == "torch" and cfg.precision == "mixed" and not adapters and cfg.zero_stage == 0:
         return torch.float32
     return compute
 

@@ -1,29 +1,34 @@
 """The torch engine (train.engine: torch): torch's own data parallelism, no DeepSpeed.
 
-| train.zero_stage | what each rank holds at rest           | how                                          |
-|------------------|----------------------------------------|----------------------------------------------|
-| 0                | everything, replicated                 | DDP (one rank: the bare model, no wrapper)   |
-| 1, 2             | 1/N of weights, gradients, moments     | FSDP2 `fully_shard(reshard_after_forward=False)`: weights gathered once a step |
-| 3                | the same, and the weights let go after each layer's forward | `fully_shard(reshard_after_forward=True)` |
+| train.zero_stage | what each rank holds at rest       | how (fsdp.py)                                 |
+|------------------|------------------------------------|-----------------------------------------------|
+| 0                | everything, replicated             | DDP                                           |
+| 1, 2             | 1/N of weights, gradients, moments | FSDP2: weights gathered and gradients         |
+|                  |                                    | reduce-scattered once an optimizer step       |
+| 3                | the same, weights let go after     | FSDP2: gathered and reduce-scattered every    |
+|                  | each unit's forward and backward   | micro-batch                                   |
 
+One rank trains the bare model at every stage (no DDP, no FSDP2 on a 1-rank mesh, whose hooks
+cost time for nothing), unless offload asks for FSDP2's CPUOffloadPolicy; its checkpoints are
+the same torch.distributed.checkpoint folders, which a run on more ranks reshards.
 FSDP2 always shards gradients and optimizer state together, so stages 1 and 2 are one mode here.
-Each of the model's repeated blocks (transformers' `_no_split_modules`: decoder layers, vision
-blocks) is its own FSDP unit, and the root holds the rest (embeddings, final norm, the head, tied
-or not), so the chunked loss's head matmul runs while the root's weights are gathered.
+N is the ranks of one node on several nodes (HSDP), every rank on one; the units, the mesh and
+how a checkpoint's weights reach the shards: fsdp.py.
 
 Precision (`train.precision`): `mixed` keeps fp32 weights (the master copy) and moments, and
 computes in model.dtype (bf16 on CUDA): FSDP2's `MixedPrecisionPolicy(param_dtype=bf16,
 reduce_dtype=fp32)` casts the gathered weights, and DDP runs the forward under `torch.autocast`.
-With LoRA the frozen base is built in model.dtype and only the trained weights are fp32.
+Under FSDP2 the model is read in model.dtype and each rank's shards are cast to fp32 (fsdp.py:
+a 70B model's fp32 copy on one host would be 280 GB). With LoRA the frozen base stays in
+model.dtype and only the trained weights are fp32.
 `bf16` keeps bf16 weights and steps torch-optimi's Kahan-summed AdamW (engines/optim.py).
 train.offload_optimizer or offload_params: FSDP2's `CPUOffloadPolicy`, which keeps the sharded
-weights, gradients and the optimizer step on the host together.
+weights, gradients and the optimizer step on the host together; its gradient norm reduces host
+tensors, so such a run's process group is `cpu:gloo,cuda:nccl` (raypack/train/placement.py).
 
 Building (`building`): under FSDP2 only rank 0 builds the model with weights (from the
 checkpoint or, for a config, from train.seed), on the host; every other rank builds it on the meta
-device, so no rank holds a copy on its GPU and only one holds it in host memory. After sharding,
-rank 0's state dict is broadcast into every rank's shards (`set_model_state_dict(...,
-broadcast_from_rank0=True)`), and its non-persistent buffers (rotary frequencies) after it.
+device, so no rank holds a copy on its GPU and only one holds it in host memory (fsdp.py).
 
 Checkpoints: torch.distributed.checkpoint under the tag `torch`: every rank writes its shards
 (replicated tensors once), rank 0 the schedule and the TrainState (`engine.pt`); a resume with
@@ -43,12 +48,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+                                                     set_state_dict)
 from torch.distributed.tensor import DTensor
 
 from raypack.config import TrainConfig
-from raypack.model.facts import decoder, describe
+from raypack.model.facts import describe
+from raypack.train.engines import fsdp
 from raypack.train.engines.base import Engine, SavedWeights, param_groups
 from raypack.train.engines.optim import make_optimizer, schedule
 
@@ -68,15 +73,17 @@ def rank_device() -> torch.device:
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def sharded(cfg: TrainConfig) -> bool:
-    """Whether this run's model is FSDP2-sharded (zero_stage 1-3), not replicated."""
-    return cfg.zero_stage > 0
+def sharded(cfg: TrainConfig, world_size: int) -> bool:
+    """Whether this run's model is FSDP2-sharded (zero_stage 1-3 on several ranks, or offloaded),
+    not replicated: one rank trains the bare model, as FSDP2 on a 1-rank mesh would but without
+    its hooks; only FSDP2's CPUOffloadPolicy can keep its weights on the host."""
+    return cfg.zero_stage > 0 and (world_size > 1 or fsdp.offloads(cfg))
 
 
 @contextlib.contextmanager
 def building(cfg: TrainConfig, *, dtype: torch.dtype, world_size: int):
     """Where the model is built: under FSDP2 on the meta device on every rank but rank 0 (module doc)."""
-    if not sharded(cfg) or not dist.is_initialized() or dist.get_rank() == 0:
+    if not sharded(cfg, world_size) or not dist.is_initialized() or dist.get_rank() == 0:
         yield
         return
     with torch.device("meta"):
@@ -108,14 +115,16 @@ class TorchEngine(Engine):
         # mixed: fp32 trained weights (the master copy; a LoRA base stays in compute_dtype), the
         # forward cast to compute_dtype
         self.cast = compute_dtype if cfg.precision == "mixed" and compute_dtype != torch.float32 else None
-        if self.cast is not None:
-            for p in model.parameters():
-                if p.requires_grad and p.dtype != torch.float32:  # peft's modules_to_save copies
-                    p.data = p.data.float()
-        if sharded(cfg):
-            self.module = shard(model, cfg, self.device, self.cast)
+        self.sharded = sharded(cfg, world_size)
+        if self.sharded:  # the fp32 cast after sharding, of each rank's shards (fsdp.py)
+            self.module = fsdp.shard(model, cfg, self.device, self.cast)
             self.wrapped = self.module
+            self.units = fsdp.units(self.module)
         else:
+            if self.cast is not None:
+                for p in model.parameters():
+                    if p.requires_grad and p.dtype != torch.float32:  # peft's modules_to_save copies
+                        p.data = p.data.float()
             self.module = model.to(self.device)
             self.wrapped = replicate(model, self.device, world_size)
         self.optimizer = make_optimizer(param_groups(self.module, cfg.weight_decay), cfg)
@@ -125,10 +134,14 @@ class TorchEngine(Engine):
     # --- the step ---------------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        ddp = self.wrapped is not self.module
-        if ddp:  # DDP all-reduces in the backward of an optimizer step's last micro-batch only
-            self.wrapped.require_backward_grad_sync = (self.micro + 1) % self.accum == 0
-        if self.cast is not None and not sharded(self.cfg):
+        # DDP all-reduces, and FSDP2 at stages 1-2 reduce-scatters, in the backward of an optimizer
+        # step's last micro-batch only; an eval's forward (no backward) changes nothing
+        last = (self.micro + 1) % self.accum == 0
+        if self.wrapped is not self.module:
+            self.wrapped.require_backward_grad_sync = last
+        elif self.sharded and torch.is_grad_enabled():
+            fsdp.accumulate(self.units, self.cfg, last)
+        if self.cast is not None and not self.sharded:
             with torch.autocast(self.device.type, dtype=self.cast):
                 return self.wrapped(*args, **kwargs)
         return self.wrapped(*args, **kwargs)
@@ -160,8 +173,13 @@ class TorchEngine(Engine):
     def _options(self, frozen: bool, **more: Any) -> StateDictOptions:
         return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen, **more)
 
+    def _resharded(self) -> None:
+        if self.sharded:
+            fsdp.reshard(self.module)
+
     def save(self, folder: Path, state: dict[str, Any], *, frozen: bool) -> None:
         out = Path(folder) / self.tag
+        self._resharded()
         model, optim = get_state_dict(self.module, self.optimizer, options=self._options(frozen))
         dcp.save({"model": model, "optim": optim}, checkpoint_id=str(out))
         if dist.get_rank() == 0:
@@ -171,6 +189,7 @@ class TorchEngine(Engine):
 
     def load(self, folder: Path, *, frozen: bool) -> dict[str, Any]:
         source = Path(folder) / self.tag
+        self._resharded()
         model, optim = get_state_dict(self.module, self.optimizer, options=self._options(frozen))
         loaded = {"model": model, "optim": optim}
         dcp.load(loaded, checkpoint_id=str(source))
@@ -185,7 +204,8 @@ class TorchEngine(Engine):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Rank 0's whole state dict, in the dtype the model computed in (as DeepSpeed's 16-bit one)."""
-        if sharded(self.cfg):
+        if self.sharded:
+            self._resharded()
             full = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         else:
             full = self.module.state_dict()
@@ -211,84 +231,6 @@ def replicate(model: nn.Module, device: torch.device, world_size: int) -> nn.Mod
         # a VLM micro-batch without images leaves the vision tower without gradients
         find_unused_parameters=describe(getattr(model, "config", None)).vlm,
     )
-
-
-def block_classes(model: nn.Module) -> set[str]:
-    """The classes of the model's repeated blocks: transformers' `_no_split_modules`, on the
-    model peft wraps too."""
-    names: set[str] = set()
-    for module in model.modules():
-        names.update(getattr(module, "_no_split_modules", None) or ())
-    return names
-
-
-def shard(model: nn.Module, cfg: TrainConfig, device: torch.device, cast: torch.dtype | None) -> nn.Module:
-    """FSDP2 over every rank: each block its own unit, the root the rest; then rank 0's weights
-    broadcast into the others' shards (built on the meta device, see `building`)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    full = model.state_dict() if dist.get_rank() == 0 else {}
-    buffers = sorted(set(dict(model.named_buffers())) - set(model.state_dict()))
-    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": cfg.zero_stage == 3}
-    if cast is not None:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=cast, reduce_dtype=torch.float32)
-    kwargs["offload_policy"] = (CPUOffloadPolicy(pin_memory=device.type == "cuda")
-                                if cfg.offload_optimizer or cfg.offload_params else OffloadPolicy())
-    # Only the text decoder's blocks are units of their own: every micro-batch runs them, on every
-    # rank. A VLM's vision tower runs only where a micro-batch has images; as part of the root it
-    # is gathered with it on every rank, and a rank without images reduces zeros for it
-    # (set_reduce_scatter_unused_params), so no rank waits in a collective the others skip.
-    blocks = block_classes(model)
-    for module in reversed(list(decoder(model).modules())):  # innermost first
-        if type(module).__name__ in blocks and module is not model:
-            fully_shard(module, **kwargs)
-    # The root (embeddings, final norm, head) keeps its weights gathered from its forward to its
-    # backward, as FSDP2 does for a root by default: the chunked loss calls the head after the
-    # model's forward returns (raypack/train/objectives/loss.py).
-    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
-    reduce_unused(model)
-    # The root's pre-backward fires where a gradient reaches one of its outputs, which a VLM's
-    # image features do on a rank with images only (seen: Qwen2.5-VL under the chunked loss); by
-    # default it would then prefetch a layer, an all-gather the ranks without images never join.
-    # Naming the root itself as its prefetch turns that off: its weights are gathered already (no
-    # reshard after forward), so its "prefetch" is no collective.
-    model.set_modules_to_backward_prefetch([model])
-    with warnings.catch_warnings():  # torch's own deprecation, from inside set_model_state_dict (2.13)
-        warnings.filterwarnings("ignore", message=".*_get_pg_default_device|Multiple backends are registered")
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    del full
-    for name in buffers:  # not in any state dict: rank 0's, on the compute device (offload moves weights only)
-        owner, _, attr = name.rpartition(".")
-        holder = model.get_submodule(owner) if owner else model
-        buf = holder._buffers[attr]
-        buf = torch.empty_like(buf, device=device) if buf.is_meta else buf.to(device)
-        dist.broadcast(buf, src=0)
-        holder._buffers[attr] = buf
-    return model
-
-
-def reduce_unused(model: nn.Module) -> None:
-    """Every rank reduces the same gradients: zeros for a weight its micro-batch didn't use (a VLM's
-    tower where it had no image), where FSDP2 would otherwise leave it out on that rank alone and
-    the ranks' reduce-scatters would disagree. torch 2.13 has the setting; torch 2.11 (the GPU
-    image's) hasn't, so there a VLM whose tower or projector trains is refused."""
-    if hasattr(model, "set_reduce_scatter_unused_params"):
-        model.set_reduce_scatter_unused_params(True)
-        return
-    from raypack.model.traits import UnsupportedModelError
-    from raypack.model.vision import parts
-
-    if not describe(getattr(model, "config", None)).vlm:
-        return
-    named = dict(model.named_parameters())
-    trained = [n for names in parts(model).values() for n in names if named[n].requires_grad]
-    if trained:
-        raise UnsupportedModelError(
-            f"train.engine torch with train.zero_stage 1-3: this torch ({torch.__version__}) has no FSDP2 "
-            "set_reduce_scatter_unused_params, so a rank whose micro-batch holds no image would reduce other "
-            f"gradients than the others (the vision tower's and projector's, {len(trained)} weights train); use "
-            "torch >= 2.13, train.zero_stage 0 (DDP), model.freeze: [vision, projector], or train.engine deepspeed")
 
 
 # --- reading a checkpoint back, offline -----------------------------------------------------------

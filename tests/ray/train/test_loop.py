@@ -77,6 +77,9 @@ TORCH_CASES = {  # the torch engine (train.engine: torch): every mode once, thre
         (3, "qwen3_5_moe", "none", {}, {}),
         (0, "nemotron_h", "ddp-selective", {}, {"gradient_checkpointing": "selective"}),
         (3, "lfm2", "full", {}, {"gradient_checkpointing": "full"}),
+        # a saved bf16 folder (tests/checkpoints.py), read in fp32: rank 1 builds its structure on
+        # the meta device and gets rank 0's weights
+        (2, "llama", "saved", {}, {"saved": True}),
     )
 }  # fmt: skip
 """Each mode once on the torch engine (replicated, FSDP2 without and with resharding, each
@@ -90,10 +93,13 @@ ALL_CASES = {**CASES, **HYBRID_CASES, **TORCH_CASES, **TWINS}
 def build_model(case, attention="auto", reference=False):
     from raypack.model.build import load_model
 
+    from checkpoints import saved
+
     _, family, overrides, extra = ALL_CASES[case]
     torch.manual_seed(0)
     checkpointing = "none" if reference else extra.get("gradient_checkpointing", "none")
-    return load_model(f"tiny-{family}", attention=attention, dtype="float32", vocab_size=VOCAB,
+    name = str(saved(f"tiny-{family}", vocab_size=VOCAB)) if extra.get("saved") else f"tiny-{family}"
+    return load_model(name, attention=attention, dtype="float32", vocab_size=VOCAB,
                       gradient_checkpointing=checkpointing, **overrides)
 
 
@@ -211,6 +217,9 @@ def test_torch_engine_packed_equals_unpacked_in_every_mode_and_equals_deepspeed(
     time through transformers' model; and on the same batches its losses and weights equal
     DeepSpeed's at ZeRO 0, 2 and 3 step by step (fp32 on the CPU: both run torch's AdamW on the same
     gradients, averaged over the ranks in another order, so they agree to fp32 rounding)."""
+    from checkpoints import saved
+
+    saved("tiny-llama", vocab_size=VOCAB)  # written here once, read by the workers
     out = tmp_path / "rank0.pt"
     fit_on_gloo(loop, tmp_path, "exact-torch-engine", 2, out=str(out), cases=list(TORCH_CASES) + list(TWINS))
     got = torch.load(out)
@@ -286,7 +295,8 @@ LORA_CASES = {
     "zero2-lora-selective-nemotron_h": (2, "nemotron_h", {}, {"gradient_checkpointing": "selective"}),
     # the torch engine: DDP, FSDP2 with CPU offload, resharding with a tied softcapped head
     "torch0-lora": (0, "llama", {}, {"engine": "torch"}),
-    "torch2-lora-offload-selective": (2, "llama", {}, {"engine": "torch", "offload_optimizer": True,
+    # with a gradient clip: the norm's all-reduce of the offloaded (host) gradients
+    "torch2-lora-offload-selective": (2, "llama", {}, {"engine": "torch", "offload_optimizer": True, "grad_clip": 1.0,
                                                        "gradient_checkpointing": "selective"}),
     "torch3-lora-checkpointing-gemma2-tied-softcap": (3, "gemma2", {"final_logit_softcapping": 0.5},
                                                       {"engine": "torch", "gradient_checkpointing": True}),
@@ -327,7 +337,8 @@ def lora_loop(config):
     for case in config["cases"]:
         stage, _, _, extra = LORA_CASES[case]
         engine_name = extra.get("engine", "deepspeed")
-        cfg = TrainConfig(num_workers=2, zero_stage=stage, grad_accum=2, grad_clip=0.0, warmup_steps=0, lr=1e-2,
+        cfg = TrainConfig(num_workers=2, zero_stage=stage, grad_accum=2, grad_clip=extra.get("grad_clip", 0.0),
+                          warmup_steps=0, lr=1e-2,
                           engine=engine_name, deepspeed_preset=config["preset"] if engine_name == "deepspeed" else None,
                           offload_optimizer=extra.get("offload_optimizer", False))
         engine = engines.build(build_lora_model(case), cfg, dtype=torch.float32, world_size=2, total_steps=2)

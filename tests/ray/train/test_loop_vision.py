@@ -96,9 +96,14 @@ def sft_steps(name: str, rows: list[dict], images, processor) -> dict:
     from raypack.train.prefetch import prepare_step
     from raypack.train.vision_rows import VisionRows
 
+    from checkpoints import saved
+
     torch.manual_seed(0)
-    model = load_model("tiny-qwen2_5_vl", attention="auto", dtype="float32")
-    engine = engines.build(model, _train_config(name), dtype=torch.float32, world_size=2, total_steps=len(rows))
+    cfg = _train_config(name)
+    # a saved bf16 folder, as users load one (read in fp32); FSDP2's rank 1 builds it on the meta device
+    with engines.building(cfg, dtype=torch.float32, world_size=2):
+        model = load_model(str(saved("tiny-qwen2_5_vl")), attention="auto", dtype="float32")
+    engine = engines.build(model, cfg, dtype=torch.float32, world_size=2, total_steps=len(rows))
     loss_fn = make_loss(engine, "chunked")
     collate = functools.partial(prepare_step, collate=VisionRows(engine.module, images, processor))
     losses = []
@@ -190,6 +195,9 @@ def test_packed_vlm_steps_equal_pad_one_example_a_micro_batch_on_two_ranks(ray_l
     from tests.ray.train.test_loop import fit_on_gloo
     from tests.unit.train.test_vision_rows import prepared_rows
 
+    from checkpoints import saved
+
+    saved("tiny-qwen2_5_vl")  # written here once, read by the workers
     rows, images, processor = prepared_rows(steps=STEPS)  # the rows of tests/unit/train/test_vision_rows.py
     data = tmp_path / "rows.pkl"
     data.write_bytes(pickle.dumps((rows, images, processor)))
@@ -218,8 +226,10 @@ def _pad_reference(rows: dict, images, processor) -> dict:
     from raypack.train.objectives.loss import token_loss_sum
     from raypack.train.vision_rows import VisionRows
 
+    from checkpoints import saved
+
     torch.manual_seed(0)
-    model = load_model("tiny-qwen2_5_vl", attention="sdpa", dtype="float32")  # what `pad` trains
+    model = load_model(str(saved("tiny-qwen2_5_vl")), attention="sdpa", dtype="float32")  # what `pad` trains
     optimizer = make_optimizer([{"params": list(model.parameters())}], _train_config())
     unpack = VisionRows(model, images, processor)
     out = {"losses": [], "params": []}

@@ -149,12 +149,14 @@ def test_a_checkpoint_resumes_bit_for_bit_and_reads_back_offline(tmp_path, stage
 
 def test_the_torch_engine_keeps_its_master_weights_in_the_model():
     """precision mixed: fp32 weights (the master copy) where DeepSpeed keeps bf16 ones and its own
-    fp32 copy; with LoRA the frozen base in the compute dtype; bf16 precision keeps bf16."""
+    fp32 copy; DDP builds them in fp32, FSDP2 in the compute dtype and casts each rank's shards
+    (test_fsdp.py); with LoRA the frozen base in the compute dtype; bf16 precision keeps bf16."""
     from raypack.config import TrainConfig
     from raypack.train import engines
 
-    torch_mixed = TrainConfig(engine="torch")
+    torch_mixed = TrainConfig(engine="torch", zero_stage=0)
     assert engines.weights_dtype(torch_mixed, "bfloat16") == torch.float32
+    assert engines.weights_dtype(TrainConfig(engine="torch", zero_stage=2), "bfloat16") == torch.bfloat16
     assert engines.weights_dtype(torch_mixed, "bfloat16", adapters=True) == torch.bfloat16
     assert engines.compute_dtype(torch_mixed, "bfloat16") == torch.bfloat16
     assert engines.weights_dtype(TrainConfig(engine="torch", precision="bf16"), "auto") == torch.bfloat16
@@ -208,7 +210,8 @@ def test_without_fsdp2s_unused_reduce_a_vlm_whose_tower_trains_is_refused(monkey
     from raypack.train import engines
 
     monkeypatch.delattr(FSDPModule, "set_reduce_scatter_unused_params")
-    cfg = TrainConfig(engine="torch", num_workers=1, zero_stage=2)
+    # offload: FSDP2 on one rank (without it one rank trains the bare model)
+    cfg = TrainConfig(engine="torch", num_workers=1, zero_stage=2, offload_optimizer=True)
     with pytest.raises(UnsupportedModelError, match=r"no FSDP2 set_reduce_scatter_unused_params.*use torch >= 2.13"):
         engines.build(load_model("tiny-qwen2_5_vl", dtype="float32"), cfg, dtype=torch.float32, world_size=1, total_steps=1)
     frozen = load_model("tiny-qwen2_5_vl", dtype="float32")
