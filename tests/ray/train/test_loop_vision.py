@@ -45,6 +45,14 @@ DPO = DpoConfig(beta=0.5, sft_weight=0.3)
 DPO_STAGES = (2, 3)
 
 
+def vlm_folder() -> str:
+    """The tiny Qwen2.5-VL's saved folder, as a user's model.name (tests/checkpoints.py); fp32, for
+    fp32's tolerances against `pad`, one example at a time."""
+    from checkpoints import saved
+
+    return str(saved("tiny-qwen2_5_vl", dtype=torch.float32))
+
+
 def _train_config(engine: str = "deepspeed"):
     from raypack.config import TrainConfig
 
@@ -96,8 +104,7 @@ def sft_steps(name: str, rows: list[dict], images, processor) -> dict:
     from raypack.train.prefetch import prepare_step
     from raypack.train.vision_rows import VisionRows
 
-    torch.manual_seed(0)
-    model = load_model("tiny-qwen2_5_vl", attention="auto", dtype="float32")
+    model = load_model(vlm_folder(), attention="auto", dtype="float32")
     engine = engines.build(model, _train_config(name), dtype=torch.float32, world_size=2, total_steps=len(rows))
     loss_fn = make_loss(engine, "chunked")
     collate = functools.partial(prepare_step, collate=VisionRows(engine.module, images, processor))
@@ -122,8 +129,7 @@ def _dpo_policy(attention: str, moved: bool = True):
     `moved` False)."""
     from raypack.model.build import load_model
 
-    torch.manual_seed(0)
-    model = load_model("tiny-qwen2_5_vl", attention=attention, dtype="float32")
+    model = load_model(vlm_folder(), attention=attention, dtype="float32")
     if moved:
         perturb([model], scale=0.01)
     return model
@@ -218,8 +224,7 @@ def _pad_reference(rows: dict, images, processor) -> dict:
     from raypack.train.objectives.loss import token_loss_sum
     from raypack.train.vision_rows import VisionRows
 
-    torch.manual_seed(0)
-    model = load_model("tiny-qwen2_5_vl", attention="sdpa", dtype="float32")  # what `pad` trains
+    model = load_model(vlm_folder(), attention="sdpa", dtype="float32")  # what `pad` trains
     optimizer = make_optimizer([{"params": list(model.parameters())}], _train_config())
     unpack = VisionRows(model, images, processor)
     out = {"losses": [], "params": []}
