@@ -77,6 +77,7 @@ def build_model(case, attention="auto", reference=False, dtype=torch.float32):
     _, family, overrides, extra = ALL_CASES[case]
     checkpointing = "none" if reference else extra.get("gradient_checkpointing", "none")
     folder = saved(f"tiny-{family}", vocab_size=VOCAB, dtype=dtype, **overrides)
+    torch.manual_seed(0)
     return load_model(str(folder), attention=attention, dtype=dtype, gradient_checkpointing=checkpointing)
 
 

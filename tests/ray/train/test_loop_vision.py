@@ -104,6 +104,7 @@ def sft_steps(name: str, rows: list[dict], images, processor) -> dict:
     from raypack.train.prefetch import prepare_step
     from raypack.train.vision_rows import VisionRows
 
+    torch.manual_seed(0)  # what follows draws the same in the driver and the workers
     model = load_model(vlm_folder(), attention="auto", dtype="float32")
     engine = engines.build(model, _train_config(name), dtype=torch.float32, world_size=2, total_steps=len(rows))
     loss_fn = make_loss(engine, "chunked")
@@ -129,6 +130,7 @@ def _dpo_policy(attention: str, moved: bool = True):
     `moved` False)."""
     from raypack.model.build import load_model
 
+    torch.manual_seed(0)  # what follows draws the same in the driver and the workers
     model = load_model(vlm_folder(), attention=attention, dtype="float32")
     if moved:
         perturb([model], scale=0.01)
@@ -224,6 +226,7 @@ def _pad_reference(rows: dict, images, processor) -> dict:
     from raypack.train.objectives.loss import token_loss_sum
     from raypack.train.vision_rows import VisionRows
 
+    torch.manual_seed(0)  # what follows draws the same in the driver and the workers
     model = load_model(vlm_folder(), attention="sdpa", dtype="float32")  # what `pad` trains
     optimizer = make_optimizer([{"params": list(model.parameters())}], _train_config())
     unpack = VisionRows(model, images, processor)
