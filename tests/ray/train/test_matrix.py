@@ -5,7 +5,7 @@ loaded by `load_model(folder)` as raypack/train/loop.py's setup loads model.name
 its build context (ZeRO-3's zero.Init, FSDP2's meta device on ranks > 0) and its chunked loss
 with the setup probe, on 2 Ray Train workers over gloo.
 
-DeepSpeed ZeRO 0-3 and the torch engine at zero_stage 0-3, full fine-tuning and LoRA, on a dense
+DeepSpeed ZeRO 0-3 and the torch engine at zero_stage 0-3, full fine-tuning and LoRA (MATRIX), on a dense
 model (Llama), an MoE (Qwen3-MoE), each hybrid mixer (Qwen3.5's gated delta rule, Nemotron-H's
 Mamba-2, LFM2's short convolution, Kimi Linear's KDA) and a VLM (Qwen2.5-VL, on text rows: its
 image rows are tests/ray/train/test_loop_vision.py's): two optimizer steps of 2 ranks x 2
@@ -14,10 +14,10 @@ second or two). Each case
 
 - trains: two finite losses, the second after the engine's update;
 - packed = unpacked: the first step's loss and gradients are those of each example run alone
-  through transformers' own forward of the same folder in bf16 (within bf16's rounding; a leak
-  across packed examples is 7-100% off, DESIGN.md);
-- engines agree: DeepSpeed's and the torch engine's losses on the same batches at the same stage,
-  step by step.
+  through transformers' own forward of the same folder (in fp32 from its bf16 weights: within
+  bf16's rounding; a leak across packed examples is 7-100% off, DESIGN.md);
+- engines agree: every engine and stage's losses equal DeepSpeed ZeRO-2's on the same batches,
+  step by step (the same model, adapters and update: two steps tell a lost update apart).
 
 A case that fails records its phase and first error line (both ranks agree after each phase, so
 one rank's error never leaves the other waiting in a collective), and the test names every one.
@@ -40,7 +40,15 @@ from gloo_fit import EXAMPLES, VOCAB, fit_on_gloo, packed_row  # noqa: E402
 FAMILIES = ("llama", "qwen3_moe", "qwen3_5", "nemotron_h", "lfm2", "kimi_linear", "qwen2_5_vl")
 ENGINES = tuple((engine, stage) for engine in ("deepspeed", "torch") for stage in range(4))
 MATRIX = {f"{engine}{stage}-{family}-{mode}": (engine, stage, family, mode)
-          for family in FAMILIES for mode in ("full", "lora") for engine, stage in ENGINES}  # fmt: skip
+          for family in FAMILIES for mode in ("full", "lora") for engine, stage in ENGINES
+          if mode == "full" or family == "llama" or stage in (0, 3)}  # fmt: skip
+"""Full fine-tuning of every model kind at every engine and stage; LoRA at every stage on Llama,
+and on the other kinds at 0 and 3 (replicated, and partitioned weights), the paths where adapters
+differ: stages 1-2 partition only the optimizer's state and gradients, the same for any model.
+88 cases; measured at 663 s for the whole 112 on the 2-core dev machine under load (DeepSpeed's
+ZeRO-3 and Kimi Linear's KDA the slowest), with the torch engine's stages 1-3 failing at load."""
+BASELINE = ("deepspeed", 2)
+"""The engine and stage every other's losses are compared with, on the same batches."""
 STEPS = 2
 LR = 1e-3
 
@@ -168,10 +176,11 @@ def fit(tmp_path, cases) -> dict:
 
 def reference(family: str, mode: str) -> tuple[float, dict[str, torch.Tensor]]:
     """The first step's loss and gradients: each example alone through the folder's own model
-    (its own attention and logits) in bf16, Σ token losses / total label tokens."""
+    (its own attention and logits), Σ token losses / total label tokens; in fp32 from the bf16
+    weights, the value the bf16 runs round (a bf16 reference would add its own rounding)."""
     from raypack.model.build import load_model
 
-    model = load_model(folders()[family], attention="eager", dtype="bfloat16")
+    model = load_model(folders()[family], attention="eager", dtype="float32")
     model = adapted(model) if mode == "lora" else model
     examples = [e for mbs in EXAMPLES.values() for mb in mbs for e in mb]
     total = sum(torch.nn.functional.cross_entropy(model(input_ids=torch.as_tensor(e)[None]).logits[0, :-1].float(),
@@ -198,11 +207,15 @@ def check_matrix(got: dict, cases) -> list[str]:
         if (family, mode) not in refs:
             refs[family, mode] = reference(family, mode)
         loss, grads = refs[family, mode]
-        if r["losses"][0] != pytest.approx(loss, rel=1e-2):
+        if r["losses"][0] != pytest.approx(loss, rel=1e-3):  # seen up to 1.8e-4
             failures.append(f"{case}: packed loss {r['losses'][0]:.6f}, each example alone {loss:.6f}")
         if r["grads"].keys() != grads.keys():
             failures.append(f"{case}: gradients of {sorted(set(r['grads']) ^ set(grads))[:3]} on one side only")
             continue
+        # bf16 compute rounds each gradient: seen up to 2% of a tensor's norm (full) and 3.8%
+        # (a LoRA A or B, whose gradients are small), 0.7% and 2.3% over all of them together; a
+        # leak across packed examples is 7-100% off (DESIGN.md)
+        wrong, total = 0.0, 0.0
         for name, g in grads.items():
             ours = r["grads"][name]
             if g is None or ours is None:  # no gradient on one side: none, or zeros, on the other
@@ -211,17 +224,23 @@ def check_matrix(got: dict, cases) -> list[str]:
                     break
                 continue
             error = ((ours - g).norm() / g.norm().clamp_min(1e-12)).item()
-            if error > 3e-2:
+            wrong, total = wrong + (ours - g).norm().item() ** 2, total + g.norm().item() ** 2
+            if error > 5e-2:
                 failures.append(f"{case}: {name}: gradient {error:.3g} off each example alone")
                 break
-    for case in cases:  # the two engines on the same batches
+        if total and (wrong / total) ** 0.5 > 3e-2:
+            failures.append(f"{case}: the gradients {(wrong / total) ** 0.5:.3g} off each example alone")
+    for case in cases:  # every engine and stage against one on the same batches, step by step
         engine, stage, family, mode = MATRIX[case]
-        twin = f"torch{stage}-{family}-{mode}"
-        if engine != "deepspeed" or twin not in got or "error" in got[case] or "error" in got[twin]:
+        base = "{}{}-{}-{}".format(*BASELINE, family, mode)
+        if base == case or base not in got or "error" in got[case] or "error" in got[base]:
             continue
-        ours, theirs = got[twin]["losses"], got[case]["losses"]
-        if ours != pytest.approx(theirs, rel=5e-3):
-            failures.append(f"{twin}: losses {ours} where DeepSpeed's ZeRO-{stage} has {theirs}")
+        # the engines' bf16 forwards and fp32 updates agree to 1.3e-4 where they agree (DeepSpeed's
+        # ZeRO-3 LoRA included); a lost or doubled update is 1e-3 to 1e-2 off at step 2
+        ours, theirs = got[case]["losses"], got[base]["losses"]
+        if ours != pytest.approx(theirs, rel=5e-4):
+            failures.append(f"{case}: losses {[round(x, 5) for x in ours]} where {base} has "
+                            f"{[round(x, 5) for x in theirs]}")  # fmt: skip
     return failures
 
 
