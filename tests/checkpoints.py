@@ -82,3 +82,14 @@ def _build(config, seed: int):
     torch.manual_seed(seed)
     auto = AutoModelForImageTextToText if describe(config).vlm else AutoModelForCausalLM
     return auto.from_config(config, dtype=torch.float32)
+
+
+TOKENIZER_VOCAB = 768
+"""The bundled tokenizer's size (raypack/assets/tokenizer): the vocabulary a tiny model gets when
+a config names `tiny-<family>` (raypack/data/prepare.py), and so the saved folders' here."""
+
+
+def as_user(name: str = "tiny-llama", **overrides: Any) -> list[str]:
+    """The config overrides that train `name` as a user trains a published model: its saved folder,
+    read in bf16 (`model.dtype: bfloat16`, what a GPU run computes in)."""
+    return [f"model.name={saved(name, vocab_size=TOKENIZER_VOCAB, **overrides)}", "model.dtype=bfloat16"]

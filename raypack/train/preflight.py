@@ -18,7 +18,8 @@ Ray instance starts or a file is written. In order, cheapest first:
    configured attention on the workers' device (a meta-device build: `check_packed_model`), and
    every id the tokenizer makes is below its vocabulary size; Liger-Kernel, where it is asked
    for, can run (`check_kernels`); with `model.peft`, its adapters apply to the model and the
-   loss can train them (`check_adapters`);
+   loss can train them (`check_adapters`); a local folder's weights are there, whole, of the
+   config's shapes and in a range model.dtype holds (`check_weights`: the safetensors headers);
 5. small local data (up to `ROW_CHECK_BYTES`): every row, as the Ray read would check it,
    pre-tokenized ids against the model's vocabulary included; larger data is checked row by row
    while Ray reads it, with the same messages. A weighted mixture whose weights give a source
@@ -34,6 +35,7 @@ after tokenizing, still before training (raypack/data/prepare.py).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,7 +179,24 @@ def check_model_and_tokenizer(cfg: Config, tok) -> tuple[int, bool, Any]:
             f"tokenize.tokenizer {cfg.tokenize.tokenizer!r} has {len(tok)} tokens but model.name {m.name!r} "
             f"embeds {vocab}: ids {vocab} and up would index past the embedding; use the model's own tokenizer"
         )
+    check_weights(cfg, config)
     return vocab, describe(config, m.trust_remote_code).vlm, tower_cost(config, m.trust_remote_code)
+
+
+def check_weights(cfg: Config, config) -> None:
+    """A local folder's weights: present, whole, of the config's shapes and in a range model.dtype
+    holds, read from the safetensors headers alone (raypack/model/folder.py). Last of the model's
+    checks: a config-only folder still gets the refusals that say what raypack can't train."""
+    import torch
+
+    from raypack.model.facts import describe
+    from raypack.model.folder import check_folder
+
+    m = cfg.model
+    if not os.path.isdir(m.name):  # tiny-<family>, a hub name
+        return
+    dtype = m.dtype if m.dtype != "auto" else ("bfloat16" if cfg.train.use_gpu else "float32")
+    check_folder(m.name, config, getattr(torch, dtype), describe(config, m.trust_remote_code).meta_model())
 
 
 def check_vlm_processor(cfg: Config, config, tok) -> None:

@@ -15,6 +15,7 @@ import pytest
 from raypack.cli import main
 
 import trackfiles
+from checkpoints import as_user
 from paths import REPO
 from trackfiles import history, tensorboard_scalars
 
@@ -59,7 +60,8 @@ def test_a_run_prints_its_own_lines_once_resumes_from_another_folder_and_then_sa
     base = [sys.executable, "-m", "raypack.cli", "train"]
     cmd = [*base, "--config", str(REPO / "jobs" / "configs" / "quickstart.yaml"),
            f"run.storage_path={tmp_path / 'results'}", f"run.name={name}", "pack.budget=256",
-           "train.max_steps=2", "train.report_every_steps=1", "train.checkpoint_every_steps=0", "run.wandb.mode=offline"]
+           "train.max_steps=2", "train.report_every_steps=1", "train.checkpoint_every_steps=0", "run.wandb.mode=offline",
+           *as_user()]
     out = subprocess.run(cmd, cwd=first_dir, env={k: v for k, v in env.items() if not k.startswith("WANDB_")},
                          capture_output=True, text=True, timeout=900)
     screen = out.stdout + out.stderr
@@ -172,7 +174,7 @@ def test_sigterm_mid_epoch_checkpoints_exits_143_and_the_resume_trains_every_exa
     root = tmp_path / "results" / name
     overrides = [f"run.storage_path={tmp_path / 'results'}", f"run.name={name}", "pack.budget=256",
                  "train.report_every_steps=1", "train.checkpoint_every_steps=4", "train.stop_checkpoint_after_s=0",
-                 *engine]
+                 *as_user(), *engine]
     config = str(REPO / "jobs" / "configs" / "tiny_cpu.yaml")
     cmd = [sys.executable, "-m", "raypack.cli", "train", "--config", config, *overrides]
     proc, screen = _train_until(cmd, _join_session_ray(ray_local), tmp_path, step=6)
@@ -276,7 +278,7 @@ def test_ctrl_c_in_training_exits_130_with_one_line_and_the_resume_continues(ray
     root = tmp_path / "results" / "interrupted"
     cmd = [sys.executable, "-m", "raypack.cli", "train", "--config", str(REPO / "jobs" / "configs" / "tiny_cpu.yaml"),
            f"run.storage_path={tmp_path / 'results'}", "run.name=interrupted", "pack.budget=256",
-           "train.report_every_steps=1", "train.checkpoint_every_steps=2", "train.epochs=3"]
+           "train.report_every_steps=1", "train.checkpoint_every_steps=2", "train.epochs=3", *as_user()]
     env = _join_session_ray(ray_local)
     proc, _ = _train_until(cmd, env, tmp_path, step=4)
     proc.send_signal(signal.SIGINT)
@@ -307,7 +309,7 @@ def test_quickstart_on_tiny_qwen3_moe_logs_the_router_loss_and_the_expert_heatma
     steps: the router loss (auto: Qwen3-MoE's own coefficient) at every step, the per-layer expert
     load and the layers-by-experts heatmap at the report, all in TensorBoard's event file; the
     summary names the worst layer."""
-    code = main(["train", "--config", str(REPO / "jobs" / "configs" / "quickstart.yaml"), "model.name=tiny-qwen3_moe",
+    code = main(["train", "--config", str(REPO / "jobs" / "configs" / "quickstart.yaml"), *as_user("tiny-qwen3_moe"),
                  f"run.storage_path={tmp_path}", "run.name=moe", "train.max_steps=5", "data.eval_fraction=0"])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -337,7 +339,7 @@ def test_a_second_run_on_one_name_is_refused_and_a_killed_runs_lock_is_taken_ove
     root = tmp_path / "results" / name
     cmd = [sys.executable, "-m", "raypack.cli", "train", "--config", str(REPO / "jobs" / "configs" / "tiny_cpu.yaml"),
            f"run.storage_path={tmp_path / 'results'}", f"run.name={name}", "pack.budget=256",
-           "train.report_every_steps=1", "train.checkpoint_every_steps=2"]
+           "train.report_every_steps=1", "train.checkpoint_every_steps=2", *as_user()]
     env = _join_session_ray(ray_local)
     first, screen = _train_until(cmd, env, tmp_path, step=3)
     first.send_signal(signal.SIGSTOP)  # alive, holding its lock, however fast its workers train on

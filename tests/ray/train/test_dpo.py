@@ -62,6 +62,7 @@ CASES = {  # zero stage, tiny family, config overrides, what else
 
 
 def build(case, attention="auto"):
+    from checkpoints import saved
     from exactness import random_lora_b
 
     from raypack.config import PeftConfig
@@ -70,8 +71,10 @@ def build(case, attention="auto"):
 
     _, family, overrides, extra = CASES[case]
     torch.manual_seed(0)
-    model = load_model(f"tiny-{family}", attention=attention, dtype="float32", vocab_size=VOCAB,
-                       gradient_checkpointing=extra.get("gradient_checkpointing", False), **overrides)
+    # its saved folder, as a user's model.name; fp32, for fp32's tolerances against each pair alone
+    folder = saved(f"tiny-{family}", vocab_size=VOCAB, dtype=torch.float32, **overrides)
+    model = load_model(str(folder), attention=attention, dtype="float32",
+                       gradient_checkpointing=extra.get("gradient_checkpointing", False))
     if extra.get("lora"):
         return random_lora_b(apply_adapters(model, PeftConfig(method="lora", r=4, alpha=8)))
     perturb([model], seed=5)  # the policy away from the reference it is compared with

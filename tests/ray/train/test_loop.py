@@ -15,9 +15,7 @@ final weights, all eight in one Ray Train run.
 from __future__ import annotations
 
 import contextlib
-import json
 
-import numpy as np
 import pytest
 import torch
 
@@ -25,25 +23,7 @@ import torch
 # two threads on a shared 2-core host); the workers are processes of their own, one CPU each
 pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("one_thread")]
 
-VOCAB = 97
-# Examples (token lists) per rank per micro-batch: deliberately unequal in count and length.
-rng = np.random.default_rng(0)
-EXAMPLES = {
-    0: [[rng.integers(1, VOCAB, 13), rng.integers(1, VOCAB, 5)], [rng.integers(1, VOCAB, 21)]],
-    1: [[rng.integers(1, VOCAB, 3), rng.integers(1, VOCAB, 8), rng.integers(1, VOCAB, 11)], [rng.integers(1, VOCAB, 4)]],
-}
-
-
-def packed_row(examples):
-    ids = np.concatenate(examples).tolist()
-    return {
-        "input_ids": ids,
-        "labels": ids,
-        "position_ids": np.concatenate([np.arange(len(e)) for e in examples]).tolist(),
-        "num_tokens": len(ids),
-        "example_ids": list(range(len(examples))),
-    }
-
+from gloo_fit import EXAMPLES, VOCAB, fit_on_gloo, packed_row  # noqa: E402
 
 CASES = {  # zero stage, tiny family, config overrides, gradient checkpointing and train.compile
     "zero2-llama": (2, "llama", {}, {}),
@@ -77,9 +57,6 @@ TORCH_CASES = {  # the torch engine (train.engine: torch): every mode once, thre
         (3, "qwen3_5_moe", "none", {}, {}),
         (0, "nemotron_h", "ddp-selective", {}, {"gradient_checkpointing": "selective"}),
         (3, "lfm2", "full", {}, {"gradient_checkpointing": "full"}),
-        # a saved bf16 folder (tests/checkpoints.py), read in fp32: rank 1 builds its structure on
-        # the meta device and gets rank 0's weights
-        (2, "llama", "saved", {}, {"saved": True}),
     )
 }  # fmt: skip
 """Each mode once on the torch engine (replicated, FSDP2 without and with resharding, each
@@ -90,17 +67,30 @@ weights, step by step."""
 ALL_CASES = {**CASES, **HYBRID_CASES, **TORCH_CASES, **TWINS}
 
 
-def build_model(case, attention="auto", reference=False):
-    from raypack.model.build import load_model
-
+@pytest.fixture(autouse=True, scope="module")
+def folders_saved():
+    """Every case's folder written here, before the workers read them: two ranks that each found
+    one missing once failed to read its config (ValueError: Unrecognized model, under this file's
+    hybrids fit), which the driver then read whole."""
     from checkpoints import saved
 
+    for _, family, overrides, _ in [*ALL_CASES.values(), *LORA_CASES.values()]:
+        saved(f"tiny-{family}", vocab_size=VOCAB, dtype=torch.float32, **overrides)
+    saved("tiny-llama", vocab_size=VOCAB, dtype=torch.bfloat16)  # the bf16 step's
+
+
+def build_model(case, attention="auto", reference=False, dtype=torch.float32):
+    """`case`'s model read from its saved folder, as a user's model.name (tests/checkpoints.py):
+    fp32, whose comparisons with each example alone hold to fp32 rounding, or bf16 as published."""
+    from checkpoints import saved
+
+    from raypack.model.build import load_model
+
     _, family, overrides, extra = ALL_CASES[case]
-    torch.manual_seed(0)
     checkpointing = "none" if reference else extra.get("gradient_checkpointing", "none")
-    name = str(saved(f"tiny-{family}", vocab_size=VOCAB)) if extra.get("saved") else f"tiny-{family}"
-    return load_model(name, attention=attention, dtype="float32", vocab_size=VOCAB,
-                      gradient_checkpointing=checkpointing, **overrides)
+    folder = saved(f"tiny-{family}", vocab_size=VOCAB, dtype=dtype, **overrides)
+    torch.manual_seed(0)
+    return load_model(str(folder), attention=attention, dtype=dtype, gradient_checkpointing=checkpointing)
 
 
 def loop(config):
@@ -173,25 +163,6 @@ def run_case(case, rank, preset):
             "checkpointing": mode}
 
 
-def fit_on_gloo(fn, tmp_path, name: str, workers: int, **config) -> None:
-    """Run `fn` on `workers` Ray Train workers over gloo, with `config` plus a DeepSpeed preset
-    (`preset`) that partitions even tiny parameters under ZeRO-3: it keeps those under 1e5 elements
-    whole on every rank ("persistent"), and a threshold of 0 partitions the tiny head as a real
-    model's would be."""
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
-    preset = tmp_path / "zero.json"
-    preset.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
-    TorchTrainer(
-        fn,
-        train_loop_config={**config, "preset": str(preset)},
-        torch_config=TorchConfig(backend="gloo"),
-        scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(name=f"{name}-{tmp_path.name}", storage_path=str(tmp_path / "runs")),
-    ).fit()
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_two_ranks_two_microbatches_match_single_process(ray_local, tmp_path, case):
     out = tmp_path / "rank0.pt"
@@ -217,9 +188,6 @@ def test_torch_engine_packed_equals_unpacked_in_every_mode_and_equals_deepspeed(
     time through transformers' model; and on the same batches its losses and weights equal
     DeepSpeed's at ZeRO 0, 2 and 3 step by step (fp32 on the CPU: both run torch's AdamW on the same
     gradients, averaged over the ranks in another order, so they agree to fp32 rounding)."""
-    from checkpoints import saved
-
-    saved("tiny-llama", vocab_size=VOCAB)  # written here once, read by the workers
     out = tmp_path / "rank0.pt"
     fit_on_gloo(loop, tmp_path, "exact-torch-engine", 2, out=str(out), cases=list(TORCH_CASES) + list(TWINS))
     got = torch.load(out)
@@ -307,6 +275,7 @@ recompute (transformers issue 47254); offload runs DeepSpeed's CPU Adam."""
 
 
 def build_lora_model(case, attention="auto"):
+    from checkpoints import saved
     from exactness import random_lora_b
 
     from raypack.config import PeftConfig
@@ -314,9 +283,10 @@ def build_lora_model(case, attention="auto"):
     from raypack.model.build import load_model
 
     _, family, overrides, extra = LORA_CASES[case]
-    torch.manual_seed(0)
-    model = load_model(f"tiny-{family}", attention=attention, dtype="float32", vocab_size=VOCAB,
-                       gradient_checkpointing=extra.get("gradient_checkpointing", False), **overrides)
+    folder = saved(f"tiny-{family}", vocab_size=VOCAB, dtype=torch.float32, **overrides)  # as build_model's
+    model = load_model(str(folder), attention=attention, dtype="float32",
+                       gradient_checkpointing=extra.get("gradient_checkpointing", False))
+    torch.manual_seed(0)  # the adapters' init
     return random_lora_b(apply_adapters(model, PeftConfig(method="lora", r=4, alpha=8)))
 
 
@@ -408,7 +378,7 @@ def bf16_loop(config):
     for name in ("deepspeed", "torch"):
         cfg = TrainConfig(num_workers=2, zero_stage=2, grad_accum=2, grad_clip=0.0, warmup_steps=0, lr=1e-2,
                           precision="bf16", engine=name, deepspeed_preset=config["preset"] if name == "deepspeed" else None)
-        engine = engines.build(build_model("zero2-llama").to(torch.bfloat16), cfg, dtype=torch.bfloat16, world_size=2,
+        engine = engines.build(build_model("zero2-llama", dtype=torch.bfloat16), cfg, dtype=torch.bfloat16, world_size=2,
                                total_steps=1)
         if name == "deepspeed":
             master, inner = engine.optimizer.single_partition_of_fp32_groups, engine.optimizer.optimizer  # bf16 here
@@ -448,7 +418,7 @@ def check_bf16_step(got, engine):
     assert got["optimizer"] == "AdamW" and got["master"] == [torch.bfloat16] * len(got["master"]), engine
     assert got["state"] == {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16, "kahan_comp": torch.bfloat16}
 
-    model = build_model("zero2-llama", attention="eager").to(torch.bfloat16)
+    model = build_model("zero2-llama", attention="eager", dtype=torch.bfloat16)
     examples = [e for mbs in EXAMPLES.values() for mb in mbs for e in mb]
     total = sum(torch.nn.functional.cross_entropy(model(input_ids=torch.as_tensor(e)[None]).logits[0, :-1].float(),
                                                   torch.as_tensor(e)[1:], reduction="sum") for e in examples)
@@ -460,7 +430,7 @@ def check_bf16_step(got, engine):
         assert error < 2e-2, f"{engine}: {name}: {error:.3g}"
 
     # the update: optimi's AdamW, as raypack builds it, on the same bf16 weights and the engine's gradients
-    fresh = build_model("zero2-llama").to(torch.bfloat16)
+    fresh = build_model("zero2-llama", dtype=torch.bfloat16)
     params = dict(fresh.named_parameters())
     for name, p in params.items():
         p.grad = got["grads"][name].to(torch.bfloat16)

@@ -45,6 +45,14 @@ DPO = DpoConfig(beta=0.5, sft_weight=0.3)
 DPO_STAGES = (2, 3)
 
 
+def vlm_folder() -> str:
+    """The tiny Qwen2.5-VL's saved folder, as a user's model.name (tests/checkpoints.py); fp32, for
+    fp32's tolerances against `pad`, one example at a time."""
+    from checkpoints import saved
+
+    return str(saved("tiny-qwen2_5_vl", dtype=torch.float32))
+
+
 def _train_config(engine: str = "deepspeed"):
     from raypack.config import TrainConfig
 
@@ -96,13 +104,11 @@ def sft_steps(name: str, rows: list[dict], images, processor) -> dict:
     from raypack.train.prefetch import prepare_step
     from raypack.train.vision_rows import VisionRows
 
-    from checkpoints import saved
-
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # what follows draws the same in the driver and the workers
     cfg = _train_config(name)
-    # a saved bf16 folder, as users load one (read in fp32); FSDP2's rank 1 builds it on the meta device
+    # FSDP2's rank 1 builds the folder's structure on the meta device and gets rank 0's weights
     with engines.building(cfg, dtype=torch.float32, world_size=2):
-        model = load_model(str(saved("tiny-qwen2_5_vl")), attention="auto", dtype="float32")
+        model = load_model(vlm_folder(), attention="auto", dtype="float32")
     engine = engines.build(model, cfg, dtype=torch.float32, world_size=2, total_steps=len(rows))
     loss_fn = make_loss(engine, "chunked")
     collate = functools.partial(prepare_step, collate=VisionRows(engine.module, images, processor))
@@ -127,8 +133,8 @@ def _dpo_policy(attention: str, moved: bool = True):
     `moved` False)."""
     from raypack.model.build import load_model
 
-    torch.manual_seed(0)
-    model = load_model("tiny-qwen2_5_vl", attention=attention, dtype="float32")
+    torch.manual_seed(0)  # what follows draws the same in the driver and the workers
+    model = load_model(vlm_folder(), attention=attention, dtype="float32")
     if moved:
         perturb([model], scale=0.01)
     return model
@@ -195,9 +201,7 @@ def test_packed_vlm_steps_equal_pad_one_example_a_micro_batch_on_two_ranks(ray_l
     from tests.ray.train.test_loop import fit_on_gloo
     from tests.unit.train.test_vision_rows import prepared_rows
 
-    from checkpoints import saved
-
-    saved("tiny-qwen2_5_vl")  # written here once, read by the workers
+    vlm_folder()  # written here once, read by the workers
     rows, images, processor = prepared_rows(steps=STEPS)  # the rows of tests/unit/train/test_vision_rows.py
     data = tmp_path / "rows.pkl"
     data.write_bytes(pickle.dumps((rows, images, processor)))
@@ -226,10 +230,8 @@ def _pad_reference(rows: dict, images, processor) -> dict:
     from raypack.train.objectives.loss import token_loss_sum
     from raypack.train.vision_rows import VisionRows
 
-    from checkpoints import saved
-
-    torch.manual_seed(0)
-    model = load_model(str(saved("tiny-qwen2_5_vl")), attention="sdpa", dtype="float32")  # what `pad` trains
+    torch.manual_seed(0)  # what follows draws the same in the driver and the workers
+    model = load_model(vlm_folder(), attention="sdpa", dtype="float32")  # what `pad` trains
     optimizer = make_optimizer([{"params": list(model.parameters())}], _train_config())
     unpack = VisionRows(model, images, processor)
     out = {"losses": [], "params": []}

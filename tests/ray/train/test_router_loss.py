@@ -40,10 +40,14 @@ def rows(examples, packed):
 
 
 def build_model(attention="auto"):
+    from checkpoints import saved
+
     from raypack.model.build import load_model
 
-    torch.manual_seed(0)
-    model = load_model("tiny-qwen3_moe", attention=attention, dtype="float32", vocab_size=VOCAB)
+    # its saved folder, as a user's model.name; fp32, for fp32's tolerances against each example alone
+    folder = saved("tiny-qwen3_moe", vocab_size=VOCAB, dtype=torch.float32)
+    model = load_model(str(folder), attention=attention, dtype="float32")
+    torch.manual_seed(0)  # the routers' draw below, the same in the driver and the workers
     with torch.no_grad():  # routers that prefer experts from the start, so the loss has work to do
         for layer in model.model.layers:
             layer.mlp.gate.weight.normal_(0, 0.5)

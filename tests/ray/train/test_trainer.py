@@ -25,6 +25,7 @@ import torch
 from raypack.config import load
 from raypack.train import loop, trainer
 
+from checkpoints import as_user
 from paths import REPO
 from trained import planned_train_ids, trained_ids
 
@@ -43,6 +44,7 @@ def tiny_cfg(tmp_path: Path, *overrides: str, name: str | None = None):
             "train.grad_accum=1",
             "train.report_every_steps=2",
             "train.checkpoint_every_steps=2",
+            *as_user(),  # tiny-llama's saved bf16 folder, as users name a published model
             *overrides,
         ],
     )

@@ -550,3 +550,18 @@ def test_what_the_torch_engine_cant_do_is_one_line_naming_the_engine(tmp_path, c
     what FSDP2 can't shard, refused before Ray starts."""
     err = train(tmp_path, capsys, "train.engine=torch", *overrides)
     assert says in err, err
+
+
+def test_a_saved_model_with_a_missing_shard(tmp_path, capsys, no_ray):
+    """A published checkpoint's folder whose index names a shard the copy lost: the index named,
+    from its headers alone (tests/unit/model/test_folder.py has every class of broken folder)."""
+    import shutil
+
+    from checkpoints import saved
+
+    folder = tmp_path / "model"
+    shutil.copytree(saved("tiny-llama", vocab_size=1024), folder)
+    shard = min(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values())
+    (folder / shard).unlink()
+    err = train(tmp_path, capsys, f"model.name={folder}", "model.dtype=bfloat16")
+    assert err == f"raypack: error: {folder}/model.safetensors.index.json: names the shard {shard}, which is not in the folder\n"

@@ -21,7 +21,9 @@ from raypack.train.preflight import check_packed_model, preflight, source_format
 
 
 def test_a_model_that_cannot_pack_is_refused_for_packed_strategies_only(tmp_path):
-    BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=1024).save_pretrained(tmp_path / "bloom")
+    # with weights: a folder of a config alone is refused as no model (raypack/model/folder.py)
+    config = BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=1024)
+    transformers.BloomForCausalLM(config).save_pretrained(tmp_path / "bloom")
     overrides = [f"model.name={tmp_path / 'bloom'}", f"run.storage_path={tmp_path / 'runs'}"]
     with pytest.raises(UnsupportedModelError, match=r"BloomForCausalLM.*pad or pad_sorted"):
         preflight(load(None, [*overrides, "pack.strategy=bfd"]))
