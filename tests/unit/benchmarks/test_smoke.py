@@ -63,6 +63,12 @@ NO_RAY = {  # script -> what its results file must show
     "loop_syncs.py": ["| text | tiny-llama | 0.0 (+", "| MoE, router loss per example | tiny-qwen3_moe |",
                       "| hybrid (Mamba-2) | tiny-nemotron_h |", "read: tolist of a host copy | raypack (mixers._segments)",
                       "read: tolist of a host copy | raypack (vision_tower.tower_attention)"],
+    # every model kind on every engine's bf16 path, and the total that must stay 0 (issue 60)
+    # (and the known open site, benchmarks/fp32_matmuls.py OPEN, named)
+    "fp32_matmuls.py": ["fp32 matmuls on the hot path, neither the model's own nor a known open site, all kinds and "
+                        "engine paths: 0", "- MoE, router loss, torch mixed, `transformers/integrations/moe.py:_grouped_mm`",
+                        "| dense | tiny-llama | torch mixed |", "| VLM | tiny-qwen2_5_vl | deepspeed bf16 |",
+                        "| hybrid (Mamba-2) | tiny-nemotron_h | torch bf16 |"],
     # a VLM micro-batch's host time on 1, 2 and 4 decode threads, and the tiny model's step beside it (issue 52)
     "vision_host.py": ["| bundled sample, tiny processor | 252 | 6 | 1 |", "| 640x480 JPEG q90, Qwen2.5-VL default processor |",
                        "| 2 |", "CPU ms", "forward and backward of the bundled sample's micro-batch"],
