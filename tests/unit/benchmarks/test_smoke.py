@@ -63,6 +63,9 @@ NO_RAY = {  # script -> what its results file must show
     "loop_syncs.py": ["| text | tiny-llama | 0.0 (+", "| MoE, router loss per example | tiny-qwen3_moe |",
                       "| hybrid (Mamba-2) | tiny-nemotron_h |", "read: tolist of a host copy | raypack (mixers._segments)",
                       "read: tolist of a host copy | raypack (vision_tower.tower_attention)"],
+    # collectives a step on 2 gloo ranks, each engine and stage against its minimum and bound (issue 60)
+    "collectives.py": ["| torch | 0 | all-reduce | 1 | 345,856 | 1 | 345,856 | 1.00 |",
+                       "Every engine and stage within its bound (BOUNDS, grad_accum 2): yes", "| deepspeed | 3 |"],
     # every model kind on every engine's bf16 path, and the total that must stay 0 (issue 60)
     # (and the known open site, benchmarks/fp32_matmuls.py OPEN, named)
     "fp32_matmuls.py": ["fp32 matmuls on the hot path, neither the model's own nor a known open site, all kinds and "
