@@ -195,7 +195,7 @@ class MatmulCounter(TorchDispatchMode):
 
     def hot_path_fp32(self, known: set[str] = frozenset()) -> collections.Counter:
         """fp32 matmuls at sites that are not the model's own (MODELS_OWN) nor in `known`: what must be 0."""
-        return collections.Counter({k: n for k, n in self.fp32().items() if k[1] not in MODELS_OWN | set(known)})
+        return collections.Counter({k: n for k, n in self.fp32().items() if k[1] not in set(MODELS_OWN) | set(known)})
 
 
 def _engine(path: str, name: str):
