@@ -217,7 +217,10 @@ def by_kind(collectives: dict) -> dict[str, tuple[int, int]]:
 def measure(tokens: int, accum: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="collectives_") as tmp:
         out = f"{tmp}/out"
-        torch.multiprocessing.spawn(_rank, args=(f"{tmp}/store", tokens, accum, out), nprocs=2)
+        # by its importable name: the children unpickle it (the smoke test loads this file under another)
+        from benchmarks.collectives import _rank as rank_main
+
+        torch.multiprocessing.spawn(rank_main, args=(f"{tmp}/store", tokens, accum, out), nprocs=2)
         return torch.load(f"{out}.0", weights_only=False)
 
 
