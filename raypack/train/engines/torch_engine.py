@@ -127,6 +127,9 @@ class TorchEngine(Engine):
                         p.data = p.data.float()
             self.module = model.to(self.device)
             self.wrapped = replicate(model, self.device, world_size)
+        # DDP over a VLM: the tower's and projector's trained weights, which every micro-batch's
+        # loss touches with a zero weight (`backward`), so that none goes unused where DDP reduces
+        self.touched = tower_weights(model) if self.wrapped is not self.module else []
         self.optimizer = make_optimizer(param_groups(self.module, cfg.weight_decay), cfg)
         self.scheduler = schedule(self.optimizer, cfg, total_steps)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
@@ -147,6 +150,15 @@ class TorchEngine(Engine):
         return self.wrapped(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
+        if self.touched:
+            # DDP reduces a bucket once each of its weights' gradients arrived, and is told of none
+            # that won't (no find_unused_parameters: see `replicate`). A micro-batch without images
+            # leaves the vision tower out of the graph; this term puts every tower weight in it with
+            # a gradient of exact zeros (x + 0 is x), on every micro-batch, image or not, so the
+            # set is the same each time (a tower weight no image reaches either, as Llava's
+            # post-layernorm, gets zeros too). Zeros are what FSDP2 (set_reduce_scatter_unused_params)
+            # and DeepSpeed's flat buffers reduce for such a weight as well.
+            loss = loss + torch.stack([p.reshape(-1)[0] for p in self.touched]).sum().to(loss.dtype) * 0
         (loss / self.accum).backward()
 
     def step(self) -> None:
@@ -224,13 +236,26 @@ def replicate(model: nn.Module, device: torch.device, world_size: int) -> nn.Mod
         return model
     from torch.nn.parallel import DistributedDataParallel
 
+    # No find_unused_parameters: it walks the autograd graph from the forward's outputs after every
+    # forward, and marks the output head unused there (the chunked loss calls the head after the
+    # forward: raypack/train/objectives/loss.py), then fails when its gradient arrives ("mark a
+    # variable ready only once"). Every weight is used instead: a VLM's tower through
+    # TorchEngine.backward's zero term on micro-batches without images.
     return DistributedDataParallel(
         model, device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,  # the gradients live in DDP's buckets: no second copy
         broadcast_buffers=False,  # raypack's models' buffers are constants (rotary frequencies)
-        # a VLM micro-batch without images leaves the vision tower without gradients
-        find_unused_parameters=describe(getattr(model, "config", None)).vlm,
     )
+
+
+def tower_weights(model: nn.Module) -> list[nn.Parameter]:
+    """A VLM's vision tower's and projector's weights that train (none for a text model)."""
+    if not describe(getattr(model, "config", None)).vlm:
+        return []
+    from raypack.model.vision import parts
+
+    named = dict(model.named_parameters())
+    return [named[n] for names in parts(model).values() for n in names if named[n].requires_grad]
 
 
 # --- reading a checkpoint back, offline -----------------------------------------------------------

@@ -193,7 +193,8 @@ class DPOLoss:
 
         def head(h: torch.Tensor) -> torch.Tensor:
             return chunked_sequence_objective(h, base.head.weight, base.head.bias, targets["loss_targets"], sequence,
-                                              num, base.chunk, base.transform, objective, out)
+                                              num, base.chunk, base.transform, objective, out,
+                                              dtype=base.dtype)
 
         return base.through_head(selected, head), out[0]
 

@@ -16,6 +16,12 @@ Each chunk's gradients are taken at once, inside the forward, and held until bac
 (raypack/train/objectives/chunked_ce.py): no chunk's logits outlive it and nothing is recomputed, so the loss
 costs O(C x V) memory and the same FLOPs as `full`.
 
+Precision: the head's matmuls run in the engine's compute dtype, whatever dtype its weights are
+kept in, as they would inside the model's forward: DeepSpeed's bf16 model is bf16 already, FSDP2
+gathers its weights in bf16 (MixedPrecisionPolicy), and DDP's fp32 weights (precision mixed)
+are cast once a call, as autocast casts them for the layers inside the forward. The
+cross-entropy's log-softmax and its sums alone run in fp32 (chunked_ce.py says why).
+
 How it reaches the hidden states: during the model's own forward its output-embeddings module is
 swapped for a capture that records its input and returns empty logits; the loss then calls the
 real head module once, with the chunked computation as its forward. Calling the module (not its
@@ -45,7 +51,7 @@ from raypack.data.collate import collate_packed
 from raypack.data.formats import IGNORE_INDEX
 from raypack.errors import InputError
 from raypack.model.adapters import adapted_head
-from raypack.train.objectives.chunked_ce import Transform, chunked_cross_entropy
+from raypack.train.objectives.chunked_ce import Transform, cast, chunked_cross_entropy
 # the chunk size is a memory budget: its home is the (torch-free) memory estimate
 from raypack.train.memory.estimate import CHUNK_BYTES, CHUNK_TOKENS, default_chunk  # noqa: F401
 
@@ -145,12 +151,17 @@ class CausalLMLoss:
     """Σ token cross-entropy of a batch, `chunked` (default) or `full`; see the module docstring.
 
     Built on the unwrapped model (`engine.module`) and called with whatever runs the forward (the
-    DeepSpeed engine, or the model itself)."""
+    DeepSpeed engine, or the model itself). `dtype` is the engine's compute dtype: the head's
+    matmuls run in it whatever the weights' dtype (the torch engine's precision mixed keeps them
+    in fp32 and runs the model's forward under autocast, which a head called after that forward
+    is outside of); None: the head weight's own."""
 
-    def __init__(self, model: nn.Module, kind: str = "chunked", chunk_tokens: int = 0) -> None:
+    def __init__(self, model: nn.Module, kind: str = "chunked", chunk_tokens: int = 0,
+                 dtype: torch.dtype | None = None) -> None:
         if kind not in LOSSES:
             raise ValueError(f"train.loss: expected one of {', '.join(LOSSES)}, got {kind!r}")
         self.kind = kind
+        self.dtype = dtype
         self.model_name = type(model).__name__
         if kind == "full":
             return
@@ -170,6 +181,7 @@ class CausalLMLoss:
                 "loss cannot apply them piecewise; set train.loss: full"
             )
         self.head = head
+        self.dtype = dtype or head.weight.dtype
         self.parent, self.attr = _find_parent(model, head)
         self.vocab = head.out_features
         self.transforms = output_transforms(model.config)
@@ -235,8 +247,10 @@ class CausalLMLoss:
     def _call_head(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         def chunked(h: torch.Tensor) -> torch.Tensor:
             if self.kind == "liger":
-                return self.fused(self.head.weight, h, targets, self.head.bias).float()
-            return chunked_cross_entropy(h, self.head.weight, self.head.bias, targets, self.chunk, self.transform)
+                return self.fused(cast(self.head.weight, self.dtype), cast(h, self.dtype), targets,
+                                  cast(self.head.bias, self.dtype)).float()
+            return chunked_cross_entropy(h, self.head.weight, self.head.bias, targets, self.chunk, self.transform,
+                                         self.dtype)
 
         with _forward_as(self.head, chunked):
             return self.head(hidden)
@@ -244,7 +258,11 @@ class CausalLMLoss:
     def logits(self, forward: Callable[..., Any], batch: dict[str, Any]) -> torch.Tensor:
         """The logits the chunked path trains on, all of them (for the probe; small batches only)."""
         batch = {k: v for k, v in batch.items() if k != "labels" and k not in TARGET_KEYS}
-        return self.transform(self.head(self.hidden_states(forward, batch)))
+
+        def head(h: torch.Tensor) -> torch.Tensor:
+            return F.linear(cast(h, self.dtype), cast(self.head.weight, self.dtype), cast(self.head.bias, self.dtype))
+
+        return self.transform(self.through_head(self.hidden_states(forward, batch), head))
 
     def describe(self) -> str:
         if self.kind == "full":
@@ -301,8 +319,9 @@ def probe(loss: CausalLMLoss, forward: Callable[..., Any], module: nn.Module, ba
             f"gives {tuple(ours.shape)}; set train.loss: full"
         )
     diff = ((own - ours).abs().max() / own.abs().max().clamp_min(1e-6)).item()
-    # Same ops in the same dtype; only kernel choice may differ. 16-bit: a few ulps of bf16.
-    tol = 1e-4 if own.dtype == torch.float32 and next(module.parameters()).dtype == torch.float32 else 2e-2
+    # Same ops in the same dtype; only kernel choice may differ. The tolerance follows the dtype the
+    # head computes in (the engine's compute dtype, not the weights'): 16-bit, a few ulps of bf16.
+    tol = 1e-4 if loss.dtype == torch.float32 else 2e-2
     if not diff <= tol:
         applied = ", ".join(name for name, _ in loss.transforms) or "none"
         raise UnsupportedLossError(
@@ -318,7 +337,7 @@ def make_loss(engine: Any, kind: str = "chunked", chunk_tokens: int = 0, padded:
 
     Every rank must call it (under ZeRO-3 the probe's forward gathers parameters collectively)."""
     module = getattr(engine, "module", engine)
-    loss = CausalLMLoss(module, kind, chunk_tokens)
+    loss = CausalLMLoss(module, kind, chunk_tokens, getattr(engine, "compute_dtype", None))
     if kind != "full":
         device = getattr(engine, "device", None) or next(module.parameters()).device
         batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in probe_batch(loss.vocab, padded).items()}

@@ -63,6 +63,15 @@ NO_RAY = {  # script -> what its results file must show
     "loop_syncs.py": ["| text | tiny-llama | 0.0 (+", "| MoE, router loss per example | tiny-qwen3_moe |",
                       "| hybrid (Mamba-2) | tiny-nemotron_h |", "read: tolist of a host copy | raypack (mixers._segments)",
                       "read: tolist of a host copy | raypack (vision_tower.tower_attention)"],
+    # collectives a step on 2 gloo ranks, each engine and stage against its minimum and bound (issue 60)
+    "collectives.py": ["| torch | 0 | all-reduce | 1 | ",
+                       "Every engine and stage within its bound (BOUNDS, grad_accum 2): yes", "| deepspeed | 3 |"],
+    # every model kind on every engine's bf16 path, and the total that must stay 0 (issue 60)
+    # (and the known open site, benchmarks/fp32_matmuls.py OPEN, named)
+    "fp32_matmuls.py": ["fp32 matmuls on the hot path, neither the model's own nor a known open site, all kinds and "
+                        "engine paths: 0", "- MoE, router loss, torch mixed, `transformers/integrations/moe.py:_grouped_mm`",
+                        "| dense | tiny-llama | torch mixed |", "| VLM | tiny-qwen2_5_vl | deepspeed bf16 |",
+                        "| hybrid (Mamba-2) | tiny-nemotron_h | torch bf16 |"],
     # a VLM micro-batch's host time on 1, 2 and 4 decode threads, and the tiny model's step beside it (issue 52)
     "vision_host.py": ["| bundled sample, tiny processor | 252 | 6 | 1 |", "| 640x480 JPEG q90, Qwen2.5-VL default processor |",
                        "| 2 |", "CPU ms", "forward and backward of the bundled sample's micro-batch"],

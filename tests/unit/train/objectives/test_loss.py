@@ -175,3 +175,41 @@ def test_a_batch_without_label_tokens_has_zero_loss_and_gradients():
     value, grads = loss_and_grads(model, make_loss(model, "chunked", chunk_tokens=5), batch)
     assert value.item() == 0.0
     assert all(g.abs().max() == 0 for g in grads.values())
+
+
+def test_under_precision_mixed_the_head_and_loss_compute_in_bf16_as_the_models_forward_does():
+    """The torch engine's DDP keeps fp32 weights (the master copy) and runs the forward under
+    autocast; the head and loss, called after that forward, compute in bf16 too: the probe is
+    exact, and loss and gradients are the full loss's under autocast (rounded once more: dW's
+    chunks are summed in fp32). A head in the weights' fp32 was refused by the probe (issue 60)."""
+    from checkpoints import saved
+
+    from raypack.config import TrainConfig
+    from raypack.train import engines
+    from raypack.train.objectives.loss import probe, probe_batch, token_loss_sum
+
+    cfg = TrainConfig(engine="torch", zero_stage=0)  # precision mixed, as GPU users run it
+    weights, compute = engines.weights_dtype(cfg, "bfloat16"), engines.compute_dtype(cfg, "bfloat16")
+    model = load_model(str(saved("tiny-llama", vocab_size=97)), dtype=str(weights).removeprefix("torch."))
+    engine = engines.build(model, cfg, dtype=compute, world_size=1, total_steps=1)
+    assert (next(engine.module.parameters()).dtype, compute) == (torch.float32, torch.bfloat16)
+    loss = make_loss(engine, "chunked", chunk_tokens=5)  # refused before the head followed the compute dtype
+    assert probe(loss, engine, engine.module, probe_batch(97, padded=False)) == 0.0
+    with pytest.raises(UnsupportedLossError, match="tolerance 1e-04"):  # the head in fp32: what users got
+        probe(CausalLMLoss(engine.module, "chunked"), engine, engine.module, probe_batch(97, padded=False))
+
+    batch = make_batch(padded=False, vocab=97)
+    grads = []
+    for fn in (lambda: loss(engine, batch),
+               lambda: token_loss_sum(engine(**{k: v for k, v in batch.items() if k != "labels"}).logits,
+                                      batch["labels"])):
+        engine.module.zero_grad(set_to_none=True)
+        value = fn()
+        value.backward()
+        grads.append((value.detach(), {n: p.grad.clone() for n, p in engine.module.named_parameters()}))
+    (ours, g_ours), (full, g_full) = grads
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours, full, rtol=1e-6, atol=0)
+    for name, g in g_full.items():
+        assert g_ours[name].dtype == torch.float32, name
+        torch.testing.assert_close(g_ours[name], g, rtol=2e-2, atol=2e-2 * g.abs().max().item(), msg=name)
