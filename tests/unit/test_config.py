@@ -198,6 +198,17 @@ def test_qlora_is_refused_at_load_where_it_cannot_run(overrides, why):
     assert load(None, ["model.peft.method=qlora", "train.use_gpu=true", "train.zero_stage=2"]).model.peft.method == "qlora"
 
 
+@pytest.mark.parametrize("overrides", [["model.dtype=bfloat16"], ["train.use_gpu=true"]])
+def test_deepspeed_without_zero_is_refused_with_bf16_compute(overrides):
+    """tests/ray/train/test_matrix.py measured its first update off every other engine and stage's."""
+    with pytest.raises(ConfigError, match=r"^override train\.zero_stage=0: train\.zero_stage: expected 1-3 with train\.engine deepspeed and bf16 "
+                                                        r"compute .* got 0"):
+        load(None, ["train.zero_stage=0", *overrides])
+    for fine in (["train.zero_stage=1"], ["train.engine=torch", "train.zero_stage=0"], ["model.dtype=float32"]):
+        assert load(None, ["train.zero_stage=0", *overrides, *fine])  # ZeRO-1, DDP, or fp32 compute
+    assert load(None, ["train.zero_stage=0"]).train.zero_stage == 0  # auto on the CPU: fp32
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["train.precision=bf16", "train.zero_stage=0"], r"train\.precision: expected mixed with train\.zero_stage 0"),
     (["train.precision=bf16", "train.offload_optimizer=true"], r"train\.precision: expected mixed with train\.offload"),

@@ -41,12 +41,34 @@ FAMILIES = ("llama", "qwen3_moe", "qwen3_5", "nemotron_h", "lfm2", "kimi_linear"
 ENGINES = tuple((engine, stage) for engine in ("deepspeed", "torch") for stage in range(4))
 MATRIX = {f"{engine}{stage}-{family}-{mode}": (engine, stage, family, mode)
           for family in FAMILIES for mode in ("full", "lora") for engine, stage in ENGINES
-          if mode == "full" or family == "llama" or stage in (0, 3)}  # fmt: skip
+          if (mode == "full" or family == "llama" or stage in (0, 3))
+          and (engine, stage) != ("deepspeed", 0)}  # fmt: skip
 """Full fine-tuning of every model kind at every engine and stage; LoRA at every stage on Llama,
 and on the other kinds at 0 and 3 (replicated, and partitioned weights), the paths where adapters
 differ: stages 1-2 partition only the optimizer's state and gradients, the same for any model.
+DeepSpeed without ZeRO is refused with bf16 compute (raypack/config: its fp16 optimizer's first
+update came out smaller here than every other engine and stage's, all of which agree), so it is
+not in the matrix; its refusal is tests/unit/test_config.py's.
 88 cases; measured at 663 s for the whole 112 on the 2-core dev machine under load (DeepSpeed's
 ZeRO-3 and Kimi Linear's KDA the slowest), with the torch engine's stages 1-3 failing at load."""
+
+
+def default_cases() -> list[str]:
+    """The default suite's share of MATRIX (CI's time; the whole of it: `pytest -m slow`): full
+    fine-tuning of each model kind at one stage of each engine (the stages taken in turn, so each
+    engine's every stage runs), beside the baseline; LoRA at every stage on Llama, and once on each
+    other kind (replicated or partitioned weights, either engine, in turn)."""
+    picked = []
+    for i, family in enumerate(FAMILIES):
+        picked += [f"deepspeed{i % 3 + 1}-{family}-full", f"torch{(i + 2) % 4}-{family}-full",
+                   "{}{}-{}-full".format(*BASELINE, family)]
+        if family == "llama":
+            picked += [f"{engine}{stage}-llama-lora" for engine, stage in ENGINES]
+        else:
+            picked.append(f"{'torch' if i % 2 else 'deepspeed'}{3 * (i // 2 % 2)}-{family}-lora")
+    return [case for case in dict.fromkeys(picked) if case in MATRIX]
+
+
 BASELINE = ("deepspeed", 2)
 """The engine and stage every other's losses are compared with, on the same batches."""
 STEPS = 2
@@ -238,14 +260,28 @@ def check_matrix(got: dict, cases) -> list[str]:
         # the engines' bf16 forwards and fp32 updates agree to 1.3e-4 where they agree (DeepSpeed's
         # ZeRO-3 LoRA included); a lost or doubled update is 1e-3 to 1e-2 off at step 2
         ours, theirs = got[case]["losses"], got[base]["losses"]
-        if ours != pytest.approx(theirs, rel=5e-4):
+        # DDP's autocast over a VLM's fp32 master weights runs the tower's norms and softmax in
+        # fp32, where DeepSpeed's bf16 weights run them in bf16: step 1 is already 1.7e-4 apart
+        # (text models': 0), step 2 6.5e-4 (Qwen2.5-VL); a lost update is still 1e-3 or more
+        if ours != pytest.approx(theirs, rel=1e-3 if family == "qwen2_5_vl" else 5e-4):
             failures.append(f"{case}: losses {[round(x, 5) for x in ours]} where {base} has "
                             f"{[round(x, 5) for x in theirs]}")  # fmt: skip
     return failures
 
 
+def test_each_engine_stage_and_model_kind_from_a_saved_bf16_folder(ray_local, tmp_path):
+    """default_cases(): every engine and stage, every model kind, full and LoRA."""
+    run_matrix(tmp_path, default_cases())
+
+
+@pytest.mark.slow
 def test_every_engine_stage_and_model_kind_from_a_saved_bf16_folder(ray_local, tmp_path):
-    cases = list(MATRIX)
+    """The whole MATRIX."""
+    run_matrix(tmp_path, list(MATRIX))
+
+
+def run_matrix(tmp_path, cases: list[str]) -> None:
+    assert set(cases) <= set(MATRIX), sorted(set(cases) - set(MATRIX))
     start = time.perf_counter()
     got = fit(tmp_path, cases)
     fitted = time.perf_counter() - start
