@@ -24,7 +24,7 @@ import raypack
 PACKAGE = Path(raypack.__file__).parent
 COMMAND_LAYER = ("raypack.cli", "raypack.commands")
 LAYERS = (
-    ("raypack.errors", "raypack.raycompat"),
+    ("raypack.errors", "raypack.raycompat", "raypack.versions"),
     ("raypack.console", "raypack.runlock", "raypack.storage", "raypack.typed"),
     ("raypack.config",),
     ("raypack.data", "raypack.model", "raypack.runs", "raypack.runtime"),
