@@ -17,6 +17,7 @@ thing. Nothing outside this module imports `ray._private`, `ray._raylet`, `ray.e
 | worker output routed (raypack's lines bare, known noise dropped) | Ray's stdstream dispatcher | Ray prints every worker line, prefixed |
 | a joined cluster's autoscaler node types | the GCS's cluster config and autoscaler report | the cluster is taken to grow: a start is never refused for nodes that may come |
 | a local instance in a session of its own, on loopback only | Ray's process launcher, its constants | Ctrl-C through a process group reaches the instance too; Ray's own loopback default |
+| Ray Train's log level (`ray.train.LoggingConfig`, public from Ray 2.56) | none before 2.56 | Train's INFO lines show |
 | Ray Train's SIGINT handler replaced by raypack's graceful stop | `TorchTrainer._register_sigint_handler` | Ray Train's handler: Ctrl-C aborts the run, no checkpoint |
 """
 
@@ -29,11 +30,12 @@ import logging
 from typing import Any, Callable
 
 import ray
+import ray.train
 
 __all__ = [
     "AUTH_LOGGER", "CONTROLLER_LOGGER", "TRAIN_FN_LOGGER", "cluster_autoscaling", "kv_del", "kv_get", "kv_put", "local_scaling_policy",
     "own_session", "preemption_info", "quiet_report_log", "set_loopback_only", "stdstream_dispatcher",
-    "store_stats_poller", "take_sigint_handler", "unused_callbacks",
+    "store_stats_poller", "take_sigint_handler", "train_logging", "unused_callbacks",
 ]  # fmt: skip
 
 # --- the key-value store ---------------------------------------------------------------------------
@@ -78,6 +80,13 @@ CONTROLLER_LOGGER = "ray.train.v2._internal.execution.controller.controller"
 AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 """Ray's logger that warns, at every start of a local instance, that token authentication is on
 (raypack's start line says whether it is); renamed, the warning shows."""
+
+
+def train_logging(level: str) -> dict[str, Any]:
+    """RunConfig's keywords for Ray Train's log level, a public API from Ray 2.56 (`LoggingConfig`);
+    before it none: Train's INFO lines (worker group start, a dump per report) show."""
+    config = getattr(ray.train, "LoggingConfig", None)
+    return {} if config is None else {"logging_config": config(log_level=level)}
 
 
 def quiet_report_log() -> None:

@@ -307,7 +307,7 @@ def build_trainer(checked: Checked, tracking: TrackingTargets, data: dict | Any,
             worker_runtime_env={"env_vars": env},
             # Ray Train's INFO lines (worker group start, one "Reporting training result" dump per
             # report) bury raypack's own; its warnings stay.
-            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+            **raycompat.train_logging("WARNING"),
         ),
     )
 
