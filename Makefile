@@ -4,6 +4,8 @@
 #   make docs         build the docs site (docs/, mkdocs.yml) into site/ with --strict: a broken link fails
 #   make docs-serve   serve it on http://127.0.0.1:8000, rebuilt as pages change
 #   Both install exactly the versions in constraints.txt (the lock, shared with the cluster image).
+#   make test-compat  the Ray tier of the suite on the oldest and newest Ray pyproject.toml allows,
+#                     each in its own venv (.venv-ray<version>; tools/test_compat.sh; not in CI)
 #   make lock         regenerate constraints.txt after a change to pyproject.toml's dependencies
 #   make test-latest  the suite on the newest versions pyproject.toml's ranges allow (.venv-latest;
 #                     not in CI: it finds a dependency's new release before the lock moves to it)
@@ -28,7 +30,7 @@ LOCK   := constraints.txt
 BIN    := $(VENV)/bin
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: setup run test docs docs-serve test-latest test-liger lock gpu-wheels gpu-check gpu-rehearsal bench-peers bench-smoke bench-recompute clean
+.PHONY: setup run test docs docs-serve test-latest test-compat test-liger lock gpu-wheels gpu-check gpu-rehearsal bench-peers bench-smoke bench-recompute clean
 setup: $(VENV)/.installed
 
 # torch first, from $(TORCH) (another version on a CUDA box: the lock's torch pin is left out of
@@ -71,6 +73,9 @@ test-latest:
 	.venv-latest/bin/pip freeze --exclude-editable | diff $(LOCK) - | grep '^[<>]' || true
 	.venv-latest/bin/pytest -q tests
 
+test-compat:
+	PYTHON=$(PYTHON) TORCH="$(TORCH)" tools/test_compat.sh
+
 lock:
 	TORCH="$(TORCH)" PYTHON=$(PYTHON) tools/lock.sh
 
@@ -95,4 +100,4 @@ bench-smoke: setup
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(BIN)/python tools/bench_gpu.py --smoke
 
 clean:
-	rm -rf $(VENV) .venv-latest .cache site
+	rm -rf $(VENV) .venv-latest .venv-ray* .cache site

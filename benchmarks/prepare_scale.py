@@ -22,7 +22,7 @@ Measured: wall seconds; CPU seconds (the floor's process; for raypack the driver
 process of its local Ray instance, from after Ray started, via psutil); the driver's peak
 resident memory (getrusage ru_maxrss) and the peak RSS of every other process, polled every
 0.5 s with the title Ray gives a worker for the task it runs; the object store's peak bytes in
-use and bytes spilled, polled from the raylet (`ray._private.internal_api.get_memory_info_reply`,
+use and bytes spilled, polled from the raylet (`raypack.raycompat.store_stats_poller`,
 the numbers `ray memory --stats-only` prints); the packed output's bytes on disk. The two outputs
 are then compared rank by rank (rows, tokens, rows with labels, checksums of input_ids and
 labels): the floor must have written the same rows. The report checks issue 25's targets: every
@@ -95,10 +95,10 @@ def rss_mib() -> float:
 
 def child_raypack(args, data: str, out: str) -> dict:
     import ray
-    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
 
     from raypack.data.listing import Sources
     from raypack.data.prepare import prepare
+    from raypack.raycompat import store_stats_poller
     from raypack.runtime import init_ray
 
     for attempt in range(3):  # Ray gives its raylet 30 s to register, which a loaded host can miss
@@ -110,7 +110,7 @@ def child_raypack(args, data: str, out: str) -> dict:
                 raise
             ray.shutdown()
             time.sleep(10)
-    state = get_state_from_address(ray.get_runtime_context().gcs_address)
+    store_stats = store_stats_poller()
     peak = {"used": 0, "spilled": 0}
     processes: dict[int, tuple[int, str]] = {}  # pid -> (peak RSS, what it ran then)
     private: dict[int, int] = {}  # pid -> peak RSS less shared pages (the object store's, mapped)
@@ -119,9 +119,10 @@ def child_raypack(args, data: str, out: str) -> dict:
 
     def poll():
         while not done.is_set():
-            stats = get_memory_info_reply(state).store_stats
-            peak["used"] = max(peak["used"], stats.object_store_bytes_used)
-            peak["spilled"] = max(peak["spilled"], stats.spilled_bytes_total)
+            if store_stats is not None:
+                stats = store_stats()
+                peak["used"] = max(peak["used"], stats.object_store_bytes_used)
+                peak["spilled"] = max(peak["spilled"], stats.spilled_bytes_total)
             for pid, rss, shared, name in child_rss():
                 if rss > processes.get(pid, (0, ""))[0]:
                     processes[pid] = (rss, name)

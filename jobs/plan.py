@@ -14,7 +14,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # import raypack from the working dir
 
-from raypack.cli import main  # noqa: E402
+from raypack.versions import check  # noqa: E402
 
 if __name__ == "__main__":
+    # The cluster's own Python and packages run the job: a Ray raypack can't use is one line, at once.
+    check("this cluster")
+    from raypack.cli import main
+
     sys.exit(main(["plan", *sys.argv[1:]]))

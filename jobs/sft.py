@@ -15,7 +15,11 @@ from pathlib import Path
 # not the repo root; add it so `raypack` imports without being installed on the cluster.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from raypack.cli import main  # noqa: E402
+from raypack.versions import check  # noqa: E402
 
 if __name__ == "__main__":
+    # The cluster's own Python and packages run the job: a Ray raypack can't use is one line, at once.
+    check("this cluster")
+    from raypack.cli import main
+
     sys.exit(main(["train", *sys.argv[1:]]))

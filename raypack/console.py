@@ -2,8 +2,8 @@
 all, anything else as Ray prints it.
 
 Ray's driver prints every line its workers write, prefixed with `(RayTrainWorker pid=...)` and
-wrapped in colour codes, through the handlers of `global_worker_stdstream_dispatcher`
-(ray._private). `route_worker_output` puts one in place of Ray's own:
+wrapped in colour codes, through the handlers of Ray's `global_worker_stdstream_dispatcher`
+(`raycompat.stdstream_dispatcher`). `route_worker_output` puts one in place of Ray's own:
 
 - a line that starts with `[raypack] ` (rank 0's progress, the loop's notices) is printed bare, as
   the driver's own lines are: which worker wrote it says nothing to a user;
@@ -42,11 +42,12 @@ _HANDLER = "ray_print_logs"
 def route_worker_output() -> None:
     """Print worker output as the module doc says, in place of Ray's printer. Does nothing where
     Ray prints no worker output here (log_to_driver=False) or its internals differ."""
-    try:
-        from ray._private import worker as ray_worker
-        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-    except ImportError:
+    from raypack import raycompat
+
+    found_dispatcher = raycompat.stdstream_dispatcher()
+    if found_dispatcher is None:
         return
+    dispatcher, ray_print = found_dispatcher
     found = [handler for name, handler in dispatcher.handlers if name == _HANDLER]
     if not found or not isinstance(found[0], functools.partial):
         return  # not Ray's printer as this module knows it, or already replaced
@@ -54,7 +55,7 @@ def route_worker_output() -> None:
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # read by Ray's printer at every line
     ignore_prefix = found[0].keywords.get("ignore_prefix", False)
     dispatcher.remove_handler(_HANDLER)
-    dispatcher.add_handler(_HANDLER, functools.partial(_print, ray_worker.print_to_stdstream, ignore_prefix))
+    dispatcher.add_handler(_HANDLER, functools.partial(_print, ray_print, ignore_prefix))
 
 
 def _print(ray_print, ignore_prefix: bool, data: dict[str, Any]) -> None:

@@ -23,7 +23,6 @@ One policy for every command, so `raypack data`, `plan`, `train` and `sweep` sta
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -36,6 +35,7 @@ from typing import Any
 
 import ray
 
+from raypack import raycompat
 from raypack.console import route_worker_output
 
 # ray.train.report blocks until the controller's health-check poll drains it (every 2 s by
@@ -69,9 +69,6 @@ LOCAL_MARK = b"raypack_local_instance"
 """Key (namespace "raypack") that `init_ray` writes into the GCS of a local instance it starts, so
 that its other processes (a sweep trial runs `start` in a Tune actor) know it too."""
 
-_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
-"""Ray's logger that warns, at every start of a local instance, that token authentication is on."""
-
 _LOCAL: dict[str, bool] = {}
 """GCS address -> whether it is a local instance raypack started, once asked."""
 
@@ -83,9 +80,7 @@ def is_local_instance() -> bool:
         return False
     gcs = ray.get_runtime_context().gcs_address
     if gcs not in _LOCAL:
-        from ray.experimental.internal_kv import _internal_kv_get
-
-        _LOCAL[gcs] = _internal_kv_get(LOCAL_MARK, namespace="raypack") is not None
+        _LOCAL[gcs] = raycompat.kv_get(LOCAL_MARK, namespace="raypack") is not None
     return _LOCAL[gcs]
 
 
@@ -105,24 +100,9 @@ class ClusterView:
 
 def cluster_view() -> ClusterView:
     """What the cluster this process joined has, and can grow to."""
-    from ray._private.ray_constants import DEBUG_AUTOSCALING_STATUS
-    from ray._private.state import state
-    from ray._raylet import GCS_AUTOSCALER_STATE_NAMESPACE, GCS_AUTOSCALER_V2_ENABLED_KEY
-    from ray.autoscaler._private.util import format_readonly_node_type
-    from ray.experimental.internal_kv import _internal_kv_get
-
     nodes = [dict(n["Resources"]) for n in ray.nodes() if n["Alive"]]
-    config = state.get_cluster_config()
-    types = [(g.name, dict(g.resources), g.max_count) for g in (config.node_group_configs if config else ())]
-    # Every head runs Ray's (v1) autoscaler. Started without a cluster config, it only mirrors
-    # the nodes that joined, naming each one's type after its node id; a real one (launcher,
-    # KubeRay) names them after its config. Whatever can't be told apart (no report yet, v2,
-    # which reports elsewhere) is taken to grow: a start is never refused for nodes that may come.
-    status = json.loads(_internal_kv_get(DEBUG_AUTOSCALING_STATUS) or "{}").get("autoscaler_report", {})
-    kinds = (status.get("node_type_mapping") or {}).items()
-    mirror = all(kind == format_readonly_node_type(node) for node, kind in kinds)
-    v2 = _internal_kv_get(GCS_AUTOSCALER_V2_ENABLED_KEY, namespace=GCS_AUTOSCALER_STATE_NAMESPACE) == b"1"
-    return ClusterView(nodes, types, grows=bool(types) or v2 or not (status and mirror))
+    types, grows = raycompat.cluster_autoscaling()
+    return ClusterView(nodes, types, grows)
 
 
 def init_ray(settings: RaySettings = RaySettings()) -> None:
@@ -146,8 +126,6 @@ def init_ray(settings: RaySettings = RaySettings()) -> None:
 
 
 def _init_local(settings: RaySettings) -> None:
-    from ray._private import ray_constants
-
     port = _free_port()
     # Set for the processes ray.init starts, which pass them on to every worker, then put back so
     # that nothing started later by this process (a test's multi-node cluster) inherits them:
@@ -157,16 +135,14 @@ def _init_local(settings: RaySettings) -> None:
     #   (another user's, another test's).
     env = {LOOPBACK_ONLY: "0", **({"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"} if settings.dashboard else {})}
     saved_env = {k: os.environ.get(k) for k in env}
-    saved_flag = ray_constants.ENABLE_RAY_CLUSTER
     os.environ.update({k: v for k, v in env.items() if saved_env[k] is None})
-    ray_constants.ENABLE_RAY_CLUSTER = ray_constants.env_bool(LOOPBACK_ONLY, False)
     # Ray warns at every start that it turned token authentication on (its default for a new local
     # instance) and how to opt out; raypack's own line below says whether it is on.
-    auth_log = logging.getLogger(_AUTH_LOGGER)
+    auth_log = logging.getLogger(raycompat.AUTH_LOGGER)
     auth_level = auth_log.level
     auth_log.setLevel(logging.ERROR)
     try:
-        with _own_process_group():
+        with raycompat.own_session(), raycompat.set_loopback_only(LOOPBACK_ONLY):
             context = ray.init(
                 address="local",
                 num_cpus=settings.num_cpus or max(8, 2 * (os.cpu_count() or 2)),
@@ -183,46 +159,15 @@ def _init_local(settings: RaySettings) -> None:
             )
     finally:
         auth_log.setLevel(auth_level)
-        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
         for key, value in saved_env.items():
             if value is None:
                 os.environ.pop(key, None)
-    from ray.experimental.internal_kv import _internal_kv_put
-
-    _internal_kv_put(LOCAL_MARK, b"1", namespace="raypack")
+    raycompat.kv_put(LOCAL_MARK, b"1", namespace="raypack")
     _LOCAL[context.address_info["gcs_address"]] = True
     dashboard = f", dashboard http://{context.dashboard_url}" if context.dashboard_url else ""
     auth = " with token authentication" if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" else ""
     print(f"[raypack] started a local Ray instance (listening on {context.address_info['node_ip_address']}{auth}"
           f"{dashboard})", flush=True)
-
-
-@contextlib.contextmanager
-def _own_process_group():
-    """The local instance's processes (GCS, raylet, dashboard; the workers the raylet starts)
-    in a session of their own, not this command's process group: a signal sent to the group
-    (`timeout`, `kill -TERM -PGID`) then reaches the command, which stops the run gracefully
-    (raypack/train/stop.py), and not the instance under it, which would die mid-step. Ray does
-    the same on Windows wherever the kernel ties a child's life to its parent's, as Linux does
-    here (PR_SET_PDEATHSIG), so the instance still ends with this process. Ray's own process class
-    for the duration of ray.init; elsewhere, or with other Ray internals, nothing changes."""
-    from ray._private import services, utils
-
-    base = getattr(services, "ConsolePopen", None)
-    if sys.platform != "linux" or base is None or not utils.detect_fate_sharing_support():
-        yield
-        return
-
-    class OwnSession(base):
-        def __init__(self, *args, **kwargs):
-            kwargs.setdefault("start_new_session", True)
-            super().__init__(*args, **kwargs)
-
-    services.ConsolePopen = OwnSession
-    try:
-        yield
-    finally:
-        services.ConsolePopen = base
 
 
 def _free_port() -> int:

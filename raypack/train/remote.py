@@ -1,5 +1,5 @@
 """What Ray ships from a run to its Train controller and workers, by reference: the workers'
-function, the controller's callback and (on a local instance) its scaling policy.
+function and the controller's callback.
 
 Ray unpickles each by importing its module in that process. Here they import only Ray Train and
 raypack.errors, not raypack.train.trainer (the driver's data preparation: transformers, Ray Data,
@@ -15,21 +15,14 @@ import time
 
 import ray.train
 
+from raypack import raycompat
 from raypack.errors import InputError
 
 
 def worker_loop(config: dict) -> None:
     """The workers' function. Imported here, in the worker, so that the driver never loads
     DeepSpeed (seconds of imports, and a warning on machines without a GPU)."""
-    try:
-        from ray.train.v2._internal.execution import context as train_context
-
-        # Ray Train names this module's logger by its file path, outside `ray.train`, so its
-        # LoggingConfig misses the "Reporting training result ... TrainingReport(...)" INFO dump
-        # that every report prints.
-        logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
-    except ImportError:  # moved in another Ray version: a noisier screen, nothing worse
-        pass
+    raycompat.quiet_report_log()
     config.setdefault("startup", {})["worker"] = time.time()  # the worker group phase ends (startup.py)
     from raypack.train.loop import train_loop_per_worker
 
@@ -39,7 +32,7 @@ def worker_loop(config: dict) -> None:
     except Exception as e:
         if as_input_error(e) is not None:
             # The command prints it as one line; Ray Train would print its traceback first.
-            _drop_logs(_TRAIN_FN_LOGGER, lambda record: record.getMessage().startswith("Error in training function"))
+            _drop_logs(raycompat.TRAIN_FN_LOGGER, lambda record: record.getMessage().startswith("Error in training function"))
         raise
 
 
@@ -54,12 +47,6 @@ def as_input_error(error: BaseException) -> InputError | None:
         return InputError(f"a worker can't import {cause.name or 'a module'} ({cause}): install it on every node "
                           "that runs workers (the cluster image, or the job's runtime_env pip)")
     return None
-
-
-_TRAIN_FN_LOGGER = "ray.train.v2._internal.util"
-"""Ray Train's logger of "Error in training function" (with the traceback), in each worker."""
-_CONTROLLER_LOGGER = "ray.train.v2._internal.execution.controller.controller"
-"""Ray Train's logger of "Error in control loop iteration" (with the traceback), in the controller."""
 
 
 def _drop_logs(name: str, drop) -> None:
@@ -84,23 +71,7 @@ class StopOnInputError(ray.train.UserCallback):
     def after_exception(self, run_context, worker_exceptions: dict) -> None:
         for error in worker_exceptions.values():
             if (cause := as_input_error(error)) is not None:
-                _drop_logs(_CONTROLLER_LOGGER, lambda record: record.exc_info is not None
+                _drop_logs(raycompat.CONTROLLER_LOGGER, lambda record: record.exc_info is not None
                            and isinstance(record.exc_info[1], InputError))
                 raise cause
 
-
-try:
-    from ray.train.v2._internal.execution.scaling_policy.fixed import FixedScalingPolicy
-except ImportError:  # another Ray version: its own policy
-    LocalScalingPolicy = None
-else:
-    class LocalScalingPolicy(FixedScalingPolicy):
-        """Ray Train's fixed-size policy without its AutoscalingCoordinator requests, for a local
-        instance, which no autoscaler grows. The workers' placement group is what holds their
-        resources either way; the coordinator only tells an autoscaler what to add."""
-
-        def after_controller_start(self, train_run_context) -> None:
-            pass
-
-        def _maybe_send_resource_request(self) -> None:
-            pass

@@ -37,6 +37,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from raypack import raycompat
+
 POLL_S = 0.25
 """How often rank 0 asks Ray's KV whether the driver asked the run to stop (one small GCS read)."""
 MARGIN_S = 2.0
@@ -110,11 +112,11 @@ class DriverStop:
         self.signum = signum
         deadline = time.time() + self.grace_s
         try:
-            from ray.experimental.internal_kv import _internal_kv_put
-
-            _internal_kv_put(self.key, json.dumps({"signal": signal.Signals(signum).name, "deadline": deadline}),
-                             namespace=NAMESPACE)
+            told = raycompat.kv_put(self.key, json.dumps({"signal": signal.Signals(signum).name,
+                                                          "deadline": deadline}), namespace=NAMESPACE)
         except Exception:  # Ray already gone: nothing to stop gracefully
+            told = False
+        if not told:  # or no store to tell the workers through (raycompat)
             raise Terminated(signum) from None
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         print(f"\n[raypack] {name}: stopping after this step, with a checkpoint, within {self.grace_s:g} s "
@@ -134,11 +136,9 @@ class DriverStop:
         no stop was asked for or the run ended anyway (its last step came first)."""
         if self.signum is None:
             return None
-        from ray.experimental.internal_kv import _internal_kv_del, _internal_kv_get
-
-        done = _internal_kv_get(f"{self.key}:done", namespace=NAMESPACE)
+        done = raycompat.kv_get(f"{self.key}:done", namespace=NAMESPACE)
         for key in (self.key, f"{self.key}:done"):
-            _internal_kv_del(key, namespace=NAMESPACE)
+            raycompat.kv_del(key, namespace=NAMESPACE)
         return json.loads(done) if done else None
 
 
@@ -214,10 +214,8 @@ class StopWatch:
         """After the loop: tell the driver where a stop it asked for left the run; on a node's
         preemption, wait for Ray Train to end this worker group (module doc)."""
         if self.reason == ASKED and self.rank == 0 and self.key:
-            from ray.experimental.internal_kv import _internal_kv_put
-
-            _internal_kv_put(f"{self.key}:done", json.dumps({"step": step, "checkpoint": self.checkpoint,
-                                                              "resume_from": self.checkpoint_step}),
+            raycompat.kv_put(f"{self.key}:done", json.dumps({"step": step, "checkpoint": self.checkpoint,
+                                                             "resume_from": self.checkpoint_step}),
                              namespace=NAMESPACE)
         elif self.reason == PREEMPTED:
             if self.rank == 0:
@@ -234,7 +232,7 @@ class StopWatch:
         asked = self._poll()
         if asked:
             return ASKED, asked["deadline"]
-        info = _preemption_info()
+        info = raycompat.preemption_info()
         if info is not None:
             return PREEMPTED, info.deadline_ms / 1000 if info.deadline_ms else None
         return 0, None
@@ -243,9 +241,7 @@ class StopWatch:
         if self._asked or self.rank != 0 or not self.key or time.monotonic() - self._polled < POLL_S:
             return self._asked
         self._polled = time.monotonic()
-        from ray.experimental.internal_kv import _internal_kv_get
-
-        value = _internal_kv_get(self.key, namespace=NAMESPACE)
+        value = raycompat.kv_get(self.key, namespace=NAMESPACE)
         self._asked = json.loads(value) if value else None
         return self._asked
 
@@ -259,14 +255,3 @@ def resumes(step: int, resume_from: int) -> str:
     return (f"it goes on from its checkpoint at step {resume_from}, younger than train.stop_checkpoint_after_s, "
             "or saving one didn't fit the time left")
 
-
-def _preemption_info():
-    """Ray Train's notice that a node of this worker group is being preempted, as this worker
-    holds it (set by Train's PreemptionWatcher on every worker). Read without the barrier that
-    the public `ray.train.get_preemption_info()` is: the step's host all_gather agrees on it instead."""
-    try:
-        from ray.train.v2._internal.execution.context import get_train_context
-
-        return get_train_context().preemption_context.preemption_info
-    except Exception:  # another Ray version, or not in a Train worker: no notice
-        return None

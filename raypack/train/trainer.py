@@ -43,7 +43,7 @@ import ray
 import ray.train
 from ray.train.torch import TorchTrainer
 
-from raypack import runs, storage
+from raypack import raycompat, runs, storage
 from raypack.config import Config
 from raypack.data.cache import packed_key, packed_root, read_manifest
 from raypack.data.prepare import prepare
@@ -55,7 +55,7 @@ from raypack.train.handoff import Handoff
 from raypack.train.metrics import source_eval_losses
 from raypack.train.placement import check_request, process_group, worker_resources
 from raypack.train.preflight import Checked, preflight
-from raypack.train.remote import LocalScalingPolicy, StopOnInputError, worker_loop
+from raypack.train.remote import StopOnInputError, worker_loop
 from raypack.train.startup import Startup
 from raypack.train.stop import DriverStop
 from raypack.train.tracking import TrackingTargets, save_wandb_id, targets
@@ -342,7 +342,7 @@ def build_trainer(checked: Checked, tracking: TrackingTargets, data: dict | Any,
             worker_runtime_env={"env_vars": env},
             # Ray Train's INFO lines (worker group start, one "Reporting training result" dump per
             # report) bury raypack's own; its warnings stay.
-            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+            **raycompat.train_logging("WARNING"),
         ),
     )
 
@@ -372,12 +372,13 @@ class RunTrainer(TorchTrainer):
 
     def _create_default_callbacks(self) -> list:
         callbacks = super()._create_default_callbacks()
-        unused = _unused_callbacks(self._local)
+        unused = raycompat.unused_callbacks(self._local)
         return [c for c in callbacks if not isinstance(c, unused)]
 
     def _initialize_and_run_controller(self, **kwargs):
-        if self._local and LocalScalingPolicy is not None:
-            kwargs["scaling_policy"] = LocalScalingPolicy(self.scaling_config)
+        policy = raycompat.local_scaling_policy(self.scaling_config) if self._local else None
+        if policy is not None:
+            kwargs["scaling_policy"] = policy
         return super()._initialize_and_run_controller(**kwargs)
 
     def fit(self):
@@ -395,25 +396,12 @@ _PREEMPTION_WATCHER = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 """Ray Train's switch for its PreemptionWatcher actor (on by default)."""
 
 
-def _unused_callbacks(local: bool) -> tuple[type, ...]:
-    try:
-        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
-        from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
-    except ImportError:
-        return ()
-    return (DatasetsCallback, PlacementGroupCleanerCallback) if local else (DatasetsCallback,)
-
-
 def fit_trainer(trainer: TorchTrainer, stop: DriverStop):
     """`trainer.fit()`, with an InputError that stopped a worker raised as it is; SIGTERM and
     Ctrl-C stop the workers after their step, with a checkpoint (`stop`, raypack/train/stop.py),
     or at once (`Terminated`) on a second signal or at the grace period's end."""
-    # Ray Train puts its own SIGINT handler in the driver while fit runs: it asks the controller
-    # to abort, then calls sys.exit from inside the handler, which ends the process with status
-    # 1 and no word of what happened. Ray calls this method to install it (main thread only, so
-    # never in a sweep trial); the instance attribute puts the graceful stop in its place.
-    before: dict = {}
-    trainer._register_sigint_handler = lambda controller: before.update(stop.install())
+    # Ray Train installs its SIGINT handler from the main thread only, so never in a sweep trial
+    before = raycompat.take_sigint_handler(trainer, stop.install)
     try:
         return trainer.fit()
     except ray.train.ControllerError as e:

@@ -38,7 +38,7 @@ from typing import Any
 
 import ray
 import ray.tune
-from ray.train.v2.api.callback import UserCallback
+from ray.train import UserCallback
 from ray.tune.result import RESULT_DUPLICATE
 from ray.util.queue import Empty, Queue
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -4,6 +4,7 @@
                                     └──> runs (run folders), runtime (Ray start-up) ──> config
                                                               └──> console (the screen)
     commands ──> runlock (a run folder's lock) ──> storage
+    every layer ──> raycompat (Ray's internals, each with a fallback)
 
 Library modules take typed configs; only the command layer (cli.py, commands/) sees argparse.
 """
@@ -23,7 +24,7 @@ import raypack
 PACKAGE = Path(raypack.__file__).parent
 COMMAND_LAYER = ("raypack.cli", "raypack.commands")
 LAYERS = (
-    ("raypack.errors",),
+    ("raypack.errors", "raypack.raycompat", "raypack.versions"),
     ("raypack.console", "raypack.runlock", "raypack.storage", "raypack.typed"),
     ("raypack.config",),
     ("raypack.data", "raypack.model", "raypack.runs", "raypack.runtime"),

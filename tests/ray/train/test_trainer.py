@@ -268,6 +268,8 @@ def test_run_trainer_asks_no_autoscaler_on_a_local_instance(tmp_path, monkeypatc
     from ray.train.torch import TorchTrainer
     from ray.train.v2._internal.execution.scaling_policy.fixed import FixedScalingPolicy
 
+    from raypack import raycompat
+
     given = {}
     monkeypatch.setattr(TorchTrainer, "_initialize_and_run_controller", lambda self, **kw: given.update(kw))
     run = trainer.RunTrainer(lambda: None, local=local, scaling_config=ray.train.ScalingConfig(num_workers=2),
@@ -275,7 +277,7 @@ def test_run_trainer_asks_no_autoscaler_on_a_local_instance(tmp_path, monkeypatc
     run._initialize_and_run_controller(scaling_policy=FixedScalingPolicy(run.scaling_config))
     policy = given["scaling_policy"]
     assert isinstance(policy, FixedScalingPolicy)
-    assert isinstance(policy, trainer.LocalScalingPolicy) == local
+    assert isinstance(policy, raycompat.LocalScalingPolicy) == local
     if local:  # no coordinator is made, and the decision is Ray Train's fixed size
         policy.after_controller_start(None)
         assert policy._coordinator_client is None

@@ -11,6 +11,7 @@ import types
 
 import pytest
 
+from raypack import raycompat
 from raypack.train import stop
 from raypack.train.stop import ASKED, PREEMPTED, DriverStop, StopWatch, Terminated
 
@@ -52,7 +53,7 @@ def test_a_rank_votes_to_stop_and_checkpoint_only_when_the_checkpoint_is_stale_a
     other = StopWatch("stop:k", rank=1, checkpoint_after_s=0.0)
     assert other.vote(step=5) == 0  # only rank 0 reads the driver's key; the ranks' vote tells the rest
     # A node's preemption notice reaches every rank; no deadline means time enough.
-    monkeypatch.setattr(stop, "_preemption_info", lambda: types.SimpleNamespace(deadline_ms=None))
+    monkeypatch.setattr(raycompat, "preemption_info", lambda: types.SimpleNamespace(deadline_ms=None))
     assert other.vote(step=5) == 2 * PREEMPTED + 1
 
 
