@@ -68,7 +68,7 @@ def sample_lengths_bundled():
     folder = ROOT / "raypack" / "assets" / "sample"
     enc = Encoder(str(ROOT / "raypack" / "assets" / "tokenizer"), None, "auto", "truncate", 1 << 20)
     read = lambda name: [json.loads(line) for line in (folder / name).read_text().splitlines() if line.strip()]  # noqa: E731
-    chats = enc.encode_chat([r["messages"] for r in read("chat.jsonl")])
+    chats = enc.encode_chat(*zip(*[(json.dumps(r["messages"]), None) for r in read("chat.jsonl")]))
     pairs = enc.encode_pairs(*zip(*[(r["prompt"], r["completion"]) for r in read("completion.jsonl")]))
     rows = read("instruction.jsonl")
     prompts = [f"### Instruction:\n{r['instruction']}\n\n" + (f"### Input:\n{r['input']}\n\n" if r.get("input") else "")

@@ -56,7 +56,8 @@ def run_datasets(path: str, tokenizer: str, cores: int, batch_size: int, cache: 
     enc = Encoder(tokenizer, None, "auto", "truncate", 1 << 30)
 
     def fn(batch):
-        out = enc.encode_chat(batch["messages"])
+        # the rows as raypack's sources hand them over: each chat as JSON, no tools column
+        out = enc.encode_chat([json.dumps(m) for m in batch["messages"]], [None] * len(batch["messages"]))
         return {"input_ids": [i for i, _ in out], "labels": [l for _, l in out], "length": [len(i) for i, _ in out]}
 
     t0 = time.perf_counter()
