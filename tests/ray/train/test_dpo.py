@@ -61,6 +61,16 @@ CASES = {  # zero stage, tiny family, config overrides, what else
 """One fit runs them all, an engine each: a Ray Train run costs ~30 s here."""
 
 
+@pytest.fixture(autouse=True, scope="module")
+def folders_saved():
+    """Every case's folder written here, before the workers read them (as test_loop.py's): two ranks
+    that each found one missing once failed to read its config (ValueError: Unrecognized model)."""
+    from checkpoints import saved
+
+    for _, family, overrides, _ in CASES.values():
+        saved(f"tiny-{family}", vocab_size=VOCAB, dtype=torch.float32, **overrides)
+
+
 def build(case, attention="auto"):
     from checkpoints import saved
     from exactness import random_lora_b

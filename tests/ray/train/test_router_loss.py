@@ -94,8 +94,10 @@ def moe_loop(config):
 
 def test_packed_equals_unpacked_over_three_steps_under_zero2_and_zero3(ray_local, tmp_path):
 
+    from checkpoints import saved
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
+    saved("tiny-qwen3_moe", vocab_size=VOCAB, dtype=torch.float32)  # written here, before the workers read it
     out = tmp_path / "rank0.pt"
     fit_on_gloo(moe_loop, tmp_path, "router-loss", 2, out=str(out))
     got = torch.load(out)
