@@ -312,8 +312,10 @@ def test_lora_zero3_checkpointing_recovers_resumes_and_loads_in_a_fresh_process(
 
     from raypack.runs import run_dir, saved_config
 
+    # a base built from a config, whose checkpoints carry it as base/ (what this test loads adapter/
+    # onto), in fp32 for fp32's tolerances; a saved folder's LoRA run: tests/ray/commands/test_export.py
     lora = ["model.peft.method=lora", "model.peft.r=4", "train.zero_stage=3", "model.gradient_checkpointing=true",
-            "train.lr=1e-2", "train.max_failures=1"]
+            "train.lr=1e-2", "train.max_failures=1", "model.name=tiny-llama", "model.dtype=float32"]
     cfg = tiny_cfg(tmp_path, *lora, "train.max_steps=4")
     marker = tmp_path / "fault-fired"
     with_worker_loop(monkeypatch, loop_killed_once, fault={"rank": 0, "step": 3, "marker": str(marker)})
