@@ -111,13 +111,13 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
     trained = runs.has_checkpoint(root)
     if not resume:
         runs.check_same_config(cfg, root)
-    if trained:  # another worker count than the checkpoint's, where its state can't be resharded
-        resize.check_resizable(cfg, resize.last_position(root))
     if reprepare and trained:
         raise ConfigError(
             f"--reprepare: run {cfg.run.name!r} in {root} has checkpoints taken on its packed data, which a resume "
             "on new packs would mix up; start a new run with run.name=NEW_NAME"
         )
+    if trained:  # another worker count than the checkpoint's, where its state can't be resharded
+        resize.check_resizable(cfg, resize.last_position(root))
     checked = preflight(cfg, reprepare=reprepare)
     clock.mark("preflight")
     cfg = checked.cfg

@@ -76,7 +76,7 @@ def test_unknown_role(tmp_path, capsys, no_ray):
 def test_non_string_content(tmp_path, capsys, no_ray):
     path = jsonl(tmp_path / "chat.jsonl", {"messages": [{"role": "user", "content": 3}]}, GOOD)
     err = train(tmp_path, capsys, f"data.paths=[{path}]")
-    assert f"{path} line 1: messages[0]: content must be a string, got int" in err
+    assert f"{path} line 1: messages[0].content must be a string or a list of content parts, got int" in err
 
 
 @pytest.mark.parametrize("kind", ["conversation", "file"])
