@@ -81,7 +81,8 @@ def test_an_error_about_the_input_or_the_environment_stops_the_run_and_its_trace
 
     from raypack.errors import InputError
     from raypack.train.tracking import TrackingError
-    from raypack.train.remote import _CONTROLLER_LOGGER, StopOnInputError, as_input_error
+    from raypack.raycompat import CONTROLLER_LOGGER
+    from raypack.train.remote import StopOnInputError, as_input_error
 
     callback = StopOnInputError()
     callback.after_exception(None, {0: RuntimeError("a crash"), 1: MemoryError()})  # retried: nothing raised
@@ -93,7 +94,7 @@ def test_an_error_about_the_input_or_the_environment_stops_the_run_and_its_trace
                                          "every node"):
         callback.after_exception(None, {0: missing})
 
-    logger = logging.getLogger(_CONTROLLER_LOGGER)
+    logger = logging.getLogger(CONTROLLER_LOGGER)
     seen = []
     handler = logging.Handler()
     handler.emit = seen.append
