@@ -116,6 +116,12 @@ class TorchEngine(Engine):
         # forward cast to compute_dtype
         self.cast = compute_dtype if cfg.precision == "mixed" and compute_dtype != torch.float32 else None
         self.sharded = sharded(cfg, world_size)
+        # Stages 1-2 gather and reduce-scatter once a step (fsdp.accumulate), but not where a VLM's
+        # tower trains: a micro-batch without images leaves its gradients out, and FSDP2 (torch
+        # 2.13) then reduce-scatters the accumulated ones in two dtypes ("FSDP reduce-scatter
+        # expects uniform gradient dtype", tests/ray/train/test_matrix.py's whole matrix); such a
+        # run reduce-scatters every micro-batch, as stage 3 does.
+        self.once_a_step = not tower_weights(model)
         if self.sharded:  # the fp32 cast after sharding, of each rank's shards (fsdp.py)
             self.module = fsdp.shard(model, cfg, self.device, self.cast)
             self.wrapped = self.module
@@ -142,7 +148,7 @@ class TorchEngine(Engine):
         last = (self.micro + 1) % self.accum == 0
         if self.wrapped is not self.module:
             self.wrapped.require_backward_grad_sync = last
-        elif self.sharded and torch.is_grad_enabled():
+        elif self.sharded and self.once_a_step and torch.is_grad_enabled():
             fsdp.accumulate(self.units, self.cfg, last)
         if self.cast is not None and not self.sharded:
             with torch.autocast(self.device.type, dtype=self.cast):
