@@ -92,7 +92,11 @@ def test_worker_killed_midrun_resumes_from_checkpoint_exactly_once(ray_local, tm
     assert sorted(ids) == planned_train_ids(cfg), "an example was skipped"
 
 
+@pytest.mark.slow
 def test_stopped_run_resumes_and_finishes(ray_local, tmp_path):
+    """Slow (54 s): a run cut by train.max_steps and resumed to its end, as tests/ray/commands/test_train.py's
+    runs stopped and resumed through `raypack train` (their every example once, their checkpoints'
+    model/ loaded); the result's metrics are checked in the epoch-two restart below."""
     from transformers import AutoModelForCausalLM
 
     cfg = tiny_cfg(tmp_path, "train.max_steps=3", "data.eval_fraction=0.2")
@@ -191,13 +195,19 @@ def loop_killed_in_epoch_two(config: dict, fault: dict) -> None:
 def test_killed_in_epoch_two_resumes_mid_epoch_each_example_once_per_epoch_new_order(ray_local, tmp_path, monkeypatch):
     from raypack.train.checkpoint import read_steps_log
 
-    cfg = tiny_cfg(tmp_path, "train.max_failures=1", "train.epochs=2", "pack.budget=512")
+    cfg = tiny_cfg(tmp_path, "train.max_failures=1", "train.epochs=2", "pack.budget=512", "data.eval_fraction=0.2")
     fault = {"rank": 0, "marker": str(tmp_path / "fault-fired"), "resumed": str(tmp_path / "resumed-at")}
     with_worker_loop(monkeypatch, loop_killed_in_epoch_two, fault=fault)
     result = trainer.start(cfg).result
 
     assert Path(fault["marker"]).exists(), "the injected worker failure never fired"
     assert result.error is None
+    for key in ("loss", "eval_loss", "tokens_per_s", "packing_efficiency", "padding_fraction",
+                "peak_memory_gb", "step_time_s", "data_wait_s", "rank_imbalance", "token_imbalance",
+                "attention_imbalance", "token_imbalance_worst", "attention_imbalance_worst"):
+        assert result.metrics[key] is not None, key
+    assert 0.5 < result.metrics["packing_efficiency"] <= 1.0 and np.isfinite(result.metrics["eval_loss"])
+    assert list((Path(result.path) / "tensorboard").glob("events.out.tfevents.*")), "no TensorBoard events"
     assert int(Path(fault["resumed"]).read_text()) > 0, "the restart did not resume inside epoch 2"
     planned = planned_train_ids(cfg)
     orders = {}

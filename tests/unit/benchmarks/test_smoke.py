@@ -119,7 +119,17 @@ def keep_torch_threads():
     torch.set_num_threads(threads)  # a smoke run pins one thread
 
 
-@pytest.mark.parametrize("script", sorted(NO_RAY))
+SLOW = {
+    "long_context.py": "six settings, each in a fresh process (60 s); the tiled MLP and the offloaded checkpoints "
+                       "are exact in tests/unit/model/test_kernels.py; `make bench-smoke` runs it as gpu-check does",
+    "recompute.py": "six settings, each in a fresh process, three compiled (59 s); each checkpointing mode is exact "
+                    "in tests/unit/model/test_checkpointing.py, compiled in test_kernels.py",
+}
+"""Run by `pytest -m slow`, not by the default suite: seconds on the 2-core development machine, measured by
+`pytest --durations`, for checks the default suite already makes another way."""
+
+
+@pytest.mark.parametrize("script", [pytest.param(s, marks=[pytest.mark.slow] * (s in SLOW)) for s in sorted(NO_RAY)])
 def test_smoke_run_writes_its_results_file(script, tmp_path, keep_torch_threads):
     out = tmp_path / f"{script}.md"
     assert load(script).main([*smoke_args(script), "--out", str(out)]) == 0
