@@ -125,6 +125,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # 100 s on 2 cores: three Ray nodes and three preparations; test_prepare.py prepares on Ray
 def test_prepare_spreads_over_nodes_and_survives_a_lost_node(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("RAY_ADDRESS", None)
