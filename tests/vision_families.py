@@ -107,6 +107,10 @@ VLM_FAMILIES: dict[str, VisionFamily] = {
 }
 
 
+CHECKPOINTED = ("qwen2_5_vl", "qwen3_vl", "llava_siglip", "idefics3")
+"""Families whose full gradient checkpointing is checked (one per tower kind and layout)."""
+
+
 def _image(spec: VisionFamily, config, g: torch.Generator, size: tuple[int, int]):
     """(placeholder token count, pixels, grid or None) for one image of `size` patches."""
     vision = config.vision_config

@@ -258,6 +258,51 @@ def models_reference() -> str:
         layout = f" {escape(r.spec.layout)}." if r.spec.layout else ""
         message = r.refusal.replace("`", "'")
         out.append(f"- **`{r.key}`** (`{r.spec.config}`).{layout} Checked: {', '.join(r.modes)}. `` {message} ``")
+    return "\n".join(out) + "\n\n" + vision_reference()
+
+
+def vision_reference() -> str:
+    """Every vision-language row of tests/vision_families.py (the table tests/unit/model/test_vision.py
+    runs), judged by raypack's check on the driver (`check_vlm_packable`, the model built on meta)."""
+    import sys
+
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from raypack.errors import UnsupportedModelError
+    from raypack.model.vision import TINY_VLMS, check_vlm_packable
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from vision_families import CHECKPOINTED, VLM_FAMILIES
+
+    tiny = {"qwen2_5_vl": "tiny-qwen2_5_vl", "llava_clip": "tiny-llava", "idefics3": "tiny-idefics3"}
+    assert set(tiny.values()) == set(TINY_VLMS), "a tiny VLM without its row here"
+    layouts = {"patches": "flat patches and their grids (dynamic resolution)", "pictures": "whole pictures",
+               "sized": "pictures with their sizes", "stacked": "tiles of each picture"}
+    out = ["## Vision-language models\n",
+           f"Generated from `tests/vision_families.py`, the table `tests/unit/model/test_vision.py` runs: "
+           f"{len(VLM_FAMILIES)} rows. **packed**: three examples (one image, text only, two images of other sizes) "
+           "in one row, logits, loss and every gradient of the tower, projector and language model against each "
+           "example alone through the model's own forward; **frozen**: the tower (and projector) frozen; **LoRA**: on "
+           "the language model, and on every linear layer of both towers; **checkpointing**: full recompute. "
+           "The `tiny-*` names train end to end through `raypack train` ([Vision-language models]"
+           "(../guides/vision.md)).\n",
+           "| row | config | images as | checked | `model.name` on the CPU |", "|---|---|---|---|---|"]
+    refused = []
+    for key, spec in VLM_FAMILIES.items():
+        config = spec.build_config()
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(config)
+        try:
+            check_vlm_packable(model, key)
+        except UnsupportedModelError as e:
+            refused.append(f"- **`{key}`** (`{spec.config}`). `` {str(e).replace('`', chr(39))} ``")
+            continue
+        modes = ["packed", "frozen", "LoRA"] + (["checkpointing"] if key in CHECKPOINTED else [])
+        out.append(f"| `{key}` | `{spec.config}` | {layouts[spec.layout]} | {', '.join(modes)} | "
+                   f"{'`' + tiny[key] + '`' if key in tiny else '-'} |")
+    if refused:
+        out += ["", "Refused, as raypack prints it before training (the padded strategies still train them):\n", *refused]
     return "\n".join(out) + "\n"
 
 

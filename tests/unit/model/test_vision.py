@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vision_families import VLM_FAMILIES, alone_inputs, make_examples, vlm_packed_vs_alone, with_positions
+from vision_families import CHECKPOINTED, VLM_FAMILIES, alone_inputs, make_examples, vlm_packed_vs_alone, with_positions
 
 from raypack.data.vision_collate import collate_vision_packed
 from raypack.model.traits import UnsupportedModelError
@@ -250,7 +250,7 @@ def test_the_drivers_model_check_takes_packable_vlms_and_refuses_the_rest():
     check_model(gemma, attention="auto", device_type="cpu", name="gemma3")
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "llava_siglip", "idefics3"])
+@pytest.mark.parametrize("family", CHECKPOINTED)
 def test_gradient_checkpointing_stays_exact(family):
     """raypack's full gradient checkpointing (non-reentrant, raypack/model/checkpointing.py) on
     both towers: the recomputed forward keeps the packed row's positions and images. Train mode,
