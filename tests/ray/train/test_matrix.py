@@ -14,8 +14,9 @@ second or two). Each case
 
 - trains: two finite losses, the second after the engine's update;
 - packed = unpacked: the first step's loss and gradients are those of each example run alone
-  through transformers' own forward of the same folder (in fp32 from its bf16 weights: within
-  bf16's rounding; a leak across packed examples is 7-100% off, DESIGN.md);
+  through transformers' own forward of the same folder (in fp32 from its bf16 weights, or else
+  the same forward in bf16: within bf16's rounding; a leak across packed examples is 7-100% off,
+  DESIGN.md);
 - engines agree: every engine and stage's losses equal DeepSpeed ZeRO-2's on the same batches,
   step by step (the same model, adapters and update: two steps tell a lost update apart).
 
@@ -50,9 +51,12 @@ DeepSpeed without ZeRO is refused with bf16 compute (raypack/config: its fp16 op
 update came out smaller here than every other engine and stage's, all of which agree), so it is
 not in the matrix; its refusal is tests/unit/test_config.py's.
 74 cases, one fit of 102 s on the 2-core dev machine (the default suite's 31: 55-85 s). Open in
-the whole matrix (`-m slow`), not yet understood: DeepSpeed ZeRO-3 LoRA on Qwen3-MoE (an experts
-adapter's gradient 13% off each example alone) and on Kimi Linear (a b_proj adapter's 5.5%, all
-gradients 3.1%, over the bf16 bounds below); every other case passes."""
+the whole matrix (`-m slow`), not yet understood: DeepSpeed ZeRO-3 LoRA on Kimi Linear (a b_proj
+adapter's gradient 5.5% off each example alone in fp32, 5.2% in bf16, over the 5% bound below; the
+torch engine's ZeRO-3 LoRA 2.9% and 1.6%; DeepSpeed's fp32 gradient accumulation,
+`data_types.grad_accum_dtype`, changed nothing); every other case passes. (ZeRO-3 LoRA on
+Qwen3-MoE, 13% off fp32, is a router's bf16 top-k flip: transformers' own bf16 forward of each
+example alone flips it too, and the case is 4.2% off that one: see check_matrix.)"""
 
 
 def default_cases() -> list[str]:
@@ -198,14 +202,16 @@ def fit(tmp_path, cases) -> dict:
     return torch.load(out)
 
 
-def reference(family: str, mode: str) -> tuple[float, dict[str, torch.Tensor]]:
+def reference(family: str, mode: str, compute: torch.dtype = torch.float32) -> tuple[float, dict[str, torch.Tensor]]:
     """The first step's loss and gradients: each example alone through the folder's own model
-    (its own attention and logits), Σ token losses / total label tokens; in fp32 from the bf16
-    weights, the value the bf16 runs round (a bf16 reference would add its own rounding)."""
+    (its own attention and logits), Σ token losses / total label tokens. In fp32 from the bf16
+    weights, the value the bf16 runs round (a bf16 reference would add its own rounding); and,
+    with `compute` bf16, the same model cast to bf16 whole (adapters drawn in fp32 first, as
+    the engines draw them), the forward an engine computing in bf16 runs unpacked."""
     from raypack.model.build import load_model
 
     model = load_model(folders()[family], attention="eager", dtype="float32")
-    model = adapted(model) if mode == "lora" else model
+    model = (adapted(model) if mode == "lora" else model).to(compute)
     examples = [e for mbs in EXAMPLES.values() for mb in mbs for e in mb]
     total = sum(torch.nn.functional.cross_entropy(model(input_ids=torch.as_tensor(e)[None]).logits[0, :-1].float(),
                                                   torch.as_tensor(e)[1:], reduction="sum") for e in examples)  # fmt: skip
@@ -214,6 +220,27 @@ def reference(family: str, mode: str) -> tuple[float, dict[str, torch.Tensor]]:
     # None: a weight the rows never reach (a VLM's tower on text rows, an expert no token chose)
     return loss.item(), {n: None if p.grad is None else p.grad.float() for n, p in model.named_parameters()
                          if p.requires_grad}  # fmt: skip
+
+
+def gradient_failures(case: str, ours: dict, grads: dict) -> list[str]:
+    """`ours` against one reference's gradients: a tensor over 5% or all of them over 3% off."""
+    # bf16 compute rounds each gradient: seen up to 2% of a tensor's norm (full) and 3.8%
+    # (a LoRA A or B, whose gradients are small), 0.7% and 2.3% over all of them together; a
+    # leak across packed examples is 7-100% off (DESIGN.md)
+    wrong, total = 0.0, 0.0
+    for name, g in grads.items():
+        mine = ours[name]
+        if g is None or mine is None:  # no gradient on one side: none, or zeros, on the other
+            if (mine if g is None else g) is not None and bool((mine if g is None else g).any()):
+                return [f"{case}: {name}: a gradient on one side only"]
+            continue
+        error = ((mine - g).norm() / g.norm().clamp_min(1e-12)).item()
+        wrong, total = wrong + (mine - g).norm().item() ** 2, total + g.norm().item() ** 2
+        if error > 5e-2:
+            return [f"{case}: {name}: gradient {error:.3g} off each example alone"]
+    if total and (wrong / total) ** 0.5 > 3e-2:
+        return [f"{case}: the gradients {(wrong / total) ** 0.5:.3g} off each example alone"]
+    return []
 
 
 def check_matrix(got: dict, cases) -> list[str]:
@@ -229,31 +256,21 @@ def check_matrix(got: dict, cases) -> list[str]:
         if not all(math.isfinite(x) for x in r["losses"]) or r["losses"][1] >= r["losses"][0]:
             failures.append(f"{case}: did not train: losses {r['losses']}")
         if (family, mode) not in refs:
-            refs[family, mode] = reference(family, mode)
-        loss, grads = refs[family, mode]
+            refs[family, mode] = {dtype: reference(family, mode, dtype) for dtype in (torch.float32, torch.bfloat16)}
+        loss, grads = refs[family, mode][torch.float32]
         if r["losses"][0] != pytest.approx(loss, rel=1e-3):  # seen up to 1.8e-4
             failures.append(f"{case}: packed loss {r['losses'][0]:.6f}, each example alone {loss:.6f}")
         if r["grads"].keys() != grads.keys():
             failures.append(f"{case}: gradients of {sorted(set(r['grads']) ^ set(grads))[:3]} on one side only")
             continue
-        # bf16 compute rounds each gradient: seen up to 2% of a tensor's norm (full) and 3.8%
-        # (a LoRA A or B, whose gradients are small), 0.7% and 2.3% over all of them together; a
-        # leak across packed examples is 7-100% off (DESIGN.md)
-        wrong, total = 0.0, 0.0
-        for name, g in grads.items():
-            ours = r["grads"][name]
-            if g is None or ours is None:  # no gradient on one side: none, or zeros, on the other
-                if (ours if g is None else g) is not None and bool((ours if g is None else g).any()):
-                    failures.append(f"{case}: {name}: a gradient on one side only")
-                    break
-                continue
-            error = ((ours - g).norm() / g.norm().clamp_min(1e-12)).item()
-            wrong, total = wrong + (ours - g).norm().item() ** 2, total + g.norm().item() ** 2
-            if error > 5e-2:
-                failures.append(f"{case}: {name}: gradient {error:.3g} off each example alone")
-                break
-        if total and (wrong / total) ** 0.5 > 3e-2:
-            failures.append(f"{case}: the gradients {(wrong / total) ** 0.5:.3g} off each example alone")
+        # Against each example alone in fp32, or else in bf16: a router's top-k can flip under bf16
+        # compute (transformers' own bf16 forward of Qwen3-MoE, one example at a time, sends a token
+        # of layer 1 to another expert than fp32 does: its experts' adapter gradients 20% off fp32's),
+        # and which engine flips it depends on where it computes in fp32 (the torch engine's grouped
+        # expert matmul, benchmarks/fp32_matmuls.py). A leak is far off both.
+        off = {dtype: gradient_failures(case, r["grads"], refs[family, mode][dtype][1]) for dtype in refs[family, mode]}
+        if all(off.values()):
+            failures += [f"{line} (fp32; in bf16: {off[torch.bfloat16][0].split(': ', 1)[1]})" for line in off[torch.float32]]
     for case in cases:  # every engine and stage against one on the same batches, step by step
         engine, stage, family, mode = MATRIX[case]
         base = "{}{}-{}-{}".format(*BASELINE, family, mode)
