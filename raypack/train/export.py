@@ -309,7 +309,9 @@ def adapted_model(cfg: Config, saved: Saved, vocab_size: int, root: str, log: Ca
     tried = []
     for what, build in _base_sources(cfg, root, vocab_size, saved.dtype):
         model = apply_adapters(build(), m.peft, m.name)
-        if expected_digests(model, saved.world_size, saved.layout) == recorded:
+        # as loaded, or as DeepSpeed held them: every weight in its dtype, fp32-kept ones too
+        held = [None] + ([saved.dtype] if saved.engine == "deepspeed" else [])
+        if any(expected_digests(model, saved.world_size, saved.layout, dtype) == recorded for dtype in held):
             log(f"[raypack] base weights from {what}: their checksums match the checkpoint's")
             _load_adapters(model, saved, assign=False)
             return model

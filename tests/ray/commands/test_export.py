@@ -2,7 +2,9 @@
 checkpoint every 2, shared by the tests: a ZeRO-3 fine-tune and a ZeRO-3 LoRA run of the tiny
 model built from its config, the same LoRA run on the torch engine's FSDP2 (its losses equal the
 ZeRO-3 run's step by step: one base and one adapter init under every engine and stage), and a
-ZeRO-2 LoRA run from a saved bf16 folder, as users train a published checkpoint.
+ZeRO-2 LoRA run from a saved bf16 folder, as users train a published checkpoint; and a ZeRO-3
+LoRA run of each other model kind from its saved folder (the MoE here, each hybrid mixer under
+`-m slow`), exported and chatted with.
 
 The references are independent of the export's code: the middle checkpoint against the output of
 the `zero_to_fp32.py` script DeepSpeed saved into that checkpoint, the last against the final
@@ -404,3 +406,47 @@ def test_a_vlm_run_exports_with_its_image_processor_and_chats_about_a_picture(ra
     picture = REPO / "raypack" / "assets" / "vision_sample" / "images" / "000.png"
     assert main(["chat", str(model), "--image", str(picture), "--prompt", "Describe the picture.",
                  "--temperature", "0", "--max-new-tokens", "4"]) == 0
+
+
+KINDS = [pytest.param("tiny-qwen3_moe", id="moe")] + [
+    pytest.param(name, id=name.removeprefix("tiny-"), marks=pytest.mark.slow)
+    for name in ("tiny-qwen3_5", "tiny-nemotron_h", "tiny-lfm2", "tiny-kimi_linear")]
+"""The matrix's other model kinds (tests/ray/train/test_matrix.py: dense is the runs above, the VLM
+the test above): the MoE in the default suite (its experts' adapters are peft's ParamWrapper, a
+3-D weight each, merged by its own code), each hybrid mixer kind under `-m slow` (a run each)."""
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_each_model_kind_from_a_saved_folder_exports_adapter_and_merged_model_that_chat_loads(
+        ray_local, runs_dir, name, capsys):
+    """A LoRA run (ZeRO-3, every linear layer and the MoE's expert weights) from the kind's saved
+    bf16 folder: export writes model/ and adapter/; the merged model is the base with the adapters
+    (logits within bf16's rounding of peft's), every adapted weight moved by training, and chat
+    answers through each as transformers' greedy generate does."""
+    from checkpoints import as_user
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    run = train(runs_dir, *LORA, *as_user(name))
+    code, out, err = export(capsys, run)
+    assert code == 0, err
+    folder = run / "export" / "step_4"
+    base = runs_config(run).model.name
+    assert f"base weights from {base}: their checksums match" in out and "(bfloat16)" in out
+    with safe_open(folder / "adapter" / "adapter_model.safetensors", "pt") as f:
+        keys = list(f.keys())
+    if "moe" in name:  # both expert weights adapted (gate_up_proj under base_layer, down_proj outside)
+        assert {k.split("mlp.experts.")[1] for k in keys if "mlp.experts." in k} >= {
+            "lora_A.weight", "lora_B.weight", "base_layer.lora_A.weight", "base_layer.lora_B.weight"}, keys
+    merged = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32).eval()
+    with_adapter = adapted(base, folder / "adapter").float().eval()
+    plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ours, peft, before = (m(input_ids=IDS % merged.config.vocab_size).logits for m in (merged, with_adapter, plain))
+    scale = peft.abs().max()
+    assert (ours - peft).abs().max() < 2e-2 * scale, "the merged model is not the base with its adapters"
+    assert (peft - before).abs().max() > 10 * (ours - peft).abs().max(), "training moved nothing the export shows"
+    answer, status = chat(capsys, folder / "model")
+    assert answer == greedy(AutoModelForCausalLM.from_pretrained(folder / "model", dtype="auto"), folder / "model") + "\n"
+    answer, status = chat(capsys, folder / "adapter")
+    assert answer == greedy(adapted(base, folder / "adapter"), folder / "adapter") + "\n" and f"onto {base}" in status
