@@ -49,6 +49,13 @@ class SourceConfig:
     first path, without its extension (with `-N` added where two sources would share one)."""
     format: Format | None = None
     """Its example format, as `data.format` names them; null: `data.format`'s."""
+    config: str | None = None
+    """Of a Hugging Face Hub dataset (`org/name`): its config, the subset `load_dataset` calls `name`;
+    null: the dataset's default (docs/guides/data.md#hugging-face-hub-datasets)."""
+    split: str | None = None
+    """Of a hub dataset: its split; null: train."""
+    revision: str | None = None
+    """Of a hub dataset: the branch, tag or commit to read; null: main."""
     columns: dict[str, str] = field(default_factory=dict)
     """Its own column names for the format's fields, `{field: column}`: `{prompt: question,
     completion: answer}` reads a `question` column as the prompt and `answer` as the completion

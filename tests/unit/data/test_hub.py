@@ -1,0 +1,191 @@
+"""Hugging Face Hub datasets by name (raypack/data/hub.py) against a fake hub on 127.0.0.1
+(tests/fakehub.py): which files a name, config, split and revision stand for, every failure as one
+line, the rows read as local files' are, and the hub cache read offline."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from huggingface_hub import constants
+
+from raypack.config import ASSETS, DataConfig, SourceConfig
+from raypack.data.hub import hub_files, is_hub_path
+from raypack.data.listing import Sources
+from raypack.data.sources import rows_here
+from raypack.errors import SourceError
+
+from fakehub import FakeHub, Repo, sha
+
+SAMPLE = ASSETS / "sample"
+
+
+def _lines(name: str, start: int, stop: int) -> bytes:
+    return b"".join((SAMPLE / name).read_bytes().splitlines(keepends=True)[start:stop])
+
+
+def _parquet(start: int, stop: int) -> bytes:
+    rows = [json.loads(line) for line in _lines("completion.jsonl", start, stop).splitlines()]
+    out = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows), out)
+    return out.getvalue()
+
+
+MIX_CARD = {"configs": [
+    {"config_name": "short", "data_files": [{"split": "train", "path": "short/train-*.parquet"},
+                                             {"split": "test", "path": "short/test.parquet"}]},
+    {"config_name": "long", "default": True, "data_files": "long/*.parquet"},
+]}
+
+
+def _repos() -> dict[str, Repo]:
+    csv = b"prompt,completion\nhi,there\n"
+    return {
+        "fake/chat": Repo({"main": {"README.md": b"# chats\n", "train.jsonl": _lines("chat.jsonl", 0, 12),
+                                    "test.jsonl": _lines("chat.jsonl", 12, 15)},
+                           "v1": {"train.jsonl": _lines("chat.jsonl", 20, 24)}}),
+        "fake/mix": Repo({"main": {"short/train-0.parquet": _parquet(0, 4), "short/train-1.parquet": _parquet(4, 6),
+                                   "short/test.parquet": _parquet(6, 8), "long/a.parquet": _parquet(8, 15)}},
+                         card=MIX_CARD),
+        "fake/csv": Repo({"main": {"data.csv": csv},
+                          "refs/convert/parquet": {"default/train/0000.parquet": _parquet(0, 3),
+                                                   "default/partial-test/0000.parquet": _parquet(3, 4)}}),
+        "fake/gated": Repo({"main": {"train.jsonl": _lines("chat.jsonl", 0, 3)}}, gated=True),
+    }
+
+
+@pytest.fixture(scope="module")
+def fake_hub():
+    hub = FakeHub(_repos()).start()
+    yield hub
+    hub.stop()
+
+
+@pytest.fixture
+def hub(fake_hub, monkeypatch, tmp_path):
+    """The fake hub as huggingface_hub's endpoint, a fresh cache, no token, online."""
+    # both as huggingface_hub's import sets them from HF_ENDPOINT (hf_hub_url reads the template)
+    monkeypatch.setattr(constants, "ENDPOINT", fake_hub.url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", fake_hub.url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "token"))
+    from huggingface_hub import HfFileSystem
+
+    HfFileSystem.clear_instance_cache()  # one cached per endpoint and token: no listing of another test's
+    return fake_hub
+
+
+def _names(files) -> list[str]:
+    return [f.split("@", 1)[1].split("/", 1)[1] for f, _ in files]
+
+
+def test_hub_names_and_local_paths_are_told_apart(tmp_path):
+    (tmp_path / "org").mkdir()
+    assert is_hub_path("fake/chat") and is_hub_path("hf://datasets/fake/chat")
+    assert not is_hub_path(str(tmp_path / "org"))  # exists here
+    assert not is_hub_path("data/chat.jsonl")  # a missing data file, not a dataset
+    assert not is_hub_path("./fake/chat") and not is_hub_path("a/b/c")
+
+
+def test_a_name_stands_for_the_train_split_by_datasets_file_name_rules(hub):
+    files = hub_files("fake/chat", "data.paths")
+    assert files == [(f"hf://datasets/fake/chat@{sha('fake/chat', 'main')}/train.jsonl", "jsonl")]
+    assert _names(hub_files("fake/chat", "data.paths", split="test")) == ["test.jsonl"]
+    assert _names(hub_files("fake/chat", "data.paths", revision="v1")) == ["train.jsonl"]
+    assert hub_files("hf://datasets/fake/chat@v1", "data.paths")[0][0].startswith(f"hf://datasets/fake/chat@{sha('fake/chat', 'v1')}/")
+    assert _names(hub_files("hf://datasets/fake/chat/test.jsonl", "data.paths")) == ["test.jsonl"]
+
+
+def test_the_readmes_configs_choose_the_files(hub):
+    assert _names(hub_files("fake/mix", "w")) == ["long/a.parquet"]  # the default config
+    assert _names(hub_files("fake/mix", "w", config="short")) == ["short/train-0.parquet", "short/train-1.parquet"]
+    assert _names(hub_files("fake/mix", "w", config="short", split="test")) == ["short/test.parquet"]
+
+
+def test_files_raypack_cant_read_come_from_the_hubs_parquet_conversion(hub):
+    files = hub_files("fake/csv", "w")
+    assert files == [(f"hf://datasets/fake/csv@{sha('fake/csv', 'refs/convert/parquet')}/default/train/0000.parquet",
+                      "parquet")]
+
+
+@pytest.mark.parametrize("path, kwargs, message", [
+    ("fake/nope", {}, "w: fake/nope: no such dataset on {url} (or a private one, no HF_TOKEN set)"),
+    ("fake/chat", {"revision": "v9"}, "w: fake/chat (revision v9): no such revision"),
+    ("fake/chat", {"split": "dev"}, "w: fake/chat: no split 'dev'; it has train, test (set split)"),
+    ("fake/chat", {"config": "x"}, "w: fake/chat: no config 'x': the dataset has one (default)"),
+    ("fake/mix", {"config": "x"}, "w: fake/mix: no config 'x'; it has short, long"),
+    ("fake/csv", {"split": "test"}, "w: fake/csv (its Parquet conversion, refs/convert/parquet): the hub converted "
+     "only the first rows of split 'test' to Parquet (a partial conversion); export the whole split as Parquet or "
+     "JSON Lines"),
+    ("fake/gated", {}, "w: fake/gated: a gated dataset and no HF_TOKEN set: accept its terms on its hub page and "
+     "set HF_TOKEN"),
+    ("hf://datasets/fake/chat/nope.jsonl", {}, "w: hf://datasets/fake/chat/nope.jsonl: no file or folder nope.jsonl "
+     "in the dataset"),
+    ("hf://models/fake/chat", {}, "w: hf://models/fake/chat: only dataset URIs (hf://datasets/org/name) are data"),
+])
+def test_every_failure_is_one_line_naming_the_dataset(hub, path, kwargs, message):
+    with pytest.raises(SourceError) as e:
+        hub_files(path, "w", **kwargs)
+    assert str(e.value) == message.format(url=hub.url)
+
+
+def test_a_gated_dataset_reads_with_a_token(hub, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    assert _names(hub_files("fake/gated", "w")) == ["train.jsonl"]
+
+
+def test_an_unreachable_hub_fails_in_seconds(hub, monkeypatch):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setattr(constants, "ENDPOINT", url)
+    t = time.monotonic()
+    with pytest.raises(SourceError, match=rf"^w: fake/chat: can't reach the hub at {url} \(.*HF_HUB_OFFLINE=1"):
+        hub_files("fake/chat", "w")
+    assert time.monotonic() - t < 30
+
+
+def test_a_sources_config_split_and_revision_read_the_rows_local_files_would(hub, tmp_path):
+    """The hub's files, listed and read as local copies of them are: the same rows, formats and order."""
+    source = SourceConfig(paths=("fake/mix",), config="short")
+    hub_rows = rows_here(DataConfig(sources=(source,)), Sources.of_data(DataConfig(sources=(source,))))
+    for name in ("train-0.parquet", "train-1.parquet"):
+        (tmp_path / name).write_bytes(hub.repos["fake/mix"].revisions["main"][f"short/{name}"])
+    local_rows = rows_here(DataConfig(paths=(str(tmp_path),)), Sources.of((str(tmp_path),)))
+    drop = ["example_id", "error"]
+    assert [t.drop_columns(drop).to_pylist() for t in hub_rows] == [t.drop_columns(drop).to_pylist() for t in local_rows]
+    assert sum(t.num_rows for t in hub_rows) == 6
+
+
+def test_config_split_and_revision_on_a_local_path_are_refused(tmp_path):
+    (tmp_path / "a.jsonl").write_bytes(_lines("chat.jsonl", 0, 1))
+    data = DataConfig(sources=(SourceConfig(paths=(str(tmp_path / "a.jsonl"),), split="test"),))
+    with pytest.raises(SourceError, match=r"^data.sources\[0\] \(paths: .*\): split choose a Hugging Face Hub "
+                                          r"dataset's files; .* is a local path$"):
+        Sources.of_data(data)
+
+
+def test_offline_reads_what_the_hub_cache_holds(hub, monkeypatch):
+    from huggingface_hub import snapshot_download
+
+    with pytest.raises(SourceError, match="^w: fake/chat: not in the hub cache, and HF_HUB_OFFLINE=1"):
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+        hub_files("fake/chat", "w")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    snapshot_download("fake/chat", repo_type="dataset")  # what `hf download --repo-type dataset` does
+    asked = len(hub.requests)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    files = hub_files("fake/chat", "w", split="test")
+    assert [f.rsplit("/", 2)[-2:] for f, _ in files] == [[sha("fake/chat", "main"), "test.jsonl"]]
+    assert open(files[0][0], "rb").read() == hub.repos["fake/chat"].revisions["main"]["test.jsonl"]
+    rows = rows_here(DataConfig(paths=("fake/chat",)), Sources.of(("fake/chat",)))
+    assert sum(t.num_rows for t in rows) == 12
+    assert len(hub.requests) == asked  # nothing asked of the network
