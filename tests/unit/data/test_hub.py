@@ -189,3 +189,26 @@ def test_offline_reads_what_the_hub_cache_holds(hub, monkeypatch):
     rows = rows_here(DataConfig(paths=("fake/chat",)), Sources.of(("fake/chat",)))
     assert sum(t.num_rows for t in rows) == 12
     assert len(hub.requests) == asked  # nothing asked of the network
+
+
+def test_raypack_data_shows_a_hub_datasets_examples_as_a_local_copys(hub, tmp_path, monkeypatch, capsys):
+    """`raypack data --show 2 --json` on `fake/chat`: the tokens and labels of its local copy, with no
+    Ray started; a dataset the hub hasn't: exit 2 and one line."""
+    import ray
+
+    from raypack.cli import main
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("Ray was started"))
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    (tmp_path / "train.jsonl").write_bytes(hub.repos["fake/chat"].revisions["main"]["train.jsonl"])
+    shown = []
+    for path in ("fake/chat", tmp_path / "train.jsonl"):
+        assert main(["data", f"data.paths=[{path}]", "--show", "2", "--json"]) == 0
+        shown.append([json.loads(line) for line in capsys.readouterr().out.splitlines()])
+    assert [e.pop("source") for e in shown[0]] == [f"hf://datasets/fake/chat@{sha('fake/chat', 'main')}/train.jsonl"] * 2
+    assert [e.pop("source") for e in shown[1]] == [str(tmp_path / "train.jsonl")] * 2
+    assert shown[0] == shown[1] and len(shown[0][0]["input_ids"]) > 0
+    assert main(["data", "data.paths=[fake/nope]"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"raypack: error: data.paths: fake/nope: no such dataset on {hub.url} (or a private one, no HF_TOKEN set)"]
