@@ -35,9 +35,6 @@ from raypack.storage import is_repo_id, is_uri
 
 PREFIX = "hf://datasets/"
 PARQUET_BRANCH = "refs/convert/parquet"
-TIMEOUT_S = 10.0
-"""Seconds each hub request may take: an endpoint that doesn't answer fails in seconds, not after
-huggingface_hub's own retries, and well within the half minute a refused input may take."""
 READABLE = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl"}
 _LOCAL_LOOKING = (".jsonl", ".json", ".parquet", ".arrow")
 
@@ -98,7 +95,7 @@ def hub_files(path: str, where: str, *, config: str | None = None, split: str | 
     """(file, kind) of every file the hub dataset `path` stands for, in name order."""
     ref = parse(path, revision, where)
     label = f"{where}: {path}" + (f" (revision {ref.revision})" if ref.revision and ref.revision not in path else "")
-    view = _view(ref.repo, ref.revision, label)
+    view = _view(ref.repo, ref.revision, label, bare=not path.startswith("hf://"))
     if ref.path:
         if config or split:
             raise SourceError(f"{label}: config and split choose among a whole dataset's files; a path in it names them")
@@ -210,21 +207,23 @@ def match(files: list[str], pattern: str) -> list[str]:
 # --- listing a revision: online, or from the hub cache ----------------------------------------------
 
 
-def _view(repo: str, revision: str | None, label: str) -> RepoView:
+def _view(repo: str, revision: str | None, label: str, bare: bool = False) -> RepoView:
+    """`bare`: named `org/name`, which could have been a local path: messages that find nothing say
+    it isn't one either."""
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE:
-        return _cached_view(repo, revision, label)
+        return _cached_view(repo, revision, label, bare)
     from huggingface_hub import HfApi
 
-    with hub_errors(label):
-        info = HfApi(endpoint=constants.ENDPOINT).dataset_info(repo, revision=revision, timeout=TIMEOUT_S)
+    with hub_errors(label, bare):
+        info = HfApi(endpoint=constants.ENDPOINT).dataset_info(repo, revision=revision, timeout=_timeout())
     card = info.card_data.to_dict() if info.card_data is not None else {}
     return RepoView(info.sha, tuple(s.rfilename for s in info.siblings or ()), tuple(card.get("configs") or ()),
                     f"{PREFIX}{repo}@{info.sha}", bool(info.gated))
 
 
-def _cached_view(repo: str, revision: str | None, label: str) -> RepoView:
+def _cached_view(repo: str, revision: str | None, label: str, bare: bool) -> RepoView:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
     from huggingface_hub.repocard import metadata_load
@@ -232,7 +231,8 @@ def _cached_view(repo: str, revision: str | None, label: str) -> RepoView:
     try:
         folder = snapshot_download(repo, repo_type="dataset", revision=revision, local_files_only=True)
     except LocalEntryNotFoundError:
-        raise SourceError(f"{label}: not in the hub cache, and HF_HUB_OFFLINE=1 keeps raypack off the network "
+        missing = "no such file or folder, nor in the hub cache" if bare else "not in the hub cache"
+        raise SourceError(f"{label}: {missing}, and HF_HUB_OFFLINE=1 keeps raypack off the network "
                           f"(download it first: hf download --repo-type dataset {repo})") from None
     root = PurePosixPath(folder)
     files = tuple(sorted(str(PurePosixPath(d, f).relative_to(root)) for d, _, names in os.walk(folder) for f in names))
@@ -247,14 +247,14 @@ def _check_access(repo: str, view: RepoView, first: str, label: str) -> None:
 
     url = hf_hub_url(repo, first, repo_type="dataset", revision=view.sha, endpoint=constants.ENDPOINT)
     with hub_errors(label):
-        get_hf_file_metadata(url, timeout=TIMEOUT_S)
+        get_hf_file_metadata(url, timeout=_timeout())
 
 
 class hub_errors:
     """huggingface_hub's exceptions as one SourceError line each, naming `label`'s dataset."""
 
-    def __init__(self, label: str):
-        self.label = label
+    def __init__(self, label: str, bare: bool = False):
+        self.label, self.bare = label, bare
 
     def __enter__(self):
         return self
@@ -273,7 +273,8 @@ class hub_errors:
         elif isinstance(e, RevisionNotFoundError):
             cause = "no such revision"
         elif isinstance(e, RepositoryNotFoundError):
-            cause = f"no such dataset on {constants.ENDPOINT} (or a private one, {token})"
+            cause = (f"no such file or folder, nor dataset on {constants.ENDPOINT} (or a private one, {token})"
+                     if self.bare else f"no such dataset on {constants.ENDPOINT} (or a private one, {token})")
         elif isinstance(e, HfHubHTTPError):
             status = e.response.status_code if e.response is not None else "?"
             cause = f"the hub answered HTTP {status}"
@@ -283,6 +284,15 @@ class hub_errors:
         else:
             return False
         raise SourceError(f"{self.label}: {cause}") from e
+
+
+def _timeout() -> float:
+    """Seconds each listing request may take: HF_HUB_ETAG_TIMEOUT (10 by default), huggingface_hub's
+    own for its metadata requests, so that an endpoint that doesn't answer fails in seconds, well
+    within the half minute a refused input may take, rather than at the network's own timeout."""
+    from huggingface_hub import constants
+
+    return float(constants.HF_HUB_ETAG_TIMEOUT)
 
 
 def _has_token() -> bool:

@@ -115,7 +115,10 @@ def test_files_raypack_cant_read_come_from_the_hubs_parquet_conversion(hub):
 
 
 @pytest.mark.parametrize("path, kwargs, message", [
-    ("fake/nope", {}, "w: fake/nope: no such dataset on {url} (or a private one, no HF_TOKEN set)"),
+    ("fake/nope", {}, "w: fake/nope: no such file or folder, nor dataset on {url} (or a private one, no HF_TOKEN "
+     "set)"),
+    ("hf://datasets/fake/nope", {}, "w: hf://datasets/fake/nope: no such dataset on {url} (or a private one, no "
+     "HF_TOKEN set)"),
     ("fake/chat", {"revision": "v9"}, "w: fake/chat (revision v9): no such revision"),
     ("fake/chat", {"split": "dev"}, "w: fake/chat: no split 'dev'; it has train, test (set split)"),
     ("fake/chat", {"config": "x"}, "w: fake/chat: no config 'x': the dataset has one (default)"),
@@ -140,17 +143,22 @@ def test_a_gated_dataset_reads_with_a_token(hub, monkeypatch):
     assert _names(hub_files("fake/gated", "w")) == ["train.jsonl"]
 
 
-def test_an_unreachable_hub_fails_in_seconds(hub, monkeypatch):
+@pytest.mark.parametrize("listening", [False, True], ids=["refused", "silent"])
+def test_an_unreachable_hub_fails_in_seconds(hub, monkeypatch, listening):
+    """A port nothing listens on, and one that accepts and never answers (HF_HUB_ETAG_TIMEOUT bounds it)."""
     import socket
 
-    with socket.socket() as s:  # a port nothing listens on
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
+        if listening:
+            s.listen()
         url = f"http://127.0.0.1:{s.getsockname()[1]}"
-    monkeypatch.setattr(constants, "ENDPOINT", url)
-    t = time.monotonic()
-    with pytest.raises(SourceError, match=rf"^w: fake/chat: can't reach the hub at {url} \(.*HF_HUB_OFFLINE=1"):
-        hub_files("fake/chat", "w")
-    assert time.monotonic() - t < 30
+        monkeypatch.setattr(constants, "ENDPOINT", url)
+        monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 1)
+        t = time.monotonic()
+        with pytest.raises(SourceError, match=rf"^w: fake/chat: can't reach the hub at {url} \(.*HF_HUB_OFFLINE=1"):
+            hub_files("fake/chat", "w")
+        assert time.monotonic() - t < 10
 
 
 def test_a_sources_config_split_and_revision_read_the_rows_local_files_would(hub, tmp_path):
@@ -176,9 +184,11 @@ def test_config_split_and_revision_on_a_local_path_are_refused(tmp_path):
 def test_offline_reads_what_the_hub_cache_holds(hub, monkeypatch):
     from huggingface_hub import snapshot_download
 
-    with pytest.raises(SourceError, match="^w: fake/chat: not in the hub cache, and HF_HUB_OFFLINE=1"):
-        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(SourceError, match="^w: fake/chat: no such file or folder, nor in the hub cache, and HF_HUB_OFFLINE=1"):
         hub_files("fake/chat", "w")
+    with pytest.raises(SourceError, match="^w: hf://datasets/fake/chat: not in the hub cache, and HF_HUB_OFFLINE=1"):
+        hub_files("hf://datasets/fake/chat", "w")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     snapshot_download("fake/chat", repo_type="dataset")  # what `hf download --repo-type dataset` does
     asked = len(hub.requests)
@@ -211,4 +221,4 @@ def test_raypack_data_shows_a_hub_datasets_examples_as_a_local_copys(hub, tmp_pa
     assert shown[0] == shown[1] and len(shown[0][0]["input_ids"]) > 0
     assert main(["data", "data.paths=[fake/nope]"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"raypack: error: data.paths: fake/nope: no such dataset on {hub.url} (or a private one, no HF_TOKEN set)"]
+        f"raypack: error: data.paths: fake/nope: no such file or folder, nor dataset on {hub.url} (or a private one, no HF_TOKEN set)"]
