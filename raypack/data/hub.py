@@ -67,8 +67,10 @@ def parse(path: str, revision: str | None, where: str) -> HubRef:
         raise SourceError(f"{where}: {path}: expected hf://datasets/org/name[@revision][/path]")
     name, _, rev = parts[1].partition("@")
     rest = parts[2:]
-    if rev == "refs" and rest[:2] == ["convert", "parquet"]:  # written unquoted, as HfFileSystem takes it
+    if rev == "refs" and rest[:2] == ["convert", "parquet"]:  # written unquoted, as HfFileSystem takes them
         rev, rest = PARQUET_BRANCH, rest[2:]
+    elif rev == "refs" and rest[:1] == ["pr"] and len(rest) > 1:
+        rev, rest = f"refs/pr/{rest[1]}", rest[2:]
     rev = unquote(rev) or None
     if rev and revision and rev != revision:
         raise SourceError(f"{where}: {path}: revision {revision!r} set too; name the revision once")

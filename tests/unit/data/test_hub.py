@@ -93,6 +93,17 @@ def test_hub_names_and_local_paths_are_told_apart(tmp_path):
     assert not is_hub_path("./fake/chat") and not is_hub_path("a/b/c")
 
 
+def test_hub_uris_name_a_repo_revision_and_path():
+    from raypack.data.hub import HubRef, parse
+
+    assert parse("fake/chat", "v1", "w") == HubRef("fake/chat", "v1", "")
+    assert parse("hf://datasets/fake/chat@v1/data/a.jsonl", None, "w") == HubRef("fake/chat", "v1", "data/a.jsonl")
+    assert parse("hf://datasets/fake/chat@refs/pr/3/data", None, "w") == HubRef("fake/chat", "refs/pr/3", "data")
+    assert parse("hf://datasets/fake/chat", "v1", "w") == HubRef("fake/chat", "v1", "")
+    with pytest.raises(SourceError, match=r"^w: hf://datasets/fake/chat@v2: revision 'v1' set too; name the revision once$"):
+        parse("hf://datasets/fake/chat@v2", "v1", "w")
+
+
 def test_a_name_stands_for_the_train_split_by_datasets_file_name_rules(hub):
     files = hub_files("fake/chat", "data.paths")
     assert files == [(f"hf://datasets/fake/chat@{sha('fake/chat', 'main')}/train.jsonl", "jsonl")]
@@ -100,6 +111,10 @@ def test_a_name_stands_for_the_train_split_by_datasets_file_name_rules(hub):
     assert _names(hub_files("fake/chat", "data.paths", revision="v1")) == ["train.jsonl"]
     assert hub_files("hf://datasets/fake/chat@v1", "data.paths")[0][0].startswith(f"hf://datasets/fake/chat@{sha('fake/chat', 'v1')}/")
     assert _names(hub_files("hf://datasets/fake/chat/test.jsonl", "data.paths")) == ["test.jsonl"]
+    conversion = sha("fake/csv", "refs/convert/parquet")
+    for uri in ("hf://datasets/fake/csv@refs/convert/parquet/default/train",  # as HfFileSystem takes it
+                "hf://datasets/fake/csv@refs%2Fconvert%2Fparquet/default/train"):  # as hf_hub_url writes it
+        assert hub_files(uri, "w") == [(f"hf://datasets/fake/csv@{conversion}/default/train/0000.parquet", "parquet")]
 
 
 def test_the_readmes_configs_choose_the_files(hub):
