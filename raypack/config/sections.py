@@ -37,7 +37,7 @@ class SourceConfig:
     rows read where that differs from the others'. raypack/data/mixture.py draws the epoch."""
 
     paths: tuple[str, ...] = ()
-    """Its JSONL, Parquet or `save_to_disk` folders, as `data.paths` takes them."""
+    """Its JSONL, Parquet or `save_to_disk` folders or hub datasets, as `data.paths` takes them."""
     weight: float | None = None
     """Its share of each epoch's examples, relative to the other sources' weights (0.5, 0.3, 0.2 and
     5, 3, 2 mix alike; `data.examples_per_epoch` says how many an epoch holds): a seeded draw of that
@@ -72,7 +72,9 @@ class SourceConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataConfig:
     paths: tuple[str, ...] = DEFAULT_PATHS
-    """JSONL, Parquet or `save_to_disk` folders; local paths or any URI Ray Data reads. The
+    """JSONL, Parquet or `save_to_disk` folders; local paths or any URI Ray Data reads; or Hugging
+    Face Hub datasets, `org/name` or `hf://datasets/org/name[@revision][/path]` (their default
+    config's train split; a source's `config`, `split` and `revision` choose others). The
     one-source form of `data.sources`: give one or the other."""
     sources: tuple[SourceConfig, ...] = ()
     """Several datasets mixed by weight, each with its own `paths`, `weight` and, where it differs,
