@@ -264,28 +264,32 @@ class hub_errors:
     def __exit__(self, kind, e, tb):
         if e is None or isinstance(e, SourceError):
             return False
-        from huggingface_hub import constants
-        from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
-
-        token = "HF_TOKEN set" if _has_token() else "no HF_TOKEN set"
-        if isinstance(e, GatedRepoError):
-            cause = ("a gated dataset whose terms HF_TOKEN's account hasn't accepted (on its hub page)"
-                     if _has_token() else
-                     "a gated dataset and no HF_TOKEN set: accept its terms on its hub page and set HF_TOKEN")
-        elif isinstance(e, RevisionNotFoundError):
-            cause = "no such revision"
-        elif isinstance(e, RepositoryNotFoundError):
-            cause = (f"no such file or folder, nor dataset on {constants.ENDPOINT} (or a private one, {token})"
-                     if self.bare else f"no such dataset on {constants.ENDPOINT} (or a private one, {token})")
-        elif isinstance(e, HfHubHTTPError):
-            status = e.response.status_code if e.response is not None else "?"
-            cause = f"the hub answered HTTP {status}"
-        elif isinstance(e, (OSError, ConnectionError)) or type(e).__module__.startswith(("httpx", "httpcore")):
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            cause = f"can't reach the hub at {constants.ENDPOINT} ({reason}; HF_HUB_OFFLINE=1 reads the hub cache)"
-        else:
+        if (why := cause(e, self.bare)) is None:
             return False
-        raise SourceError(f"{self.label}: {cause}") from e
+        raise SourceError(f"{self.label}: {why}") from e
+
+
+def cause(e: BaseException, bare: bool = False) -> str | None:
+    """What a huggingface_hub (or network) exception means for the dataset, in a few words; None
+    for any other exception. `bare`: the dataset was named `org/name` (see `_view`)."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    token = "HF_TOKEN set" if _has_token() else "no HF_TOKEN set"
+    if isinstance(e, GatedRepoError):
+        return ("a gated dataset whose terms HF_TOKEN's account hasn't accepted (on its hub page)" if _has_token()
+                else "a gated dataset and no HF_TOKEN set: accept its terms on its hub page and set HF_TOKEN")
+    if isinstance(e, RevisionNotFoundError):
+        return "no such revision"
+    if isinstance(e, RepositoryNotFoundError):
+        nor = "no such file or folder, nor dataset" if bare else "no such dataset"
+        return f"{nor} on {constants.ENDPOINT} (or a private one, {token})"
+    if isinstance(e, HfHubHTTPError):
+        return f"the hub answered HTTP {e.response.status_code if e.response is not None else '?'}"
+    if isinstance(e, (OSError, ConnectionError)) or type(e).__module__.startswith(("httpx", "httpcore")):
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"can't reach the hub at {constants.ENDPOINT} ({reason}; HF_HUB_OFFLINE=1 reads the hub cache)"
+    return None
 
 
 def _timeout() -> float:

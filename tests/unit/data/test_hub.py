@@ -154,8 +154,17 @@ def test_every_failure_is_one_line_naming_the_dataset(hub, path, kwargs, message
 
 
 def test_a_gated_dataset_reads_with_a_token(hub, monkeypatch):
+    """Listed and read with one; read where there is none (a node without HF_TOKEN): one line."""
     monkeypatch.setenv("HF_TOKEN", "hf_test")
     assert _names(hub_files("fake/gated", "w")) == ["train.jsonl"]
+    data = DataConfig(paths=("fake/gated",))
+    sources = Sources.of_data(data)
+    assert sum(t.num_rows for t in rows_here(data, sources)) == 3
+    monkeypatch.delenv("HF_TOKEN")
+    with pytest.raises(SourceError) as e:
+        rows_here(data, sources)
+    assert str(e.value) == (f"{sources.files[0][0]}: can't read it: a gated dataset and no HF_TOKEN set: accept its "
+                            "terms on its hub page and set HF_TOKEN")
 
 
 @pytest.mark.parametrize("listening", [False, True], ids=["refused", "silent"])
