@@ -104,12 +104,11 @@ def hub_files(path: str, where: str, *, config: str | None = None, split: str | 
         chosen = [f for f in view.files if f == ref.path or f.startswith(ref.path.rstrip("/") + "/")]
         if not chosen:
             raise SourceError(f"{label}: no file or folder {ref.path} in the dataset")
-        unread = sorted({PurePosixPath(f).suffix or f for f in chosen if PurePosixPath(f).suffix.lower() not in READABLE})
-        if len(chosen) == 1 and unread:
-            raise SourceError(f"{label}: unknown file type; expected .jsonl, .json or .parquet")
-        chosen = [f for f in chosen if PurePosixPath(f).suffix.lower() in READABLE]
-        if not chosen:
-            raise SourceError(f"{label}: folder holds no .jsonl, .json or .parquet files")
+        readable = [f for f in chosen if PurePosixPath(f).suffix.lower() in READABLE]
+        if not readable:  # as a local file or folder would be refused
+            raise SourceError(f"{label}: unknown file type; expected .jsonl, .json or .parquet" if chosen == [ref.path]
+                              else f"{label}: folder holds no .jsonl, .json or .parquet files")
+        chosen = readable
     else:
         chosen = _chosen(view, config, split, label)
         if chosen is None:  # files raypack doesn't read: the hub's Parquet conversion of them
@@ -131,16 +130,13 @@ def _chosen(view: RepoView, config: str | None, split: str | None, label: str) -
 
     data = [f for f in view.files if PurePosixPath(f).suffix.lower() in _EXTENSION_TO_MODULE
             and not any(part.startswith((".", "__")) for part in f.split("/"))]
-    patterns = config_patterns(view.configs, config, label)
+    patterns = config_patterns(view.configs, config, label, data)
     if patterns is None:
-        from datasets.data_files import _get_data_files_patterns
-
         if config not in (None, "default"):
             raise SourceError(f"{label}: no config {config!r}: the dataset has one (default)")
-        try:
-            patterns = {str(k): v for k, v in _get_data_files_patterns(lambda p: match(data, p)).items()}
-        except FileNotFoundError:
-            return None
+        patterns = default_patterns(data)
+    if patterns is None:
+        return None
     # the config's files in every split, so that its splits are named from the files read
     files = {s: sorted({f for p in ps for f in match(data, p)}) for s, ps in patterns.items()}
     if not any(files.values()) or any(PurePosixPath(f).suffix.lower() not in READABLE for fs in files.values() for f in fs):
@@ -151,9 +147,24 @@ def _chosen(view: RepoView, config: str | None, split: str | None, label: str) -
     return files[split]
 
 
-def config_patterns(configs: tuple[dict, ...], config: str | None, label: str) -> dict[str, list[str]] | None:
+def default_patterns(data: list[str], folder: str = "") -> dict[str, list[str]] | None:
+    """{split: patterns} that datasets finds in the names of the files `data` (of those in `folder`):
+    `data/train-00000-of-00002.parquet`, `test.jsonl`, ...; None if it finds none."""
+    from datasets.data_files import _get_data_files_patterns
+
+    prefix = f"{folder.strip('/')}/" if folder.strip("/") else ""
+    inside = [f[len(prefix):] for f in data if f.startswith(prefix)]
+    try:
+        found = _get_data_files_patterns(lambda p: match(inside, p))
+    except FileNotFoundError:
+        return None
+    return {str(split): [prefix + p for p in ps] for split, ps in found.items()}
+
+
+def config_patterns(configs: tuple[dict, ...], config: str | None, label: str,
+                    data: list[str]) -> dict[str, list[str]] | None:
     """{split: patterns} of the README's config `config` (its default where None); None if the
-    README declares no configs."""
+    README declares no configs, or its config's folder (`data_dir`) has no files datasets finds."""
     if not configs:
         return None
     names = [c.get("config_name", "default") for c in configs]
@@ -166,7 +177,11 @@ def config_patterns(configs: tuple[dict, ...], config: str | None, label: str) -
         chosen = configs[names.index(config)]
     else:
         raise SourceError(f"{label}: no config {config!r}; it has {', '.join(names)}")
-    files = chosen.get("data_files", [])
+    if "data_files" not in chosen:  # the files datasets finds in its data_dir, or the whole repo
+        return default_patterns(data, chosen.get("data_dir") or "")
+    files = chosen["data_files"]
+    if isinstance(files, dict):
+        return {split: [p] if isinstance(p, str) else list(p) for split, p in files.items()}
     if isinstance(files, str) or (isinstance(files, list) and all(isinstance(f, str) for f in files)):
         return {"train": [files] if isinstance(files, str) else files}
     return {f["split"]: [f["path"]] if isinstance(f["path"], str) else list(f["path"]) for f in files}

@@ -39,6 +39,7 @@ MIX_CARD = {"configs": [
     {"config_name": "short", "data_files": [{"split": "train", "path": "short/train-*.parquet"},
                                              {"split": "test", "path": "short/test.parquet"}]},
     {"config_name": "long", "default": True, "data_files": "long/*.parquet"},
+    {"config_name": "dir", "data_dir": "short"},  # datasets' split patterns, in the folder
 ]}
 
 
@@ -111,6 +112,8 @@ def test_a_name_stands_for_the_train_split_by_datasets_file_name_rules(hub):
     assert _names(hub_files("fake/chat", "data.paths", revision="v1")) == ["train.jsonl"]
     assert hub_files("hf://datasets/fake/chat@v1", "data.paths")[0][0].startswith(f"hf://datasets/fake/chat@{sha('fake/chat', 'v1')}/")
     assert _names(hub_files("hf://datasets/fake/chat/test.jsonl", "data.paths")) == ["test.jsonl"]
+    assert _names(hub_files("hf://datasets/fake/mix/short", "w")) == [  # a folder: all of its files, as a local one
+        "short/test.parquet", "short/train-0.parquet", "short/train-1.parquet"]
     conversion = sha("fake/csv", "refs/convert/parquet")
     for uri in ("hf://datasets/fake/csv@refs/convert/parquet/default/train",  # as HfFileSystem takes it
                 "hf://datasets/fake/csv@refs%2Fconvert%2Fparquet/default/train"):  # as hf_hub_url writes it
@@ -121,6 +124,7 @@ def test_the_readmes_configs_choose_the_files(hub):
     assert _names(hub_files("fake/mix", "w")) == ["long/a.parquet"]  # the default config
     assert _names(hub_files("fake/mix", "w", config="short")) == ["short/train-0.parquet", "short/train-1.parquet"]
     assert _names(hub_files("fake/mix", "w", config="short", split="test")) == ["short/test.parquet"]
+    assert _names(hub_files("fake/mix", "w", config="dir", split="test")) == ["short/test.parquet"]
 
 
 def test_files_raypack_cant_read_come_from_the_hubs_parquet_conversion(hub):
@@ -137,7 +141,7 @@ def test_files_raypack_cant_read_come_from_the_hubs_parquet_conversion(hub):
     ("fake/chat", {"revision": "v9"}, "w: fake/chat (revision v9): no such revision"),
     ("fake/chat", {"split": "dev"}, "w: fake/chat: no split 'dev'; it has train, test (set split)"),
     ("fake/chat", {"config": "x"}, "w: fake/chat: no config 'x': the dataset has one (default)"),
-    ("fake/mix", {"config": "x"}, "w: fake/mix: no config 'x'; it has short, long"),
+    ("fake/mix", {"config": "x"}, "w: fake/mix: no config 'x'; it has short, long, dir"),
     ("fake/csv", {"split": "test"}, "w: fake/csv (its Parquet conversion, refs/convert/parquet): the hub converted "
      "only the first rows of split 'test' to Parquet (a partial conversion); export the whole split as Parquet or "
      "JSON Lines"),
@@ -145,6 +149,8 @@ def test_files_raypack_cant_read_come_from_the_hubs_parquet_conversion(hub):
      "set HF_TOKEN"),
     ("hf://datasets/fake/chat/nope.jsonl", {}, "w: hf://datasets/fake/chat/nope.jsonl: no file or folder nope.jsonl "
      "in the dataset"),
+    ("hf://datasets/fake/csv/data.csv", {}, "w: hf://datasets/fake/csv/data.csv: unknown file type; expected .jsonl, "
+     ".json or .parquet"),
     ("hf://models/fake/chat", {}, "w: hf://models/fake/chat: only dataset URIs (hf://datasets/org/name) are data"),
 ])
 def test_every_failure_is_one_line_naming_the_dataset(hub, path, kwargs, message):
