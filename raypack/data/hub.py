@@ -35,7 +35,7 @@ from raypack.storage import is_repo_id, is_uri
 
 PREFIX = "hf://datasets/"
 PARQUET_BRANCH = "refs/convert/parquet"
-READABLE = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl"}
+READABLE = {".parquet": "parquet", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl"}
 _LOCAL_LOOKING = (".jsonl", ".json", ".parquet", ".arrow")
 
 
@@ -139,12 +139,27 @@ def _chosen(view: RepoView, config: str | None, split: str | None, label: str) -
         return None
     # the config's files in every split, so that its splits are named from the files read
     files = {s: sorted({f for p in ps for f in match(data, p)}) for s, ps in patterns.items()}
-    if not any(files.values()) or any(PurePosixPath(f).suffix.lower() not in READABLE for fs in files.values() for f in fs):
+    files = of_one_format(files)
+    if files is None or any(PurePosixPath(f).suffix.lower() not in READABLE for fs in files.values() for f in fs):
         return None
     split = split or "train"
     if split not in patterns:
         raise SourceError(f"{label}: no split {split!r}; it has {', '.join(patterns)} (set split)")
     return files[split]
+
+
+def of_one_format(files: dict[str, list[str]]) -> dict[str, list[str]] | None:
+    """`files` less those load_dataset leaves out: it reads every split with one builder, that of
+    the split's most common extension (Parquet where tied), and only that builder's files; None if
+    the splits' builders differ or there are no files (load_dataset refuses both)."""
+    from datasets.load import infer_module_for_data_files_list
+    from datasets.packaged_modules import _MODULE_TO_EXTENSIONS
+
+    modules = {infer_module_for_data_files_list(fs)[0] for fs in files.values()}
+    if len(modules) != 1 or None in modules:
+        return None
+    extensions = tuple(_MODULE_TO_EXTENSIONS[modules.pop()])
+    return {split: [f for f in fs if f.lower().endswith(extensions)] for split, fs in files.items()}
 
 
 def default_patterns(data: list[str], folder: str = "") -> dict[str, list[str]] | None:

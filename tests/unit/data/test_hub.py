@@ -55,6 +55,9 @@ def _repos() -> dict[str, Repo]:
         "fake/csv": Repo({"main": {"data.csv": csv},
                           "refs/convert/parquet": {"default/train/0000.parquet": _parquet(0, 3),
                                                    "default/partial-test/0000.parquet": _parquet(3, 4)}}),
+        # one builder a split: its most common extension's, Parquet where tied (load_dataset's choice)
+        "fake/formats": Repo({"main": {"train.jsonl": b"", "train-2.jsonl": b"", "train-3.parquet": b""},
+                              "tie": {"a.jsonl": b"", "b.parquet": b""}}),
         "fake/gated": Repo({"main": {"train.jsonl": _lines("chat.jsonl", 0, 3)}}, gated=True),
     }
 
@@ -125,6 +128,11 @@ def test_the_readmes_configs_choose_the_files(hub):
     assert _names(hub_files("fake/mix", "w", config="short")) == ["short/train-0.parquet", "short/train-1.parquet"]
     assert _names(hub_files("fake/mix", "w", config="short", split="test")) == ["short/test.parquet"]
     assert _names(hub_files("fake/mix", "w", config="dir", split="test")) == ["short/test.parquet"]
+
+
+def test_a_split_reads_the_files_of_the_builder_load_dataset_picks(hub):
+    assert _names(hub_files("fake/formats", "w")) == ["train-2.jsonl", "train.jsonl"]
+    assert _names(hub_files("fake/formats", "w", revision="tie")) == ["b.parquet"]
 
 
 def test_files_raypack_cant_read_come_from_the_hubs_parquet_conversion(hub):
