@@ -9,11 +9,19 @@ Tests point HF_ENDPOINT (or huggingface_hub.constants.ENDPOINT) at it; nothing r
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from raypack.config import ASSETS
+
+SAMPLE = ASSETS / "sample"
 
 
 @dataclass
@@ -150,3 +158,64 @@ def _tree(files: dict[str, bytes], path: str, recursive: bool, own: bool = False
     below = [e for e in entries if not path or e["path"].startswith(path + "/")]
     depth = path.count("/") + 1 if path else 0
     return sorted((e for e in below if recursive or e["path"].count("/") == depth), key=lambda e: e["path"])
+
+
+def point_at(hub: FakeHub, monkeypatch, tmp_path) -> FakeHub:
+    """huggingface_hub in this process pointed at `hub` (as HF_ENDPOINT would at its import), with a
+    fresh cache under `tmp_path`, no token and online; its HfFileSystem instances dropped."""
+    from huggingface_hub import HfFileSystem, constants
+
+    # both as huggingface_hub's import sets them from HF_ENDPOINT (hf_hub_url reads the template)
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "token"))
+    HfFileSystem.clear_instance_cache()  # one cached per endpoint and token: no listing of another test's
+    return hub
+
+
+# --- the sample datasets ---------------------------------------------------------------------------
+
+
+def lines(name: str, start: int, stop: int) -> bytes:
+    """Lines [start, stop) of a bundled sample file."""
+    return b"".join((SAMPLE / name).read_bytes().splitlines(keepends=True)[start:stop])
+
+
+def parquet(start: int, stop: int) -> bytes:
+    """Rows [start, stop) of the bundled completions, as a Parquet file."""
+    rows = [json.loads(line) for line in lines("completion.jsonl", start, stop).splitlines()]
+    out = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows), out)
+    return out.getvalue()
+
+
+MIX_CARD = {"configs": [
+    {"config_name": "short", "data_files": [{"split": "train", "path": "short/train-*.parquet"},
+                                             {"split": "test", "path": "short/test.parquet"}]},
+    {"config_name": "long", "default": True, "data_files": "long/*.parquet"},
+    {"config_name": "dir", "data_dir": "short"},  # datasets' split patterns, in the folder
+]}
+
+
+def sample_repos() -> dict[str, Repo]:
+    """A JSONL chat dataset with a tag, a Parquet one with configs, a CSV one the hub converted to
+    Parquet, one with files of two formats, and a gated one, from the bundled samples."""
+    csv = b"prompt,completion\nhi,there\n"
+    return {
+        "fake/chat": Repo({"main": {"README.md": b"# chats\n", "train.jsonl": lines("chat.jsonl", 0, 12),
+                                    "test.jsonl": lines("chat.jsonl", 12, 15)},
+                           "v1": {"train.jsonl": lines("chat.jsonl", 20, 24)}}),
+        "fake/mix": Repo({"main": {"short/train-0.parquet": parquet(0, 4), "short/train-1.parquet": parquet(4, 6),
+                                   "short/test.parquet": parquet(6, 8), "long/a.parquet": parquet(8, 15)}},
+                         card=MIX_CARD),
+        "fake/csv": Repo({"main": {"data.csv": csv},
+                          "refs/convert/parquet": {"default/train/0000.parquet": parquet(0, 3),
+                                                   "default/partial-test/0000.parquet": parquet(3, 4)}}),
+        # one builder a split: its most common extension's, Parquet where tied (load_dataset's choice)
+        "fake/formats": Repo({"main": {"train.jsonl": b"", "train-2.jsonl": b"", "train-3.parquet": b""},
+                              "tie": {"a.jsonl": b"", "b.parquet": b""}}),
+        "fake/gated": Repo({"main": {"train.jsonl": lines("chat.jsonl", 0, 3)}}, gated=True),
+    }

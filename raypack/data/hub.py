@@ -236,6 +236,18 @@ def match(files: list[str], pattern: str) -> list[str]:
     return [f for f in files if regex.match(f)]
 
 
+def task_env(files: tuple[tuple[str, str], ...]) -> dict:
+    """Ray remote args for the tasks that read `files` (a `Sources.files`): where any is a hub
+    dataset's, this process's HF_ENDPOINT, the hub that listed the commit they are named at, on
+    every node. HF_TOKEN is not passed: a secret in a runtime_env shows in Ray's dashboard and
+    logs, so a gated dataset's token is the cluster's own (docs/guides/data.md)."""
+    if not any(f.startswith("hf://") for f, _ in files):
+        return {}
+    from huggingface_hub import constants
+
+    return {"runtime_env": {"env_vars": {"HF_ENDPOINT": constants.ENDPOINT}}}
+
+
 # --- listing a revision: online, or from the hub cache ----------------------------------------------
 
 

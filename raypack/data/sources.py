@@ -43,7 +43,7 @@ import ray
 from raypack.config import DataConfig
 from raypack.config.sections import MAX_IMAGE_PIXELS
 from raypack.data.formats import ONE_FORMAT, FormatError, detect, renamed, renames, tokenized_columns, validate
-from raypack.data.hub import cause as hub_cause
+from raypack.data.hub import cause as hub_cause, task_env
 from raypack.data.images import ImageError, has_images, read_record
 from raypack.data.listing import MAX_ROWS, Sources, read_units
 from raypack.data.vision_pairs import KIND as PAIR_KIND, read_pair_record
@@ -265,6 +265,7 @@ def read_rows(cfg: DataConfig, sources: Sources, vocab_size: int | None = None) 
     return ray.data.from_items(units, override_num_blocks=len(units)).map_batches(
         read_unit, batch_size=1, num_cpus=0.5,
         fn_kwargs={"declared": cfg.format, "vocab_size": vocab_size, "max_image_pixels": cfg.max_image_pixels},
+        **task_env(sources.files),
     )
 
 

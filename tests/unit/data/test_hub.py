@@ -4,67 +4,24 @@ line, the rows read as local files' are, and the hub cache read offline."""
 
 from __future__ import annotations
 
-import io
 import json
 import time
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from huggingface_hub import constants
 
-from raypack.config import ASSETS, DataConfig, SourceConfig
+from raypack.config import DataConfig, SourceConfig
 from raypack.data.hub import hub_files, is_hub_path
 from raypack.data.listing import Sources
 from raypack.data.sources import rows_here
 from raypack.errors import SourceError
 
-from fakehub import FakeHub, Repo, sha
-
-SAMPLE = ASSETS / "sample"
-
-
-def _lines(name: str, start: int, stop: int) -> bytes:
-    return b"".join((SAMPLE / name).read_bytes().splitlines(keepends=True)[start:stop])
-
-
-def _parquet(start: int, stop: int) -> bytes:
-    rows = [json.loads(line) for line in _lines("completion.jsonl", start, stop).splitlines()]
-    out = io.BytesIO()
-    pq.write_table(pa.Table.from_pylist(rows), out)
-    return out.getvalue()
-
-
-MIX_CARD = {"configs": [
-    {"config_name": "short", "data_files": [{"split": "train", "path": "short/train-*.parquet"},
-                                             {"split": "test", "path": "short/test.parquet"}]},
-    {"config_name": "long", "default": True, "data_files": "long/*.parquet"},
-    {"config_name": "dir", "data_dir": "short"},  # datasets' split patterns, in the folder
-]}
-
-
-def _repos() -> dict[str, Repo]:
-    csv = b"prompt,completion\nhi,there\n"
-    return {
-        "fake/chat": Repo({"main": {"README.md": b"# chats\n", "train.jsonl": _lines("chat.jsonl", 0, 12),
-                                    "test.jsonl": _lines("chat.jsonl", 12, 15)},
-                           "v1": {"train.jsonl": _lines("chat.jsonl", 20, 24)}}),
-        "fake/mix": Repo({"main": {"short/train-0.parquet": _parquet(0, 4), "short/train-1.parquet": _parquet(4, 6),
-                                   "short/test.parquet": _parquet(6, 8), "long/a.parquet": _parquet(8, 15)}},
-                         card=MIX_CARD),
-        "fake/csv": Repo({"main": {"data.csv": csv},
-                          "refs/convert/parquet": {"default/train/0000.parquet": _parquet(0, 3),
-                                                   "default/partial-test/0000.parquet": _parquet(3, 4)}}),
-        # one builder a split: its most common extension's, Parquet where tied (load_dataset's choice)
-        "fake/formats": Repo({"main": {"train.jsonl": b"", "train-2.jsonl": b"", "train-3.parquet": b""},
-                              "tie": {"a.jsonl": b"", "b.parquet": b""}}),
-        "fake/gated": Repo({"main": {"train.jsonl": _lines("chat.jsonl", 0, 3)}}, gated=True),
-    }
+from fakehub import FakeHub, lines, point_at, sample_repos, sha
 
 
 @pytest.fixture(scope="module")
 def fake_hub():
-    hub = FakeHub(_repos()).start()
+    hub = FakeHub(sample_repos()).start()
     yield hub
     hub.stop()
 
@@ -72,17 +29,7 @@ def fake_hub():
 @pytest.fixture
 def hub(fake_hub, monkeypatch, tmp_path):
     """The fake hub as huggingface_hub's endpoint, a fresh cache, no token, online."""
-    # both as huggingface_hub's import sets them from HF_ENDPOINT (hf_hub_url reads the template)
-    monkeypatch.setattr(constants, "ENDPOINT", fake_hub.url)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", fake_hub.url + "/{repo_id}/resolve/{revision}/{filename}")
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "token"))
-    from huggingface_hub import HfFileSystem
-
-    HfFileSystem.clear_instance_cache()  # one cached per endpoint and token: no listing of another test's
-    return fake_hub
+    return point_at(fake_hub, monkeypatch, tmp_path)
 
 
 def _names(files) -> list[str]:
@@ -212,7 +159,7 @@ def test_a_sources_config_split_and_revision_read_the_rows_local_files_would(hub
 
 
 def test_config_split_and_revision_on_a_local_path_are_refused(tmp_path):
-    (tmp_path / "a.jsonl").write_bytes(_lines("chat.jsonl", 0, 1))
+    (tmp_path / "a.jsonl").write_bytes(lines("chat.jsonl", 0, 1))
     data = DataConfig(sources=(SourceConfig(paths=(str(tmp_path / "a.jsonl"),), split="test"),))
     with pytest.raises(SourceError, match=r"^data.sources\[0\] \(paths: .*\): split choose a Hugging Face Hub "
                                           r"dataset's files; .* is a local path$"):
