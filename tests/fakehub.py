@@ -18,6 +18,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import yaml
 
 from raypack.config import ASSETS
 
@@ -29,7 +30,8 @@ class Repo:
     revisions: dict[str, dict[str, bytes]]
     """{branch: {path: bytes}}; every branch is one commit, whose sha the fake derives from it."""
     card: dict = field(default_factory=dict)
-    """The README's YAML metadata (`configs`), as the API's `cardData` reports it."""
+    """The README's YAML metadata (`configs`), as the API's `cardData` reports it (the README itself
+    is one of the files, for the hub cache's readers)."""
     gated: bool = False
     """Files answer 401 (GatedRepo) to a request without a token; listing them needs none, as on the hub."""
 
@@ -208,7 +210,8 @@ def sample_repos() -> dict[str, Repo]:
         "fake/chat": Repo({"main": {"README.md": b"# chats\n", "train.jsonl": lines("chat.jsonl", 0, 12),
                                     "test.jsonl": lines("chat.jsonl", 12, 15)},
                            "v1": {"train.jsonl": lines("chat.jsonl", 20, 24)}}),
-        "fake/mix": Repo({"main": {"short/train-0.parquet": parquet(0, 4), "short/train-1.parquet": parquet(4, 6),
+        "fake/mix": Repo({"main": {"README.md": b"---\n" + yaml.safe_dump(MIX_CARD).encode() + b"---\n# mixed\n",
+                                   "short/train-0.parquet": parquet(0, 4), "short/train-1.parquet": parquet(4, 6),
                                    "short/test.parquet": parquet(6, 8), "long/a.parquet": parquet(8, 15)}},
                          card=MIX_CARD),
         "fake/csv": Repo({"main": {"data.csv": csv},

@@ -36,6 +36,11 @@ def _names(files) -> list[str]:
     return [f.split("@", 1)[1].split("/", 1)[1] for f, _ in files]
 
 
+def _cached(files) -> list[str]:
+    """The paths in the repo of files in the hub cache (`.../snapshots/<sha>/<path>`)."""
+    return [f.split("/snapshots/", 1)[1].split("/", 1)[1] for f, _ in files]
+
+
 def test_hub_names_and_local_paths_are_told_apart(tmp_path):
     (tmp_path / "org").mkdir()
     assert is_hub_path("fake/chat") and is_hub_path("hf://datasets/fake/chat")
@@ -183,6 +188,11 @@ def test_offline_reads_what_the_hub_cache_holds(hub, monkeypatch):
     assert open(files[0][0], "rb").read() == hub.repos["fake/chat"].revisions["main"]["test.jsonl"]
     rows = rows_here(DataConfig(paths=("fake/chat",)), Sources.of(("fake/chat",)))
     assert sum(t.num_rows for t in rows) == 12
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    snapshot_download("fake/mix", repo_type="dataset")
+    asked = len(hub.requests)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # its README's configs, read from the cache
+    assert _cached(hub_files("fake/mix", "w", config="short")) == ["short/train-0.parquet", "short/train-1.parquet"]
     assert len(hub.requests) == asked  # nothing asked of the network
 
 
