@@ -40,12 +40,22 @@ def absolute(path: str) -> str:
 def resolve(path: str) -> tuple[pafs.FileSystem, str]:
     """(filesystem, path inside it); local paths become absolute. A URI whose filesystem can't be
     reached (pyarrow asks S3 for the bucket's region here) is a StorageError naming it."""
+    if path.startswith("hf://"):  # a Hugging Face Hub dataset's file (raypack/data/hub.py): fsspec's, wrapped
+        return _hub_filesystem(), path[len("hf://"):]
     if is_uri(path):
         try:
             return pafs.FileSystem.from_uri(path)
         except OSError as e:
             raise StorageError(f"{path}: can't reach it: {e}") from e
     return pafs.LocalFileSystem(), absolute(path)
+
+
+def _hub_filesystem() -> pafs.FileSystem:
+    """HfFileSystem as pyarrow reads it: the hub's endpoint and token as huggingface_hub finds them
+    in this process (HF_ENDPOINT, HF_TOKEN), so a Ray task reads with its node's own settings."""
+    from huggingface_hub import HfFileSystem, constants
+
+    return pafs.PyFileSystem(pafs.FSSpecHandler(HfFileSystem(endpoint=constants.ENDPOINT)))
 
 
 def exists(path: str) -> bool:

@@ -37,7 +37,7 @@ class SourceConfig:
     rows read where that differs from the others'. raypack/data/mixture.py draws the epoch."""
 
     paths: tuple[str, ...] = ()
-    """Its JSONL, Parquet or `save_to_disk` folders, as `data.paths` takes them."""
+    """Its JSONL, Parquet or `save_to_disk` folders or hub datasets, as `data.paths` takes them."""
     weight: float | None = None
     """Its share of each epoch's examples, relative to the other sources' weights (0.5, 0.3, 0.2 and
     5, 3, 2 mix alike; `data.examples_per_epoch` says how many an epoch holds): a seeded draw of that
@@ -49,6 +49,13 @@ class SourceConfig:
     first path, without its extension (with `-N` added where two sources would share one)."""
     format: Format | None = None
     """Its example format, as `data.format` names them; null: `data.format`'s."""
+    config: str | None = None
+    """Of a Hugging Face Hub dataset (`org/name`): its config, the subset `load_dataset` calls `name`;
+    null: the dataset's default (docs/guides/data.md#hugging-face-hub-datasets)."""
+    split: str | None = None
+    """Of a hub dataset: its split; null: train."""
+    revision: str | None = None
+    """Of a hub dataset: the branch, tag or commit to read; null: main."""
     columns: dict[str, str] = field(default_factory=dict)
     """Its own column names for the format's fields, `{field: column}`: `{prompt: question,
     completion: answer}` reads a `question` column as the prompt and `answer` as the completion
@@ -65,7 +72,9 @@ class SourceConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataConfig:
     paths: tuple[str, ...] = DEFAULT_PATHS
-    """JSONL, Parquet or `save_to_disk` folders; local paths or any URI Ray Data reads. The
+    """JSONL, Parquet or `save_to_disk` folders; local paths or any URI Ray Data reads; or Hugging
+    Face Hub datasets, `org/name` or `hf://datasets/org/name[@revision][/path]` (their default
+    config's train split; a source's `config`, `split` and `revision` choose others). The
     one-source form of `data.sources`: give one or the other."""
     sources: tuple[SourceConfig, ...] = ()
     """Several datasets mixed by weight, each with its own `paths`, `weight` and, where it differs,

@@ -9,7 +9,8 @@ example's source from its file), `Sources.reading` how its rows read (the source
 column names, which its read units carry), and messages about a source name it by index and paths.
 
 A configured path is a file, a folder of files, or a `save_to_disk` folder (a Dataset, or a
-DatasetDict's `train` split), local or any URI pyarrow reads. Listing them is a remote LIST per
+DatasetDict's `train` split), local or any URI pyarrow reads, or a Hugging Face Hub dataset
+(`org/name`, `hf://datasets/...`: raypack/data/hub.py lists the files of its config and split). Listing them is a remote LIST per
 path on object storage, so a command lists once and passes the `Sources` record along: preflight
 checks each file's format from it, the read and the tokenizer stage number rows by it, and data
 preparation keys its caches by its fingerprint (raypack/data/fingerprint.py says what identifies
@@ -28,8 +29,9 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from raypack.config import DataConfig
-from raypack.config.sections import source_where
+from raypack.config.sections import SourceConfig, source_where
 from raypack.data.fingerprint import sources_fingerprint
+from raypack.data.hub import hub_files, is_hub_path
 from raypack.errors import SourceError
 from raypack.storage import is_uri, resolve
 
@@ -70,7 +72,7 @@ class Sources:
             return cls.of(data.paths)
         files, owners, reading = [], [], []
         for i, source in enumerate(data.sources):
-            listed = list_sources(source.paths, source_where(i, source.paths))
+            listed = list_sources(source.paths, source_where(i, source.paths), source)
             files += listed
             owners += [i] * len(listed)
             columns = json.dumps(source.columns, sort_keys=True) if source.columns else ""
@@ -90,8 +92,14 @@ def _kind(path: str) -> str | None:
     return None
 
 
-def _expand(path: str, where: str = "data.paths") -> list[tuple[str, str]]:
-    """(path, kind) of every file a configured path stands for; `where` names the setting in messages."""
+def _expand(path: str, where: str = "data.paths", source: SourceConfig | None = None) -> list[tuple[str, str]]:
+    """(path, kind) of every file a configured path stands for; `where` names the setting in messages.
+    `source`: the `data.sources` item, whose config, split and revision choose a hub dataset's files."""
+    hub = {k: getattr(source, k) for k in ("config", "split", "revision") if getattr(source, k, None) is not None}
+    if is_hub_path(path):
+        return hub_files(path, where, **hub)
+    if hub:
+        raise SourceError(f"{where}: {', '.join(hub)} choose a Hugging Face Hub dataset's files; {path} is a local path")
     try:
         return _expand_reachable(path, where)
     except OSError as e:
@@ -126,11 +134,11 @@ def _expand_reachable(path: str, where: str = "data.paths") -> list[tuple[str, s
     return [(prefix + f, _kind(f)) for f in files]
 
 
-def list_sources(paths: tuple[str, ...], where: str = "data.paths") -> list[tuple[str, str]]:
+def list_sources(paths: tuple[str, ...], where: str = "data.paths", source: SourceConfig | None = None) -> list[tuple[str, str]]:
     """(path, kind) of every source file, in example_id file order; kind is jsonl, parquet or arrow.
     One listing per configured path and no reads: a missing path, an empty folder or an
     unreachable URI fails here, before any Ray work, naming `where` (`data.paths`, or a source)."""
-    return [f for p in paths for f in _expand(p, where)]
+    return [f for p in paths for f in _expand(p, where, source)]
 
 
 def read_units(files: tuple[tuple[str, str], ...], reading: tuple[tuple[str, str], ...] = ()) -> list[dict]:

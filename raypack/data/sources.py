@@ -43,6 +43,7 @@ import ray
 from raypack.config import DataConfig
 from raypack.config.sections import MAX_IMAGE_PIXELS
 from raypack.data.formats import ONE_FORMAT, FormatError, detect, renamed, renames, tokenized_columns, validate
+from raypack.data.hub import cause as hub_cause, task_env
 from raypack.data.images import ImageError, has_images, read_record
 from raypack.data.listing import MAX_ROWS, Sources, read_units
 from raypack.data.vision_pairs import KIND as PAIR_KIND, read_pair_record
@@ -207,12 +208,13 @@ def read_unit(batch: dict[str, np.ndarray], declared: str, vocab_size: int | Non
                     continue
             rows, keys = _records(unit, table)
             fmt = detect(keys, declared_here, unit["path"])
-        except (SourceError, FormatError) as e:
+        except (SourceError, FormatError, OSError) as e:
             # A file-level problem travels as a row: an exception raised in a Ray task reaches the
             # driver wrapped, with its type and message buried in a traceback dump.
+            message = _file_error(str(unit["path"]), e)
             for name in SCHEMA.names:
                 out[name].append(None)
-            out["example_id"][-1], out["error"][-1], out["fatal"][-1] = example_id(int(unit["file_index"]), 0), str(e), True
+            out["example_id"][-1], out["error"][-1], out["fatal"][-1] = example_id(int(unit["file_index"]), 0), message, True
             continue
         detected = "" if declared_here != "auto" else "first row" if unit["kind"] == "jsonl" else "columns"
         for row, at, rec in rows:
@@ -236,6 +238,17 @@ def read_unit(batch: dict[str, np.ndarray], declared: str, vocab_size: int | Non
     return pa.concat_tables([*tables, pa.Table.from_pydict(out, schema=SCHEMA)])
 
 
+def _file_error(path: str, e: Exception) -> str:
+    """The message of a file-level problem. A hub dataset's file that a read task can't read (its
+    node has no HF_TOKEN for a gated dataset, the hub went away) is named with the cause, as the
+    listing names it; any other OSError is raised again, as before."""
+    if not isinstance(e, OSError):
+        return str(e)
+    if path.startswith("hf://") and (why := hub_cause(e)):
+        return f"{path}: can't read it: {why}"
+    raise e
+
+
 def _folder(path: str) -> str:
     """The folder of a data file (a path or URI): what an image path in it is relative to."""
     return path.rsplit("/", 1)[0] if "/" in path else "."
@@ -252,6 +265,7 @@ def read_rows(cfg: DataConfig, sources: Sources, vocab_size: int | None = None) 
     return ray.data.from_items(units, override_num_blocks=len(units)).map_batches(
         read_unit, batch_size=1, num_cpus=0.5,
         fn_kwargs={"declared": cfg.format, "vocab_size": vocab_size, "max_image_pixels": cfg.max_image_pixels},
+        **task_env(sources.files),
     )
 
 

@@ -16,20 +16,28 @@ pytestmark = pytest.mark.ray
 SAMPLE = ASSETS / "sample"
 
 
-def test_reads_all_source_kinds_with_stable_ids(ray_local, tmp_path):
+def test_reads_all_source_kinds_with_stable_ids(ray_local, tmp_path, monkeypatch):
+    """Local JSONL, Parquet and save_to_disk files, and a hub dataset's file (tests/fakehub.py),
+    which Ray's read tasks read over HfFileSystem from the hub that listed it."""
     import datasets
 
+    from fakehub import FakeHub, point_at, sample_repos
+
+    hub = point_at(FakeHub(sample_repos()).start(), monkeypatch, tmp_path)
     datasets.Dataset.from_dict({"prompt": ["p0", "p1", "p2"], "completion": ["c0", "c1", "c2"]}).save_to_disk(tmp_path / "hf")
-    paths = (str(SAMPLE / "chat.jsonl"), str(SAMPLE / "tokenized.parquet"), str(tmp_path / "hf"))
+    paths = (str(SAMPLE / "chat.jsonl"), str(SAMPLE / "tokenized.parquet"), str(tmp_path / "hf"),
+             "hf://datasets/fake/chat/test.jsonl")
     cfg = DataConfig(paths=paths)
     ds, report = read_sources_with_report(cfg, Sources.of(cfg.paths))
-    assert report.files == 3 and report.bad_rows == 0
-    assert report.formats == {"chat": 300, "tokenized": 300, "completion": 3} and report.rows == 603
+    assert report.files == 4 and report.bad_rows == 0
+    assert report.formats == {"chat": 303, "tokenized": 300, "completion": 3} and report.rows == 606
     ids = np.sort(ds.to_pandas()["example_id"].to_numpy())
     assert len(np.unique(ids)) == len(ids)
-    assert sorted({locate(int(i))[0] for i in ids}) == [0, 1, 2]
+    assert sorted({locate(int(i))[0] for i in ids}) == [0, 1, 2, 3]
+    assert any(r.startswith("GET /datasets/fake/chat/resolve/") for r in hub.requests)  # by a read task
     again = np.sort(read_sources_with_report(cfg, Sources.of(cfg.paths))[0].to_pandas()["example_id"].to_numpy())
     assert np.array_equal(ids, again)
+    hub.stop()
 
 
 def test_bad_rows_error(ray_local, tmp_path):
