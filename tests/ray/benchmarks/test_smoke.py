@@ -2,9 +2,9 @@
 that every script is covered): the benchmark scripts that need Ray run their --smoke mode as
 commands, and `make bench-smoke`'s driver (tools/bench_gpu.py --smoke) runs its steps, installing
 wheels first as it does on the bare GPU machine. The start-up and scale benchmarks (SLOW) run with
-`pytest -m slow`, as do the sweep and DPO comparisons: each starts several fresh processes (and
-most their own Ray instances), 5.8 minutes of the suite for what the tests of `raypack train`,
-`prepare`, Tune and DPO already run."""
+`pytest -m slow`, as do the sweep, DPO and TRL comparisons: each starts several fresh processes (and
+most their own Ray instances), 6.8 minutes of the suite for what the tests of `raypack train`,
+`prepare`, Tune, DPO and the peers' configs already run."""
 
 from __future__ import annotations
 
@@ -45,6 +45,8 @@ SLOW = {
     "prepare_scale.py": "prepare on its own Ray instance beside the pyarrow floor (43 s); prepare is tested "
                         "in tests/ray/data/test_prepare.py",
     "sweep_spread.py": "six `raypack sweep` trials (78 s); a sweep's reports reach Tune in tests/ray/tune",
+    "peers.py": "TRL's SFTTrainer in two recipes and `raypack train`, each a fresh process (63 s); the rows' "
+                "configs are tests/unit/benchmarks/test_peers.py's, and `make bench-smoke` runs it as gpu-check does",
     "dpo.py": "TRL's DPOTrainer and `raypack train` in fresh processes (66 s); raypack's DPO loss is TRL's in "
               "tests/unit/train/objectives/test_dpo.py, its runs on Ray in tests/ray/train/test_dpo.py; `make "
               "bench-smoke` runs it as gpu-check does",

@@ -143,7 +143,10 @@ def _train_until(cmd: list[str], env: dict, cwd: Path, step: int):
     return proc, screen
 
 
-@pytest.mark.parametrize("engine", [[], ["train.engine=torch", "train.zero_stage=3"]], ids=["deepspeed", "torch-fsdp3"])
+# DeepSpeed's under -m slow (67 s): its stop and resume are the Ctrl-C test's, its export test_export's,
+# and its refusal to resume on another worker count is checked after the Ctrl-C below
+@pytest.mark.parametrize("engine", [pytest.param([], marks=pytest.mark.slow),
+                                    ["train.engine=torch", "train.zero_stage=3"]], ids=["deepspeed", "torch-fsdp3"])
 def test_sigterm_mid_epoch_checkpoints_exits_143_and_the_resume_trains_every_example_once(ray_local, tmp_path, engine,
                                                                                           capsys):
     """SIGTERM (a pod evicted, `ray job stop`, Slurm, kill) to the driver in the middle of an epoch:
@@ -267,11 +270,12 @@ def test_sigterm_mid_epoch_checkpoints_exits_143_and_the_resume_trains_every_exa
     assert capsys.readouterr().out == greedy(model, final) + "\n"
 
 
-def test_ctrl_c_in_training_exits_130_with_one_line_and_the_resume_continues(ray_local, tmp_path):
+def test_ctrl_c_in_training_exits_130_with_one_line_and_the_resume_continues(ray_local, tmp_path, capsys):
     """Ctrl-C (SIGINT) once training reported a checkpoint: the workers stop after their step,
     the command exits 130 within seconds with one line saying how to continue and no traceback;
-    `--resume` then goes on from the last registered checkpoint, and a checkpoint folder the run
-    saved but never registered is removed."""
+    a resume on another worker count is refused in one line (DeepSpeed's ZeRO partitions aren't
+    resharded), leaving the run as it was; `--resume` then goes on from the last registered
+    checkpoint, and a checkpoint folder the run saved but never registered is removed."""
     import signal
     import time
 
@@ -292,6 +296,13 @@ def test_ctrl_c_in_training_exits_130_with_one_line_and_the_resume_continues(ray
     assert tail[-1].endswith(f"; continue it with: raypack train --resume {root}"), rest[-3000:]
     assert "Traceback" not in rest and "KeyboardInterrupt" not in rest, rest[-3000:]
     assert waited < 30, f"took {waited:.0f} s to stop"
+
+    before = sorted(p.name for p in root.iterdir())
+    capsys.readouterr()
+    assert main(["train", "--resume", str(root), "train.num_workers=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("raypack: error: train.num_workers=1: the checkpoint ") and err.count("\n") == 1, err
+    assert "resume with train.num_workers=2" in err and sorted(p.name for p in root.iterdir()) == before
 
     orphan = root / "checkpoint_2000-01-01_00-00-00.000000"  # as if saved when the signal came, never registered
     orphan.mkdir()
