@@ -50,7 +50,7 @@ from raypack.data.prepare import prepare
 from raypack.data.shards import Prepared
 from raypack.errors import ConfigError, InputError
 from raypack.runtime import init_ray, is_local_instance
-from raypack.train import resize
+from raypack.train import elastic, resize
 from raypack.train.handoff import Handoff
 from raypack.train.metrics import source_eval_losses
 from raypack.train.placement import check_request, process_group, worker_resources
@@ -96,6 +96,8 @@ class Outcome:
     """Seconds per start-up phase before the first step (raypack/train/startup.py), when one ran."""
     stopped: dict[str, Any] | None = None
     """A run a signal stopped before its last step: {"signal", "step", "checkpoint"} (stop.py)."""
+    resized_to: int | None = None
+    """An elastic run's fit that Ray Train restarted on this many workers (raypack/train/elastic.py)."""
 
 
 def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbacks: Sequence = (),
@@ -105,7 +107,22 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
     what the run was started with. `reprepare` packs changed sources again (a run with no
     checkpoint yet). `callbacks`: Ray Train callbacks (a sweep trial forwards reports with one).
     `trial`: a sweep trial, which waits for room for its workers behind the other trials for as
-    long as it takes, not `train.start_timeout_s`."""
+    long as it takes, not `train.start_timeout_s`. An elastic run that Ray Train restarted on
+    another worker count starts again on it, from its last checkpoint (raypack/train/elastic.py)."""
+    elastic.check_elastic(cfg)
+    started = cfg
+    while True:
+        outcome = _start(cfg, resume=resume, reprepare=reprepare, callbacks=callbacks, trial=trial)
+        if outcome.resized_to is None:
+            return outcome
+        if outcome.resized_to == cfg.train.num_workers:
+            elastic.unresized(cfg)
+        cfg = elastic.going_on(cfg, outcome.resized_to, outcome.root, started)
+        resume, reprepare = True, False  # its own config, changed in size only; its packed data made
+
+
+def _start(cfg: Config, *, resume: bool, reprepare: bool, callbacks: Sequence, trial: bool) -> Outcome:
+    """One fit of `start`."""
     clock = Startup.begin()
     root = runs.run_dir(cfg)
     trained = runs.has_checkpoint(root)
@@ -142,7 +159,7 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
     overlap = cfg.train.overlap_start
     stop = DriverStop(cfg.train.stop_grace_s)
     try:
-        check_request(cfg, wait=not trial)
+        check_request(elastic.at_least(cfg), wait=not trial)
         if overlap:  # the workers start now and wait for the data (raypack/train/handoff.py)
             clock.mark("prepare")
             data = Handoff.remote()
@@ -177,6 +194,8 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
         # Not finished: no result file, which says a run is complete (chat, export, a rerun read it).
         stopped["signal"] = signal.Signals(stop.signum).name
         return Outcome(root, False, summary, checkpoint, tracking, result, startup, stopped)
+    if (count := elastic.resized_to(result)) is not None:  # not finished either: `start` goes on
+        return Outcome(root, False, summary, checkpoint, tracking, result, startup, resized_to=count)
     trained = resize.trained_totals(checkpoint) if checkpoint and storage.exists(checkpoint) else None
     runs.write_result(root, metrics.get("step", 0), summary, checkpoint, startup=startup, trained=trained,
                       ran={"epochs": cfg.train.epochs, "max_steps": cfg.train.max_steps})
@@ -328,7 +347,7 @@ def build_trainer(checked: Checked, tracking: TrackingTargets, data: dict | Any,
         train_loop_config=loop_config,
         torch_config=torch_config,
         scaling_config=ray.train.ScalingConfig(
-            num_workers=t.num_workers,
+            num_workers=elastic.scaling_workers(cfg),
             use_gpu=t.use_gpu,
             resources_per_worker=worker_resources(t),
             placement_strategy=t.placement_strategy,
@@ -376,7 +395,9 @@ class RunTrainer(TorchTrainer):
         return [c for c in callbacks if not isinstance(c, unused)]
 
     def _initialize_and_run_controller(self, **kwargs):
-        policy = raycompat.local_scaling_policy(self.scaling_config) if self._local else None
+        # an elastic run's policy is Ray Train's own, whose AutoscalingCoordinator counts the nodes
+        fixed = self._local and not isinstance(self.scaling_config.num_workers, tuple)
+        policy = raycompat.local_scaling_policy(self.scaling_config) if fixed else None
         if policy is not None:
             kwargs["scaling_policy"] = policy
         return super()._initialize_and_run_controller(**kwargs)
