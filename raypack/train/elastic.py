@@ -21,7 +21,9 @@ every report, which steps where the run changed size (raypack/train/loop.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 from raypack.config import Config
@@ -51,6 +53,19 @@ def at_least(cfg: Config) -> Config:
     """`cfg` at its smallest size: what must have room before an elastic run starts."""
     t = cfg.train
     return dataclasses.replace(cfg, train=dataclasses.replace(t, num_workers=t.elastic[0])) if t.elastic else cfg
+
+
+@contextlib.contextmanager
+def planning(cfg: Config) -> Iterator[None]:
+    """An elastic run's data planned for its current size: a plan the data can't fill (fewer
+    packs than ranks) says which size of the range it was planned for, in its one line."""
+    try:
+        yield
+    except InputError as e:
+        t = cfg.train
+        if not t.elastic:
+            raise
+        raise InputError(f"train.num_workers={list(t.elastic)}, the data planned for {t.num_workers} workers: {e}") from None
 
 
 def resized_to(result: Any) -> int | None:

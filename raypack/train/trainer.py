@@ -24,7 +24,9 @@ Failures: Ray Train restarts the worker group from the last checkpoint up to
 data, a tracker that can't start) would fail the same way every time, and so would an ImportError
 (a package missing on a node): either ends the run at once, `fit` raises it as it is, and Ray
 Train's tracebacks of it are left out, so the command's one line is the first word of it.
-SIGTERM and Ctrl-C during `fit` stop the workers after their step (raypack/train/stop.py).
+SIGTERM and Ctrl-C during `fit` stop the workers after their step (raypack/train/stop.py). An
+elastic run (`train.num_workers: [min, max]`) that Ray Train restarted on another worker count
+fits again on it, from its last checkpoint (raypack/train/elastic.py).
 Workers the cluster can never hold stop a start in seconds, and room for the others is waited for
 at most `train.start_timeout_s` (raypack/train/placement.py); after that, Ray Train's own waits are
 unbounded. On a local instance the run listens on 127.0.0.1 only (placement.py too).
@@ -164,7 +166,8 @@ def _start(cfg: Config, *, resume: bool, reprepare: bool, callbacks: Sequence, t
             clock.mark("prepare")
             data = Handoff.remote()
         else:
-            data = prepare_data(checked, reprepare, clock).to_dict()
+            with elastic.planning(cfg):
+                data = prepare_data(checked, reprepare, clock).to_dict()
         clock.mark("fit")
         trainer = build_trainer(checked, tracking, data, callbacks=callbacks, startup=clock, stop_key=stop.key)
     except BaseException:

@@ -142,7 +142,9 @@ def test_an_elastic_run_loses_a_node_and_trains_on_on_one_worker_every_example_o
     from trackfiles import tensorboard_events
     from trained import planned_label_tokens, planned_train_ids, trained_ids
 
-    overrides = [f"run.storage_path={tmp_path / 'results'}", "run.name=elastic", "pack.budget=256",
+    data = tmp_path / "chat.jsonl"  # the sample's first 80 conversations: ~10 steps on 2 workers
+    data.write_text("".join((REPO / "raypack/assets/sample/chat.jsonl").read_text().splitlines(keepends=True)[:80]))
+    overrides = [f"run.storage_path={tmp_path / 'results'}", "run.name=elastic", "pack.budget=256", f"data.paths=['{data}']",
                  "train.engine=torch", "train.zero_stage=0", "train.num_workers=[1, 2]", "train.cpus_per_worker=2",
                  "train.checkpoint_every_steps=2", "train.report_every_steps=1"]
     env = {**os.environ, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1", "PYTHONPATH": str(REPO)}

@@ -76,3 +76,16 @@ def test_going_on_keeps_the_step_size_of_the_last_checkpoint_or_of_the_start_in_
     assert (back.train.num_workers, back.train.grad_accum) == (2, 2)
     assert capsys.readouterr().out == ("[raypack] the cluster holds 2 workers now, not 1 (train.num_workers=[1, 2]): "
                                        "going on from step 4's checkpoint\n")
+
+
+def test_data_an_elastic_size_cant_be_planned_for_says_which_size_in_its_one_line():
+    from raypack.data.prepare import _check_every_rank_trains
+
+    cfg = load(None, ["train.num_workers=[1, 2]", "train.engine=torch", "train.grad_accum=1"])
+    plan = types.SimpleNamespace(num_steps=1)
+    with pytest.raises(InputError) as e, elastic.planning(cfg):
+        _check_every_rank_trains(plan, [12, 0], cfg, 2, 1)  # one example, two ranks: rank 1 idle
+    assert str(e.value).startswith("train.num_workers=[1, 2], the data planned for 2 workers: data.paths: rank 1 of "
+                                   "2 gets no label token") and "\n" not in str(e.value), e.value
+    with pytest.raises(InputError, match="^data.paths: rank 1"), elastic.planning(load(None, ["train.grad_accum=1"])):
+        _check_every_rank_trains(plan, [12, 0], load(None, ["train.grad_accum=1"]), 2, 1)  # a fixed size: as it was
