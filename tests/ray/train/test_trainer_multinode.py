@@ -170,5 +170,6 @@ def test_an_elastic_run_loses_a_node_and_trains_on_on_one_worker_every_example_o
                                             "epochs": [{"examples": len(ids), "label_tokens": labels}]}
     workers = {step: value for tag, step, value in tensorboard_events(tmp_path / "results" / "elastic" / "tensorboard")
                if tag == "train/workers"}
-    assert sorted(workers) == list(range(1, last + 1)), workers
-    assert {workers[s] for s in range(1, lost + 1)} == {2} and {workers[s] for s in range(lost + 1, last + 1)} == {1}
+    # The steps the lost group logged last may not have reached the event file before it was killed
+    assert {v for s, v in workers.items() if s <= lost} == {2}, workers
+    assert {s: workers.get(s) for s in range(lost + 1, last + 1)} == dict.fromkeys(range(lost + 1, last + 1), 1), workers
