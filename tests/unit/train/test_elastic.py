@@ -89,3 +89,22 @@ def test_data_an_elastic_size_cant_be_planned_for_says_which_size_in_its_one_lin
                                    "2 gets no label token") and "\n" not in str(e.value), e.value
     with pytest.raises(InputError, match="^data.paths: rank 1"), elastic.planning(load(None, ["train.grad_accum=1"])):
         _check_every_rank_trains(plan, [12, 0], load(None, ["train.grad_accum=1"]), 2, 1)  # a fixed size: as it was
+
+
+def test_workers_restarted_on_another_count_than_the_data_is_planned_for_return_it_untrained(monkeypatch):
+    from raypack.train import remote
+
+    size = {"world": 1}
+    monkeypatch.setattr(remote.ray.train, "get_context", lambda: types.SimpleNamespace(get_world_size=lambda: size["world"]))
+    monkeypatch.setattr(remote.raycompat, "quiet_report_log", lambda: None)
+    cfg = load(None, ["train.num_workers=[1, 2]", "train.engine=torch"])
+    assert remote.worker_loop({"cfg": cfg.to_dict()}) == {RESIZED: 1}  # planned for 2, restarted on 1
+    size["world"] = 3
+    assert remote.worker_loop({"cfg": cfg.to_dict()}) == {RESIZED: 3}
+    trained = []
+    monkeypatch.setattr("raypack.train.loop.train_loop_per_worker", trained.append)
+    size["world"] = 2
+    assert remote.worker_loop({"cfg": cfg.to_dict()}) is None and len(trained) == 1  # its own count: it trains
+    fixed = load(None, ["train.num_workers=2"])
+    size["world"] = 1  # a fixed size is Ray Train's to keep: never returned for
+    assert remote.worker_loop({"cfg": fixed.to_dict()}) is None and len(trained) == 2
