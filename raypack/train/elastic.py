@@ -32,10 +32,12 @@ from raypack.train import resize
 from raypack.train.remote import RESIZED
 
 
-def scaling_workers(cfg: Config) -> int | tuple[int, int]:
-    """Ray Train's `ScalingConfig(num_workers=...)`: (min, max) for an elastic run."""
+def scaling_workers(cfg: Config, local: bool) -> int | tuple[int, int]:
+    """Ray Train's `ScalingConfig(num_workers=...)`: (min, max) for an elastic run on a cluster.
+    A local instance (`local`) has one node, none to lose or gain: there an elastic run is a
+    fixed one on max workers, without the AutoscalingCoordinator, which has no autoscaler to ask."""
     t = cfg.train
-    return (t.elastic[0], t.elastic[1]) if t.elastic else t.num_workers
+    return (t.elastic[0], t.elastic[1]) if t.elastic and not local else t.num_workers
 
 
 def check_elastic(cfg: Config) -> None:
@@ -49,10 +51,13 @@ def check_elastic(cfg: Config) -> None:
                          "a fixed train.num_workers, or a strategy that keeps examples whole")
 
 
-def at_least(cfg: Config) -> Config:
-    """`cfg` at its smallest size: what must have room before an elastic run starts."""
+def at_least(cfg: Config, local: bool) -> Config:
+    """`cfg` at its smallest size: what must have room before an elastic run starts on a cluster
+    (on a local instance, its max: `scaling_workers`)."""
     t = cfg.train
-    return dataclasses.replace(cfg, train=dataclasses.replace(t, num_workers=t.elastic[0])) if t.elastic else cfg
+    if not t.elastic or local:
+        return cfg
+    return dataclasses.replace(cfg, train=dataclasses.replace(t, num_workers=t.elastic[0]))
 
 
 @contextlib.contextmanager

@@ -161,7 +161,7 @@ def _start(cfg: Config, *, resume: bool, reprepare: bool, callbacks: Sequence, t
     overlap = cfg.train.overlap_start
     stop = DriverStop(cfg.train.stop_grace_s)
     try:
-        check_request(elastic.at_least(cfg), wait=not trial)
+        check_request(elastic.at_least(cfg, is_local_instance()), wait=not trial)
         if overlap:  # the workers start now and wait for the data (raypack/train/handoff.py)
             clock.mark("prepare")
             data = Handoff.remote()
@@ -350,7 +350,7 @@ def build_trainer(checked: Checked, tracking: TrackingTargets, data: dict | Any,
         train_loop_config=loop_config,
         torch_config=torch_config,
         scaling_config=ray.train.ScalingConfig(
-            num_workers=elastic.scaling_workers(cfg),
+            num_workers=elastic.scaling_workers(cfg, local),
             use_gpu=t.use_gpu,
             resources_per_worker=worker_resources(t),
             placement_strategy=t.placement_strategy,
@@ -398,9 +398,7 @@ class RunTrainer(TorchTrainer):
         return [c for c in callbacks if not isinstance(c, unused)]
 
     def _initialize_and_run_controller(self, **kwargs):
-        # an elastic run's policy is Ray Train's own, whose AutoscalingCoordinator counts the nodes
-        fixed = self._local and not isinstance(self.scaling_config.num_workers, tuple)
-        policy = raycompat.local_scaling_policy(self.scaling_config) if fixed else None
+        policy = raycompat.local_scaling_policy(self.scaling_config) if self._local else None
         if policy is not None:
             kwargs["scaling_policy"] = policy
         return super()._initialize_and_run_controller(**kwargs)

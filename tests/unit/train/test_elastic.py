@@ -19,10 +19,12 @@ from raypack.train.remote import RESIZED
 def test_num_workers_min_max_is_an_elastic_run_planned_for_its_max_and_round_trips():
     cfg = load(None, ["train.num_workers=[1, 4]", "train.engine=torch"])
     assert (cfg.train.num_workers, cfg.train.elastic) == (4, (1, 4))
-    assert elastic.scaling_workers(cfg) == (1, 4) and elastic.at_least(cfg).train.num_workers == 1
+    assert elastic.scaling_workers(cfg, local=False) == (1, 4) and elastic.at_least(cfg, False).train.num_workers == 1
+    # a local instance has one node, none to lose or gain: a fixed run on max workers
+    assert elastic.scaling_workers(cfg, local=True) == 4 and elastic.at_least(cfg, True) == cfg
     assert Config.from_dict(cfg.to_dict()).train == cfg.train  # the run's saved config is elastic too
     fixed = load(None, ["train.num_workers=3"])
-    assert (fixed.train.elastic, elastic.scaling_workers(fixed), elastic.at_least(fixed)) == ((), 3, fixed)
+    assert (fixed.train.elastic, elastic.scaling_workers(fixed, False), elastic.at_least(fixed, False)) == ((), 3, fixed)
 
 
 @pytest.mark.parametrize(("value", "expected"), [
