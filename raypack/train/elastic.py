@@ -94,6 +94,8 @@ def going_on(cfg: Config, count: int, root: str, started: Config) -> Config:
     resize.check_resizable(cfg, pos)
     cfg, line = resize.keep_step_size(cfg, shape, accum_given=False)
     where = f"from step {pos.step}'s checkpoint" if pos is not None else "from the start (no checkpoint yet)"
+    if line and pos is None:  # no epoch's rest: its data is planned whole for them
+        line = line.split("; the rest of epoch")[0]
     print(f"[raypack] the cluster holds {count} worker{'s' if count > 1 else ''} now, not {was} "
           f"(train.num_workers={list(t.elastic)}): going on {where}"
           + (f"; {line.split(': ', 1)[1]}" if line else ""), flush=True)
