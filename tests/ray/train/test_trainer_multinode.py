@@ -133,7 +133,7 @@ ELASTIC = textwrap.dedent(
 )
 
 
-@pytest.mark.slow  # 330 s on 2 busy cores (load 9); two fits, a node's loss and the rest planned between them
+@pytest.mark.slow  # 181-347 s on 2 cores shared at load 15; two fits, a lost node and the rest planned between
 def test_an_elastic_run_loses_a_node_and_trains_on_on_one_worker_every_example_once(tmp_path):
     """`train.num_workers: [1, 2]` on the torch engine, on a head and two worker nodes of one
     worker each: after the first checkpoint (step 2) a node is removed; Ray Train restarts the
