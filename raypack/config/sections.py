@@ -322,9 +322,15 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
-    num_workers: int = 2
+    num_workers: int | tuple[int, ...] = 2
     """Ray Train workers. Each is a data-parallel rank, or with `sequence_parallel` N one of the N
-    ranks of a group that trains one packed row together."""
+    ranks of a group that trains one packed row together. `[min, max]`: an elastic run (Ray
+    Train's elastic scaling; train.engine torch), which goes on from its last checkpoint on as
+    many workers as the cluster holds, between min and max, when a node is lost or comes back
+    (docs/guides/stops.md). It becomes `num_workers: max` and `elastic: [min, max]`."""
+    elastic: tuple[int, ...] = ()
+    """`[min, max]` of an elastic run, as `num_workers: [min, max]` sets it; `num_workers` is then the
+    size the run's data is planned for now (max at the start). Empty: a fixed size."""
     sequence_parallel: int = 1
     """Ranks that split each packed row's tokens (Ulysses: every attention layer exchanges tokens
     for heads with two all-to-alls, raypack/model/ulysses.py). It must divide num_workers, which
@@ -446,6 +452,7 @@ class TrainConfig:
     """Also log to MLflow (local file store under the storage path unless MLFLOW_TRACKING_URI is set)."""
 
     def __post_init__(self) -> None:
+        self._check_elastic()
         for name in ("num_workers", "grad_accum", "epochs", "keep_checkpoints"):
             _check(getattr(self, name) > 0, f"train.{name}", "a positive int", getattr(self, name))
         for name in ("warmup_steps", "eval_every_steps", "checkpoint_every_steps", "max_failures", "loss_chunk_tokens"):
@@ -487,6 +494,31 @@ class TrainConfig:
         _check(not self.compile or self.zero_stage < 3, "train.compile", "false with train.zero_stage 3", self.compile)
         _check(not self.compile or self.sequence_parallel == 1, "train.compile",
                "false with train.sequence_parallel > 1", self.compile)
+
+    def _check_elastic(self) -> None:
+        """`num_workers: [min, max]` made `num_workers: max` and `elastic: [min, max]`, each checked."""
+        if isinstance(self.num_workers, tuple):
+            _check(not self.elastic, "train.elastic", "empty beside train.num_workers: [min, max] (which sets it)",
+                   list(self.elastic))
+            _check(len(self.num_workers) == 2, "train.num_workers", "an int, or [min, max]", list(self.num_workers))
+            object.__setattr__(self, "elastic", self.num_workers)
+            object.__setattr__(self, "num_workers", self.num_workers[1])
+        if not self.elastic:
+            return
+        low, high = (self.elastic + (0, 0))[:2]
+        shown = list(self.elastic)
+        _check(len(self.elastic) == 2 and 1 <= low <= high, "train.num_workers",
+               "[min, max] with 1 <= min <= max", shown)
+        _check(low <= self.num_workers <= high, "train.num_workers", f"between {low} and {high} (train.elastic)",
+               self.num_workers)
+        # Another worker count means resharding the checkpoint's state: DCP does, DeepSpeed's ZeRO
+        # partitions are by rank count (raypack/train/resize.py).
+        _check(self.engine == "torch", "train.num_workers", f"a fixed int with train.engine {self.engine} (an "
+               f"elastic run resumes on another worker count, whose ZeRO state DeepSpeed can't reshard): use "
+               f"train.engine=torch for {shown}", shown)
+        # Ray Train may pick any count between min and max, which the group size must divide
+        _check(self.sequence_parallel == 1, "train.num_workers", "a fixed int with train.sequence_parallel > 1",
+               shown)
 
     def _check_torch_engine(self) -> None:
         """What only DeepSpeed does, refused on the torch engine (train.engine: torch)."""

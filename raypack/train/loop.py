@@ -284,7 +284,7 @@ def setup_worker(config: dict) -> Worker:
         rank=rank,
         total_steps=total_steps,
         report_every=t.report_every_steps,
-        static=_epoch_static(data, state.epoch, total_steps),  # renewed each epoch
+        static=_epoch_static(data, state.epoch, total_steps, world if t.elastic else 0),  # renewed each epoch
         trackers=Trackers.open(TrackingTargets(**config["tracking"]), cfg.run.name, cfg.to_dict(), rank),
         # From the config, not the parameters: under ZeRO-3 each rank holds only a partition.
         flops_per_token=model_flops_per_token(engine.module.config, data.length_sq_mean, data.length_mean,
@@ -342,7 +342,8 @@ def train_epoch(w: Worker, epoch: int) -> None:
     state, accum = w.state, w.cfg.train.grad_accum
     if epoch != state.epoch:
         state.epoch, state.micro_step = epoch, 0
-    w.reporter.static = _epoch_static(w.data, epoch, w.total_steps)  # per-epoch plans have their own balance
+    # per-epoch plans have their own balance
+    w.reporter.static = _epoch_static(w.data, epoch, w.total_steps, w.state.world_size if w.cfg.train.elastic else 0)
     rows = functools.partial(iter_epoch_packs, w.data, w.data_rank, epoch, start_step=state.micro_step)
     # The plan gives every rank the same multiple of `accum` steps, so a short group is the epoch end.
     dpo = isinstance(w.loss, DPOLoss)
@@ -456,10 +457,12 @@ def check_epoch_read(w: Worker, epoch: int) -> None:
         )
 
 
-def _epoch_static(data: Prepared, epoch: int, total_steps: int) -> dict[str, float]:
-    """What every report of this epoch carries besides the step's values."""
+def _epoch_static(data: Prepared, epoch: int, total_steps: int, workers: int = 0) -> dict[str, float]:
+    """What every report of this epoch carries besides the step's values; `workers`: an elastic
+    run's worker count, whose curve in the trackers steps where the run changed size."""
     _, epoch_steps, _ = data.epoch_rows(epoch)
-    return {**data.report_stats(epoch), "total_steps": total_steps, "steps_per_epoch": epoch_steps // data.grad_accum}
+    return {**data.report_stats(epoch), "total_steps": total_steps, "steps_per_epoch": epoch_steps // data.grad_accum,
+            **({"workers": workers} if workers else {})}
 
 
 def _every(step: int, every: int) -> bool:

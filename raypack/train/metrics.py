@@ -41,6 +41,7 @@ REPORTED = (
     "train_time_s", "eval_time_s", "step_time_s", "data_wait_s", "rank_imbalance", "peak_memory_gb",
     "window_peak_memory_gb", "memory_gb", "mfu", "total_steps", "steps_per_epoch", "packing_efficiency", "padding_fraction",
     "token_imbalance", "attention_imbalance",
+    "workers",  # an elastic run's (train.num_workers: [min, max]): its size at each step
     # train.objective: dpo (raypack/train/objectives/dpo.py, TRL's names)
     "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected",
     "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies", "eval_rewards/margins",

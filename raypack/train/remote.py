@@ -19,10 +19,15 @@ from raypack import raycompat
 from raypack.errors import InputError
 
 
-def worker_loop(config: dict) -> None:
+def worker_loop(config: dict) -> dict | None:
     """The workers' function. Imported here, in the worker, so that the driver never loads
-    DeepSpeed (seconds of imports, and a warning on machines without a GPU)."""
+    DeepSpeed (seconds of imports, and a warning on machines without a GPU). In an elastic run
+    that Ray Train restarted on another worker count than the data is planned for, it returns
+    `{RESIZED: count}` at once, untrained: the driver plans again for them (elastic.py)."""
     raycompat.quiet_report_log()
+    world = ray.train.get_context().get_world_size()
+    if config["cfg"]["train"].get("elastic") and world != config["cfg"]["train"]["num_workers"]:
+        return {RESIZED: world}
     config.setdefault("startup", {})["worker"] = time.time()  # the worker group phase ends (startup.py)
     from raypack.train.loop import train_loop_per_worker
 
@@ -34,6 +39,10 @@ def worker_loop(config: dict) -> None:
             # The command prints it as one line; Ray Train would print its traceback first.
             _drop_logs(raycompat.TRAIN_FN_LOGGER, lambda record: record.getMessage().startswith("Error in training function"))
         raise
+
+
+RESIZED = "raypack_resized_to"
+"""The key of an elastic run's return value: the worker count Ray Train restarted it on."""
 
 
 def as_input_error(error: BaseException) -> InputError | None:

@@ -24,7 +24,9 @@ Failures: Ray Train restarts the worker group from the last checkpoint up to
 data, a tracker that can't start) would fail the same way every time, and so would an ImportError
 (a package missing on a node): either ends the run at once, `fit` raises it as it is, and Ray
 Train's tracebacks of it are left out, so the command's one line is the first word of it.
-SIGTERM and Ctrl-C during `fit` stop the workers after their step (raypack/train/stop.py).
+SIGTERM and Ctrl-C during `fit` stop the workers after their step (raypack/train/stop.py). An
+elastic run (`train.num_workers: [min, max]`) that Ray Train restarted on another worker count
+fits again on it, from its last checkpoint (raypack/train/elastic.py).
 Workers the cluster can never hold stop a start in seconds, and room for the others is waited for
 at most `train.start_timeout_s` (raypack/train/placement.py); after that, Ray Train's own waits are
 unbounded. On a local instance the run listens on 127.0.0.1 only (placement.py too).
@@ -50,7 +52,7 @@ from raypack.data.prepare import prepare
 from raypack.data.shards import Prepared
 from raypack.errors import ConfigError, InputError
 from raypack.runtime import init_ray, is_local_instance
-from raypack.train import resize
+from raypack.train import elastic, resize
 from raypack.train.handoff import Handoff
 from raypack.train.metrics import source_eval_losses
 from raypack.train.placement import check_request, process_group, worker_resources
@@ -96,6 +98,8 @@ class Outcome:
     """Seconds per start-up phase before the first step (raypack/train/startup.py), when one ran."""
     stopped: dict[str, Any] | None = None
     """A run a signal stopped before its last step: {"signal", "step", "checkpoint"} (stop.py)."""
+    resized_to: int | None = None
+    """An elastic run's fit that Ray Train restarted on this many workers (raypack/train/elastic.py)."""
 
 
 def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbacks: Sequence = (),
@@ -105,7 +109,22 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
     what the run was started with. `reprepare` packs changed sources again (a run with no
     checkpoint yet). `callbacks`: Ray Train callbacks (a sweep trial forwards reports with one).
     `trial`: a sweep trial, which waits for room for its workers behind the other trials for as
-    long as it takes, not `train.start_timeout_s`."""
+    long as it takes, not `train.start_timeout_s`. An elastic run that Ray Train restarted on
+    another worker count starts again on it, from its last checkpoint (raypack/train/elastic.py)."""
+    elastic.check_elastic(cfg)
+    started = cfg
+    while True:
+        outcome = _start(cfg, resume=resume, reprepare=reprepare, callbacks=callbacks, trial=trial)
+        if outcome.resized_to is None:
+            return outcome
+        if outcome.resized_to == cfg.train.num_workers:
+            elastic.unresized(cfg)
+        cfg = elastic.going_on(cfg, outcome.resized_to, outcome.root, started)
+        resume, reprepare = True, False  # its own config, changed in size only; its packed data made
+
+
+def _start(cfg: Config, *, resume: bool, reprepare: bool, callbacks: Sequence, trial: bool) -> Outcome:
+    """One fit of `start`."""
     clock = Startup.begin()
     root = runs.run_dir(cfg)
     trained = runs.has_checkpoint(root)
@@ -142,12 +161,13 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
     overlap = cfg.train.overlap_start
     stop = DriverStop(cfg.train.stop_grace_s)
     try:
-        check_request(cfg, wait=not trial)
+        check_request(elastic.at_least(cfg, is_local_instance()), wait=not trial)
         if overlap:  # the workers start now and wait for the data (raypack/train/handoff.py)
             clock.mark("prepare")
             data = Handoff.remote()
         else:
-            data = prepare_data(checked, reprepare, clock).to_dict()
+            with elastic.planning(cfg):
+                data = prepare_data(checked, reprepare, clock).to_dict()
         clock.mark("fit")
         trainer = build_trainer(checked, tracking, data, callbacks=callbacks, startup=clock, stop_key=stop.key)
     except BaseException:
@@ -177,6 +197,8 @@ def start(cfg: Config, *, resume: bool = False, reprepare: bool = False, callbac
         # Not finished: no result file, which says a run is complete (chat, export, a rerun read it).
         stopped["signal"] = signal.Signals(stop.signum).name
         return Outcome(root, False, summary, checkpoint, tracking, result, startup, stopped)
+    if (count := elastic.resized_to(result)) is not None:  # not finished either: `start` goes on
+        return Outcome(root, False, summary, checkpoint, tracking, result, startup, resized_to=count)
     trained = resize.trained_totals(checkpoint) if checkpoint and storage.exists(checkpoint) else None
     runs.write_result(root, metrics.get("step", 0), summary, checkpoint, startup=startup, trained=trained,
                       ran={"epochs": cfg.train.epochs, "max_steps": cfg.train.max_steps})
@@ -328,7 +350,7 @@ def build_trainer(checked: Checked, tracking: TrackingTargets, data: dict | Any,
         train_loop_config=loop_config,
         torch_config=torch_config,
         scaling_config=ray.train.ScalingConfig(
-            num_workers=t.num_workers,
+            num_workers=elastic.scaling_workers(cfg, local),
             use_gpu=t.use_gpu,
             resources_per_worker=worker_resources(t),
             placement_strategy=t.placement_strategy,
