@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import yaml
 from paths import REPO
 
@@ -64,6 +66,6 @@ def test_a_list_of_sections_lists_its_items_fields_and_each_items_value(capsys):
     assert main(["config", "data.sources"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("data.sources: a list of mappings\n  default: []\n") and "  each item (defaults):\n" in out
-    assert "  data.sources.weight   null " in out and "  data.sources.columns  {} " in out
+    assert re.search(r"\n  data\.sources\.weight +null ", out) and re.search(r"\n  data\.sources\.columns +\{\} ", out)
     assert main(["config", "--config", str(REPO / "jobs/configs/mixture.yaml"), "data.sources.weight"]) == 0
     assert "  value:   [0.5, 0.3, 0.2] (from " in capsys.readouterr().out
