@@ -98,3 +98,16 @@ def test_a_stop_without_the_store_stops_at_once(without_internals):
     stop = DriverStop(grace_s=5.0)
     with pytest.raises(Terminated):
         stop._on_signal(signal.SIGTERM, None)
+
+
+def test_parquet_file_size_is_a_row_count_where_ray_has_no_byte_keyword(monkeypatch):
+    import ray.data
+
+    def write_parquet(self, path, *, min_rows_per_file=None, **kwargs):  # Ray 2.55's: no min_bytes_per_file
+        pass
+
+    has_bytes = "min_bytes_per_file" in __import__("inspect").signature(ray.data.Dataset.write_parquet).parameters
+    assert raycompat.parquet_min_file(1000, 30) == ({"min_bytes_per_file": 1000} if has_bytes else {"min_rows_per_file": 33})
+    monkeypatch.setattr(ray.data.Dataset, "write_parquet", write_parquet)
+    assert raycompat.parquet_min_file(1000, 30) == {"min_rows_per_file": 33}  # rows of 30 bytes at most: files <= 1000
+    assert raycompat.parquet_min_file(10, 30) == {"min_rows_per_file": 1}
