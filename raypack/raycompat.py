@@ -148,6 +148,11 @@ def _local_policy_class() -> type | None:
         def _maybe_send_resource_request(self) -> None:
             pass
 
+        def _cancel_resource_request(self) -> None:
+            # None was sent. Ray 2.55's cancels anyway, starting the coordinator to ask it: at a
+            # stop under load its get times out and the controller prints the traceback.
+            pass
+
     # Ray hands the policy to its Train controller pickled by reference: made on first use (so
     # importing this module imports no Train internals), and found as this module's attribute
     # (`__getattr__` below), as a class defined at the top would be.
