@@ -54,6 +54,8 @@ def materialize(ds: ray.data.Dataset, plan: Plan, example_ids: np.ndarray, out_d
         by_rank: dict[int, list[pa.Table]] = {r: [] for r in range(plan.num_ranks)}
         for ref in packed.to_arrow_refs():
             table = ray.get(ref)
+            if table.num_rows == 0:  # Ray < 2.60 hands an empty shuffle partition over with no columns
+                continue
             ranks = table["rank"].to_numpy()
             for r in np.unique(ranks).tolist():
                 by_rank[r].append(table.filter(pa.array(ranks == r)))

@@ -7,7 +7,8 @@ wrapped in colour codes, through the handlers of Ray's `global_worker_stdstream_
 
 - a line that starts with `[raypack] ` (rank 0's progress, the loop's notices) is printed bare, as
   the driver's own lines are: which worker wrote it says nothing to a user;
-- a line in NOISE is dropped (it stays in the worker's log file under the session folder);
+- a line in NOISE is dropped (it stays in the worker's log file under the session folder), and
+  one in TRAIN_INFO where this Ray can't set Ray Train's log level (before 2.56);
 - any other line goes to Ray's own printer (deduplicated, prefixed), uncoloured unless the screen
   is a terminal.
 """
@@ -35,6 +36,16 @@ NOISE = (
     "Failed to query Ray Train Controller actor state",
 )
 
+TRAIN_INFO = (
+    # Ray Train's INFO lines, which a Ray without `ray.train.LoggingConfig` (before 2.56:
+    # raycompat.train_logging) prints from its controller and workers; dropped there alone.
+    "Attempting to start training worker group of size",
+    "Started training worker group of size",
+    ") world_rank=",  # one line per worker under the one before
+    "Setting up process group for: ",
+    "Checkpoint successfully created at: ",
+)
+
 _HANDLER = "ray_print_logs"
 """The name Ray gives its printer in the dispatcher (ray/_private/worker.py, `connect`)."""
 
@@ -55,10 +66,11 @@ def route_worker_output() -> None:
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # read by Ray's printer at every line
     ignore_prefix = found[0].keywords.get("ignore_prefix", False)
     dispatcher.remove_handler(_HANDLER)
-    dispatcher.add_handler(_HANDLER, functools.partial(_print, ray_print, ignore_prefix))
+    noise = NOISE if raycompat.train_logging("WARNING") else NOISE + TRAIN_INFO
+    dispatcher.add_handler(_HANDLER, functools.partial(_print, ray_print, ignore_prefix, noise=noise))
 
 
-def _print(ray_print, ignore_prefix: bool, data: dict[str, Any]) -> None:
+def _print(ray_print, ignore_prefix: bool, data: dict[str, Any], noise: tuple[str, ...] = NOISE) -> None:
     stream = sys.stderr if data.get("is_err") else sys.stdout
     others: list[str] = []
     for line in data.get("lines", []):
@@ -67,7 +79,7 @@ def _print(ray_print, ignore_prefix: bool, data: dict[str, Any]) -> None:
                 ray_print({**data, "lines": others}, ignore_prefix=ignore_prefix)
                 others = []
             print(line, file=stream, flush=True)
-        elif not any(noise in line for noise in NOISE):
+        elif not any(known in line for known in noise):
             others.append(line)
     if others:
         ray_print({**data, "lines": others}, ignore_prefix=ignore_prefix)

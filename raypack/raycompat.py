@@ -19,12 +19,14 @@ thing. Nothing outside this module imports `ray._private`, `ray._raylet`, `ray.e
 | a local instance in a session of its own, on loopback only | Ray's process launcher, its constants | Ctrl-C through a process group reaches the instance too; Ray's own loopback default |
 | Ray Train's log level (`ray.train.LoggingConfig`, public from Ray 2.56) | none before 2.56 | Train's INFO lines show |
 | Ray Train's SIGINT handler replaced by raypack's graceful stop | `TorchTrainer._register_sigint_handler` | Ray Train's handler: Ctrl-C aborts the run, no checkpoint |
+| tokenized Parquet files of at least 32 MiB (`write_parquet(min_bytes_per_file=)`: in Ray 2.60, not in 2.55) | none, a public keyword | a row count for rows of the longest length: files no bigger, more of them where rows are short (more pack-stage read tasks, no more memory each) |
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import json
 import logging
 from typing import Any, Callable
@@ -34,7 +36,7 @@ import ray.train
 
 __all__ = [
     "AUTH_LOGGER", "CONTROLLER_LOGGER", "TRAIN_FN_LOGGER", "cluster_autoscaling", "kv_del", "kv_get", "kv_put", "local_scaling_policy",
-    "own_session", "preemption_info", "quiet_report_log", "set_loopback_only", "stdstream_dispatcher",
+    "own_session", "parquet_min_file", "preemption_info", "quiet_report_log", "set_loopback_only", "stdstream_dispatcher",
     "store_stats_poller", "take_sigint_handler", "train_logging", "unused_callbacks",
 ]  # fmt: skip
 
@@ -89,6 +91,16 @@ def train_logging(level: str) -> dict[str, Any]:
     return {} if config is None else {"logging_config": config(log_level=level)}
 
 
+def parquet_min_file(min_bytes: int, max_row_bytes: int) -> dict[str, int]:
+    """`Dataset.write_parquet`'s keywords for files of at least `min_bytes`: `min_bytes_per_file`
+    where this Ray has it (2.60; 2.55 passes it on to pyarrow, which refuses it), else
+    `min_rows_per_file` for rows of at most `max_row_bytes`: files no bigger, more of them
+    where rows are shorter (more read tasks in the pack stage, none holding more memory)."""
+    if "min_bytes_per_file" in inspect.signature(ray.data.Dataset.write_parquet).parameters:
+        return {"min_bytes_per_file": min_bytes}
+    return {"min_rows_per_file": max(1, min_bytes // max_row_bytes)}
+
+
 def quiet_report_log() -> None:
     """Leave out Ray Train's "Reporting training result ... TrainingReport(...)" INFO dump that
     every report prints in a worker: its logger is named by its file's path, outside `ray.train`,
@@ -134,6 +146,11 @@ def _local_policy_class() -> type | None:
             pass
 
         def _maybe_send_resource_request(self) -> None:
+            pass
+
+        def _cancel_resource_request(self) -> None:
+            # None was sent. Ray 2.55's cancels anyway, starting the coordinator to ask it: at a
+            # stop under load its get times out and the controller prints the traceback.
             pass
 
     # Ray hands the policy to its Train controller pickled by reference: made on first use (so

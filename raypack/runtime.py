@@ -132,8 +132,10 @@ def _init_local(settings: RaySettings) -> None:
     # - the loopback switch, which Ray also read when it was imported, hence the module attribute;
     # - with a dashboard, where this instance's State API answers: without an address, a State
     #   API query looks for Ray instances on the machine and fails when it finds more than one
-    #   (another user's, another test's).
-    env = {LOOPBACK_ONLY: "0", **({"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"} if settings.dashboard else {})}
+    #   (another user's, another test's);
+    # - Ray 2.60's default for a task or actor without GPUs (its accelerator variables left as
+    #   they are), which Ray 2.55 only announces, in a FutureWarning at every start.
+    env = {LOOPBACK_ONLY: "0", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0", **({"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"} if settings.dashboard else {})}
     saved_env = {k: os.environ.get(k) for k in env}
     os.environ.update({k: v for k, v in env.items() if saved_env[k] is None})
     # Ray warns at every start that it turned token authentication on (its default for a new local

@@ -24,7 +24,8 @@ for ray in $RAYS; do
     out=benchmarks/results/compat_ray${ray}_cpu_$(date -u +%Y%m%d).md
     log=.cache/compat_ray$ray.log
     start=$(date +%s)
-    "$venv/bin/pytest" -q -p no:cacheprovider "$TESTS" > "$log" 2>&1
+    # shellcheck disable=SC2086  # TESTS may name several paths
+    "$venv/bin/pytest" -q -p no:cacheprovider $TESTS > "$log" 2>&1
     code=$?
     {
         echo "# The Ray tier on Ray $ray"

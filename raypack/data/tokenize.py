@@ -35,7 +35,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import ray
 
-from raypack import storage
+from raypack import raycompat, storage
 from raypack.config import Config
 from raypack.data.encode import (Encoder, TokenizeError, check_chat_template, check_vision_label_mask, counts,
                                  kept_rows, load_image_tokenizer, load_tokenizer)
@@ -253,7 +253,10 @@ def tokenize_dataset(cfg: Config, sources: Sources, vocab_size: int | None = Non
                 # Uncompressed: written once and read once, on this cluster's own storage, and
                 # snappy's CPU (2.5x the write and read here) buys ~3% of the bytes on token ids,
                 # which Parquet's dictionary encoding already packs.
-                pipeline.write_parquet(out_dir, min_bytes_per_file=TOKENIZED_FILE_BYTES, compression="none")
+                # A row's bytes at most, for a Ray without min_bytes_per_file: two int32 token
+                # columns of max_length, its id and length (a vision row's images not counted).
+                size = raycompat.parquet_min_file(TOKENIZED_FILE_BYTES, 8 * max_length + 16)
+                pipeline.write_parquet(out_dir, **size, compression="none")
                 out = ray.data.read_parquet(out_dir) if storage.exists(out_dir) else None  # none: no row kept
             elif out_dir is not None:
                 for _ in pipeline.iter_internal_ref_bundles():

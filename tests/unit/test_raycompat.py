@@ -98,3 +98,44 @@ def test_a_stop_without_the_store_stops_at_once(without_internals):
     stop = DriverStop(grace_s=5.0)
     with pytest.raises(Terminated):
         stop._on_signal(signal.SIGTERM, None)
+
+
+def test_parquet_file_size_is_a_row_count_where_ray_has_no_byte_keyword(monkeypatch):
+    import ray.data
+
+    def write_parquet(self, path, *, min_rows_per_file=None, **kwargs):  # Ray 2.55's: no min_bytes_per_file
+        pass
+
+    has_bytes = "min_bytes_per_file" in __import__("inspect").signature(ray.data.Dataset.write_parquet).parameters
+    assert raycompat.parquet_min_file(1000, 30) == ({"min_bytes_per_file": 1000} if has_bytes else {"min_rows_per_file": 33})
+    monkeypatch.setattr(ray.data.Dataset, "write_parquet", write_parquet)
+    assert raycompat.parquet_min_file(1000, 30) == {"min_rows_per_file": 33}  # rows of 30 bytes at most: files <= 1000
+    assert raycompat.parquet_min_file(10, 30) == {"min_rows_per_file": 1}
+
+
+def test_a_local_instances_policy_cancels_no_request_it_never_sent(monkeypatch):
+    """Ray 2.55's policy cancels its request at every stop, starting the autoscaling coordinator
+    to do it (a timeout and a traceback under load); the local policy sent none."""
+    from ray.train import ScalingConfig
+    from ray.train.v2._internal.execution.scaling_policy.fixed import FixedScalingPolicy
+
+    reached = []
+    monkeypatch.setattr(FixedScalingPolicy, "_autoscaling_coordinator", property(lambda self: reached.append(self)),
+                        raising=False)  # fmt: skip
+    policy = raycompat.local_scaling_policy(ScalingConfig(num_workers=2))
+    policy.before_controller_abort()
+    __import__("asyncio").run(policy.before_controller_shutdown())
+    assert reached == [], "the local policy reached for the autoscaling coordinator"
+
+
+def test_ray_trains_info_lines_are_dropped_only_where_ray_cant_quiet_them():
+    from raypack import console
+
+    printed = []
+    data = {"lines": ["Started training worker group of size 2: ", "- (ip=127.0.0.1, pid=8) world_rank=0, local_rank=0",
+                      "a user's line", "[raypack] step 1/2"], "is_err": False}  # fmt: skip
+    console._print(lambda d, ignore_prefix: printed.extend(d["lines"]), False, data, noise=console.NOISE + console.TRAIN_INFO)
+    assert printed == ["a user's line"]
+    printed.clear()
+    console._print(lambda d, ignore_prefix: printed.extend(d["lines"]), False, data)
+    assert printed == data["lines"][:3]  # NOISE alone keeps them: Ray Train's LoggingConfig quiets them at the source
