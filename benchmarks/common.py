@@ -216,6 +216,18 @@ between the two runs can round to neighbouring TF32 values. The hybrid and vlm b
 the bf16 bound to twice bf16's own rounding of the examples alone where they measure it larger."""
 
 
+def save_checkpoint(model, folder: Path | str) -> Path:
+    """`model` saved as published checkpoints are (save_pretrained: bf16, sharded safetensors, two
+    shards at least), for the kit to load with from_pretrained as users load theirs (issue 60): a
+    model built from its config skips what loading does (the weights' dtype, weights transformers
+    keeps in fp32, tied weights, the loading path's hub kernels). Casts `model` to bf16 in place."""
+    import torch
+
+    size = sum(p.numel() for p in model.parameters()) * 2
+    model.to(torch.bfloat16).save_pretrained(folder, max_shard_size=size // 2 + 1)
+    return Path(folder)
+
+
 def packed_over_padded(models: dict, host: dict, real: int, warmup: int, device: str) -> dict:
     """Training steps (forward, backward, no optimizer) of each mode's model ("packed", "padded")
     on its batches (`host[mode]`, host tensors with `labels`), side by side: tokens/s of the `real`

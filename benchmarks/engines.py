@@ -1,11 +1,13 @@
-"""The two engines side by side, same model, same batches: DeepSpeed's ZeRO 0/2/3 against the torch
-engine's DDP (the bare model on one rank) and FSDP2 at zero_stage 2 and 3 (issue 51).
+"""The two engines side by side, same model, same batches: DeepSpeed's ZeRO 1/2/3 against the torch
+engine's DDP (the bare model on one rank) and FSDP2 at zero_stage 2 and 3 (issue 51). DeepSpeed
+without ZeRO is left out: raypack refuses it under bf16 compute (raypack/config/__init__.py).
 
     PYTHONPATH=. python benchmarks/engines.py            # Llama-3-shaped ~1.2B, 16k-token rows, bf16, 1 GPU
     PYTHONPATH=. python benchmarks/engines.py --smoke    # tiny Llama on the CPU: both engines run
 
-Each engine in turn, in this process (a process group of one), builds the model from one seed
-(`load_model` in the engine's weights dtype: bf16 for DeepSpeed,
+The model is built once from one seed and saved as published checkpoints are (save_pretrained,
+bf16, sharded safetensors). Each engine in turn, in this process (a process group of one), loads
+that folder as users load theirs (`load_model`, in the engine's weights dtype: bf16 for DeepSpeed,
 which keeps its fp32 master copy in its optimizer; fp32 for the torch engine, which casts for the
 forward), raypack's optimizer and schedule, and the chunked loss, then runs warm-up and measured
 optimizer steps through the loop's own `take_step` (the host counts, the step read a step late).
@@ -32,32 +34,51 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.common import command_line, gpu_or_smoke, machine, smoke_banner, versions, write_results  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    command_line, gpu_or_smoke, machine, save_checkpoint, smoke_banner, versions, write_results,
+)
 from benchmarks.loss_memory import LLAMA3_1B, make_rows  # noqa: E402
 
-ENGINES = (("deepspeed", 0), ("deepspeed", 2), ("deepspeed", 3), ("torch", 0), ("torch", 2), ("torch", 3))
+ENGINES = (("deepspeed", 1), ("deepspeed", 2), ("deepspeed", 3), ("torch", 0), ("torch", 2), ("torch", 3))
 """(train.engine, train.zero_stage), in the order they run."""
+BASE = {0: 1}
+"""The DeepSpeed stage a torch row is set against: its own, DDP's (replicated weights) ZeRO-1's."""
 
 
-def build(args, cfg, device: str):
+def save_model(args, device: str, folder: Path) -> Path:
+    """The model every engine loads, saved once as published checkpoints are (bf16, sharded)."""
     from transformers import LlamaConfig
 
     from raypack.model.build import load_model
-    from raypack.train import engines
 
-    dtype = engines.weights_dtype(cfg.train, cfg.model.dtype)
     torch.manual_seed(0)
     if args.smoke:
-        return load_model("tiny-llama", attention="auto", dtype=dtype, vocab_size=args.vocab or 768)
-    config = LlamaConfig(**{**LLAMA3_1B, **({"vocab_size": args.vocab} if args.vocab else {})})
-    with torch.device(device):  # initialize on the GPU: seconds instead of a minute on the host
-        return load_model(config, attention="auto", dtype=dtype)
+        model = load_model("tiny-llama", attention="auto", vocab_size=args.vocab or 768)
+    else:
+        config = LlamaConfig(**{**LLAMA3_1B, **({"vocab_size": args.vocab} if args.vocab else {})})
+        with torch.device(device):  # initialize on the GPU: seconds instead of a minute on the host
+            model = load_model(config, attention="auto", dtype="bfloat16")
+    save_checkpoint(model, folder)
+    del model
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return folder
 
 
-def run_engine(name: str, stage: int, args, device: str, rows: list[dict]) -> dict:
+def engine_config(name: str, stage: int, device: str):
+    """raypack's config for one engine row: bf16 compute on a GPU, fp32 on the CPU (--smoke)."""
+    from raypack.config import load
+
+    return load(None, [f"train.engine={name}", f"train.zero_stage={stage}", "train.num_workers=1", "train.grad_clip=1.0",
+                       "train.warmup_steps=1", "train.lr=1e-4", f"train.use_gpu={device == 'cuda'}",
+                       f"model.dtype={'float32' if device == 'cpu' else 'bfloat16'}"])
+
+
+def run_engine(name: str, stage: int, args, device: str, rows: list[dict], folder: Path) -> dict:
     """Warm-up and measured steps of one engine: tokens/s, peak GiB, MFU and the losses."""
     from benchmarks.step_syncs import loop_worker
-    from raypack.config import load
+    from raypack.model.build import load_model
     from raypack.train import engines
     from raypack.train.loop import log_pending, take_step
     from raypack.train.objectives.loss import make_loss
@@ -65,11 +86,11 @@ def run_engine(name: str, stage: int, args, device: str, rows: list[dict]) -> di
     from raypack.train.prefetch import prepare_step
     from raypack.train.stepvalues import HostCounts
 
-    cfg = load(None, [f"train.engine={name}", f"train.zero_stage={stage}", "train.num_workers=1", "train.grad_clip=1.0",
-                      "train.warmup_steps=1", "train.lr=1e-4", f"train.use_gpu={device == 'cuda'}",
-                      f"model.dtype={'float32' if device == 'cpu' else 'bfloat16'}"])
+    cfg = engine_config(name, stage, device)
     compute = engines.compute_dtype(cfg.train, cfg.model.dtype)
-    model = build(args, cfg, device)  # one rank: no zero.Init, whose init draws differ, so every engine starts alike
+    # from the saved folder as users load a checkpoint, in the engine's weights dtype (bf16 for
+    # DeepSpeed, fp32 for the torch engine); one rank: no zero.Init
+    model = load_model(str(folder), attention="auto", dtype=engines.weights_dtype(cfg.train, cfg.model.dtype))
     engine = engines.build(model, cfg.train, dtype=compute, world_size=1, total_steps=len(rows))
     loss = make_loss(engine, "chunked")
     counts = HostCounts.open(1, engine.device)
@@ -129,19 +150,20 @@ def one_rank(device: str):
 
 
 def render(args, argv, device: str, results: dict) -> list[str]:
-    base = results.get(("deepspeed", 0))
     lines = [f"# Engines side by side ({device})" + (" -- SMOKE RUN: not results" if args.smoke else ""), "",
              *smoke_banner(args.smoke), f"Command: `{command_line(__file__, argv)}`", "", f"Machine: {machine()}",
              f"Versions: {versions('deepspeed', 'transformers')}", "",
-             f"{'tiny-llama' if args.smoke else 'Llama-3-shaped ~1.2B'}, {args.tokens} tokens a row (FLAN-like examples), "
+             f"{'tiny-llama' if args.smoke else 'Llama-3-shaped ~1.2B'}, each engine loading one folder saved in bf16 "
+             f"(save_pretrained, sharded safetensors), {args.tokens} tokens a row (FLAN-like examples), "
              f"one row a step, {args.warmup} warm-up and {args.steps} measured steps, train.precision mixed, the "
              "chunked loss, clipping at 1.0, no checkpointing, one rank.", "",
-             "| engine | zero_stage | tokens/s | over DeepSpeed ZeRO-0 | MFU | peak GiB | first losses |",
+             "| engine | zero_stage | tokens/s | over DeepSpeed at that stage (DDP: ZeRO-1) | MFU | peak GiB | first losses |",
              "|---|---|---|---|---|---|---|"]
     for (name, stage), r in results.items():
         if "error" in r:
             lines.append(f"| {name} | {stage} | failed: {r['error']} | | | | |")
             continue
+        base = results.get(("deepspeed", BASE.get(stage, stage)))
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base and "error" not in base else "-"
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
@@ -173,10 +195,11 @@ def main(argv=None) -> int:
     rows = make_rows(args.warmup + args.steps, args.tokens, args.vocab or (768 if args.smoke else LLAMA3_1B["vocab_size"]),
                      seed=0)
     results = {}
-    with one_rank(device):
+    with one_rank(device), tempfile.TemporaryDirectory(prefix="engines_model_") as tmp:
+        folder = save_model(args, device, Path(tmp))
         for name, stage in chosen:
             try:
-                results[(name, stage)] = run_engine(name, stage, args, device, rows)
+                results[(name, stage)] = run_engine(name, stage, args, device, rows, folder)
             except Exception as e:  # an OOM or a missing package: the row says so, the others still run
                 results[(name, stage)] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
                 if device == "cuda":

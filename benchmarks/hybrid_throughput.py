@@ -18,7 +18,8 @@ run, saying which path its mixers took.
        control   fp32 with raypack's mixers bypassed (the packing keyword arguments dropped, as
                  benchmarks/hybrid_exactness.py's `before`): must exceed the bound, or the check
                  could not fail
-2. Throughput: the same 16 FLAN-like examples a step, forward and backward (no optimizer), as
+2. Throughput: the same 16 FLAN-like examples a step, forward and backward (no optimizer), both
+   models loaded from one folder saved in bf16 as published checkpoints are (sharded safetensors):
        packed    one row, raypack's model (varlen attention, mixers.install)
        padded    [16, longest] with attention_mask, transformers' sdpa model (strategy `pad`)
    tokens/s counts real tokens only.
@@ -39,6 +40,7 @@ import copy
 import functools
 import importlib.util
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from benchmarks.common import (EXACT_BOUNDS, command_line, device_name, gpu_or_smoke, machine, results_path,  # noqa: E402
-                               smoke_banner, packed_over_padded, versions, write_results)  # fmt: skip
+                               save_checkpoint, smoke_banner, packed_over_padded, versions, write_results)  # fmt: skip
 
 EXACT_SIZES = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=32, intermediate_size=512,
                    layer_types=["linear_attention"] * 3 + ["full_attention"])  # fmt: skip
@@ -218,9 +220,10 @@ def throughput(config, device: str, steps: int, warmup: int, per_step: int, max_
 
     dtype = "bfloat16" if device == "cuda" else "float32"
     torch.manual_seed(0)
-    packed = load_model(copy.deepcopy(config), attention="auto", dtype=dtype).to(device).train()
-    padded = load_model(copy.deepcopy(config), attention="sdpa", dtype=dtype).to(device).train()
-    padded.load_state_dict(packed.state_dict())
+    with tempfile.TemporaryDirectory(prefix="hybrid_model_") as folder:  # both load it, as users load a checkpoint
+        save_checkpoint(load_model(copy.deepcopy(config), attention="sdpa", dtype="bfloat16"), folder)
+        packed = load_model(folder, attention="auto", dtype=dtype).to(device).train()
+        padded = load_model(folder, attention="sdpa", dtype=dtype).to(device).train()
     batches = make_steps("flan", warmup + steps, per_step, 0, max_length, config.vocab_size)
     real = sum(len(r["input_ids"]) for rows in batches[warmup:] for r in rows)
     out = {"params": sum(p.numel() for p in packed.parameters()), "real_tokens": real, "model": packed}

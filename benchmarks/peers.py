@@ -56,7 +56,8 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")  # ray.train.r
 import numpy as np  # noqa: E402
 
 from benchmarks.common import (  # noqa: E402
-    child_env, command_line, device_name, gpu_or_smoke, machine, results_path, run_streaming, smoke_banner, versions,
+    child_env, command_line, device_name, gpu_or_smoke, machine, results_path, run_streaming, save_checkpoint, smoke_banner,
+    versions,
 )  # fmt: skip
 
 
@@ -138,7 +139,10 @@ def save_model(path: Path, smoke: bool, seed: int) -> None:
     config.use_cache = False  # with a cache, transformers' sdpa lets packed examples see each other
     # bf16-representable weights, so that every side starts from the same values whatever it loads them as
     model = load_model(config, attention="sdpa", dtype="float32" if smoke else "bfloat16")
-    model.save_pretrained(path, safe_serialization=True)
+    if smoke:
+        model.save_pretrained(path, safe_serialization=True)
+    else:
+        save_checkpoint(model, path)  # sharded, as published checkpoints are
 
 
 # --- one configuration, in its own process -----------------------------------------------------------

@@ -69,7 +69,9 @@ except ImportError as e:  # the GPU machine has neither until the wheels are ins
              "them from the wheels in .whl (tools/gpu_wheels.sh gathers them)")  # fmt: skip
 
 from benchmarks.attention_throughput import LLAMA_1B  # noqa: E402
-from benchmarks.common import command_line, device_name, gpu_or_smoke, machine, results_path, smoke_banner, versions  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    command_line, device_name, gpu_or_smoke, machine, results_path, save_checkpoint, smoke_banner, versions,
+)
 
 from raypack.config import Config, DataConfig, ModelConfig, PackConfig, RunConfig, TokenizeConfig, TrainConfig  # noqa: E402
 from raypack.data.synthetic import sample_lengths  # noqa: E402
@@ -368,7 +370,7 @@ def save_random_model(path: str, seed: int) -> None:
     config = LlamaConfig(**LLAMA_1B, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # seconds on the GPU, a minute on the host
         model = load_model(config, attention="sdpa", dtype="bfloat16")
-    model.save_pretrained(path, safe_serialization=True)
+    save_checkpoint(model, path)  # bf16, sharded, as published checkpoints are
     del model
     gc.collect()
     if torch.cuda.is_available():

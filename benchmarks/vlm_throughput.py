@@ -17,7 +17,8 @@ unpacked forward, and tokens/s packed over padded at the model level, in one run
        control   fp32 with the positions a naive packer builds (text positions for the image
                  tokens, test_vision.py's negative control): must exceed the bound
 2. Throughput: the same examples a step (one image each, text around it), forward and backward
-   (no optimizer), as
+   (no optimizer), both models loaded from one folder saved in bf16 as published checkpoints are,
+   as
        packed    raypack.data.vision_collate's one row (each example's own get_rope_index
                  positions), raypack's varlen attention in the language model
        padded    [examples, longest] with attention_mask, the images beside it, transformers'
@@ -39,6 +40,7 @@ import argparse
 import copy
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from benchmarks.common import (EXACT_BOUNDS, command_line, device_name, gpu_or_smoke, machine, results_path,  # noqa: E402
-                               smoke_banner, packed_over_padded, versions, write_results)  # fmt: skip
+                               save_checkpoint, smoke_banner, packed_over_padded, versions, write_results)  # fmt: skip
 from benchmarks.hybrid_throughput import bound_cell, verdict  # noqa: E402
 
 SAMPLE = ROOT / "raypack" / "assets" / "vision_sample"
@@ -227,13 +229,14 @@ def throughput(config, examples: list[dict], device: str, steps: int, warmup: in
     import torch
 
     from raypack.data.vision_collate import collate_vision_packed
-    from raypack.model.vision import build_vlm, example_positions
+    from raypack.model.vision import build_vlm, example_positions, load_vlm
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(0)
-    packed = build_vlm(config, "auto", dtype=dtype).to(device).train()
-    padded = build_vlm(config, "sdpa", dtype=dtype).to(device).train()
-    padded.load_state_dict(packed.state_dict())
+    with tempfile.TemporaryDirectory(prefix="vlm_model_") as folder:  # both load it, as users load a checkpoint
+        save_checkpoint(build_vlm(config, "sdpa", dtype=torch.bfloat16), folder)
+        packed = load_vlm(folder, "auto", dtype).to(device).train()
+        padded = load_vlm(folder, "sdpa", dtype).to(device).train()
     examples = [{**e, "pixel_values": e["pixel_values"].to(dtype)} for e in examples]
     groups = [examples[i * per_step : (i + 1) * per_step] for i in range(warmup + steps)]
     measured = [e for g in groups[warmup:] for e in g]

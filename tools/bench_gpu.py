@@ -16,7 +16,7 @@ each requirement in requirements.json against what is installed and prints any t
     0. install           the wheels in .whl, where there are any (or where Ray or DeepSpeed is missing)
     1. gpu_tests         pytest -m "gpu and not slow": the GPU tests that guard exactness
     2. peers             benchmarks/peers.py: raypack against TRL, a row per configuration as it ends
-    3. engines           benchmarks/engines.py: DeepSpeed's ZeRO 0/2/3 against the torch engine's DDP and FSDP2
+    3. engines           benchmarks/engines.py: DeepSpeed's ZeRO 1/2/3 against the torch engine's DDP and FSDP2
     4. profile           benchmarks/step_profile.py: where a train step's time goes
     5. profile_compiled  the same with train.compile
     6. hybrid            benchmarks/hybrid_throughput.py: a Qwen3.5-shaped hybrid exact on CUDA, packed over padded
@@ -105,8 +105,8 @@ STEPS = [
     # Six configurations of ~25-80 s each on an H100 (2026-11-27: TRL 24-58 s, raypack 77 s); each
     # gets its own limit inside --deadline-s, so a slow one can't take the others' rows with it.
     Step("peers", "peers", ["benchmarks/peers.py"], cap_s=300, min_s=150, smoke_args=["--smoke"]),
-    # Issue 51: DeepSpeed's ZeRO 0/2/3 against the torch engine's DDP and FSDP2, same model and batches
-    # (six ~1.2B engines of 13 steps each; not yet run on a GPU)
+    # Issue 51: DeepSpeed's ZeRO 1/2/3 against the torch engine's DDP and FSDP2, same model and batches
+    # (six ~1.2B engines of 13 steps each, each loading one saved bf16 folder; not yet run on a GPU)
     Step("engines", "engines", ["benchmarks/engines.py"], cap_s=150, min_s=60, smoke_args=["--smoke"]),
     Step("profile", "step_profile", ["benchmarks/step_profile.py"], cap_s=60, min_s=30, smoke_args=["--smoke"]),
     Step("profile_compiled", "step_profile_compiled", ["benchmarks/step_profile.py", "--compile"], cap_s=75,

@@ -76,8 +76,8 @@ NO_RAY = {  # script -> what its results file must show
     "vision_host.py": ["| bundled sample, tiny processor | 252 | 6 | 1 |", "| 640x480 JPEG q90, Qwen2.5-VL default processor |",
                        "| 2 |", "CPU ms", "forward and backward of the bundled sample's micro-batch"],
     # both engines at every stage gpu-check measures, one model and one batch stream (issue 51)
-    "engines.py": ["| deepspeed | 0 |", "| deepspeed | 3 |", "| torch | 0 |", "| torch | 2 |", "| torch | 3 |",
-                   "First-step losses agree across engines"],
+    "engines.py": ["| deepspeed | 1 |", "| deepspeed | 3 |", "| torch | 0 |", "| torch | 2 |", "| torch | 3 |",
+                   "First-step losses agree across engines", "each engine loading one folder saved in bf16"],
     # every model x option set reached its longest smoke row
     "long_context.py": ["| 1b-full | none | 256 |", "| 8b-lora | both | 256 |", "| 1b-full | tiled | 256 |"],
 }
@@ -137,6 +137,15 @@ def test_smoke_run_writes_its_results_file(script, tmp_path, keep_torch_threads)
     assert text.startswith("# ") and "Command: `" in text and "smoke" in text.lower()
     for expected in NO_RAY[script]:
         assert expected in text, f"{script}: {expected!r} missing from\n{text}"
+
+
+def test_engines_rows_are_configs_raypack_accepts_on_a_gpu():
+    """The smoke run computes in fp32; on a GPU every row computes in bf16, where raypack refuses
+    some engine and stage pairs (DeepSpeed without ZeRO): each row's config must load there too."""
+    engines = load("engines.py")
+    for name, stage in engines.ENGINES:
+        cfg = engines.engine_config(name, stage, "cuda")
+        assert (cfg.train.engine, cfg.train.zero_stage, cfg.model.dtype) == (name, stage, "bfloat16")
 
 
 def test_gpu_check_budget_keeps_time_for_every_required_step():
