@@ -70,12 +70,7 @@ MODELS_OWN = {
 }
 """fp32 matmul sites that are the model's own code (not raypack's, not an engine's): allowed, and
 listed in the results. Each runs only where no kernel is installed (the CPU)."""
-OPEN = {
-    ("MoE, router loss", "torch mixed", "transformers/integrations/moe.py:_grouped_mm"):
-        "torch.autocast has no rule for `_grouped_mm`, so under the torch engine's precision mixed (DDP's path) the "
-        "experts multiply their fp32 master weights in fp32, on a GPU too: found by this script (issue 60), not "
-        "fixed yet; FSDP2's MixedPrecisionPolicy casts the gathered weights and DeepSpeed's model is bf16",
-}
+OPEN: dict[tuple[str, str, str], str] = {}
 """fp32 matmul sites found and not yet fixed, by (kind, engine path, site), with why: the test's
 stated allowance, to be emptied."""
 

@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.tensor import DTensor
 
 from raypack.config import TrainConfig
+from raypack.model import autocast
 from raypack.model.facts import describe
 from raypack.train.engines import fsdp
 from raypack.train.engines.base import Engine, SavedWeights, param_groups
@@ -128,6 +129,7 @@ class TorchEngine(Engine):
             self.units = fsdp.units(self.module)
         else:
             if self.cast is not None:
+                autocast.cast_grouped_experts()  # the MoE experts' matmul, which autocast has no rule for
                 for p in model.parameters():
                     if p.requires_grad and p.dtype != torch.float32:  # peft's modules_to_save copies
                         p.data = p.data.float()
