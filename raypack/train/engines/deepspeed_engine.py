@@ -174,12 +174,32 @@ def _compile_on_first_call(fn):
     return call
 
 
+def cast_added_params(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Weights added after zero.Init built the model (LoRA adapters) cast to the compute dtype.
+
+    DeepSpeed casts a model's weights to bf16 itself, except a model zero.Init built
+    (`_cast_module_mixed_precision`: "ZeRO-Init params are already at the configured dtype"): there
+    the adapters peft adds afterwards stay fp32, so ZeRO-3's LoRA branch multiplied in fp32 where
+    ZeRO-1/2 and the torch engine multiply in bf16 (tests/ray/train/test_matrix.py: Kimi Linear's
+    b_proj adapter gradient 5.5% off each example alone in bf16). Cast as DeepSpeed casts the rest:
+    the fp32 master copy is ZeRO's optimizer's, drawn from the same values ZeRO-2's is."""
+    if dtype not in (torch.bfloat16, torch.float16) or not any(hasattr(p, "ds_id") for p in model.parameters()):
+        return 0
+    cast = 0
+    for p in model.parameters():
+        if not hasattr(p, "ds_id") and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+            cast += 1
+    return cast
+
+
 def setup_engine(model: torch.nn.Module, cfg: TrainConfig, *, dtype: torch.dtype, world_size: int,
                  total_steps: int) -> DeepSpeedEngine:
     """`deepspeed.initialize` with raypack's optimizer and schedule, behind the engine seam."""
     skip_shm_build()
     import_muon_uncompiled()
     ds_config = deepspeed_config(cfg, dtype=dtype, world_size=world_size)
+    cast_added_params(model, dtype)
     optimizer = None
     if "optimizer" not in ds_config:
         # A torch optimizer avoids DeepSpeed's JIT Adam builds (85-105 s each on 2 cores).
