@@ -4,6 +4,7 @@ a dataset (`dataset_info`), walk and read its files (HfFileSystem: tree, paths-i
 Tests point HF_ENDPOINT (or huggingface_hub.constants.ENDPOINT) at it; nothing reaches the internet.
 
     hub = FakeHub({"org/chat": Repo({"main": {"train.jsonl": b"..."}})}).start()   # hub.url
+    FakeHub({}, silent=True).start()   # accepts every connection and never answers
 """
 
 from __future__ import annotations
@@ -41,8 +42,12 @@ def sha(repo: str, branch: str) -> str:
 
 
 class FakeHub:
-    def __init__(self, repos: dict[str, Repo]):
+    def __init__(self, repos: dict[str, Repo], silent: bool = False):
         self.repos = repos
+        self.silent = silent
+        """Read each request, then answer nothing until stopped: a hub behind a proxy or firewall
+        that holds connections open (what a timeout per request waited out, request after request)."""
+        self.stopped = threading.Event()
         self.requests: list[str] = []
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -52,6 +57,7 @@ class FakeHub:
         return self
 
     def stop(self) -> None:
+        self.stopped.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -95,6 +101,9 @@ def _handler(hub: FakeHub):
         def _route(self, body: bool):
             url = urlsplit(self.path)
             hub.requests.append(f"{self.command} {url.path}")
+            if hub.silent:
+                hub.stopped.wait()
+                return
             parts = [unquote(p) for p in url.path.strip("/").split("/")]
             api = parts[:2] == ["api", "datasets"]
             if not (api or parts[:1] == ["datasets"]) or len(parts) < (4 if api else 3):
