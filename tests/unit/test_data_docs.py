@@ -124,3 +124,42 @@ def test_the_hub_sections_examples_run_as_written(hub, monkeypatch, tmp_path, ca
     assert (status, err) == (0, "")
     assert out.splitlines()[0] == f"examples   {chats + problems} in (chat {chats}, completion {problems}), " \
                                   f"{chats + problems} out", out
+
+
+def _bad_rows() -> dict[int, dict]:
+    """A row that each quoted line is about, by its line number."""
+    ask, call = {"role": "user", "content": "Weather in Paris?"}, {"type": "function", "function": {"name": "get_weather"}}
+    return {
+        7: {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."},
+                              {"from": "bot", "value": "?"}]},
+        9: {"messages": [ask, {"role": "assistant", "content": None,
+                               "tool_calls": [{"type": "function", "function": {"arguments": {"city": "Paris"}}}]}]},
+        12: {"messages": [ask, {"role": "assistant", "content": None, "tool_calls": [
+            {**call, "function": {**call["function"], "arguments": "{city: 'Paris'}"}}]}]},
+        15: {"messages": [ask, {"role": "assistant", "content": "Sunny."}], "tools": call},
+        18: {"messages": [{"role": "user", "content": [{"type": "audio", "audio": "a.wav"}]},
+                          {"role": "assistant", "content": "Sunny."}]},
+    }
+
+
+def test_the_bad_row_lines_are_what_raypack_prints(tmp_path, monkeypatch, capsys):
+    """The page's bad-row lines: each one `raypack data` prints for a file whose line holds such a
+    row after good rows of its format, run as the page's conversation commands are, in a folder
+    that stands for the page's `/work`."""
+    import json
+
+    page = PAGE.read_text().split("Each bad row is one line", 1)[1]
+    quoted = page.split("```text\n", 1)[1].split("```", 1)[0].splitlines()
+    good = {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]}
+    rows = _bad_rows()
+    assert [int(line.split(" line ", 1)[1].split(":")[0]) for line in quoted] == list(rows)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    template = REPO / "tests" / "assets" / "chat_templates" / "trl" / "qwen3.jinja"
+    for line, (number, bad) in zip(quoted, rows.items()):
+        fill = good if "conversations" in bad else {"messages": [{"role": "user", "content": "Hi"},
+                                                                 {"role": "assistant", "content": "Hello."}]}
+        (tmp_path / "data" / "tools.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [fill] * (number - 1) + [bad]))
+        status = main(["data", "--config", str(REPO / "jobs" / "configs" / "quickstart.yaml"),
+                       "data.paths=[data/tools.jsonl]", f"tokenize.chat_template={template}", "pack.budget=2048"])
+        assert (status, capsys.readouterr().err) == (2, line.replace("/work/", f"{tmp_path}/") + "\n")
