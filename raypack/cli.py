@@ -132,6 +132,11 @@ def main(argv: list[str] | None = None) -> int:
                 check_strategies(cfg)
             except ConfigError as e:  # named after the override that holds the value, else the file
                 raise ConfigError(f"{blame(str(e), args.overrides, args.config or '<defaults>')}: {e}") from None
+        elif args.command == "train" and args.resume and not args.config:  # its saved config, as train.py reads it
+            from raypack.runs import check_rerun, saved_config
+
+            check_rerun(args.overrides, args.resume)
+            cfg = saved_config(args.resume, args.overrides)
         listed = contextlib.nullcontext()
         if cfg is not None and args.command in READS_DATA and not getattr(args, "lengths", None):
             from raypack.data.hub import listed_first

@@ -8,6 +8,7 @@ import json
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from huggingface_hub import constants
@@ -172,26 +173,33 @@ def test_one_deadline_bounds_every_request_of_a_listing(monkeypatch):
 
 
 def test_a_silent_hub_is_one_line_within_30_s_of_the_command_starting(tmp_path):
-    """`raypack data` and `raypack train` on `data.paths=[org/name]` with a hub that accepts the
-    connection and never answers: each command, timed from its process's start (run side by side,
-    so the test takes one deadline, not two), ends with one line and exit 2 within 30 s, having
-    asked once (no retries) and started no Ray (the run folder is never made)."""
+    """`raypack data`, `raypack train` on `data.paths=[org/name]` and `raypack train --resume` of a
+    run on it, with a hub that accepts the connection and never answers: each command, timed from
+    its process's start (run side by side, so the test takes one deadline, not three), ends with
+    one line and exit 2 within 30 s, having asked once (no retries) and started no Ray (no run
+    folder is made; the resumed one keeps only its saved config)."""
     import subprocess
     import sys
 
     from paths import REPO
 
+    from raypack.config import load
+    from raypack.runs import run_dir, save_config
+
     hub = FakeHub({}, silent=True).start()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "RAY_"))}
     env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf"), PYTHONPATH=str(REPO))
+    config = ["--config", "jobs/configs/quickstart.yaml", "data.paths=[org/name]"]
+    stopped = load(REPO / config[1], [*config[2:], f"run.storage_path={tmp_path / 'stopped'}"])
+    save_config(stopped)  # what a run stopped before its first checkpoint leaves
+    commands = {"data": ["data", *config], "train": ["train", *config, f"run.storage_path={tmp_path / 'results'}"],
+                "resume": ["train", "--resume", run_dir(stopped)]}
     try:
         started, procs = {}, {}
-        for command in ("data", "train"):
+        for command, argv in commands.items():
             started[command] = time.monotonic()
-            procs[command] = subprocess.Popen(
-                [sys.executable, "-m", "raypack.cli", command, "--config", "jobs/configs/quickstart.yaml",
-                 "data.paths=[org/name]", f"run.storage_path={tmp_path / 'results'}"],
-                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            procs[command] = subprocess.Popen([sys.executable, "-m", "raypack.cli", *argv], cwd=REPO, env=env,
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for command, proc in procs.items():
             out, err = proc.communicate(timeout=60)
             took = time.monotonic() - started[command]
@@ -200,8 +208,9 @@ def test_a_silent_hub_is_one_line_within_30_s_of_the_command_starting(tmp_path):
                 f"{hub_deadline.DEADLINE_S:g} s; HF_HUB_OFFLINE=1 reads the hub cache)"]), command
             assert hub_deadline.DEADLINE_S <= took < 30, (command, took)
         # one request for the dataset a command (no retry); huggingface_hub asks its agent registry too
-        assert [r for r in hub.requests if "datasets" in r] == ["GET /api/datasets/org/name"] * 2
+        assert [r for r in hub.requests if "datasets" in r] == ["GET /api/datasets/org/name"] * 3
         assert not (tmp_path / "results").exists()
+        assert sorted(p.name for p in Path(run_dir(stopped)).iterdir()) == ["raypack_config.yaml"]
     finally:
         hub.stop()
 
