@@ -27,6 +27,7 @@ from paths import REPO
 
 from raypack.cli import main
 from raypack.data.hub import match
+from raypack.data.hub_deadline import DEADLINE_S
 
 from fakehub import FakeHub, point_at, sha, stand_in_repos
 from tests.unit.test_docs import ALL, code_blocks
@@ -82,6 +83,8 @@ def _run(command: str, monkeypatch, capsys) -> tuple[int, str, str]:
 
 def test_the_hub_sections_examples_run_as_written(hub, monkeypatch, tmp_path, capsys):
     assert [lang for lang, _ in BLOCKS] == ["bash", "yaml", "bash", "text"], BLOCKS
+    # the bound the page promises is the code's (tests/unit/data/test_hub.py times it)
+    assert f"gives all of its hub requests {DEADLINE_S:g} seconds together" in " ".join(PAGE.read_text().split())
     assert len(COMMANDS) == 4, COMMANDS
     show_name, show_uri, download, offline = COMMANDS
     capybara = f"hf://datasets/trl-lib/Capybara@{sha('trl-lib/Capybara', 'main')}/data/train-00000-of-00001.parquet"
