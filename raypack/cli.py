@@ -23,6 +23,7 @@ prints the traceback too. SIGTERM ends a command as Ctrl-C does, with one line a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import signal
@@ -38,6 +39,9 @@ def _add_config(p: argparse.ArgumentParser, required: bool = False) -> None:
     p.add_argument("--config", required=required, help="YAML run config (see jobs/configs/)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=2e-5 pack.strategy=bfd")
 
+
+READS_DATA = ("train", "sweep", "data", "plan")
+"""The commands that read the configured data (`plan --lengths` reads a lengths file instead)."""
 
 DESCRIPTION = ("Supervised fine-tuning of causal language models on packed sequences, exactly as unpacked (no "
                "example sees another), on Ray: Ray Data tokenizes and packs, Ray Train with DeepSpeed trains, "
@@ -118,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (a pod evicted, `ray job stop`, Slurm, kill) ends a command as Ctrl-C does
     sigterm = stop_on_sigterm()
     try:
+        cfg = None
         if hasattr(args, "overrides") and not getattr(args, "resume", None):
             from raypack.data.strategies import check_strategies
 
@@ -127,10 +132,23 @@ def main(argv: list[str] | None = None) -> int:
                 check_strategies(cfg)
             except ConfigError as e:  # named after the override that holds the value, else the file
                 raise ConfigError(f"{blame(str(e), args.overrides, args.config or '<defaults>')}: {e}") from None
-        # Only the command that runs is imported: `raypack --help` takes 0.1 s, while the command
-        # modules bring in Ray, torch and transformers (3 to 10 s on 2 cores).
-        command = importlib.import_module(f"raypack.commands.{args.command}")
-        return command.run(args) or 0
+        elif args.command == "train" and args.resume and not args.config:  # its saved config, as train.py reads it
+            from raypack.runs import check_rerun, saved_config
+
+            check_rerun(args.overrides, args.resume)
+            cfg = saved_config(args.resume, args.overrides)
+        listed = contextlib.nullcontext()
+        if cfg is not None and args.command in READS_DATA and not getattr(args, "lengths", None):
+            from raypack.data.hub import listed_first
+
+            # Its hub datasets listed before those imports too (raypack/data/hub.py), the listings
+            # kept for the command: a hub that doesn't answer is one line within seconds, not after them.
+            listed = listed_first(cfg.data)
+        with listed:
+            # Only the command that runs is imported: `raypack --help` takes 0.1 s, while the command
+            # modules bring in Ray, torch and transformers (3 to 10 s on 2 cores, 25 s under load).
+            command = importlib.import_module(f"raypack.commands.{args.command}")
+            return command.run(args) or 0
     except BrokenPipeError:  # `raypack config | head`: the reader left early, which is no error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141

@@ -4,6 +4,7 @@ a dataset (`dataset_info`), walk and read its files (HfFileSystem: tree, paths-i
 Tests point HF_ENDPOINT (or huggingface_hub.constants.ENDPOINT) at it; nothing reaches the internet.
 
     hub = FakeHub({"org/chat": Repo({"main": {"train.jsonl": b"..."}})}).start()   # hub.url
+    FakeHub({}, silent=True).start()   # accepts every connection and never answers
 """
 
 from __future__ import annotations
@@ -41,8 +42,12 @@ def sha(repo: str, branch: str) -> str:
 
 
 class FakeHub:
-    def __init__(self, repos: dict[str, Repo]):
+    def __init__(self, repos: dict[str, Repo], silent: bool = False):
         self.repos = repos
+        self.silent = silent
+        """Read each request, then answer nothing until stopped: a hub behind a proxy or firewall
+        that holds connections open (what a timeout per request waited out, request after request)."""
+        self.stopped = threading.Event()
         self.requests: list[str] = []
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -52,6 +57,7 @@ class FakeHub:
         return self
 
     def stop(self) -> None:
+        self.stopped.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -95,6 +101,9 @@ def _handler(hub: FakeHub):
         def _route(self, body: bool):
             url = urlsplit(self.path)
             hub.requests.append(f"{self.command} {url.path}")
+            if hub.silent:
+                hub.stopped.wait()
+                return
             parts = [unquote(p) for p in url.path.strip("/").split("/")]
             api = parts[:2] == ["api", "datasets"]
             if not (api or parts[:1] == ["datasets"]) or len(parts) < (4 if api else 3):
@@ -221,4 +230,71 @@ def sample_repos() -> dict[str, Repo]:
         "fake/formats": Repo({"main": {"train.jsonl": b"", "train-2.jsonl": b"", "train-3.parquet": b""},
                               "tie": {"a.jsonl": b"", "b.parquet": b""}}),
         "fake/gated": Repo({"main": {"train.jsonl": lines("chat.jsonl", 0, 3)}}, gated=True),
+    }
+
+
+# --- stand-ins for the hub datasets the docs name -----------------------------------------------------
+
+
+def _table(rows: list[dict], schema: pa.Schema) -> bytes:
+    out = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), out)
+    return out.getvalue()
+
+
+def _card(card: dict, title: str) -> bytes:
+    return b"---\n" + yaml.safe_dump(card, sort_keys=False).encode() + f"---\n# {title}\n".encode()
+
+
+_MESSAGES = pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))
+
+
+def stand_in_repos() -> dict[str, Repo]:
+    """Same-named stand-ins for the real datasets docs/guides/data.md names, with their schemas
+    (column names, types and order), file layouts and README `configs` as their hub pages show
+    them (their dataset cards' `dataset_info` and `configs`, and their file trees), and rows made
+    from the bundled samples: what raypack lists and reads of them, without their text. They are
+    not the real datasets; nothing here reached the hub.
+
+    - trl-lib/Capybara (TRL's SFT examples): `source`, `messages` (content, role), `num_turns`;
+      `data/train-00000-of-00001.parquet` and `data/test-...`, a default config naming both.
+    - HuggingFaceH4/ultrachat_200k: `prompt`, `prompt_id`, `messages`; splits train_sft, test_sft,
+      train_gen, test_gen as `data/{split}-0000k-of-0000n-<hash>.parquet`, train_sft in 3 shards.
+    - openai/gsm8k: `question`, `answer`; configs main and socratic and no default one, as
+      `main/train-00000-of-00001.parquet`, `main/test-...`, `socratic/...`.
+    """
+    chats = [json.loads(line)["messages"] for line in lines("chat.jsonl", 0, 40).splitlines()]
+    qa = [json.loads(line) for line in lines("completion.jsonl", 0, 24).splitlines()]
+
+    capybara = pa.schema([("source", pa.string()), ("messages", _MESSAGES), ("num_turns", pa.int64())])
+    capy = [{"source": "sample", "messages": m, "num_turns": len(m)} for m in chats]
+    capybara_card = {"configs": [{"config_name": "default", "data_files": [
+        {"split": "train", "path": "data/train-*"}, {"split": "test", "path": "data/test-*"}]}]}
+
+    ultra = pa.schema([("prompt", pa.string()), ("prompt_id", pa.string()), ("messages", _MESSAGES)])
+    rows = [{"prompt": m[0]["content"], "prompt_id": hashlib.sha256(m[0]["content"].encode()).hexdigest(),
+             "messages": m} for m in chats]
+    splits = {"train_sft": (rows[0:8], rows[8:16], rows[16:24]), "test_sft": (rows[24:28],),
+              "train_gen": (rows[28:36],), "test_gen": (rows[36:40],)}
+    ultra_files = {f"data/{split}-{k:05d}-of-{len(parts):05d}-{sha(split, str(k))[:16]}.parquet": _table(part, ultra)
+                   for split, parts in splits.items() for k, part in enumerate(parts)}
+    ultra_card = {"configs": [{"config_name": "default", "data_files": [
+        {"split": s, "path": f"data/{s}-*"} for s in splits]}]}
+
+    gsm = pa.schema([("question", pa.string()), ("answer", pa.string())])
+    qa = [{"question": r["prompt"], "answer": r["completion"]} for r in qa]
+    gsm_files = {f"{config}/{split}-00000-of-00001.parquet": _table(part, gsm)
+                 for config, halves in (("main", (qa[0:8], qa[8:12])), ("socratic", (qa[12:22], qa[22:24])))
+                 for split, part in zip(("train", "test"), halves)}
+    gsm_card = {"configs": [{"config_name": c, "data_files": [{"split": s, "path": f"{c}/{s}-*"}
+                                                              for s in ("train", "test")]}
+                            for c in ("main", "socratic")]}
+    return {
+        "trl-lib/Capybara": Repo({"main": {"README.md": _card(capybara_card, "Capybara"),
+                                           "data/train-00000-of-00001.parquet": _table(capy[:32], capybara),
+                                           "data/test-00000-of-00001.parquet": _table(capy[32:], capybara)}},
+                                 card=capybara_card),
+        "HuggingFaceH4/ultrachat_200k": Repo({"main": {"README.md": _card(ultra_card, "UltraChat 200k"), **ultra_files}},
+                                             card=ultra_card),
+        "openai/gsm8k": Repo({"main": {"README.md": _card(gsm_card, "GSM8K"), **gsm_files}}, card=gsm_card),
     }

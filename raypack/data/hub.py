@@ -20,16 +20,21 @@ split would not be what `load_dataset` trains on.
 network: the files are those the hub cache already holds for the revision (`hf download
 --repo-type dataset org/name` or `snapshot_download`), read as local files. Every failure (no
 network, no such dataset, config, split or revision, a gated one without access, offline and not
-cached) is one SourceError naming the dataset and the cause, before any Ray work.
+cached) is one SourceError naming the dataset and the cause, before any Ray work. Every request
+of a listing shares one deadline (raypack/data/hub_deadline.py), and a command lists the hub
+datasets of its config before its heavy imports, then reuses those listings (`listed_first`):
+a hub that doesn't answer fails the command in one line well within 30 s of its start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from urllib.parse import unquote
 
+from raypack.data.hub_deadline import answer, within_deadline
 from raypack.errors import SourceError
 from raypack.storage import is_repo_id, is_uri
 
@@ -92,9 +97,60 @@ class RepoView:
         return [(f"{self.root}/{f}", READABLE[PurePosixPath(f).suffix.lower()]) for f in files]
 
 
+_listed: dict[tuple, list[tuple[str, str]]] = {}
+"""Listings `listed_first` made, by (path, config, split, revision, endpoint, offline), while its
+block runs: what the command's own listing of the same datasets takes instead of asking again."""
+
+
+def choice(source) -> dict[str, str]:
+    """The config, split and revision a `data.sources` item (or None) sets: `hub_files`' keywords."""
+    return {k: getattr(source, k) for k in ("config", "split", "revision") if getattr(source, k, None) is not None}
+
+
+@contextlib.contextmanager
+def listed_first(data):
+    """Every hub dataset `data` (a DataConfig) names, listed now under one deadline, and those
+    listings reused by `hub_files` until the block ends. raypack/cli.py lists before it imports
+    a command (Ray, torch, transformers: 10 to 25 s on a loaded machine), so that a hub that
+    doesn't answer, a missing dataset or a gated one is one line within seconds of the start."""
+    from raypack.config.sections import source_where
+
+    named = [(p, "data.paths", None) for p in data.paths]
+    named += [(p, source_where(i, s.paths), s) for i, s in enumerate(data.sources) for p in s.paths]
+    keys = []
+    try:
+        with within_deadline():
+            for path, where, source in named:
+                if is_hub_path(path):
+                    files = hub_files(path, where, **choice(source))
+                    keys.append(_key(path, choice(source)))
+                    _listed[keys[-1]] = files
+        yield
+    finally:
+        for key in keys:
+            _listed.pop(key, None)
+
+
+def _key(path: str, chosen: dict[str, str]) -> tuple:
+    from huggingface_hub import constants
+
+    return (path, chosen.get("config"), chosen.get("split"), chosen.get("revision"), constants.ENDPOINT,
+            constants.HF_HUB_OFFLINE)
+
+
 def hub_files(path: str, where: str, *, config: str | None = None, split: str | None = None,
               revision: str | None = None) -> list[tuple[str, str]]:
-    """(file, kind) of every file the hub dataset `path` stands for, in name order."""
+    """(file, kind) of every file the hub dataset `path` stands for, in name order; its requests
+    share one deadline (that of an enclosing `within_deadline`, as `listed_first`'s)."""
+    chosen = {k: v for k, v in (("config", config), ("split", split), ("revision", revision)) if v is not None}
+    if (key := _key(path, chosen)) in _listed:
+        return list(_listed[key])
+    with within_deadline():
+        return _hub_files(path, where, config, split, revision)
+
+
+def _hub_files(path: str, where: str, config: str | None, split: str | None,
+               revision: str | None) -> list[tuple[str, str]]:
     ref = parse(path, revision, where)
     label = f"{where}: {path}" + (f" (revision {ref.revision})" if ref.revision and ref.revision not in path else "")
     view = _view(ref.repo, ref.revision, label, bare=not path.startswith("hf://"))
@@ -260,8 +316,10 @@ def _view(repo: str, revision: str | None, label: str, bare: bool = False) -> Re
         return _cached_view(repo, revision, label, bare)
     from huggingface_hub import HfApi
 
+    api = HfApi(endpoint=constants.ENDPOINT)
     with hub_errors(label, bare):
-        info = HfApi(endpoint=constants.ENDPOINT).dataset_info(repo, revision=revision, timeout=_timeout())
+        info = answer(lambda timeout: api.dataset_info(repo, revision=revision, timeout=timeout), label,
+                      constants.ENDPOINT)
     card = info.card_data.to_dict() if info.card_data is not None else {}
     return RepoView(info.sha, tuple(s.rfilename for s in info.siblings or ()), tuple(card.get("configs") or ()),
                     f"{PREFIX}{repo}@{info.sha}", bool(info.gated))
@@ -290,8 +348,9 @@ def _check_access(repo: str, view: RepoView, first: str, label: str) -> None:
     from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
 
     url = hf_hub_url(repo, first, repo_type="dataset", revision=view.sha, endpoint=constants.ENDPOINT)
-    with hub_errors(label):
-        get_hf_file_metadata(url, timeout=_timeout())
+    with hub_errors(label):  # retry_on_errors=False (its default): no backoff beyond the deadline
+        answer(lambda timeout: get_hf_file_metadata(url, timeout=timeout, retry_on_errors=False), label,
+               constants.ENDPOINT)
 
 
 class hub_errors:
@@ -332,15 +391,6 @@ def cause(e: BaseException, bare: bool = False) -> str | None:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return f"can't reach the hub at {constants.ENDPOINT} ({reason}; HF_HUB_OFFLINE=1 reads the hub cache)"
     return None
-
-
-def _timeout() -> float:
-    """Seconds each listing request may take: HF_HUB_ETAG_TIMEOUT (10 by default), huggingface_hub's
-    own for its metadata requests, so that an endpoint that doesn't answer fails in seconds, well
-    within the half minute a refused input may take, rather than at the network's own timeout."""
-    from huggingface_hub import constants
-
-    return float(constants.HF_HUB_ETAG_TIMEOUT)
 
 
 def _has_token() -> bool:

@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 from raypack.config import DataConfig
 from raypack.config.sections import SourceConfig, source_where
 from raypack.data.fingerprint import sources_fingerprint
-from raypack.data.hub import hub_files, is_hub_path
+from raypack.data.hub import choice, hub_files, is_hub_path
 from raypack.errors import SourceError
 from raypack.storage import is_uri, resolve
 
@@ -95,7 +95,7 @@ def _kind(path: str) -> str | None:
 def _expand(path: str, where: str = "data.paths", source: SourceConfig | None = None) -> list[tuple[str, str]]:
     """(path, kind) of every file a configured path stands for; `where` names the setting in messages.
     `source`: the `data.sources` item, whose config, split and revision choose a hub dataset's files."""
-    hub = {k: getattr(source, k) for k in ("config", "split", "revision") if getattr(source, k, None) is not None}
+    hub = choice(source)
     if is_hub_path(path):
         return hub_files(path, where, **hub)
     if hub:

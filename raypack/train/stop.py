@@ -37,8 +37,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from raypack import raycompat
-
 POLL_S = 0.25
 """How often rank 0 asks Ray's KV whether the driver asked the run to stop (one small GCS read)."""
 MARGIN_S = 2.0
@@ -112,7 +110,7 @@ class DriverStop:
         self.signum = signum
         deadline = time.time() + self.grace_s
         try:
-            told = raycompat.kv_put(self.key, json.dumps({"signal": signal.Signals(signum).name,
+            told = _raycompat().kv_put(self.key, json.dumps({"signal": signal.Signals(signum).name,
                                                           "deadline": deadline}), namespace=NAMESPACE)
         except Exception:  # Ray already gone: nothing to stop gracefully
             told = False
@@ -136,10 +134,18 @@ class DriverStop:
         no stop was asked for or the run ended anyway (its last step came first)."""
         if self.signum is None:
             return None
-        done = raycompat.kv_get(f"{self.key}:done", namespace=NAMESPACE)
+        done = _raycompat().kv_get(f"{self.key}:done", namespace=NAMESPACE)
         for key in (self.key, f"{self.key}:done"):
-            raycompat.kv_del(key, namespace=NAMESPACE)
+            _raycompat().kv_del(key, namespace=NAMESPACE)
         return json.loads(done) if done else None
+
+
+def _raycompat():
+    """raypack.raycompat, imported where first used: raypack/cli.py imports this module first thing,
+    and Ray's import (1 s, several on a loaded machine) would delay the config's and the hub's checks."""
+    from raypack import raycompat
+
+    return raycompat
 
 
 def _interrupt_main(signum: int) -> None:
@@ -214,7 +220,7 @@ class StopWatch:
         """After the loop: tell the driver where a stop it asked for left the run; on a node's
         preemption, wait for Ray Train to end this worker group (module doc)."""
         if self.reason == ASKED and self.rank == 0 and self.key:
-            raycompat.kv_put(f"{self.key}:done", json.dumps({"step": step, "checkpoint": self.checkpoint,
+            _raycompat().kv_put(f"{self.key}:done", json.dumps({"step": step, "checkpoint": self.checkpoint,
                                                              "resume_from": self.checkpoint_step}),
                              namespace=NAMESPACE)
         elif self.reason == PREEMPTED:
@@ -232,7 +238,7 @@ class StopWatch:
         asked = self._poll()
         if asked:
             return ASKED, asked["deadline"]
-        info = raycompat.preemption_info()
+        info = _raycompat().preemption_info()
         if info is not None:
             return PREEMPTED, info.deadline_ms / 1000 if info.deadline_ms else None
         return 0, None
@@ -241,7 +247,7 @@ class StopWatch:
         if self._asked or self.rank != 0 or not self.key or time.monotonic() - self._polled < POLL_S:
             return self._asked
         self._polled = time.monotonic()
-        value = raycompat.kv_get(self.key, namespace=NAMESPACE)
+        value = _raycompat().kv_get(self.key, namespace=NAMESPACE)
         self._asked = json.loads(value) if value else None
         return self._asked
 

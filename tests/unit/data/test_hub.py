@@ -5,12 +5,16 @@ line, the rows read as local files' are, and the hub cache read offline."""
 from __future__ import annotations
 
 import json
+import os
+import threading
 import time
+from pathlib import Path
 
 import pytest
 from huggingface_hub import constants
 
 from raypack.config import DataConfig, SourceConfig
+from raypack.data import hub_deadline
 from raypack.data.hub import hub_files, is_hub_path
 from raypack.data.listing import Sources
 from raypack.data.sources import rows_here
@@ -135,20 +139,80 @@ def test_a_gated_dataset_reads_with_a_token(hub, monkeypatch):
 
 @pytest.mark.parametrize("listening", [False, True], ids=["refused", "silent"])
 def test_an_unreachable_hub_fails_in_seconds(hub, monkeypatch, listening):
-    """A port nothing listens on, and one that accepts and never answers (HF_HUB_ETAG_TIMEOUT bounds it)."""
+    """A port nothing listens on, and one that accepts and never answers (the deadline bounds it)."""
     import socket
 
+    monkeypatch.setattr(hub_deadline, "DEADLINE_S", 1)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         if listening:
             s.listen()
         url = f"http://127.0.0.1:{s.getsockname()[1]}"
         monkeypatch.setattr(constants, "ENDPOINT", url)
-        monkeypatch.setattr(constants, "HF_HUB_ETAG_TIMEOUT", 1)
         t = time.monotonic()
-        with pytest.raises(SourceError, match=rf"^w: fake/chat: can't reach the hub at {url} \(.*HF_HUB_OFFLINE=1"):
+        why = r"no answer within 1 s" if listening else r".*"
+        with pytest.raises(SourceError, match=rf"^w: fake/chat: can't reach the hub at {url} \({why}; HF_HUB_OFFLINE=1"):
             hub_files("fake/chat", "w")
-        assert time.monotonic() - t < 10
+        assert time.monotonic() - t < 3
+
+
+def test_one_deadline_bounds_every_request_of_a_listing(monkeypatch):
+    """Requests that each answer within a timeout of their own still end at one deadline together,
+    and a request that never returns (no timeout reaches it) is left behind at it."""
+    monkeypatch.setattr(hub_deadline, "DEADLINE_S", 1)
+    release = threading.Event()
+    t = time.monotonic()
+    with hub_deadline.within_deadline():
+        assert hub_deadline.answer(lambda timeout: time.sleep(0.6) or timeout, "w", "http://hub") <= 1
+        with pytest.raises(SourceError, match=r"^w: can't reach the hub at http://hub \(no answer within 1 s;"):
+            hub_deadline.answer(lambda timeout: release.wait(), "w", "http://hub")
+    assert 0.9 < time.monotonic() - t < 2
+    release.set()
+    with pytest.raises(KeyError):  # its own errors are raised as they are
+        hub_deadline.answer(lambda timeout: {}["x"], "w", "http://hub")
+
+
+def test_a_silent_hub_is_one_line_within_30_s_of_the_command_starting(tmp_path):
+    """`raypack data`, `raypack train` on `data.paths=[org/name]` and `raypack train --resume` of a
+    run on it, with a hub that accepts the connection and never answers: each command, timed from
+    its process's start (run side by side, so the test takes one deadline, not three), ends with
+    one line and exit 2 within 30 s, having asked once (no retries) and started no Ray (no run
+    folder is made; the resumed one keeps only its saved config)."""
+    import subprocess
+    import sys
+
+    from paths import REPO
+
+    from raypack.config import load
+    from raypack.runs import run_dir, save_config
+
+    hub = FakeHub({}, silent=True).start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "RAY_"))}
+    env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf"), PYTHONPATH=str(REPO))
+    config = ["--config", "jobs/configs/quickstart.yaml", "data.paths=[org/name]"]
+    stopped = load(REPO / config[1], [*config[2:], f"run.storage_path={tmp_path / 'stopped'}"])
+    save_config(stopped)  # what a run stopped before its first checkpoint leaves
+    commands = {"data": ["data", *config], "train": ["train", *config, f"run.storage_path={tmp_path / 'results'}"],
+                "resume": ["train", "--resume", run_dir(stopped)]}
+    try:
+        started, procs = {}, {}
+        for command, argv in commands.items():
+            started[command] = time.monotonic()
+            procs[command] = subprocess.Popen([sys.executable, "-m", "raypack.cli", *argv], cwd=REPO, env=env,
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for command, proc in procs.items():
+            out, err = proc.communicate(timeout=60)
+            took = time.monotonic() - started[command]
+            assert (proc.returncode, out, err.splitlines()) == (2, "", [
+                f"raypack: error: data.paths: org/name: can't reach the hub at {hub.url} (no answer within "
+                f"{hub_deadline.DEADLINE_S:g} s; HF_HUB_OFFLINE=1 reads the hub cache)"]), command
+            assert hub_deadline.DEADLINE_S <= took < 30, (command, took)
+        # one request for the dataset a command (no retry); huggingface_hub asks its agent registry too
+        assert [r for r in hub.requests if "datasets" in r] == ["GET /api/datasets/org/name"] * 3
+        assert not (tmp_path / "results").exists()
+        assert sorted(p.name for p in Path(run_dir(stopped)).iterdir()) == ["raypack_config.yaml"]
+    finally:
+        hub.stop()
 
 
 def test_a_sources_config_split_and_revision_read_the_rows_local_files_would(hub, tmp_path):
@@ -208,9 +272,12 @@ def test_raypack_data_shows_a_hub_datasets_examples_as_a_local_copys(hub, tmp_pa
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     (tmp_path / "train.jsonl").write_bytes(hub.repos["fake/chat"].revisions["main"]["train.jsonl"])
     shown = []
+    asked = len(hub.requests)
     for path in ("fake/chat", tmp_path / "train.jsonl"):
         assert main(["data", f"data.paths=[{path}]", "--show", "2", "--json"]) == 0
         shown.append([json.loads(line) for line in capsys.readouterr().out.splitlines()])
+    # listed once, before the command's imports (raypack/cli.py), and that listing reused by it
+    assert hub.requests[asked:].count("GET /api/datasets/fake/chat") == 1
     assert [e.pop("source") for e in shown[0]] == [f"hf://datasets/fake/chat@{sha('fake/chat', 'main')}/train.jsonl"] * 2
     assert [e.pop("source") for e in shown[1]] == [str(tmp_path / "train.jsonl")] * 2
     assert shown[0] == shown[1] and len(shown[0][0]["input_ids"]) > 0
