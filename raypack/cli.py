@@ -44,8 +44,8 @@ READS_DATA = ("train", "sweep", "data", "plan")
 """The commands that read the configured data (`plan --lengths` reads a lengths file instead)."""
 
 DESCRIPTION = ("Supervised fine-tuning of causal language models on packed sequences, exactly as unpacked (no "
-               "example sees another), on Ray: Ray Data tokenizes and packs, Ray Train with DeepSpeed trains, "
-               "Ray Tune sweeps.")
+               "example sees another), on Ray: Ray Data tokenizes and packs, Ray Train trains on DeepSpeed ZeRO or "
+               "torch's DDP and FSDP2 (train.engine), Ray Tune sweeps.")
 """What `raypack --help` says raypack is (the module doc is for readers of this file)."""
 EPILOG = ("Start with: raypack train --config jobs/configs/quickstart.yaml (make run). `raypack COMMAND --help` "
           "for a command's arguments; `raypack config FIELD` for what a config field means.")

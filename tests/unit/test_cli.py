@@ -36,6 +36,7 @@ def test_help_says_what_raypack_is(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "Supervised fine-tuning of causal language models on packed sequences" in out
     assert "raypack train --config jobs/configs/quickstart.yaml" in out
+    assert "DeepSpeed ZeRO or torch's DDP and FSDP2 (train.engine)" in out  # both engines
     assert "hands off" not in out and "command line:" not in out
 
 
