@@ -15,6 +15,7 @@ import os
 from typing import TYPE_CHECKING
 
 from raypack.config import Config
+from raypack.train.memory.engines import shard_ranks_of
 from raypack.train.memory.estimate import CHECKPOINTING, GB, Arch, estimate
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ def usable_bytes(capacity: float, device_type: str) -> float:
 
 def choose_checkpointing(cfg: Config, arch: Arch, capacity: float, device_type: str = "cuda",
                          selective: bool = True, padded: tuple[int, int] | None = None,
-                         patches: int | None = None) -> tuple[str, str]:
+                         patches: int | None = None, shard_ranks: int | None = None) -> tuple[str, str]:
     """model.gradient_checkpointing as a worker with `capacity` bytes of device memory runs it:
     the configured mode, or for `auto` the fastest of CHECKPOINTING whose estimate fits
     `usable_bytes` (full where none does: the smallest, and the run may still fit). Returns the
@@ -46,7 +47,8 @@ def choose_checkpointing(cfg: Config, arch: Arch, capacity: float, device_type: 
     selective = selective and not (m.tiled_mlp_tokens or zero3)
     modes = [c for c in CHECKPOINTING if selective or c != "selective"]
     usable, unit = usable_bytes(capacity, device_type), GB
-    sizes = {c: estimate(cfg, arch, checkpointing=c, padded=padded, patches=patches).total for c in modes}
+    sizes = {c: estimate(cfg, arch, checkpointing=c, padded=padded, patches=patches, shard_ranks=shard_ranks).total
+             for c in modes}
     fits = [c for c in modes if sizes[c] <= usable]
     chosen = fits[0] if fits else "full"
     told = ", ".join(f"{c} {sizes[c] / unit:.1f} GB" for c in modes)
@@ -85,7 +87,9 @@ def resolve_checkpointing(cfg: Config, device_type: str, ranks_here: int = 1, pa
         return m.gradient_checkpointing, "as configured"
     try:
         arch = Arch.from_facts(facts)
+        # FSDP2 shards within a node where the workers fill several (HSDP): the larger share
+        shard_ranks = shard_ranks_of(cfg.train.num_workers, ranks_here)
         return choose_checkpointing(cfg, arch, device_bytes(device_type, ranks_here), device_type, selective,
-                                    patches=patches)
+                                    patches=patches, shard_ranks=shard_ranks)
     except (AttributeError, TypeError, ValueError) as e:  # a config without a Llama-like shape
         return "full", f"the memory estimate can't size this model ({e}); full needs least"

@@ -295,7 +295,7 @@ def preset_zero(cfg: Config) -> dict[str, Any]:
 def estimate(cfg: Config, arch: Arch, *, tokens: int | None = None, loss: str | None = None,
              chunk: int | None = None, zero: Mapping[str, Any] | None = None,
              checkpointing: str | None = None, padded: tuple[int, int] | None = None,
-             patches: int | None = None) -> Memory:
+             patches: int | None = None, shard_ranks: int | None = None) -> Memory:
     """Bytes per GPU of a run of `cfg` on a model of shape `arch`: `tokens` per micro-batch (default
     a rank's share of pack.budget), `loss` full or chunked (default train.loss) in chunks of `chunk` tokens (default
     the loss's own), `zero` the preset's ZeRO section (default read from train.deepspeed_preset),
@@ -303,7 +303,8 @@ def estimate(cfg: Config, arch: Arch, *, tokens: int | None = None, loss: str | 
     first, by memory/auto.py), `padded` the (examples, longest example) of the row a hybrid's
     mixers run as a padded batch (default one example of all the tokens: no padding), `patches` the
     most patches a micro-batch runs through a VLM's vision tower (the plan's widest; default every
-    token an image token, the most a row of `tokens` can carry)."""
+    token an image token, the most a row of `tokens` can carry), `shard_ranks` the ranks FSDP2 shards
+    over (default all: memory/engines.py's shard_ranks_of)."""
     t, peft = cfg.train, cfg.model.peft
     mode = checkpointing or cfg.model.gradient_checkpointing
     if mode not in CHECKPOINTING:
@@ -319,7 +320,7 @@ def estimate(cfg: Config, arch: Arch, *, tokens: int | None = None, loss: str | 
         working = max(a * b for a, b in arch.linears().values())  # one linear dequantized at a time
         base = NF4_BYTES * quantized + 2 * (p - quantized) + 2 * working
     # what the engine keeps of the weights, gradients and optimizer state (memory/engines.py)
-    state = engine_state(cfg, arch, trained, zero, base)
+    state = engine_state(cfg, arch, trained, zero, base, shard_ranks)
     weights, grads, optimizer, host = state.weights, state.grads, state.optimizer, state.host
 
     h, q, kv, i = arch.hidden, arch.q, arch.kv, arch.inter

@@ -238,3 +238,26 @@ def test_weights_and_optimizer_state_are_what_the_torch_engine_holds(precision, 
     weight_bytes, cast = {"mixed": (4, 2), "bf16": (2, 0)}[precision]
     assert stored == weight_bytes * arch.params and mem.weights == (weight_bytes + cast) * arch.params
     assert held == mem.optimizer == {"mixed": 8, "bf16": 6}[precision] * arch.params
+
+
+def test_fsdp2_counts_one_nodes_shard_group_under_hsdp_and_the_steps_accumulated_gradients():
+    """FSDP2 (the torch engine, zero_stage 1-3): under HSDP a rank holds 1/S of the weights, S one
+    node's ranks (fsdp.mesh_shape), not 1/N; at stages 1-2 with grad_accum > 1 every layer's
+    unsharded gradients accumulate, in FSDP2's reduce dtype (fp32 under mixed), until the step's
+    last micro-batch reduce-scatters them (torch's FSDPParam.to_accumulated_grad_if_needed)."""
+    from raypack.train.memory.engines import shard_ranks_of
+
+    assert [shard_ranks_of(8, 4), shard_ranks_of(8, 8), shard_ranks_of(6, 4), shard_ranks_of(16, 8)] == [4, 8, 6, 8]
+    arch = Arch.from_config(model_config("tiny-llama"))
+    run = ["train.engine=torch", "train.num_workers=8", "model.dtype=bfloat16", "model.gradient_checkpointing=none"]
+
+    def mem(*extra, shard_ranks=None):
+        return estimate(load(None, [*run, *extra]), arch, checkpointing="none", shard_ranks=shard_ranks)
+
+    flat, hsdp = mem("train.zero_stage=3"), mem("train.zero_stage=3", shard_ranks=4)
+    at_rest = 4 * arch.params  # fp32 master weights, sharded
+    assert hsdp.weights - flat.weights == pytest.approx(at_rest / 4 - at_rest / 8)
+    assert hsdp.optimizer == 2 * flat.optimizer == 2 * 8 * arch.params / 8
+    one, two = mem("train.zero_stage=2", "train.grad_accum=1"), mem("train.zero_stage=2", "train.grad_accum=2")
+    assert two.grads - one.grads == pytest.approx(4 * arch.params)  # fp32, whole: every layer's
+    assert mem("train.zero_stage=3", "train.grad_accum=2").grads == flat.grads  # stage 3 reduce-scatters each one
