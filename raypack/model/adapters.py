@@ -190,23 +190,28 @@ def _held(p: nn.Parameter) -> torch.Tensor:
     return part.reshape(-1)[:max(0, min(size, p.ds_numel - rank * size))]
 
 
-def expected_digests(model: nn.Module, world_size: int, layout: str, dtype: torch.dtype | None = None) -> list[int]:
+def expected_digests(model: nn.Module, world_size: int, layout: str, dtype: torch.dtype | None = None,
+                     shard_ranks: int | None = None) -> list[int]:
     """What `frozen_digest` returns on each of `world_size` ranks that trained `model` (its frozen
     weights whole, here on one process), by how the ranks held them (`layout`): `replicated`, the
     same on every rank; `zero3`, each rank's slice of every flattened tensor, as DeepSpeed partitions
     them (the numel padded up to a multiple of the world size, the padding left out); `fsdp`, each
-    rank's dim-0 chunk, as FSDP2 shards them (torch.chunk, an empty one past the last). `dtype`:
+    rank's dim-0 chunk, as FSDP2 shards them (torch.chunk, an empty one past the last), over
+    `shard_ranks` ranks (default all; under HSDP one node's, rank r holding chunk r mod it). `dtype`:
     every frozen weight as the ranks held it in that dtype (DeepSpeed holds all of them in its
     training dtype, the weights transformers loads in fp32 too: `_keep_in_fp32_modules_strict`)."""
     frozen = [(n, p.data if dtype is None else p.data.to(dtype)) for n, p in _frozen(model)]
     if layout == "replicated":
         return [tensor_digest(t for _, t in frozen)] * world_size
     if layout == "fsdp":
-        def chunk(t: torch.Tensor, rank: int) -> torch.Tensor:
-            chunks = torch.chunk(t, world_size, dim=0)
-            return chunks[rank] if rank < len(chunks) else t.new_empty(0)
+        group = shard_ranks or world_size
 
-        return [tensor_digest(chunk(t, rank) for _, t in frozen) for rank in range(world_size)]
+        def chunk(t: torch.Tensor, index: int) -> torch.Tensor:
+            chunks = torch.chunk(t, group, dim=0)
+            return chunks[index] if index < len(chunks) else t.new_empty(0)
+
+        shards = [tensor_digest(chunk(t, index) for _, t in frozen) for index in range(group)]
+        return [shards[rank % group] for rank in range(world_size)]
     if layout != "zero3":
         raise ValueError(f"expected_digests: layout {layout!r}; expected replicated, zero3 or fsdp")
     flat = [t.reshape(-1) for _, t in frozen]

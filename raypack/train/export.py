@@ -301,6 +301,16 @@ def adapted_skeleton(cfg: Config, saved: Saved, vocab_size: int):
     return model
 
 
+def shard_groups(saved: Saved) -> list[int | None]:
+    """The ranks each shard group held, as the checkpoint may have: FSDP2 over all of them, or
+    under HSDP over one node's (fsdp.mesh_shape), a divisor of the world the checkpoint doesn't
+    record; a match under any of them is the same weights, rank for rank."""
+    n = saved.world_size
+    if saved.layout != "fsdp":
+        return [None]
+    return [None, *(d for d in range(n - 1, 0, -1) if n % d == 0)]
+
+
 def adapted_model(cfg: Config, saved: Saved, vocab_size: int, root: str, log: Callable[[str], None]):
     """The base weights the run trained on, with the checkpoint's adapters: the first source of
     them whose checksums match the checkpoint's (see the module doc)."""
@@ -311,7 +321,8 @@ def adapted_model(cfg: Config, saved: Saved, vocab_size: int, root: str, log: Ca
         model = apply_adapters(build(), m.peft, m.name)
         # as loaded, or as DeepSpeed held them: every weight in its dtype, fp32-kept ones too
         held = [None] + ([saved.dtype] if saved.engine == "deepspeed" else [])
-        if any(expected_digests(model, saved.world_size, saved.layout, dtype) == recorded for dtype in held):
+        if any(expected_digests(model, saved.world_size, saved.layout, dtype, group) == recorded
+               for dtype in held for group in shard_groups(saved)):
             log(f"[raypack] base weights from {what}: their checksums match the checkpoint's")
             _load_adapters(model, saved, assign=False)
             return model

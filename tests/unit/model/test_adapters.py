@@ -127,6 +127,24 @@ def test_expected_digests_are_each_ranks_slice_without_padding(monkeypatch):
     assert frozen_digest(model) == thirds[2]
 
 
+def test_expected_digests_under_hsdp_repeat_one_nodes_shards(monkeypatch):
+    """FSDP2 over all ranks: rank r digests its dim-0 chunk r of N; under HSDP (2 nodes of 2) a
+    shard group is one node's ranks, and rank r holds chunk r mod 2 of 2. Export tries every
+    divisor of the world (its checkpoint doesn't record the mesh), the flat one first."""
+    from types import SimpleNamespace
+
+    from raypack.train.export import shard_groups
+
+    model = apply_adapters(tiny(), LORA)
+    frozen = [p for _, p in sorted(model.named_parameters(), key=lambda i: i[0]) if not p.requires_grad]
+    flat = expected_digests(model, 4, "fsdp")
+    assert flat == [tensor_digest(p.data.chunk(4, dim=0)[r] for p in frozen) for r in range(4)]
+    pairs = expected_digests(model, 2, "fsdp")
+    assert expected_digests(model, 4, "fsdp", shard_ranks=2) == [*pairs, *pairs] != flat
+    assert shard_groups(SimpleNamespace(world_size=4, layout="fsdp")) == [None, 2, 1]
+    assert shard_groups(SimpleNamespace(world_size=4, layout="zero3")) == [None]
+
+
 def test_saved_adapter_base_and_merged_model_load_back(tmp_path):
     """The folders a run leaves: peft loads `adapter/` onto `base/`, transformers loads `model/`,
     and both give the trained model's logits."""
