@@ -511,11 +511,8 @@ class TrainConfig:
                "[min, max] with 1 <= min <= max", shown)
         _check(low <= self.num_workers <= high, "train.num_workers", f"between {low} and {high} (train.elastic)",
                self.num_workers)
-        # Another worker count means resharding the checkpoint's state: DCP does, DeepSpeed's ZeRO
-        # partitions are by rank count (raypack/train/resize.py).
-        _check(self.engine == "torch", "train.num_workers", f"a fixed int with train.engine {self.engine} (an "
-               f"elastic run resumes on another worker count, whose ZeRO state DeepSpeed can't reshard): use "
-               f"train.engine=torch for {shown}", shown)
+        # Another worker count means resharding the checkpoint's state: DCP does, and DeepSpeed's
+        # universal checkpoint where it is exact (with model.dtype: raypack/train/elastic.py)
         # Ray Train may pick any count between min and max, which the group size must divide
         _check(self.sequence_parallel == 1, "train.num_workers", "a fixed int with train.sequence_parallel > 1",
                shown)

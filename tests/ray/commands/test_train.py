@@ -143,8 +143,8 @@ def _train_until(cmd: list[str], env: dict, cwd: Path, step: int):
     return proc, screen
 
 
-# DeepSpeed's under -m slow (67 s): its stop and resume are the Ctrl-C test's, its export test_export's,
-# and its refusal to resume on another worker count is checked after the Ctrl-C below
+# DeepSpeed's under -m slow (67 s before it changed size): its stop and resume are the Ctrl-C test's, its
+# export test_export's, and its refusal to resume on another worker count (fp32) is checked after the Ctrl-C below
 @pytest.mark.parametrize("engine", [pytest.param([], marks=pytest.mark.slow),
                                     ["train.engine=torch", "train.zero_stage=3"]], ids=["deepspeed", "torch-fsdp3"])
 def test_sigterm_mid_epoch_checkpoints_exits_143_and_the_resume_trains_every_example_once(ray_local, tmp_path, engine,
@@ -164,7 +164,9 @@ def test_sigterm_mid_epoch_checkpoints_exits_143_and_the_resume_trains_every_exa
     (4 packs a step don't divide over 3: one line says a step now trains 6), is stopped again in
     the middle of the epoch's rest, and finishes on 1 (grad_accum 2 -> 6: the 3 workers' step
     size). Its DCP state reshards both times; the epoch still trains every example once, and the
-    result's trained totals are the data's. DeepSpeed's resume on 1 worker is refused in one line."""
+    result's trained totals are the data's. DeepSpeed's run (ZeRO-2, bf16) changes size the same way:
+    its ZeRO partitions are converted to DeepSpeed's universal checkpoint (one line, the folder kept
+    beside ds/) and cut again for 3 workers, then for 1."""
     import signal
     import time
 
@@ -204,7 +206,7 @@ def test_sigterm_mid_epoch_checkpoints_exits_143_and_the_resume_trains_every_exa
     epoch = int(next(line for line in screen if "[raypack] step 6/" in line).split("/")[1].split()[0])
     assert stopped < epoch // 2, "the stop came too late to test a resume mid-epoch"
 
-    resized = bool(engine)
+    resized = True  # both engines (kept as a name: the checks below say what a resize changes)
     if resized:  # on 3 workers, stopped again in the middle of the epoch's rest
         resume = [sys.executable, "-m", "raypack.cli", "train", "--resume", str(root), "train.num_workers=3"]
         proc, screen = _train_until(resume, _join_session_ray(ray_local), tmp_path, step=stopped + 3)
@@ -215,12 +217,18 @@ def test_sigterm_mid_epoch_checkpoints_exits_143_and_the_resume_trains_every_exa
         assert ("[raypack] resuming on 3 workers, the checkpoint's 2: an optimizer step now trains 6 packs instead "
                 "of 4 (4 packs don't divide over 3 ranks), with train.grad_accum 2;") in shown, shown[-3000:]
         assert f"examples trained by step {stopped}; the other " in shown, shown[-3000:]
+        if not engine:  # DeepSpeed: its ZeRO-2 partitions converted for 3, the checkpoint's own left as they were
+            assert (f"[raypack] step {stopped}'s DeepSpeed ZeRO state, partitioned for 2 workers, converted for 3 "
+                    "(DeepSpeed's universal checkpoint, in ") in shown, shown[-3000:]
+            assert len(list(root.glob("checkpoint_*/ds_universal/raypack_converted"))) == 1
         stopped = int(rest.strip().splitlines()[-1].split("after step ")[1].split()[0])
         capsys.readouterr()
         assert main(["train", "--resume", str(root), "train.num_workers=1"]) == 0
         shown = capsys.readouterr().out
         assert ("[raypack] resuming on 1 worker, the checkpoint's 3: train.grad_accum 2 -> 6, so an optimizer step "
                 "still trains 6 packs") in shown, shown[-3000:]
+        if not engine:
+            assert "partitioned for 3 workers, converted for 1" in shown, shown[-3000:]
     else:  # DeepSpeed's ZeRO partitions aren't resharded: refused before anything runs, the run as it was
         before = sorted(p.name for p in root.iterdir())
         assert main(["train", "--resume", str(root), "train.num_workers=1"]) == 2
