@@ -325,9 +325,9 @@ class TrainConfig:
     num_workers: int | tuple[int, ...] = 2
     """Ray Train workers. Each is a data-parallel rank, or with `sequence_parallel` N one of the N
     ranks of a group that trains one packed row together. `[min, max]`: an elastic run (Ray
-    Train's elastic scaling; train.engine torch), which goes on from its last checkpoint on as
-    many workers as the cluster holds, between min and max, when a node is lost or comes back
-    (docs/guides/stops.md). It becomes `num_workers: max` and `elastic: [min, max]`."""
+    Train's elastic scaling; on DeepSpeed where its state reshards exactly), which goes on from
+    its last checkpoint on as many workers as the cluster holds, between min and max, when a node
+    is lost or comes back (docs/guides/stops.md). It becomes `num_workers: max` and `elastic: [min, max]`."""
     elastic: tuple[int, ...] = ()
     """`[min, max]` of an elastic run, as `num_workers: [min, max]` sets it; `num_workers` is then the
     size the run's data is planned for now (max at the start). Empty: a fixed size."""
