@@ -129,6 +129,8 @@ def unconvertible(cfg: Config) -> str | None:
         return f"with train.precision={t.precision} and train.optimizer={t.optimizer}"
     if dtype != "bfloat16":
         return f"with model.dtype={dtype}"
+    if cfg.model.peft.method == "qlora":  # 4-bit base weights: CUDA only, not tested here
+        return "with model.peft.method=qlora"
     return None
 
 
