@@ -121,7 +121,7 @@ def unconvertible(cfg: Config) -> str | None:
     test_universal.py: fp32 master weights and Adam moments bit for bit, ZeRO 1-3, full and LoRA)."""
     t = cfg.train
     dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("bfloat16" if t.use_gpu else "float32")
-    if t.zero_stage == 0:  # bf16's optimizer partitions by rank beside ZeRO, in its own layout
+    if t.zero_stage == 0:  # not tested through a resize (in bf16 the config refuses ZeRO-0 itself)
         return "at train.zero_stage=0"
     if t.offload_optimizer or t.offload_params:
         return "offloaded to the host (train.offload_optimizer, train.offload_params)"
