@@ -143,8 +143,9 @@ def _train_until(cmd: list[str], env: dict, cwd: Path, step: int):
     return proc, screen
 
 
-# DeepSpeed's under -m slow (67 s before it changed size; 367 s with its three sizes at load 10-20): its stop and resume are the Ctrl-C test's, its
-# export test_export's, and its refusal to resume on another worker count (fp32) is checked after the Ctrl-C below
+# DeepSpeed's under -m slow (67 s before it changed size; 367 s with its three sizes at load 10-20): its
+# stop and resume are the Ctrl-C test's, its export test_export's, and its refusal to resume on another
+# worker count (fp32) is checked after the Ctrl-C below
 @pytest.mark.parametrize("engine", [pytest.param([], marks=pytest.mark.slow),
                                     ["train.engine=torch", "train.zero_stage=3"]], ids=["deepspeed", "torch-fsdp3"])
 def test_sigterm_mid_epoch_checkpoints_exits_143_and_the_resume_trains_every_example_once(ray_local, tmp_path, engine,
