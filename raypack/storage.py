@@ -107,6 +107,17 @@ def download(path: str, local: str) -> None:
     pafs.copy_files(p, str(dest), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
 
 
+def upload(local: str, path: str) -> None:
+    """Copy the local folder `local` to `path`, a URI or a local path (the reverse of `download`)."""
+    fs, p = resolve(path)
+    src = Path(local).resolve()
+    # copy_files writes into the folders it finds, but makes none of them (object stores need none)
+    fs.create_dir(p, recursive=True)
+    for folder in (d for d in src.rglob("*") if d.is_dir()):
+        fs.create_dir(f"{p}/{folder.relative_to(src).as_posix()}", recursive=True)
+    pafs.copy_files(str(src), p, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+
+
 def list_dirs(path: str, prefix: str = "") -> list[str]:
     """Names of the folders directly under `path` that start with `prefix`, sorted; [] if none."""
     fs, p = resolve(path)

@@ -325,9 +325,9 @@ class TrainConfig:
     num_workers: int | tuple[int, ...] = 2
     """Ray Train workers. Each is a data-parallel rank, or with `sequence_parallel` N one of the N
     ranks of a group that trains one packed row together. `[min, max]`: an elastic run (Ray
-    Train's elastic scaling; train.engine torch), which goes on from its last checkpoint on as
-    many workers as the cluster holds, between min and max, when a node is lost or comes back
-    (docs/guides/stops.md). It becomes `num_workers: max` and `elastic: [min, max]`."""
+    Train's elastic scaling; on DeepSpeed where its state reshards exactly), which goes on from
+    its last checkpoint on as many workers as the cluster holds, between min and max, when a node
+    is lost or comes back (docs/guides/stops.md). It becomes `num_workers: max` and `elastic: [min, max]`."""
     elastic: tuple[int, ...] = ()
     """`[min, max]` of an elastic run, as `num_workers: [min, max]` sets it; `num_workers` is then the
     size the run's data is planned for now (max at the start). Empty: a fixed size."""
@@ -511,11 +511,8 @@ class TrainConfig:
                "[min, max] with 1 <= min <= max", shown)
         _check(low <= self.num_workers <= high, "train.num_workers", f"between {low} and {high} (train.elastic)",
                self.num_workers)
-        # Another worker count means resharding the checkpoint's state: DCP does, DeepSpeed's ZeRO
-        # partitions are by rank count (raypack/train/resize.py).
-        _check(self.engine == "torch", "train.num_workers", f"a fixed int with train.engine {self.engine} (an "
-               f"elastic run resumes on another worker count, whose ZeRO state DeepSpeed can't reshard): use "
-               f"train.engine=torch for {shown}", shown)
+        # Another worker count means resharding the checkpoint's state: DCP does, and DeepSpeed's
+        # universal checkpoint where it is exact (with model.dtype: raypack/train/elastic.py)
         # Ray Train may pick any count between min and max, which the group size must divide
         _check(self.sequence_parallel == 1, "train.num_workers", "a fixed int with train.sequence_parallel > 1",
                shown)

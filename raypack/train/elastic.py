@@ -42,13 +42,18 @@ def scaling_workers(cfg: Config, local: bool) -> int | tuple[int, int]:
 
 def check_elastic(cfg: Config) -> None:
     """Refuse, before anything runs, an elastic run whose checkpoints couldn't go on on another
-    worker count (the engine is checked with the config: raypack/config/sections.py)."""
+    worker count: pieces of examples, or DeepSpeed state its universal checkpoint doesn't reshard
+    exactly (resize.unconvertible)."""
     from raypack.data.strategies import STRATEGIES
 
     if cfg.train.elastic and STRATEGIES[cfg.pack.strategy].splits_examples:
         raise InputError(f"train.num_workers={list(cfg.train.elastic)}: pack.strategy={cfg.pack.strategy} splits "
                          "examples across steps, so a run that changes size can't tell which pieces trained; use "
                          "a fixed train.num_workers, or a strategy that keeps examples whole")
+    if cfg.train.elastic and cfg.train.engine == "deepspeed" and (why := resize.unconvertible(cfg)):
+        raise InputError(f"train.num_workers={list(cfg.train.elastic)}: a run that changes size reshards its "
+                         f"DeepSpeed ZeRO state, which {why} raypack can't do exactly; use a fixed "
+                         "train.num_workers, or train.engine=torch")
 
 
 def at_least(cfg: Config, local: bool) -> Config:

@@ -5,6 +5,7 @@ train.num_workers=M`), and what a run trained, however often it changed size.
     cfg, line = keep_step_size(cfg, pos, ...)     # grad_accum scaled so that a step trains as many packs
     check_resizable(cfg, pos)                     # what can't be resharded: one line before anything runs
     prepared = resized(cfg, prepared, root, ...)  # the epoch's rest planned again for the new ranks
+                                                  # (and DeepSpeed's ZeRO state converted for them)
     totals = trained_totals(checkpoint)           # examples and label tokens trained, per epoch
 
 The position a checkpoint holds indexes one plan's packs, and a plan holds its rank count; the
@@ -16,9 +17,12 @@ where the new rank count divides it; else the run says what changed. The schedul
 step count comes back from the checkpoint and its total is the steps done plus the steps left.
 
 Weights and optimizer state: the torch engine's torch.distributed.checkpoint files reshard on
-load (DDP's whole tensors and FSDP2's DTensor shards alike). DeepSpeed's ZeRO partitions its
-optimizer state by rank count; its universal checkpoint (`ds_to_universal`) converts them, but
-raypack does not run it yet, so a DeepSpeed resume on another count is refused with one line.
+load (DDP's whole tensors and FSDP2's DTensor shards alike). DeepSpeed's ZeRO 1-3 partition the
+fp32 master weights and Adam moments by rank count: `resized` converts the checkpoint to
+DeepSpeed's universal checkpoint on the driver (raypack/train/engines/universal.py, into
+`ds_universal/` beside its `ds/`), which the workers cut again for their count. What that is
+tested to reshard exactly (`unconvertible`: ZeRO 1-3, bf16 weights, fp32 master weights, torch's
+AdamW, no offload; full or LoRA) goes on; any other DeepSpeed setting is refused in one line.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from raypack.data.listing import Sources
 from raypack.data.shards import Prepared
 from raypack.errors import InputError
 from raypack.train.checkpoint import POSITION
+from raypack.train.engines import universal
 
 
 @dataclass(frozen=True)
@@ -100,14 +105,33 @@ def check_resizable(cfg: Config, pos: Position | None) -> None:
     if pos is None or pos.world_size in (0, t.num_workers):
         return
     where = f"train.num_workers={t.num_workers}: the checkpoint {pos.checkpoint} was taken on {pos.world_size} workers"
-    if t.engine == "deepspeed":
-        raise InputError(f"{where}, and DeepSpeed partitions its optimizer state by worker count, which raypack "
-                         f"can't reshard yet; resume with train.num_workers={pos.world_size}, or start a new run "
-                         "from the exported model (raypack export), or train with train.engine=torch, whose "
-                         "checkpoints reshard")
+    if t.engine == "deepspeed" and (why := unconvertible(cfg)):
+        raise InputError(f"{where}, and DeepSpeed's ZeRO state {why} can't be resharded by raypack (its universal "
+                         f"checkpoint is tested for ZeRO 1-3 with model.dtype bfloat16, train.precision mixed and "
+                         f"torch's AdamW only); resume with train.num_workers={pos.world_size}, or start a new run "
+                         "from the exported model (raypack export)")
     if STRATEGIES[cfg.pack.strategy].splits_examples:
         raise InputError(f"{where}, and pack.strategy={cfg.pack.strategy} splits examples across steps, so the step "
                          f"logs can't say which pieces trained; resume with train.num_workers={pos.world_size}")
+
+
+def unconvertible(cfg: Config) -> str | None:
+    """What keeps a DeepSpeed checkpoint of `cfg`'s from going on on another worker count, in a
+    few words; None where its universal checkpoint reshards it exactly (tests/unit/train/engines/
+    test_universal.py: fp32 master weights and Adam moments bit for bit, ZeRO 1-3, full and LoRA)."""
+    t = cfg.train
+    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else ("bfloat16" if t.use_gpu else "float32")
+    if t.zero_stage == 0:  # not tested through a resize (in bf16 the config refuses ZeRO-0 itself)
+        return "at train.zero_stage=0"
+    if t.offload_optimizer or t.offload_params:
+        return "offloaded to the host (train.offload_optimizer, train.offload_params)"
+    if t.precision != "mixed" or t.optimizer != "torch":
+        return f"with train.precision={t.precision} and train.optimizer={t.optimizer}"
+    if dtype != "bfloat16":
+        return f"with model.dtype={dtype}"
+    if cfg.model.peft.method == "qlora":  # 4-bit base weights: CUDA only, not tested here
+        return "with model.peft.method=qlora"
+    return None
 
 
 def epoch_trained(folder: str, epoch: int) -> np.ndarray:
@@ -133,6 +157,10 @@ def resized(cfg: Config, prepared: Prepared, root: str, sources: Sources, *, voc
     print(f"[raypack] epoch {pos.epoch + 1}: {len(trained)} examples trained by step {pos.step}; the other "
           f"{rest['examples']} planned again as {rest['steps_per_rank'] // cfg.train.grad_accum} steps for {n} ranks "
           f"x {cfg.train.grad_accum} (in {out})", flush=True)
+    if cfg.train.engine == "deepspeed" and pos.world_size != cfg.train.num_workers:
+        converted = universal.convert(pos.checkpoint)
+        print(f"[raypack] step {pos.step}'s DeepSpeed ZeRO state, partitioned for {pos.world_size} workers, "
+              f"converted for {cfg.train.num_workers} (DeepSpeed's universal checkpoint, in {converted})", flush=True)
     record = {**rest, "epoch": pos.epoch, "step": pos.step, "from": pos.plan}
     key = hashlib.sha256(json.dumps([prepared.fingerprint, pos.plan, pos.step, pos.epoch]).encode()).hexdigest()[:16]
     return dataclasses.replace(prepared, fingerprint=f"{prepared.fingerprint}-rest{key}", resized=record)

@@ -30,7 +30,9 @@ model's bf16 weights; `bf16` asks DeepSpeed for bf16 master weights, gradients a
 Kahan summation (raypack/train/engines/optim.py).
 
 Checkpoints: DeepSpeed's own `save_checkpoint` under the tag `ds` (its model and ZeRO partition
-files, one set per rank), read back offline by its `zero_to_fp32` (`read_offline`).
+files, one set per rank), read back offline by its `zero_to_fp32` (`read_offline`). Partitions
+cut for another rank count (a resume on another worker count) load from `ds_universal/`, the
+universal checkpoint the driver converted them to (raypack/train/engines/universal.py).
 
 A preset under raypack/configs/deepspeed/ holds what a cluster operator tunes (bucket sizes, overlap,
 offload devices). The typed `TrainConfig` then overwrites every key it owns, so no value is left
@@ -55,6 +57,7 @@ import torch
 from raypack.config import TrainConfig
 from raypack.errors import InputError
 from raypack.model.build import resolve_dtype
+from raypack.train.engines import universal
 from raypack.train.engines.base import Engine, SavedWeights, param_groups
 from raypack.train.engines.optim import BETAS, EPS, make_optimizer, schedule
 from raypack.train.presets import find_auto, load_preset
@@ -259,7 +262,21 @@ class DeepSpeedEngine(Engine):
 
     def load(self, folder: Path, *, frozen: bool) -> dict[str, Any]:
         # With adapters the checkpoint leaves the frozen base weights out.
-        _, client = self.ds.load_checkpoint(str(folder), tag=self.tag, load_module_strict=not frozen)
+        saved = universal.partitions(Path(folder) / self.tag)
+        if saved in (0, self.ds.dp_world_size):
+            _, client = self.ds.load_checkpoint(str(folder), tag=self.tag, load_module_strict=not frozen)
+            return client["train_state"]
+        # ZeRO partitions cut for another rank count: the universal state the driver converted
+        # them to (universal.convert), which this engine cuts again for its own ranks
+        if not (Path(folder) / universal.TAG / universal.DONE).exists():
+            raise InputError(f"{folder}: its ZeRO state was saved on {saved} workers and this run has "
+                             f"{self.ds.dp_world_size}, but {universal.TAG}/ (its conversion) is missing or cut short")
+        config = self.ds._config  # read when loading only (DeepSpeed 0.19.8's engine.load_universal_checkpoint)
+        config.load_universal_checkpoint = True
+        try:
+            _, client = self.ds.load_checkpoint(str(folder), tag=universal.TAG, load_module_strict=not frozen)
+        finally:
+            config.load_universal_checkpoint = False
         return client["train_state"]
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -38,10 +38,16 @@ def test_a_bad_range_is_refused_in_one_line_naming_the_field(value, expected):
     assert str(e.value) == f"override train.num_workers={value}: train.num_workers: expected {expected}"
 
 
-def test_an_elastic_run_on_deepspeed_or_split_rows_or_split_examples_is_refused_before_it_starts():
-    with pytest.raises(ConfigError) as e:
-        load(None, ["train.num_workers=[1, 2]", "train.engine=deepspeed"])
-    assert "use train.engine=torch" in str(e.value) and "\n" not in str(e.value)
+def test_an_elastic_run_on_unconvertible_deepspeed_or_split_rows_or_split_examples_is_refused_before_it_starts():
+    # DeepSpeed as its universal checkpoint reshards it exactly (bf16, mixed, ZeRO 1-3): it goes on
+    elastic.check_elastic(load(None, ["train.num_workers=[1, 2]", "model.dtype=bfloat16"]))
+    offload = load(None, ["train.num_workers=[1, 2]", "model.dtype=bfloat16", "train.offload_optimizer=true"])
+    with pytest.raises(InputError) as e:
+        elastic.check_elastic(offload)
+    assert str(e.value).startswith("train.num_workers=[1, 2]: a run that changes size reshards its DeepSpeed ZeRO "
+                                   "state, which offloaded to the host") and "\n" not in str(e.value)
+    with pytest.raises(InputError, match="which with model.dtype=float32 raypack can't"):
+        elastic.check_elastic(load(None, ["train.num_workers=[1, 2]", "model.dtype=float32"]))
     with pytest.raises(ConfigError, match="a fixed int with train.sequence_parallel > 1"):
         load(None, ["train.num_workers=[2, 4]", "train.engine=torch", "train.sequence_parallel=2"])
     wrapped = load(None, ["train.num_workers=[1, 2]", "train.engine=torch", "pack.strategy=wrapped"])

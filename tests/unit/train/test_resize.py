@@ -37,14 +37,28 @@ def test_grad_accum_keeps_the_step_size_where_the_new_count_divides_it_else_one_
     assert keep_step_size(cfg, None, accum_given=False) == (cfg, None)
 
 
-def test_state_that_cant_be_resharded_or_rest_that_cant_be_told_is_refused_in_one_line():
-    deepspeed = load(None, ["train.num_workers=1", "train.engine=deepspeed"])
+@pytest.mark.parametrize("override,why", [
+    ("train.zero_stage=0 model.dtype=float32", "at train.zero_stage=0"),  # (ZeRO-0 in bf16: the config refuses)
+    ("train.offload_params=true", "offloaded to the host"),
+    ("train.precision=bf16", "with train.precision=bf16 and train.optimizer=torch"),
+    ("model.dtype=float16", "with model.dtype=float16"),
+    ("model.dtype=auto", "with model.dtype=float32"),  # auto on the CPU
+])
+def test_deepspeed_state_its_universal_checkpoint_doesnt_reshard_exactly_is_refused_in_one_line(override, why):
+    deepspeed = load(None, ["train.num_workers=1", "train.engine=deepspeed", "model.dtype=bfloat16",
+                            "train.zero_stage=3", *override.split()])
     with pytest.raises(InputError) as e:
         check_resizable(deepspeed, _pos(2, 2))
-    assert str(e.value).startswith("train.num_workers=1: the checkpoint CKPT was taken on 2 workers, and DeepSpeed "
-                                   "partitions its optimizer state by worker count")
+    assert str(e.value).startswith(f"train.num_workers=1: the checkpoint CKPT was taken on 2 workers, and DeepSpeed's "
+                                   f"ZeRO state {why}")
     assert "resume with train.num_workers=2" in str(e.value) and "\n" not in str(e.value)
     check_resizable(deepspeed, _pos(1, 2))  # the checkpoint's own count: nothing to reshard
+
+
+def test_state_that_cant_be_resharded_or_rest_that_cant_be_told_is_refused_in_one_line():
+    for stage in (1, 2, 3):  # DeepSpeed's universal checkpoint: ZeRO 1-3 in bf16, mixed
+        check_resizable(load(None, ["train.num_workers=1", "model.dtype=bfloat16", f"train.zero_stage={stage}"]),
+                        _pos(2, 2))
     wrapped = load(None, ["train.num_workers=1", "train.engine=torch", "pack.strategy=wrapped"])
     with pytest.raises(InputError, match="pack.strategy=wrapped splits examples across steps"):
         check_resizable(wrapped, _pos(2, 2))
