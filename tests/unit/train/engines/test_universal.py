@@ -81,7 +81,7 @@ CASES = {"zero1": (1, False), "zero2": (2, False), "zero3": (3, False), "zero2-l
          "zero3-lora": (3, True)}
 
 
-def _rank(rank: int, world: int, store: str, folder: str, root: str, out: str, phase: str) -> None:
+def _rank(rank: int, world: int, store: str, folder: str, root: str, out: str, phase: str, cases: list[str]) -> None:
     """Every case in one process (DeepSpeed's import and the group's start are most of the time):
     `save` trains two steps on 2 ranks and saves root/<case>, `load` loads it; both then train a
     third step."""
@@ -100,7 +100,8 @@ def _rank(rank: int, world: int, store: str, folder: str, root: str, out: str, p
     from raypack.train import engines
 
     got = {}
-    for case, (stage, lora) in CASES.items():
+    for case in cases:
+        stage, lora = CASES[case]
         cfg = TrainConfig(engine="deepspeed", num_workers=world, zero_stage=stage, grad_accum=ROWS // world,
                           warmup_steps=1, lr=LR)
         torch.manual_seed(0)
@@ -125,31 +126,41 @@ def _rank(rank: int, world: int, store: str, folder: str, root: str, out: str, p
     dist.destroy_process_group()
 
 
-def _spawn(world: int, tmp, folder: str, phase: str) -> dict:
+def _spawn(world: int, tmp, folder: str, phase: str, cases: list[str]) -> dict:
     from tests.unit.train.engines.test_universal import _rank  # by module name: the children import it
 
     out = str(tmp / f"{phase}{world}.pt")
-    torch.multiprocessing.spawn(_rank, args=(world, str(tmp / f"store{world}"), folder, str(tmp), out, phase),
+    torch.multiprocessing.spawn(_rank, args=(world, str(tmp / f"store{world}"), folder, str(tmp), out, phase, cases),
                                 nprocs=world)
     return torch.load(out, weights_only=False)
+
+
+def test_zero2_state_saved_on_2_ranks_loads_whole_on_1(tmp_path):
+    """The default suite's share: ZeRO-2, from 2 ranks to 1 (the whole of it is -m slow, below)."""
+    check_resharded(tmp_path, ["zero2"], (1,))
 
 
 # 400-565 s on 2 shared cores at load 15-27 (six processes, each importing DeepSpeed): the SIGTERM
 # test's DeepSpeed run (also -m slow) changes size through the same code, end to end
 @pytest.mark.slow
 def test_zero_state_saved_on_2_ranks_loads_whole_on_1_and_3(tmp_path):
+    check_resharded(tmp_path, list(CASES), (1, 3))
+
+
+def check_resharded(tmp_path, cases: list[str], worlds: tuple[int, ...]) -> None:
     from checkpoints import saved
 
     from raypack.train.engines import universal
 
     folder = str(saved("tiny-llama", vocab_size=VOCAB))
-    before = _spawn(2, tmp_path, folder, "save")
-    for case in CASES:
+    before = _spawn(2, tmp_path, folder, "save", cases)
+    for case in cases:
         checkpoint = tmp_path / case
         assert universal.partitions(checkpoint / "ds") == 2
         files = sorted(p.name for p in (checkpoint / "ds").iterdir())
-        # ZeRO-1's through a URI (storage.download, convert, storage.upload), as from object storage
-        where = f"file://{checkpoint}" if case == "zero1" else str(checkpoint)
+        # ZeRO-1's through a URI (storage.download, convert, storage.upload), as from object storage;
+        # the default suite's ZeRO-2 too
+        where = f"file://{checkpoint}" if case in ("zero1", cases[0]) else str(checkpoint)
         assert universal.convert(where) == f"{where}/{universal.TAG}"
         assert sorted(p.name for p in (checkpoint / "ds").iterdir()) == files  # the original as it was
         done = checkpoint / universal.TAG / universal.DONE
@@ -157,9 +168,9 @@ def test_zero_state_saved_on_2_ranks_loads_whole_on_1_and_3(tmp_path):
         made = done.stat().st_mtime_ns
         universal.convert(where)  # a second resume from it: the conversion kept
         assert done.stat().st_mtime_ns == made
-    for world in (1, 3):
-        loaded = _spawn(world, tmp_path, folder, "load")
-        for case in CASES:
+    for world in worlds:
+        loaded = _spawn(world, tmp_path, folder, "load", cases)
+        for case in cases:
             want, after = before[case], loaded[case]
             assert len(want["saved"]["params"]) > 0 and want["saved"]["adam_steps"] == {2.0}
             assert after["client"] == {"at": 2}
