@@ -19,7 +19,7 @@ from typing import Callable
 PYTHON = (3, 10)
 """pyproject.toml's requires-python (its lower bound)."""
 SUPPORTED: dict[str, str] = {
-    "ray": ">=2.60,<2.61",
+    "ray": ">=2.55,<2.61",
     "torch": ">=2.11,<2.14",
     "transformers": ">=5.23,<6",
     "datasets": ">=5.2,<6",

@@ -4,7 +4,7 @@
 # own (.venv-ray<version>) holding the lock's versions of everything else. Not in CI (each run is
 # the Ray tier's ~30 min on 2 cores); each writes benchmarks/results/compat_ray<version>_cpu_<date>.md
 # with the versions, the command and pytest's counts.
-#   RAYS="2.55.1 2.60.0" make test-compat      (the default: the next candidate for the oldest, and the newest)
+#   RAYS="2.55.1 2.60.0" make test-compat      (the default: the oldest and the newest pyproject.toml allows)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

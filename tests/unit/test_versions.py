@@ -34,10 +34,11 @@ def test_each_problem_is_named_with_both_versions():
             "deepspeed": "0.18.0"}  # fmt: skip
     found = versions.problems(have.get, python=(3, 11, 9))
     assert len(found) == 2, found
-    assert found[0].startswith("its ray is 2.50.1, and raypack needs ray>=2.60,<2.61: submit it to a cluster on the "
+    assert found[0].startswith("its ray is 2.50.1, and raypack needs ray>=2.55,<2.61: submit it to a cluster on the "
                                "raypack image"), found[0]  # fmt: skip
     assert found[1].startswith("its deepspeed is 0.18.0, and raypack needs deepspeed>=0.19.8,<0.20: install"), found[1]
     assert versions.problems({**have, "ray": "2.60.1", "deepspeed": "0.19.8"}.get, python=(3, 11, 9)) == []
+    assert versions.problems({**have, "ray": "2.55.1", "deepspeed": "0.19.8"}.get, python=(3, 11, 9)) == []  # the oldest tested
     without_deepspeed = {**have, "ray": "2.60.1", "deepspeed": None}
     assert versions.problems(without_deepspeed.get, python=(3, 11)) == []  # optional: the run's own business
     missing = versions.problems({**have, "ray": "2.60.0", "deepspeed": "0.19.9", "pyarrow": None}.get, python=(3, 9, 1))
@@ -58,5 +59,5 @@ def test_a_job_on_a_cluster_with_another_ray_stops_in_one_line_before_ray_starts
     assert out.returncode == 2, out.stdout + out.stderr
     lines = out.stderr.strip().splitlines()
     assert lines == [lines[0]] and re.match(r"\[raypack\] error: this cluster: its ray is 2\.50\.1, and raypack needs "
-                                            r"ray>=2\.60,<2\.61: submit it to a cluster on the raypack image", lines[0]), out.stderr
+                                            r"ray>=2\.55,<2\.61: submit it to a cluster on the raypack image", lines[0]), out.stderr
     assert "started a local Ray" not in out.stdout and time.perf_counter() - t0 < 30

@@ -31,12 +31,14 @@ def test_reads_all_source_kinds_with_stable_ids(ray_local, tmp_path, monkeypatch
     ds, report = read_sources_with_report(cfg, Sources.of(cfg.paths))
     assert report.files == 4 and report.bad_rows == 0
     assert report.formats == {"chat": 303, "tokenized": 300, "completion": 3} and report.rows == 606
-    ids = np.sort(ds.to_pandas()["example_id"].to_numpy())
+    # the ids alone: on the second read Ray 2.55.1's to_pandas failed to cast input_ids (ragged,
+    # absent from the chat rows) to its TensorArray; the ids are all this test reads
+    ids = np.sort(ds.select_columns(["example_id"]).to_pandas()["example_id"].to_numpy())
     assert len(np.unique(ids)) == len(ids)
     assert sorted({locate(int(i))[0] for i in ids}) == [0, 1, 2, 3]
     assert any(r.startswith("GET /datasets/fake/chat/resolve/") for r in hub.requests)  # by a read task
-    again = np.sort(read_sources_with_report(cfg, Sources.of(cfg.paths))[0].to_pandas()["example_id"].to_numpy())
-    assert np.array_equal(ids, again)
+    again = read_sources_with_report(cfg, Sources.of(cfg.paths))[0].select_columns(["example_id"])
+    assert np.array_equal(ids, np.sort(again.to_pandas()["example_id"].to_numpy()))
     hub.stop()
 
 
