@@ -125,13 +125,24 @@ def restore(engine: Engine, rank: int, plan: str, base_digest: list[int] | None 
             f"data is {plan}: the data, tokenize or pack config, num_workers or grad_accum changed. "
             "Resume with the original config, or start a new run.name."
         )
-    if state.base_digest != (base_digest or []):
+    if not same_base(state.base_digest, base_digest or [], moved):
         raise InputError(
             f"checkpoint {checkpoint.path} trained adapters on other base weights than this run loaded (their "
             "checksums differ): model.name now names other weights, or the base model's init is not reproducible. "
             "Resume with the original base model, or start a new run.name."
         )
+    state.base_digest = list(base_digest or [])  # this run's ranks' (the same, but for their count)
     return state
+
+
+def same_base(saved: list[int], loaded: list[int], resized: bool) -> bool:
+    """Whether the checkpoint's ranks held the frozen base weights this run's ranks hold, by their
+    checksums (adapters.frozen_digest), rank for rank; on another worker count (`resized`), where
+    every rank of both held them whole (DeepSpeed ZeRO 0-2, DDP: one checksum, repeated). Shards'
+    checksums can't be compared across counts: resize.check_resizable refuses those runs first."""
+    if saved == loaded:
+        return True
+    return resized and len(set(saved)) == 1 and set(saved) == set(loaded)
 
 
 def check_engine(path: str | Path, engine: str, where: str) -> None:

@@ -133,9 +133,18 @@ ELASTIC = textwrap.dedent(
 )
 
 
+ELASTIC_ENGINES = {"torch": ["train.engine=torch", "train.zero_stage=0"],
+                   # DeepSpeed's ZeRO state through its universal checkpoint (bf16 weights: the dtype
+                   # raypack converts), with LoRA: the frozen base left out of the checkpoint
+                   "deepspeed-lora": ["train.engine=deepspeed", "train.zero_stage=2", "model.dtype=bfloat16",
+                                      "model.peft.method=lora"]}
+
+
 @pytest.mark.slow  # 181-347 s on 2 cores shared at load 15; two fits, a lost node and the rest planned between
-def test_an_elastic_run_loses_a_node_and_trains_on_on_one_worker_every_example_once(tmp_path):
-    """`train.num_workers: [1, 2]` on the torch engine, on a head and two worker nodes of one
+@pytest.mark.parametrize("engine", list(ELASTIC_ENGINES))
+def test_an_elastic_run_loses_a_node_and_trains_on_on_one_worker_every_example_once(tmp_path, engine):
+    """`train.num_workers: [1, 2]` on either engine (the torch engine's DDP; DeepSpeed's ZeRO-2
+    with LoRA), on a head and two worker nodes of one
     worker each: after the first checkpoint (step 2) a node is removed; Ray Train restarts the
     group on the one worker the cluster still holds, raypack says so in one line, plans the rest
     of the epoch for it (train.grad_accum 2 -> 4: a step still trains 4 packs) and trains it from
@@ -148,7 +157,7 @@ def test_an_elastic_run_loses_a_node_and_trains_on_on_one_worker_every_example_o
     data = tmp_path / "chat.jsonl"  # the sample's first 80 conversations: ~10 steps on 2 workers
     data.write_text("".join((REPO / "raypack/assets/sample/chat.jsonl").read_text().splitlines(keepends=True)[:80]))
     overrides = [f"run.storage_path={tmp_path / 'results'}", "run.name=elastic", "pack.budget=256", f"data.paths=['{data}']",
-                 "train.engine=torch", "train.zero_stage=0", "train.num_workers=[1, 2]", "train.cpus_per_worker=2",
+                 *ELASTIC_ENGINES[engine], "train.num_workers=[1, 2]", "train.cpus_per_worker=2",
                  "train.checkpoint_every_steps=2", "train.report_every_steps=1"]
     env = {**os.environ, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1", "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
     env.pop("RAY_ADDRESS", None)

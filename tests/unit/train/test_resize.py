@@ -11,7 +11,7 @@ import pytest
 from raypack.config import load
 from raypack.data.shards import Prepared
 from raypack.errors import InputError
-from raypack.train.checkpoint import POSITION, write_steps_log
+from raypack.train.checkpoint import POSITION, same_base, write_steps_log
 from raypack.train.resize import Position, check_resizable, epoch_trained, keep_step_size, last_position, trained_totals
 
 
@@ -63,6 +63,18 @@ def test_state_that_cant_be_resharded_or_rest_that_cant_be_told_is_refused_in_on
     with pytest.raises(InputError, match="pack.strategy=wrapped splits examples across steps"):
         check_resizable(wrapped, _pos(2, 2))
     check_resizable(load(None, ["train.num_workers=3", "train.engine=torch"]), _pos(2, 2))
+    # LoRA: the checkpoint's base checksums are each rank's, comparable on another count only where
+    # every rank held the base whole (checkpoint.same_base)
+    lora = ["train.num_workers=1", "model.dtype=bfloat16", "model.peft.method=lora"]
+    for whole in (["train.zero_stage=2"], ["train.engine=torch", "train.zero_stage=0"]):
+        check_resizable(load(None, [*lora, *whole]), _pos(2, 2))
+    for sharded in (["train.zero_stage=3"], ["train.engine=torch", "train.zero_stage=2"]):
+        with pytest.raises(InputError, match=r"train.num_workers=1: the checkpoint .* 2 workers, and with model.peft "
+                                             r"each rank checked its shard .*; resume with train.num_workers=2$"):
+            check_resizable(load(None, [*lora, *sharded]), _pos(2, 2))
+    assert same_base([7, 7], [7], resized=True) and same_base([5, 6], [5, 6], resized=False)
+    assert not same_base([7, 7], [8], resized=True) and not same_base([5, 6], [5], resized=True)
+    assert not same_base([7, 7], [7], resized=False)
 
 
 def test_the_epochs_trained_examples_and_the_totals_come_from_every_ranks_log(tmp_path):
