@@ -22,7 +22,8 @@ fp32 master weights and Adam moments by rank count: `resized` converts the check
 DeepSpeed's universal checkpoint on the driver (raypack/train/engines/universal.py, into
 `ds_universal/` beside its `ds/`), which the workers cut again for their count. What that is
 tested to reshard exactly (`unconvertible`: ZeRO 1-3, bf16 weights, fp32 master weights, torch's
-AdamW, no offload; full or LoRA) goes on; any other DeepSpeed setting is refused in one line.
+AdamW, no offload; full, or LoRA where every rank holds the base whole: `sharded_base`) goes on;
+any other DeepSpeed setting is refused in one line.
 """
 
 from __future__ import annotations
