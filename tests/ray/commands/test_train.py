@@ -270,12 +270,12 @@ def test_sigterm_mid_epoch_checkpoints_exits_143_and_the_resume_trains_every_exa
     assert capsys.readouterr().out == greedy(model, final) + "\n"
 
 
-def test_ctrl_c_in_training_exits_130_with_one_line_and_the_resume_continues(ray_local, tmp_path, capsys):
+def test_ctrl_c_in_training_exits_130_with_one_line_and_the_resume_continues(ray_local, tmp_path):
     """Ctrl-C (SIGINT) once training reported a checkpoint: the workers stop after their step,
     the command exits 130 within seconds with one line saying how to continue and no traceback;
-    a resume on another worker count is refused in one line (DeepSpeed's ZeRO state in fp32, which
-    raypack doesn't reshard: resize.unconvertible), leaving the run as it was; `--resume` then goes on from the last registered
-    checkpoint, and a checkpoint folder the run saved but never registered is removed."""
+    `--resume` then goes on from the last registered checkpoint, and a checkpoint folder the run
+    saved but never registered is removed. (A resume on another worker count: the SIGTERM test;
+    the DeepSpeed states raypack can't reshard are refused in one line: tests/unit/train/test_resize.py.)"""
     import signal
     import time
 
@@ -296,13 +296,6 @@ def test_ctrl_c_in_training_exits_130_with_one_line_and_the_resume_continues(ray
     assert tail[-1].endswith(f"; continue it with: raypack train --resume {root}"), rest[-3000:]
     assert "Traceback" not in rest and "KeyboardInterrupt" not in rest, rest[-3000:]
     assert waited < 30, f"took {waited:.0f} s to stop"
-
-    before = sorted(p.name for p in root.iterdir())
-    capsys.readouterr()
-    assert main(["train", "--resume", str(root), "train.num_workers=1"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("raypack: error: train.num_workers=1: the checkpoint ") and err.count("\n") == 1, err
-    assert "resume with train.num_workers=2" in err and sorted(p.name for p in root.iterdir()) == before
 
     orphan = root / "checkpoint_2000-01-01_00-00-00.000000"  # as if saved when the signal came, never registered
     orphan.mkdir()
