@@ -20,7 +20,6 @@ whole one).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import glob
 import io
@@ -28,6 +27,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 from raypack import storage
 
@@ -65,7 +65,8 @@ def convert(checkpoint: str) -> str:
 def _convert(ds: Path, out: Path) -> None:
     from deepspeed.checkpoint import ds_to_universal
 
-    args = argparse.Namespace(input_folder=str(ds), output_folder=str(out), num_extract_workers=1,
+    # the arguments its command line would parse (ds_to_universal.parse_arguments), as attributes
+    args = SimpleNamespace(input_folder=str(ds), output_folder=str(out), num_extract_workers=1,
                               num_merge_workers=1, keep_temp_folder=False, strict=True,
                               # raypack's model sets no tensor/pipeline-parallel patterns: a plain
                               # data-parallel state, whose only required info is the format version

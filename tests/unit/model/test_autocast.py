@@ -16,7 +16,9 @@ from raypack.model.build import load_model
 
 @pytest.fixture
 def restored_grouped_mm(monkeypatch):
-    monkeypatch.setattr(moe, "_grouped_mm", moe._grouped_mm)  # undone after the test, patched or not
+    # transformers' own function (an engine built earlier in this process may have wrapped it),
+    # put back after the test
+    monkeypatch.setattr(moe, "_grouped_mm", getattr(moe._grouped_mm, "__wrapped__", moe._grouped_mm))
 
 
 def experts_and_inputs():

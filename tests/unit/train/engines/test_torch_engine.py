@@ -175,7 +175,8 @@ def test_a_checkpoint_of_the_other_engine_is_refused_by_name(tmp_path):
 
 
 def test_no_module_outside_the_engines_imports_deepspeed():
-    """The seam: DeepSpeed is imported in raypack/train/engines/deepspeed_engine.py alone."""
+    """The seam: DeepSpeed is imported in the DeepSpeed engine's modules alone,
+    raypack/train/engines/deepspeed_engine.py and its checkpoints' conversion, universal.py."""
     import ast
 
     package = REPO / "raypack"
@@ -186,7 +187,7 @@ def test_no_module_outside_the_engines_imports_deepspeed():
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             if any(n == "deepspeed" or n.startswith("deepspeed.") for n in names):
                 found.append(str(path.relative_to(package)))
-    assert sorted(set(found)) == ["train/engines/deepspeed_engine.py"], found
+    assert sorted(set(found)) == ["train/engines/deepspeed_engine.py", "train/engines/universal.py"], found
 
 
 def test_a_worker_on_the_torch_engine_never_imports_deepspeed():
