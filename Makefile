@@ -67,11 +67,7 @@ test-liger: setup .cache/liger/.installed
 	PYTHONPATH=$(CURDIR)/.cache/liger $(BIN)/pytest -q tests/unit/model/test_liger_interpreted.py
 
 test-latest:
-	rm -rf .venv-latest && $(PYTHON) -m venv .venv-latest
-	.venv-latest/bin/pip install -q --upgrade pip "$(TORCH)"
-	.venv-latest/bin/pip install -q --upgrade --upgrade-strategy eager -e ".[dev]"
-	.venv-latest/bin/pip freeze --exclude-editable | diff $(LOCK) - | grep '^[<>]' || true
-	.venv-latest/bin/pytest -q tests
+	PYTHON=$(PYTHON) TORCH="$(TORCH)" tools/test_latest.sh
 
 test-compat:
 	PYTHON=$(PYTHON) TORCH="$(TORCH)" tools/test_compat.sh

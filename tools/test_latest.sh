@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# make test-latest: the whole suite on the newest release of every dependency pyproject.toml's
+# ranges allow (torch stays $TORCH), in .venv-latest. Not in CI: it finds a dependency's new
+# release before the lock moves to it. Writes benchmarks/results/latest_cpu_<date>.md with the
+# versions that differ from the lock, the command and pytest's counts.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+TORCH=${TORCH:-torch==2.13.0}
+TESTS=${TESTS:-tests}
+venv=.venv-latest
+rm -rf "$venv" && "$PYTHON" -m venv "$venv"
+"$venv/bin/pip" install -q --upgrade pip "$TORCH"
+"$venv/bin/pip" install -q --upgrade --upgrade-strategy eager -e ".[dev]" || exit 1
+mkdir -p .cache
+log=.cache/latest.log
+out=benchmarks/results/latest_cpu_$(date -u +%Y%m%d).md
+start=$(date +%s)
+# shellcheck disable=SC2086  # TESTS may name several paths
+"$venv/bin/pytest" -q -p no:cacheprovider $TESTS > "$log" 2>&1
+code=$?
+{
+    echo "# The suite on the newest versions pyproject.toml allows"
+    echo
+    echo "- command: \`TESTS=$TESTS make test-latest\` (tools/test_latest.sh), exit $code, $(( $(date +%s) - start )) s"
+    echo "- machine: $(nproc) CPUs, $(free -g | awk '/Mem:/{print $2}') GiB, no GPU; commit $(git rev-parse --short HEAD)$(git diff --quiet || echo ' (with uncommitted changes)')"
+    echo "- versions that differ from the lock (constraints.txt, <) in .venv-latest (>):"
+    echo
+    echo '```text'
+    "$venv/bin/pip" freeze --exclude-editable | diff constraints.txt - | grep '^[<>]'
+    echo '```'
+    echo
+    echo '```text'
+    grep -E '^(FAILED|ERROR) ' "$log" | head -50
+    tail -n 1 "$log"
+    echo '```'
+} > "$out"
+cat "$out"
+exit $code
