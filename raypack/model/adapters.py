@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import warnings
 from typing import Any
 
 import torch
@@ -69,13 +70,13 @@ def lora_config(cfg: PeftConfig, exclude: list[str] | None = None):
 def apply_adapters(model: nn.Module, cfg: PeftConfig, name: str = "model") -> nn.Module:
     """`model` wrapped by peft with `cfg`'s adapters: only they (and `modules_to_save`) train."""
     try:
-        from peft import get_peft_model
+        import peft  # noqa: F401
     except ImportError:
         raise AdapterError("model.peft.method: needs the peft package (pip install 'raypack[peft]')") from None
     custom = custom_linears(model)
     all_linear = tuple(cfg.target_modules) == ALL_LINEAR
     try:
-        wrapped = get_peft_model(model, lora_config(cfg, exclude=custom + mixers.fused_linears(model) if all_linear else None))
+        wrapped = _peft_model(model, lora_config(cfg, exclude=custom + mixers.fused_linears(model) if all_linear else None))
     except ValueError as e:  # target modules that match nothing, or a layer type peft can't adapt
         raise AdapterError(f"model.peft.target_modules {list(cfg.target_modules)} on {name}: {e}") from None
     if not all_linear and (named := [n for n in custom if is_adapted(wrapped.get_submodule(f"base_model.model.{n}"))]):
@@ -93,6 +94,16 @@ def apply_adapters(model: nn.Module, cfg: PeftConfig, name: str = "model") -> nn
     if getattr(model, flag, False):
         wrapped.enable_input_require_grads()
     return wrapped
+
+
+def _peft_model(model: nn.Module, config) -> nn.Module:
+    """peft's `get_peft_model`, without the FutureWarning every worker would print: peft reads
+    transformers' old `is_gradient_checkpointing` name, which transformers >= 5.2x warns about."""
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, config)
 
 
 def custom_linears(model: nn.Module) -> list[str]:
@@ -151,6 +162,66 @@ def frozen_digest(model: nn.Module) -> int:
     device, a few int64 sums per tensor, so it costs seconds even for 70B."""
     _at_rest(model)
     return tensor_digest(_held(p) for _, p in _frozen(model))
+
+
+def frozen_sum(model: nn.Module) -> int:
+    """This rank's share of a checksum of the frozen weights that doesn't depend on how the ranks
+    hold them: every value weighted by its place in its whole tensor (`_held_at`), each value
+    counted on one rank only, so the ranks' shares add up (mod 2**64) to what one process holding
+    every weight whole computes, on any worker count and any sharding. A LoRA run resumed on
+    another worker count compares it (checkpoint.same_base), where `frozen_digest`'s per-rank
+    checksums of shards can't be: another count cuts the shards otherwise."""
+    _at_rest(model)
+    total = 0
+    for index, (_, p) in enumerate(_frozen(model)):
+        held = _held_at(p)
+        if held is None:
+            continue
+        values, offset = held
+        total += _SPREAD ** (index + 1) * _placed_sum(values, offset)
+    return total % (1 << 64)
+
+
+_SPREAD = 0x9E3779B97F4A7C15  # odd: tensor i's sum is multiplied by its (i+1)th power, so order counts
+
+
+def _placed_sum(values: torch.Tensor, offset: int) -> int:
+    """Sum of `values`' bits (a flat slice starting at `offset` of its whole tensor), each times a
+    weight of its place in the whole tensor, mod 2**64 (int64 sums wrap: shares still add up)."""
+    bits = values.detach().reshape(-1)
+    bits = bits.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[bits.element_size()])
+    total = 0
+    for start in range(0, bits.numel(), 1 << 24):
+        chunk = bits[start:start + (1 << 24)].to(torch.int64)
+        where = torch.arange(offset + start, offset + start + chunk.numel(), device=chunk.device) % 65521 + 1
+        total += int((chunk * where).sum())
+    return total % (1 << 64)
+
+
+def _held_at(p: nn.Parameter) -> tuple[torch.Tensor, int] | None:
+    """`_held(p)` flattened, with the place in the whole flattened tensor where it starts; None
+    where another rank counts these values (replicas: rank 0 counts a tensor every rank holds,
+    the first replica group an HSDP shard)."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if hasattr(p.data, "to_local"):  # FSDP2: dim-0 chunks (torch.chunk) over the mesh's Shard dim
+        from torch.distributed.tensor import Replicate, Shard
+
+        mesh, start, sharded = p.data.device_mesh, 0, False
+        for dim, placement in enumerate(p.data.placements):
+            coordinate = mesh.get_local_rank(dim)
+            if isinstance(placement, Replicate):
+                if coordinate:
+                    return None
+            elif isinstance(placement, Shard) and placement.dim == 0 and not sharded:
+                start, sharded = coordinate * -(-p.shape[0] // mesh.size(dim)), True
+            else:
+                raise ValueError(f"frozen_sum: {placement} of a frozen weight's {p.data.placements}; FSDP2 "
+                                 "shards on dim 0 only")
+        return p.data.to_local().reshape(-1), start * (p.numel() // max(1, p.shape[0]))
+    part = getattr(p, "ds_tensor", None)
+    if part is not None:  # ZeRO-3: this rank's slice of the flattened tensor
+        return _held(p).reshape(-1), rank * part.numel()
+    return (p.data.reshape(-1), 0) if rank == 0 else None
 
 
 def weights_digest(model: nn.Module, frozen_only: bool = False) -> int:
@@ -258,7 +329,6 @@ def save_adapted(model: nn.Module, state: dict[str, torch.Tensor], folder, *, me
     tensors assigned), so the training model is never touched. Returns the folder names written."""
     from pathlib import Path
 
-    from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
     folder = Path(folder)
@@ -268,7 +338,7 @@ def save_adapted(model: nn.Module, state: dict[str, torch.Tensor], folder, *, me
     auto = vlm_class(base_config) or AutoModelForCausalLM  # a VLM rebuilds as what it trained as
     with torch.device("meta"):
         base = auto.from_config(base_config, trust_remote_code=trust_remote_code)
-        rebuilt = get_peft_model(base, model.peft_config["default"])
+        rebuilt = _peft_model(base, model.peft_config["default"])
     rebuilt.load_state_dict({k: v.detach().to("cpu", copy=True) for k, v in state.items()}, strict=False, assign=True)
     if missing := [n for n, p in rebuilt.named_parameters() if p.is_meta]:
         raise RuntimeError(f"saving the adapters: {len(missing)} weights missing from the gathered state, e.g. {missing[0]}")

@@ -70,6 +70,9 @@ class TrainState:
     """The running totals the Reporter adds to, so curves and clocks go on after a restart."""
     base_digest: list[int] = field(default_factory=list)
     """With adapters: every rank's checksum of its frozen base weights (`adapters.frozen_digest`)."""
+    base_sum: int | None = None
+    """With adapters: the checksum of the frozen base weights no sharding changes (the ranks'
+    `adapters.frozen_sum`s added up); None in a checkpoint from before it was kept."""
     steps_labels: list[int] = field(default_factory=list)
     """Label tokens of each step in `steps_log` on this rank: what the run's `trained` totals add up."""
     world_size: int = 0
@@ -91,16 +94,17 @@ class TrainState:
         return cls(**{k: v for k, v in saved.items() if k in known}, totals=Totals(**saved.get("totals", {})))
 
 
-def restore(engine: Engine, rank: int, plan: str, base_digest: list[int] | None = None,
+def restore(engine: Engine, rank: int, plan: str, base: tuple[list[int], int] | None = None,
             resized: dict[str, Any] | None = None, world_size: int = 1) -> TrainState:
     """Load the last reported checkpoint, if any: weights, optimizer, schedule and data position.
-    `base_digest`: with adapters, the checksums of the frozen base weights this run loaded.
+    `base`: with adapters, the checksums of the frozen base weights this run loaded (loop.base_digests).
     `resized`: the packed data's `Prepared.resized`, when the epoch's rest was planned again for
     this run's `world_size` ranks (a resume on another worker count): the position then moves to
     its start, and this rank takes over the step logs of the old ranks r with r % world_size == rank."""
+    base_digest, base_sum = base or ([], None)
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        return TrainState(plan=plan, base_digest=base_digest or [])
+        return TrainState(plan=plan, base_digest=base_digest, base_sum=base_sum)
     with checkpoint.as_directory() as path:
         check_engine(path, engine.name, checkpoint.path)
         # With adapters the checkpoint leaves the frozen base weights out (see the module doc).
@@ -125,24 +129,34 @@ def restore(engine: Engine, rank: int, plan: str, base_digest: list[int] | None 
             f"data is {plan}: the data, tokenize or pack config, num_workers or grad_accum changed. "
             "Resume with the original config, or start a new run.name."
         )
-    if not same_base(state.base_digest, base_digest or [], moved):
+    if moved and state.base_sum is None and len(set(state.base_digest)) > 1:
+        raise InputError(
+            f"checkpoint {checkpoint.path} was taken before raypack kept a checksum of the sharded base weights that "
+            f"holds on another worker count, so the base this resume loaded can't be checked against it; resume with "
+            f"train.num_workers={len(state.base_digest)}"
+        )
+    if not same_base(state, base_digest, base_sum, moved):
         raise InputError(
             f"checkpoint {checkpoint.path} trained adapters on other base weights than this run loaded (their "
             "checksums differ): model.name now names other weights, or the base model's init is not reproducible. "
             "Resume with the original base model, or start a new run.name."
         )
-    state.base_digest = list(base_digest or [])  # this run's ranks' (the same, but for their count)
+    state.base_digest, state.base_sum = list(base_digest), base_sum  # this run's ranks'
     return state
 
 
-def same_base(saved: list[int], loaded: list[int], resized: bool) -> bool:
-    """Whether the checkpoint's ranks held the frozen base weights this run's ranks hold, by their
-    checksums (adapters.frozen_digest), rank for rank; on another worker count (`resized`), where
-    every rank of both held them whole (DeepSpeed ZeRO 0-2, DDP: one checksum, repeated). Shards'
-    checksums can't be compared across counts: resize.check_resizable refuses those runs first."""
-    if saved == loaded:
+def same_base(saved: TrainState, digests: list[int], total: int | None, resized: bool) -> bool:
+    """Whether the checkpoint's ranks held the frozen base weights this run's ranks hold: by their
+    checksums (adapters.frozen_digest) rank for rank; on another worker count (`resized`), whose
+    ranks cut the shards otherwise, by the checksum no sharding changes (adapters.frozen_sum), or,
+    in a checkpoint from before it was kept, where every rank held them whole (one checksum, repeated)."""
+    if saved.base_digest == digests:
         return True
-    return resized and len(set(saved)) == 1 and set(saved) == set(loaded)
+    if not resized:
+        return False
+    if saved.base_sum is not None:
+        return saved.base_sum == total
+    return len(set(saved.base_digest)) == 1 and set(saved.base_digest) == set(digests)
 
 
 def check_engine(path: str | Path, engine: str, where: str) -> None:

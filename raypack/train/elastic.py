@@ -50,9 +50,6 @@ def check_elastic(cfg: Config) -> None:
         raise InputError(f"train.num_workers={list(cfg.train.elastic)}: pack.strategy={cfg.pack.strategy} splits "
                          "examples across steps, so a run that changes size can't tell which pieces trained; use "
                          "a fixed train.num_workers, or a strategy that keeps examples whole")
-    if cfg.train.elastic and (why := resize.sharded_base(cfg)):
-        raise InputError(f"train.num_workers={list(cfg.train.elastic)}: a run that changes size can't check its base "
-                         f"weights: {why.removeprefix('with model.peft ')}; or use a fixed train.num_workers")
     if cfg.train.elastic and cfg.train.engine == "deepspeed" and (why := resize.unconvertible(cfg)):
         raise InputError(f"train.num_workers={list(cfg.train.elastic)}: a run that changes size reshards its "
                          f"DeepSpeed ZeRO state, which {why} raypack can't do exactly; use a fixed "

@@ -43,7 +43,7 @@ from raypack.config import Config
 from raypack.data.encode import load_image_processor, load_tokenizer
 from raypack.data.image_layouts import processor_settings
 from raypack.data.shards import Prepared, iter_epoch_packs, iter_rank_packs, rank_images
-from raypack.model.adapters import apply_adapters, frozen_digest, quantization_config, trainable_summary
+from raypack.model.adapters import apply_adapters, frozen_digest, frozen_sum, quantization_config, trainable_summary
 from raypack.model.build import load_model, model_config
 from raypack.model.facts import describe
 from raypack.model.checkpointing import check_selective
@@ -149,11 +149,12 @@ def global_count(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.stack(gathered)
 
 
-def base_digests(engine) -> list[int]:
-    """Every rank's checksum of its frozen weights, in rank order (the same list on every rank)."""
-    digests = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, frozen_digest(engine.module))
-    return digests
+def base_digests(engine) -> tuple[list[int], int]:
+    """Every rank's checksum of its frozen weights, in rank order, and the checksum of them all
+    that no sharding changes (the ranks' `frozen_sum`s added up): the same on every rank."""
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (frozen_digest(engine.module), frozen_sum(engine.module)))
+    return [digest for digest, _ in parts], sum(part for _, part in parts) % (1 << 64)
 
 
 @torch.no_grad()
@@ -432,7 +433,7 @@ def after_step(w: Worker, epoch: int) -> None:
     metrics = w.reporter.summary(step, epoch, extra)
     if final:  # after the trackers had theirs: a dict of phases, not a scalar
         metrics["startup_s"] = w.clock.phases()
-    if final and w.state.base_digest and base_digests(w.engine) != w.state.base_digest:
+    if final and w.state.base_digest and base_digests(w.engine) != (w.state.base_digest, w.state.base_sum):
         raise RuntimeError("the frozen base weights changed during training: an optimizer or hook wrote to them")
     m = w.cfg.model
     t_ckpt = time.perf_counter()

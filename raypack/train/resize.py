@@ -22,7 +22,7 @@ fp32 master weights and Adam moments by rank count: `resized` converts the check
 DeepSpeed's universal checkpoint on the driver (raypack/train/engines/universal.py, into
 `ds_universal/` beside its `ds/`), which the workers cut again for their count. What that is
 tested to reshard exactly (`unconvertible`: ZeRO 1-3, bf16 weights, fp32 master weights, torch's
-AdamW, no offload; full, or LoRA where every rank holds the base whole: `sharded_base`) goes on;
+AdamW, no offload; full or LoRA) goes on;
 any other DeepSpeed setting is refused in one line.
 """
 
@@ -111,24 +111,9 @@ def check_resizable(cfg: Config, pos: Position | None) -> None:
                          f"checkpoint is tested for ZeRO 1-3 with model.dtype bfloat16, train.precision mixed and "
                          f"torch's AdamW only); resume with train.num_workers={pos.world_size}, or start a new run "
                          "from the exported model (raypack export)")
-    if why := sharded_base(cfg):
-        raise InputError(f"{where}, and {why}; resume with train.num_workers={pos.world_size}")
     if STRATEGIES[cfg.pack.strategy].splits_examples:
         raise InputError(f"{where}, and pack.strategy={cfg.pack.strategy} splits examples across steps, so the step "
                          f"logs can't say which pieces trained; resume with train.num_workers={pos.world_size}")
-
-
-def sharded_base(cfg: Config) -> str | None:
-    """Why a LoRA run's checkpoint can't go on on another worker count, where its ranks held the
-    frozen base weights in shards: the checksums it keeps of them are each rank's shard's, which
-    another count cuts otherwise (checkpoint.same_base), so the base it trained on can't be checked.
-    None where every rank holds the base whole."""
-    t = cfg.train
-    if cfg.model.peft.enabled and (t.zero_stage == 3 or (t.engine == "torch" and t.zero_stage > 0)):
-        return (f"with model.peft each rank checked its shard of the frozen base weights (train.engine={t.engine}, "
-                f"train.zero_stage={t.zero_stage}), which another worker count shards otherwise; a stage that keeps "
-                "the base whole on every rank changes size (DeepSpeed ZeRO 1-2, the torch engine's zero_stage 0)")
-    return None
 
 
 def unconvertible(cfg: Config) -> str | None:

@@ -146,8 +146,12 @@ def _train_until(cmd: list[str], env: dict, cwd: Path, step: int):
 # DeepSpeed's under -m slow (67 s before it changed size; 367 s with its three sizes at load 10-20): its
 # stop and resume are the Ctrl-C test's, its export test_export's, and its refusal to resume on another
 # worker count (fp32) is checked after the Ctrl-C below
+# LoRA on FSDP2's sharded base under -m slow too: its base checksum checked at each change of size
 @pytest.mark.parametrize("engine", [pytest.param([], marks=pytest.mark.slow),
-                                    ["train.engine=torch", "train.zero_stage=3"]], ids=["deepspeed", "torch-fsdp3"])
+                                    ["train.engine=torch", "train.zero_stage=3"],
+                                    pytest.param(["train.engine=torch", "train.zero_stage=3", "model.peft.method=lora",
+                                                  "model.peft.r=4", "train.lr=1e-2"], marks=pytest.mark.slow)],
+                         ids=["deepspeed", "torch-fsdp3", "torch-fsdp3-lora"])
 def test_sigterm_mid_epoch_checkpoints_exits_143_and_the_resume_trains_every_example_once(ray_local, tmp_path, engine,
                                                                                           capsys):
     """SIGTERM (a pod evicted, `ray job stop`, Slurm, kill) to the driver in the middle of an epoch:
@@ -167,7 +171,9 @@ def test_sigterm_mid_epoch_checkpoints_exits_143_and_the_resume_trains_every_exa
     size). Its DCP state reshards both times; the epoch still trains every example once, and the
     result's trained totals are the data's. DeepSpeed's run (ZeRO-2, bf16) changes size the same way:
     its ZeRO partitions are converted to DeepSpeed's universal checkpoint (one line, the folder kept
-    beside ds/) and cut again for 3 workers, then for 1."""
+    beside ds/) and cut again for 3 workers, then for 1. LoRA on FSDP2's sharded base changes size
+    too: each resume checks the base it loaded against the checkpoint's checksum of it, which no
+    sharding changes (adapters.frozen_sum)."""
     import signal
     import time
 

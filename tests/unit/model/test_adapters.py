@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 from raypack.config import PeftConfig
 from raypack.data.collate import collate_packed
 from raypack.model.adapters import (
-    AdapterError, adapted_head, apply_adapters, custom_linears, expected_digests, frozen_digest, is_peft_model,
-    save_adapted, tensor_digest,
+    AdapterError, adapted_head, apply_adapters, custom_linears, expected_digests, frozen_digest, frozen_sum,
+    is_peft_model, save_adapted, tensor_digest,
 )  # fmt: skip
 from raypack.model.build import load_model, tiny_config
 from raypack.train.objectives.loss import UnsupportedLossError, make_loss
@@ -143,6 +143,50 @@ def test_expected_digests_under_hsdp_repeat_one_nodes_shards(monkeypatch):
     assert expected_digests(model, 4, "fsdp", shard_ranks=2) == [*pairs, *pairs] != flat
     assert shard_groups(SimpleNamespace(world_size=4, layout="fsdp")) == [None, 2, 1]
     assert shard_groups(SimpleNamespace(world_size=4, layout="zero3")) == [None]
+
+
+def test_frozen_sum_adds_up_to_one_processs_on_any_count_of_zero3_ranks(monkeypatch):
+    """The base checksum a LoRA run compares when it changes size (checkpoint.same_base): the ranks'
+    shares, each weighted by its values' places in the whole tensors, add up to what one process
+    holding every weight computes, on 2 and on 3 ZeRO-3 ranks alike (the padding left out); a
+    replicated tensor counts on rank 0 alone. (FSDP2's shards: the gloo run of test_torch_engine.py.)"""
+    model = apply_adapters(tiny(), LORA)
+    whole = frozen_sum(model)
+    frozen = [p for _, p in sorted(model.named_parameters(), key=lambda i: i[0]) if not p.requires_grad]
+    values = [p.data.clone() for p in frozen]
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    rank = {"now": 0}
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: rank["now"])
+    assert frozen_sum(model) == whole
+    rank["now"] = 1
+    assert frozen_sum(model) == 0, "a weight every rank holds whole counted twice"
+
+    def zero3(world: int) -> int:
+        total = 0
+        for rank["now"] in range(world):
+            for p, v in zip(frozen, values):
+                size = -(-v.numel() // world)
+                part = torch.full((size,), float("nan"), dtype=v.dtype)  # the padding: never the same twice
+                real = v.reshape(-1)[rank["now"] * size:(rank["now"] + 1) * size]
+                part[:real.numel()] = real
+                p.ds_tensor, p.ds_numel = part, v.numel()
+            total += frozen_sum(model)
+        return total % (1 << 64)
+
+    assert zero3(2) == zero3(3) == whole
+    for p in frozen:
+        del p.ds_tensor, p.ds_numel
+    rank["now"] = 0
+    i, norm = next((i, p) for i, p in enumerate(frozen) if p.ndim == 1)
+    norm.data[[0, 1]] = norm.data[[1, 0]] + torch.tensor([0.5, 0.25])  # two values moved (and made unequal)
+    moved = frozen_sum(model)
+    norm.data[[0, 1]] = norm.data[[1, 0]]
+    assert moved != frozen_sum(model) != whole, "two values that changed places went unseen"
+    norm.data.copy_(values[i])
+    assert frozen_sum(model) == whole
+    base = next(p for p in frozen if p.ndim == 2)
+    base.data.view(torch.int32)[-1, -1] ^= 1  # the lowest bit of the last weight
+    assert frozen_sum(model) != whole
 
 
 def test_saved_adapter_base_and_merged_model_load_back(tmp_path):

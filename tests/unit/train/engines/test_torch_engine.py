@@ -6,7 +6,8 @@
   FSDP2 resharding (zero_stage 3) and LoRA on FSDP2 (the frozen base left out).
 - The checkpoint read offline on the CPU (`raypack export`'s reader) holds the trained weights whole.
 - Under FSDP2 ranks > 0 build on the meta device and get rank 0's weights; each rank's digest of
-  its frozen shards is the one `adapters.expected_digests(..., "fsdp")` computes offline.
+  its frozen shards is the one `adapters.expected_digests(..., "fsdp")` computes offline, and
+  their `frozen_sum` shares add up to the whole model's (what a resize compares).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def _whole(engine) -> dict:
 def _rank(rank: int, store: str, folder: str, stage: int, lora: bool, out: str) -> None:
     import torch.distributed as dist
 
-    from raypack.model.adapters import frozen_digest
+    from raypack.model.adapters import frozen_digest, frozen_sum
 
     sys.path[:0] = [str(REPO), str(REPO / "tests")]
     torch.set_num_threads(1)
@@ -100,8 +101,8 @@ def _rank(rank: int, store: str, folder: str, stage: int, lora: bool, out: str) 
         make_loss(b, "chunked", chunk_tokens=7)
         probed = frozen_digest(b.module)
     losses_b, weights_b = _steps(b, rank, 2), _whole(b)
-    digest = frozen_digest(b.module) if lora else None
-    torch.save({"meta": meta, "state": state, "losses": (losses_a, losses_b), "lr": (lr_a, b.scheduler.get_last_lr()),
+    digest, share = (frozen_digest(b.module), frozen_sum(b.module)) if lora else (None, None)
+    torch.save({"share": share, "meta": meta, "state": state, "losses": (losses_a, losses_b), "lr": (lr_a, b.scheduler.get_last_lr()),
                 "weights": (weights_a, weights_b), "at_save": at_save, "digest": digest, "probed": probed, "full": b.full_state_dict()}, f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -110,7 +111,7 @@ def _rank(rank: int, store: str, folder: str, stage: int, lora: bool, out: str) 
 def test_a_checkpoint_resumes_bit_for_bit_and_reads_back_offline(tmp_path, stage, lora):
     from tests.unit.train.engines.test_torch_engine import _rank  # by module name: the children import it
 
-    from raypack.model.adapters import apply_adapters, expected_digests
+    from raypack.model.adapters import apply_adapters, expected_digests, frozen_sum
     from raypack.train.engines import read_offline
 
     out = str(tmp_path / "out")
@@ -145,6 +146,8 @@ def test_a_checkpoint_resumes_bit_for_bit_and_reads_back_offline(tmp_path, stage
                                PeftConfig(method="lora", r=4, alpha=8), "tiny-llama")
         assert expected_digests(model, 2, "fsdp") == [g["digest"] for g in got] == [g["probed"] for g in got]
         assert expected_digests(model, 2, "fsdp") != expected_digests(model, 2, "replicated")
+        # the checksum a resize compares: the two ranks' shares of their shards add up to the whole's
+        assert sum(g["share"] for g in got) % (1 << 64) == frozen_sum(model) != got[0]["share"]
 
 
 def test_the_torch_engine_keeps_its_master_weights_in_the_model():
