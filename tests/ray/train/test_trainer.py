@@ -112,7 +112,8 @@ def test_stopped_run_resumes_and_finishes(ray_local, tmp_path):
     # `raypack train --resume RUN train.max_steps=null` does).
     from raypack.runs import run_dir, saved_config
 
-    resumed = trainer.start(saved_config(run_dir(cfg), ["train.max_steps=null"]), resume=True).result
+    resumed = trainer.start(saved_config(run_dir(cfg), ["train.max_steps=null", "train.num_workers=1"]),
+                            resume=True).result
     assert resumed.error is None
     assert resumed.metrics["loss"] < first.metrics["loss"], "the loss did not fall"
     ids, steps = trained_ids(Path(resumed.checkpoint.path))
@@ -341,7 +342,8 @@ def test_lora_zero3_checkpointing_recovers_resumes_and_loads_in_a_fresh_process(
     assert saved < 0.5 * sum(f.stat().st_size for f in (mid / "base").glob("*.safetensors"))
 
     monkeypatch.undo()
-    resumed = trainer.start(saved_config(run_dir(cfg), ["train.max_steps=null"]), resume=True).result
+    resumed = trainer.start(saved_config(run_dir(cfg), ["train.max_steps=null", "train.num_workers=1"]),
+                            resume=True).result
     assert resumed.error is None and resumed.metrics["loss"] < first.metrics["loss"]
     ckpt = Path(resumed.checkpoint.path)
     ids, steps = trained_ids(ckpt)
@@ -389,10 +391,11 @@ def test_a_request_the_local_instance_can_never_meet_fails_in_seconds(ray_local,
 
 
 def test_a_mixture_trains_each_draw_once_resumes_and_a_changed_weight_is_another_run(ray_local, tmp_path, capsys):
-    """Three sources in three formats, weighted 0.5 / 0.3 / 0.2: a run stopped at step 3 and
-    resumed trains exactly the draw, every drawn example as often as it was drawn (the chats,
-    fewer than their share, two or three times each), none of the eval examples, each step once;
-    the same run with another weight is refused before Ray starts, as another mixture."""
+    """Three sources in three formats, weighted 0.5 / 0.3 / 0.2: a run stopped at step 3 on 2
+    workers and resumed on 1 (the epoch's rest planned again, issue 62) trains exactly the draw,
+    every drawn example as often as it was drawn (the chats, fewer than their share, two or three
+    times each, some before the change of size and some after), none of the eval examples, each
+    step once; the same run with another weight is refused before Ray starts, as another mixture."""
     from collections import Counter
 
     from raypack.config import ASSETS
@@ -417,7 +420,8 @@ def test_a_mixture_trains_each_draw_once_resumes_and_a_changed_weight_is_another
                    "train.max_steps=3", name=name)
     first = trainer.start(cfg).result
     assert first.metrics["step"] == 3
-    resumed = trainer.start(saved_config(run_dir(cfg), ["train.max_steps=null"]), resume=True).result
+    resumed = trainer.start(saved_config(run_dir(cfg), ["train.max_steps=null", "train.num_workers=1"]),
+                            resume=True).result
     assert resumed.error is None and np.isfinite(resumed.metrics["eval_loss"])
     # each source's own eval loss beside the whole's, which is their label-token-weighted mean
     # (the draw holds out 4 chats, no instruction and 3 completions at this seed)
@@ -430,11 +434,13 @@ def test_a_mixture_trains_each_draw_once_resumes_and_a_changed_weight_is_another
     # lines, which show them too, are not this process's output: tests/unit/commands/test_train.py)
     assert [runs.read_result(run_dir(cfg))["metrics"][f"eval_{n}_loss"] for n in ("chat", "completion")] == per
     assert out.count("[raypack] mixture of 3 sources: ") == 2 and out.count("[raypack]   chat         weight 0.5, ") == 2
+    assert "[raypack] epoch 1: " in out and " examples trained by step 3; the other " in out, out[-3000:]
     ids, steps = trained_ids(Path(resumed.checkpoint.path))
-    assert steps == [list(range(1, resumed.metrics["step"] + 1))] * 2  # each step once, through the resume
-    packed = Path(run_dir(cfg)) / "packed"
-    drawn = Counter(i for r in range(2) for row in iter_rank_packs(str(packed / "train"), r) for i in row["example_ids"])
-    held = {i for r in range(2) for row in iter_rank_packs(str(packed / "eval"), r) for i in row["example_ids"]}
+    # one rank's log now, holding both old ranks' steps 1-3 and its own after: each step once a rank
+    assert steps == [[1, 2, 3] * 2 + list(range(4, resumed.metrics["step"] + 1))], steps
+    packed = Path(run_dir(cfg)) / "packed"  # the whole epoch's draw, planned for the 1 rank the run ended on
+    drawn = Counter(i for row in iter_rank_packs(str(packed / "train"), 0) for i in row["example_ids"])
+    held = {i for row in iter_rank_packs(str(packed / "eval"), 0) for i in row["example_ids"]}
     trained = Counter(ids)
     assert trained == drawn and not held & set(trained)
     per_source = [Counter({i: n for i, n in trained.items() if locate(i)[0] == k}) for k in range(3)]

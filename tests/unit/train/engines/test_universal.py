@@ -95,7 +95,7 @@ def _rank(rank: int, world: int, store: str, folder: str, root: str, out: str, p
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     from raypack.config import PeftConfig, TrainConfig
-    from raypack.model.adapters import apply_adapters
+    from raypack.model.adapters import apply_adapters, frozen_sum
     from raypack.model.build import load_model
     from raypack.train import engines
 
@@ -111,6 +111,10 @@ def _rank(rank: int, world: int, store: str, folder: str, root: str, out: str, p
             model = apply_adapters(model, PeftConfig(method="lora", r=4, alpha=8))
         engine = engines.build(model, cfg, dtype=torch.bfloat16, world_size=world, total_steps=10)
         one = got[case] = {}
+        if lora:  # the base checksum a resize compares (checkpoint.same_base): the ranks' shares added up
+            shares = [None] * world
+            dist.all_gather_object(shares, frozen_sum(engine.module))
+            one["base_sum"] = sum(shares) % (1 << 64)
         if phase == "save":
             one["losses"] = [_train(engine, s, rank, world) for s in (1, 2)]
             one["saved"] = _state(engine, lora)
@@ -174,6 +178,7 @@ def check_resharded(tmp_path, cases: list[str], worlds: tuple[int, ...]) -> None
             want, after = before[case], loaded[case]
             assert len(want["saved"]["params"]) > 0 and want["saved"]["adam_steps"] == {2.0}
             assert after["client"] == {"at": 2}
+            assert after.get("base_sum") == want.get("base_sum"), (case, world)  # ZeRO-3's slices cut for `world`
             got = after["saved"]
             assert got["params"].keys() == want["saved"]["params"].keys(), case
             for name, states in want["saved"]["params"].items():
