@@ -331,6 +331,11 @@ class TrainConfig:
     elastic: tuple[int, ...] = ()
     """`[min, max]` of an elastic run, as `num_workers: [min, max]` sets it; `num_workers` is then the
     size the run's data is planned for now (max at the start). Empty: a fixed size."""
+    elastic_resize_interval_s: float = 60.0
+    """An elastic run: how often Ray Train looks whether the cluster holds more workers than the
+    group (capacity come back), to restart it on them from the last checkpoint (Ray Train's
+    `ScalingConfig(elastic_resize_monitor_interval_s)`). Each grow costs a restart: shorter grows
+    back sooner, and may restart more often while nodes come back one by one."""
     sequence_parallel: int = 1
     """Ranks that split each packed row's tokens (Ulysses: every attention layer exchanges tokens
     for heads with two all-to-alls, raypack/model/ulysses.py). It must divide num_workers, which
@@ -503,6 +508,8 @@ class TrainConfig:
             _check(len(self.num_workers) == 2, "train.num_workers", "an int, or [min, max]", list(self.num_workers))
             object.__setattr__(self, "elastic", self.num_workers)
             object.__setattr__(self, "num_workers", self.num_workers[1])
+        _check(self.elastic_resize_interval_s >= 0, "train.elastic_resize_interval_s", "seconds, >= 0",
+               self.elastic_resize_interval_s)
         if not self.elastic:
             return
         low, high = (self.elastic + (0, 0))[:2]

@@ -3,7 +3,7 @@ count, raypack plans the data for it.
 
     driver: fit on Ray Train's ScalingConfig(num_workers=(min, max)), the data planned for N
       └─ a node lost: Ray Train restarts the group on the M workers the cluster holds (a node
-         back: it grows the group, after elastic_resize_monitor_interval_s)
+         back: it grows the group, after train.elastic_resize_interval_s)
            └─ workers: M != N, return {RESIZED: M} untrained (raypack/train/remote.py)
     driver: the fit ends with that value ──> going_on(cfg, M): one line, the step size kept
       └─ start again on M (trainer.start): the epoch's rest planned for M from the last

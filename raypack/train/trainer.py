@@ -309,6 +309,20 @@ class Preparing:
         return self.error
 
 
+def scaling_config(cfg: Config, local: bool) -> ray.train.ScalingConfig:
+    """Ray Train's ScalingConfig for `cfg`: its workers (an elastic run's (min, max) on a cluster,
+    elastic.scaling_workers), their resources and placement, and how often an elastic run looks for
+    capacity come back (train.elastic_resize_interval_s)."""
+    t = cfg.train
+    return ray.train.ScalingConfig(
+        num_workers=elastic.scaling_workers(cfg, local),
+        use_gpu=t.use_gpu,
+        resources_per_worker=worker_resources(t),
+        placement_strategy=t.placement_strategy,
+        elastic_resize_monitor_interval_s=t.elastic_resize_interval_s,
+    )
+
+
 def build_trainer(checked: Checked, tracking: TrackingTargets, data: dict | Any, *, callbacks: Sequence = (),
                   startup: Startup | None = None, stop_key: str | None = None) -> TorchTrainer:
     """The `TorchTrainer` for `checked.cfg` (preflight's record), training on `data` (the
@@ -349,12 +363,7 @@ def build_trainer(checked: Checked, tracking: TrackingTargets, data: dict | Any,
         local=local,
         train_loop_config=loop_config,
         torch_config=torch_config,
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=elastic.scaling_workers(cfg, local),
-            use_gpu=t.use_gpu,
-            resources_per_worker=worker_resources(t),
-            placement_strategy=t.placement_strategy,
-        ),
+        scaling_config=scaling_config(cfg, local),
         run_config=ray.train.RunConfig(
             name=cfg.run.name,
             storage_path=runs.storage_path(cfg),

@@ -119,3 +119,14 @@ def test_workers_restarted_on_another_count_than_the_data_is_planned_for_return_
     fixed = load(None, ["train.num_workers=2"])
     size["world"] = 1  # a fixed size is Ray Train's to keep: never returned for
     assert remote.worker_loop({"cfg": fixed.to_dict()}) is None and len(trained) == 2
+
+
+def test_how_often_an_elastic_run_looks_for_capacity_come_back_reaches_ray_train():
+    from raypack.train.trainer import scaling_config
+
+    cfg = load(None, ["train.num_workers=[1, 2]", "train.engine=torch", "train.elastic_resize_interval_s=15"])
+    scaling = scaling_config(cfg, local=False)
+    assert (scaling.num_workers, scaling.elastic_resize_monitor_interval_s) == ((1, 2), 15)
+    assert scaling_config(load(None, ["train.engine=torch"]), local=False).elastic_resize_monitor_interval_s == 60
+    with pytest.raises(ConfigError, match=r"train.elastic_resize_interval_s: expected seconds, >= 0"):
+        load(None, ["train.num_workers=[1, 2]", "train.elastic_resize_interval_s=-1"])
