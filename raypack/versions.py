@@ -21,13 +21,13 @@ PYTHON = (3, 10)
 SUPPORTED: dict[str, str] = {
     "ray": ">=2.55,<2.61",
     "torch": ">=2.11,<2.14",
-    "transformers": ">=5.23,<6",
-    "datasets": ">=5.2,<6",
+    "transformers": ">=5.24,<5.26",
+    "datasets": ">=5.2,<5.3",
     "pyarrow": ">=26,<27",
 }
 """What a job's driver imports, as pyproject.toml's dependencies allow. DeepSpeed is checked by the
 workers that import it (a run on the torch engine needs none)."""
-OPTIONAL: dict[str, str] = {"deepspeed": ">=0.19.8,<0.20", "peft": ">=0.21,<1"}
+OPTIONAL: dict[str, str] = {"deepspeed": ">=0.19.8,<0.20", "peft": ">=0.21,<0.23"}
 """Checked where installed: a version outside the range is refused; a missing one is the run's
 own business (train.engine: torch needs no DeepSpeed; model.peft names peft where it is used)."""
 

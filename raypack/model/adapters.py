@@ -178,7 +178,7 @@ def frozen_sum(model: nn.Module) -> int:
         if held is None:
             continue
         values, offset = held
-        total += _SPREAD ** (index + 1) * _placed_sum(values, offset)
+        total += pow(_SPREAD, index + 1, 1 << 64) * _placed_sum(values, offset)
     return total % (1 << 64)
 
 
