@@ -101,6 +101,8 @@ def implementation(fn):
             continue
         seen.add(id(f))
         code = getattr(f, "__code__", None)
+        if code is None and callable(getattr(type(f), "forward", None)):
+            todo.append(type(f).forward)  # with the `kernels` package, the wrapper is a Module calling it
         for name, cell in zip(code.co_freevars if code else (), getattr(f, "__closure__", None) or ()):
             try:
                 value = cell.cell_contents
