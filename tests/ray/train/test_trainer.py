@@ -112,8 +112,7 @@ def test_stopped_run_resumes_and_finishes(ray_local, tmp_path):
     # `raypack train --resume RUN train.max_steps=null` does).
     from raypack.runs import run_dir, saved_config
 
-    resumed = trainer.start(saved_config(run_dir(cfg), ["train.max_steps=null", "train.num_workers=1"]),
-                            resume=True).result
+    resumed = trainer.start(saved_config(run_dir(cfg), ["train.max_steps=null"]), resume=True).result
     assert resumed.error is None
     assert resumed.metrics["loss"] < first.metrics["loss"], "the loss did not fall"
     ids, steps = trained_ids(Path(resumed.checkpoint.path))
@@ -342,8 +341,7 @@ def test_lora_zero3_checkpointing_recovers_resumes_and_loads_in_a_fresh_process(
     assert saved < 0.5 * sum(f.stat().st_size for f in (mid / "base").glob("*.safetensors"))
 
     monkeypatch.undo()
-    resumed = trainer.start(saved_config(run_dir(cfg), ["train.max_steps=null", "train.num_workers=1"]),
-                            resume=True).result
+    resumed = trainer.start(saved_config(run_dir(cfg), ["train.max_steps=null"]), resume=True).result
     assert resumed.error is None and resumed.metrics["loss"] < first.metrics["loss"]
     ckpt = Path(resumed.checkpoint.path)
     ids, steps = trained_ids(ckpt)
