@@ -312,10 +312,11 @@ FAMILIES: dict[str, Family] = {
     "glm_moe_dsa": Family("GlmMoeDsaConfig", {**MOE, **MLA, **DSA, "first_k_dense_replace": 1, "n_shared_experts": 1},
                           refused=r"indexed_attention", mixes=False),  # fmt: skip
     "recurrent_gemma": Family("RecurrentGemmaConfig", refused=r"convolution over the sequence"),
-    # pure Mamba-2: raypack's mixers, nothing to route, but Mamba2ForCausalLM calls its backbone
-    # without the forward's keyword arguments, so the row's boundaries never reach them
+    # pure Mamba-2: raypack's mixers, nothing to route, but Mamba2ForCausalLM's forward takes no
+    # position_ids (and up to transformers 5.24 calls its backbone without the forward's keyword
+    # arguments, so the row's boundaries never reach them: test_traits.py)
     "mamba2": Family("Mamba2Config", {"num_heads": 8, "state_size": 8, "n_groups": 2, "chunk_size": 8},
-                     refused=r"calls self\.backbone without its keyword arguments",
+                     refused=r"its forward takes no position_ids",
                      layout="every layer Mamba-2, no attention", source="Mamba2Config"),  # fmt: skip
     "bert": Family("BertConfig", {"is_decoder": False}, refused=r"bidirectional attention", mixes=False),
     # BERT as a decoder is causal

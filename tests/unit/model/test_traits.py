@@ -154,20 +154,28 @@ def test_a_layer_type_with_no_layer_to_read_is_refused_by_name():
 
 
 def test_a_forward_that_keeps_the_boundaries_from_its_mixers_is_refused():
-    """Mamba2ForCausalLM: its mixers are raypack's Mamba-2 kind, and its stack has no attention to
-    route, but its forward calls the backbone without its keyword arguments, so cu_seq_lens_q never
-    reaches them. Refused, naming that (and its forward's missing position_ids)."""
+    """A Mamba-2 model whose forward calls the backbone without its keyword arguments (as
+    transformers' own Mamba2ForCausalLM did up to 5.24): its mixers are raypack's Mamba-2 kind, and
+    its stack has no attention to route, but cu_seq_lens_q never reaches them. Refused, naming
+    that. transformers' own is refused on every version (its forward takes no position_ids)."""
     from raypack.model import mixers
     from raypack.model.build import meta_model
     from raypack.model.traits import decoder, drops_boundaries, routes_attention
 
+    class Dropping(transformers.Mamba2ForCausalLM):
+        def forward(self, input_ids=None, position_ids=None, labels=None, **kwargs):
+            return self.lm_head(self.backbone(input_ids=input_ids).last_hidden_state)
+
     config = transformers.Mamba2Config(hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=8,
                                        n_groups=2, vocab_size=512, chunk_size=8)  # fmt: skip
-    model = meta_model(config)
+    with torch.device("meta"):
+        model = Dropping(config)
     assert {k.name for k in mixers.find(decoder(model)).values()} == {"Mamba-2"}
     assert routes_attention(model) and drops_boundaries(model) == "backbone"
     with pytest.raises(UnsupportedModelError, match=r"calls self\.backbone without its keyword arguments"):
         check_packable(model, "mamba2")
+    with pytest.raises(UnsupportedModelError, match=r"its forward takes no position_ids"):
+        check_packable(meta_model(config), "mamba2")
     assert drops_boundaries(meta_model(tiny_config("nemotron_h"))) is None
 
 
