@@ -23,7 +23,8 @@ for ray in $RAYS; do
     fi
     out=benchmarks/results/compat_ray${ray}_cpu_$(date -u +%Y%m%d).md
     log=.cache/compat_ray$ray.log
-    start=$(date +%s)
+    commit="$(git rev-parse --short HEAD)$(git diff --quiet -- . ':!benchmarks/results' || echo ' (with uncommitted changes)')"
+start=$(date +%s)
     # shellcheck disable=SC2086  # TESTS may name several paths
     "$venv/bin/pytest" -q -p no:cacheprovider $TESTS > "$log" 2>&1
     code=$?
@@ -31,7 +32,7 @@ for ray in $RAYS; do
         echo "# The Ray tier on Ray $ray"
         echo
         echo "- command: \`RAYS=$ray TESTS=$TESTS make test-compat\` (tools/test_compat.sh), exit $code, $(( $(date +%s) - start )) s"
-        echo "- machine: $(nproc) CPUs, $(free -g | awk '/Mem:/{print $2}') GiB, no GPU; commit $(git rev-parse --short HEAD)$(git diff --quiet || echo ' (with uncommitted changes)')"
+        echo "- machine: $(nproc) CPUs, $(free -g | awk '/Mem:/{print $2}') GiB, no GPU; commit $commit"
         echo "- versions: $("$venv/bin/python" -c 'import importlib.metadata as m, sys; print(", ".join([f"python {sys.version.split()[0]}"] + [f"{p} {m.version(p)}" for p in ("ray", "torch", "transformers", "deepspeed", "pyarrow", "datasets", "peft")]))')"
         echo
         echo '```text'

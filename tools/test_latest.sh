@@ -15,6 +15,7 @@ rm -rf "$venv" && "$PYTHON" -m venv "$venv"
 mkdir -p .cache
 log=.cache/latest.log
 out=benchmarks/results/latest_cpu_$(date -u +%Y%m%d).md
+commit="$(git rev-parse --short HEAD)$(git diff --quiet -- . ':!benchmarks/results' || echo ' (with uncommitted changes)')"
 start=$(date +%s)
 # shellcheck disable=SC2086  # TESTS may name several paths
 "$venv/bin/pytest" -q -p no:cacheprovider $TESTS > "$log" 2>&1
@@ -23,7 +24,7 @@ code=$?
     echo "# The suite on the newest versions pyproject.toml allows"
     echo
     echo "- command: \`TESTS=$TESTS make test-latest\` (tools/test_latest.sh), exit $code, $(( $(date +%s) - start )) s"
-    echo "- machine: $(nproc) CPUs, $(free -g | awk '/Mem:/{print $2}') GiB, no GPU; commit $(git rev-parse --short HEAD)$(git diff --quiet || echo ' (with uncommitted changes)')"
+    echo "- machine: $(nproc) CPUs, $(free -g | awk '/Mem:/{print $2}') GiB, no GPU; commit $commit"
     echo "- versions that differ from the lock (constraints.txt, <) in .venv-latest (>):"
     echo
     echo '```text'
