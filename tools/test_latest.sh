@@ -25,10 +25,19 @@ code=$?
     echo
     echo "- command: \`TESTS=$TESTS make test-latest\` (tools/test_latest.sh), exit $code, $(( $(date +%s) - start )) s"
     echo "- machine: $(nproc) CPUs, $(free -g | awk '/Mem:/{print $2}') GiB, no GPU; commit $commit"
-    echo "- versions that differ from the lock (constraints.txt, <) in .venv-latest (>):"
+    echo "- versions that differ from the lock (constraints.txt -> .venv-latest; the lock's extras this venv"
+    echo "  doesn't install left out):"
     echo
     echo '```text'
-    "$venv/bin/pip" freeze --exclude-editable | diff constraints.txt - | grep '^[<>]'
+    "$venv/bin/pip" freeze --exclude-editable | "$venv/bin/python" -c '
+import sys
+from packaging.utils import canonicalize_name as name
+def pins(lines):
+    return {name(a): b for a, _, b in (l.strip().partition("==") for l in lines) if b and not a.startswith("#")}
+lock, now = pins(open("constraints.txt")), pins(sys.stdin)
+for n in sorted(now):
+    if lock.get(n) != now[n]:
+        print(n + ": " + lock.get(n, "not in the lock") + " -> " + now[n])'
     echo '```'
     echo
     echo '```text'
