@@ -392,7 +392,7 @@ def test_a_mixture_trains_each_draw_once_resumes_and_a_changed_weight_is_another
     """Three sources in three formats, weighted 0.5 / 0.3 / 0.2: a run stopped at step 3 on 2
     workers and resumed on 1 (the epoch's rest planned again, issue 62) trains exactly the draw,
     every drawn example as often as it was drawn (the chats, fewer than their share, two or three
-    times each, some before the change of size and some after), none of the eval examples, each
+    times each: the rest is a difference of counts, not of sets), none of the eval examples, each
     step once; the same run with another weight is refused before Ray starts, as another mixture."""
     from collections import Counter
 
