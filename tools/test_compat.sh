@@ -24,7 +24,7 @@ for ray in $RAYS; do
     out=benchmarks/results/compat_ray${ray}_cpu_$(date -u +%Y%m%d).md
     log=.cache/compat_ray$ray.log
     commit="$(git rev-parse --short HEAD)$(git diff --quiet -- . ':!benchmarks/results' || echo ' (with uncommitted changes)')"
-start=$(date +%s)
+    start=$(date +%s)
     # shellcheck disable=SC2086  # TESTS may name several paths
     "$venv/bin/pytest" -q -p no:cacheprovider $TESTS > "$log" 2>&1
     code=$?
