@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import transformers
+from packaging.version import Version
 
 TOLERANCE = 1e-5
 """The largest relative error accepted between a packed row and its examples alone (fp32)."""
@@ -77,6 +78,9 @@ DSA = dict(index_n_heads=2, index_head_dim=16, index_topk=4, n_group=1, topk_gro
 INDEXER = dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=16, indexer_compress_ratio=4)
 KDA = dict(linear_num_heads=4, linear_head_dim=16)
 WINDOW = {"sliding_window": 8}
+_MAMBA2_DROPS = Version(transformers.__version__) < Version("5.25")
+"""Whether the installed Mamba2ForCausalLM drops the row's boundaries (the `mamba2` row)."""
+
 HYBRID = {"split_refused": r"sequence_parallel.*state passed along"}
 """A convolution or recurrence over the row can't follow it split across ranks."""
 LA, FA = "linear_attention", "full_attention"
@@ -312,12 +316,12 @@ FAMILIES: dict[str, Family] = {
     "glm_moe_dsa": Family("GlmMoeDsaConfig", {**MOE, **MLA, **DSA, "first_k_dense_replace": 1, "n_shared_experts": 1},
                           refused=r"indexed_attention", mixes=False),  # fmt: skip
     "recurrent_gemma": Family("RecurrentGemmaConfig", refused=r"convolution over the sequence"),
-    # pure Mamba-2: raypack's mixers, nothing to route, but Mamba2ForCausalLM's forward takes no
-    # position_ids (and up to transformers 5.24 calls its backbone without the forward's keyword
-    # arguments, so the row's boundaries never reach them: test_traits.py)
+    # pure Mamba-2: raypack's mixers, nothing to route and no positions to read. Up to transformers
+    # 5.24 Mamba2ForCausalLM calls its backbone without the forward's keyword arguments, so the row's
+    # boundaries never reach the mixers (test_traits.py): refused there, exact from 5.25
     "mamba2": Family("Mamba2Config", {"num_heads": 8, "state_size": 8, "n_groups": 2, "chunk_size": 8},
-                     refused=r"its forward takes no position_ids",
-                     layout="every layer Mamba-2, no attention", source="Mamba2Config"),  # fmt: skip
+                     refused=r"calls self\.backbone without its keyword arguments" if _MAMBA2_DROPS else None,
+                     layout="every layer Mamba-2, no attention", source="Mamba2Config", **HYBRID),  # fmt: skip
     "bert": Family("BertConfig", {"is_decoder": False}, refused=r"bidirectional attention", mixes=False),
     # BERT as a decoder is causal
     "bert_decoder": Family("BertConfig", {"is_decoder": True}, module="bert"),

@@ -24,7 +24,8 @@ what still works, when it has
                                          row across ranks) and train.compile
     attention outside transformers'      no `_supports_attention_backend`, or no position_ids
     attention interface                  in forward (Bloom, GPT-2-era classes). A stack of known
-                                         mixers with no attention layer has nothing to route
+                                         mixers with no attention layer has nothing to route, and
+                                         no positions to read
     boundaries that can't reach the      a forward that doesn't hand its keyword arguments (the
     mixers                               row's cu_seq_lens) to its decoder (Mamba2ForCausalLM)
     row-position query scaling           Llama 4's `attn_temperature_tuning` scales NoPE layers'
@@ -211,6 +212,16 @@ def drops_boundaries(model: torch.nn.Module) -> str | None:
     return None
 
 
+def positionless(model: torch.nn.Module, tree: ModelTree) -> bool:
+    """A stack of known mixers with no attention layer: nothing in it reads positions (a causal
+    convolution or recurrence has no position embedding), so a forward without position_ids loses
+    nothing, as long as it hands its keyword arguments on (the row's boundaries ride there; whether
+    the decoder gets them too is `drops_boundaries`). Mamba2ForCausalLM from transformers 5.25."""
+    takes = inspect.signature(type(model).forward).parameters.values()
+    return (bool(tree.mixers) and not attention_types(tree.decoder, tree.mixers)
+            and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in takes))
+
+
 def has_sinks(model: torch.nn.Module) -> str | None:
     """The first attention module carrying a `sinks` tensor (GPT-OSS passes it as s_aux)."""
     for name, module in model.named_modules():
@@ -288,7 +299,7 @@ def check_packable(
     reasons = []
     if not routes_attention(model, tree):
         reasons.append("transformers can't route its attention through AttentionInterface")
-    if "position_ids" not in inspect.signature(type(model).forward).parameters:
+    if "position_ids" not in inspect.signature(type(model).forward).parameters and not positionless(model, tree):
         reasons.append("its forward takes no position_ids")
     if backends and found and (callee := drops_boundaries(model)):
         reasons.append(f"its forward calls self.{callee} without its keyword arguments, so the row's boundaries "

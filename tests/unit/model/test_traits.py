@@ -157,7 +157,8 @@ def test_a_forward_that_keeps_the_boundaries_from_its_mixers_is_refused():
     """A Mamba-2 model whose forward calls the backbone without its keyword arguments (as
     transformers' own Mamba2ForCausalLM did up to 5.24): its mixers are raypack's Mamba-2 kind, and
     its stack has no attention to route, but cu_seq_lens_q never reaches them. Refused, naming
-    that. transformers' own is refused on every version (its forward takes no position_ids)."""
+    that. Its forward takes no position_ids, which a stack with nothing that reads positions
+    doesn't need, unless it takes no keyword arguments at all (where the boundaries ride)."""
     from raypack.model import mixers
     from raypack.model.build import meta_model
     from raypack.model.traits import decoder, drops_boundaries, routes_attention
@@ -174,8 +175,18 @@ def test_a_forward_that_keeps_the_boundaries_from_its_mixers_is_refused():
     assert routes_attention(model) and drops_boundaries(model) == "backbone"
     with pytest.raises(UnsupportedModelError, match=r"calls self\.backbone without its keyword arguments"):
         check_packable(model, "mamba2")
+    only = r"rows: its forward calls self\.backbone without its keyword arguments, [^;]*\. Use"
+    with pytest.raises(UnsupportedModelError, match=only):
+        check_packable(model, "mamba2")  # the one reason: no position_ids is none here
+
+    class Closed(transformers.Mamba2ForCausalLM):
+        def forward(self, input_ids=None, labels=None):
+            return self.lm_head(self.backbone(input_ids=input_ids).last_hidden_state)
+
+    with torch.device("meta"):
+        closed = Closed(config)
     with pytest.raises(UnsupportedModelError, match=r"its forward takes no position_ids"):
-        check_packable(meta_model(config), "mamba2")
+        check_packable(closed, "mamba2")
     assert drops_boundaries(meta_model(tiny_config("nemotron_h"))) is None
 
 
