@@ -11,6 +11,8 @@ PYTHON=${PYTHON:-python3}
 TORCH=${TORCH:-torch==2.13.0}
 RAYS=${RAYS:-"2.55.1 2.60.0"}
 TESTS=${TESTS:-tests/ray}
+# shellcheck source=tools/suite_results.sh
+. tools/suite_results.sh
 status=0
 for ray in $RAYS; do
     venv=.venv-ray$ray
@@ -23,24 +25,16 @@ for ray in $RAYS; do
     fi
     out=benchmarks/results/compat_ray${ray}_cpu_$(date -u +%Y%m%d).md
     log=.cache/compat_ray$ray.log
-    commit="$(git rev-parse --short HEAD)$(git diff --quiet -- . ':!benchmarks/results' || echo ' (with uncommitted changes)')"
-    start=$(date +%s)
-    # shellcheck disable=SC2086  # TESTS may name several paths
-    "$venv/bin/pytest" -q -p no:cacheprovider $TESTS > "$log" 2>&1
-    code=$?
+    run_suite "$venv" "$log" "$TESTS"
     {
         echo "# The Ray tier on Ray $ray"
         echo
-        echo "- command: \`RAYS=$ray TESTS=$TESTS make test-compat\` (tools/test_compat.sh), exit $code, $(( $(date +%s) - start )) s"
-        echo "- machine: $(nproc) CPUs, $(free -g | awk '/Mem:/{print $2}') GiB, no GPU; commit $commit"
+        suite_facts "RAYS=$ray TESTS=$TESTS make test-compat" tools/test_compat.sh
         echo "- versions: $("$venv/bin/python" -c 'import importlib.metadata as m, sys; print(", ".join([f"python {sys.version.split()[0]}"] + [f"{p} {m.version(p)}" for p in ("ray", "torch", "transformers", "deepspeed", "pyarrow", "datasets", "peft")]))')"
         echo
-        echo '```text'
-        grep -E '^(FAILED|ERROR) ' "$log" | head -50
-        tail -n 1 "$log"
-        echo '```'
+        suite_counts "$log"
     } > "$out"
     cat "$out"
-    [ "$code" -eq 0 ] || status=1
+    [ "$SUITE_CODE" -eq 0 ] || status=1
 done
 exit $status

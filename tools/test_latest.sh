@@ -12,19 +12,15 @@ venv=.venv-latest
 rm -rf "$venv" && "$PYTHON" -m venv "$venv"
 "$venv/bin/pip" install -q --upgrade pip "$TORCH"
 "$venv/bin/pip" install -q --upgrade --upgrade-strategy eager -e ".[dev]" || exit 1
-mkdir -p .cache
+# shellcheck source=tools/suite_results.sh
+. tools/suite_results.sh
 log=.cache/latest.log
 out=benchmarks/results/latest_cpu_$(date -u +%Y%m%d).md
-commit="$(git rev-parse --short HEAD)$(git diff --quiet -- . ':!benchmarks/results' || echo ' (with uncommitted changes)')"
-start=$(date +%s)
-# shellcheck disable=SC2086  # TESTS may name several paths
-"$venv/bin/pytest" -q -p no:cacheprovider $TESTS > "$log" 2>&1
-code=$?
+run_suite "$venv" "$log" "$TESTS"
 {
     echo "# The suite on the newest versions pyproject.toml allows"
     echo
-    echo "- command: \`TESTS=$TESTS make test-latest\` (tools/test_latest.sh), exit $code, $(( $(date +%s) - start )) s"
-    echo "- machine: $(nproc) CPUs, $(free -g | awk '/Mem:/{print $2}') GiB, no GPU; commit $commit"
+    suite_facts "TESTS=$TESTS make test-latest" tools/test_latest.sh
     echo "- versions that differ from the lock (constraints.txt -> .venv-latest; the lock's extras this venv"
     echo "  doesn't install left out):"
     echo
@@ -40,10 +36,7 @@ for n in sorted(now):
         print(n + ": " + lock.get(n, "not in the lock") + " -> " + now[n])'
     echo '```'
     echo
-    echo '```text'
-    grep -E '^(FAILED|ERROR) ' "$log" | head -50
-    tail -n 1 "$log"
-    echo '```'
+    suite_counts "$log"
 } > "$out"
 cat "$out"
-exit $code
+exit $SUITE_CODE
