@@ -153,7 +153,7 @@ def test_a_layer_type_with_no_layer_to_read_is_refused_by_name():
         check_packable(model, "tiny-llama")
 
 
-def test_a_forward_that_keeps_the_boundaries_from_its_mixers_is_refused():
+def test_a_forward_that_keeps_the_boundaries_from_its_mixers_is_refused_and_one_without_positions_is_not():
     """A Mamba-2 model whose forward calls the backbone without its keyword arguments (as
     transformers' own Mamba2ForCausalLM did up to 5.24): its mixers are raypack's Mamba-2 kind, and
     its stack has no attention to route, but cu_seq_lens_q never reaches them. Refused, naming
@@ -164,27 +164,27 @@ def test_a_forward_that_keeps_the_boundaries_from_its_mixers_is_refused():
     from raypack.model.traits import decoder, drops_boundaries, routes_attention
 
     class Dropping(transformers.Mamba2ForCausalLM):
-        def forward(self, input_ids=None, position_ids=None, labels=None, **kwargs):
+        def forward(self, input_ids=None, labels=None, **kwargs):
             return self.lm_head(self.backbone(input_ids=input_ids).last_hidden_state)
 
-    config = transformers.Mamba2Config(hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=8,
-                                       n_groups=2, vocab_size=512, chunk_size=8)  # fmt: skip
-    with torch.device("meta"):
-        model = Dropping(config)
-    assert {k.name for k in mixers.find(decoder(model)).values()} == {"Mamba-2"}
-    assert routes_attention(model) and drops_boundaries(model) == "backbone"
-    with pytest.raises(UnsupportedModelError, match=r"calls self\.backbone without its keyword arguments"):
-        check_packable(model, "mamba2")
-    only = r"rows: its forward calls self\.backbone without its keyword arguments, [^;]*\. Use"
-    with pytest.raises(UnsupportedModelError, match=only):
-        check_packable(model, "mamba2")  # the one reason: no position_ids is none here
+    class Passing(transformers.Mamba2ForCausalLM):  # as 5.25's
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            return self.lm_head(self.backbone(input_ids=input_ids, **kwargs).last_hidden_state)
 
     class Closed(transformers.Mamba2ForCausalLM):
         def forward(self, input_ids=None, labels=None):
             return self.lm_head(self.backbone(input_ids=input_ids).last_hidden_state)
 
+    config = transformers.Mamba2Config(hidden_size=64, num_hidden_layers=2, num_heads=8, head_dim=16, state_size=8,
+                                       n_groups=2, vocab_size=512, chunk_size=8)  # fmt: skip
     with torch.device("meta"):
-        closed = Closed(config)
+        model, passing, closed = Dropping(config), Passing(config), Closed(config)
+    assert {k.name for k in mixers.find(decoder(model)).values()} == {"Mamba-2"}
+    assert routes_attention(model) and drops_boundaries(model) == "backbone"
+    only = r"rows: its forward calls self\.backbone without its keyword arguments, [^;]*\. Use"
+    with pytest.raises(UnsupportedModelError, match=only):
+        check_packable(model, "mamba2")  # the one reason: no position_ids is none here
+    check_packable(passing, "mamba2")
     with pytest.raises(UnsupportedModelError, match=r"its forward takes no position_ids"):
         check_packable(closed, "mamba2")
     assert drops_boundaries(meta_model(tiny_config("nemotron_h"))) is None
