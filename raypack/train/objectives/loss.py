@@ -113,12 +113,23 @@ def _compose(transforms: list[tuple[str, Transform]]) -> Transform:
 
 
 class _Capture(nn.Module):
-    """Stands in for the output head during the model's forward: keeps its input, computes nothing."""
+    """Stands in for the output head during the model's forward: keeps its input, computes nothing.
+    It shows the head's `weight` and `bias` (not as its own parameters), which some forwards read
+    around the call: Mamba2ForCausalLM casts the hidden states to `lm_head.weight.dtype`."""
 
-    def __init__(self, vocab: int) -> None:
+    def __init__(self, head: nn.Module, vocab: int) -> None:
         super().__init__()
         self.vocab = vocab
         self.inputs: list[torch.Tensor] = []
+        self.__dict__["head"] = head  # not a submodule: the head's parameters stay the head's alone
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return getattr(self.head, "bias", None)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         self.inputs.append(hidden)
@@ -225,7 +236,7 @@ class CausalLMLoss:
 
     def hidden_states(self, forward: Callable[..., Any], batch: dict[str, Any]) -> torch.Tensor:
         """Run the model with its output head captured: the head's input, no logits computed."""
-        capture = _Capture(self.vocab)
+        capture = _Capture(self.head, self.vocab)
         setattr(self.parent, self.attr, capture)
         try:
             forward(**batch)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from raypack.data.collate import collate_packed
 from raypack.model.build import load_model, tiny_config
@@ -77,6 +78,24 @@ def test_chunked_matches_full_loss_and_every_gradient(family, padded):
     # and without gradients (evaluation)
     with torch.no_grad():
         torch.testing.assert_close(chunked(model, batch), ref, rtol=1e-6, atol=1e-5)
+
+
+def test_a_forward_that_reads_the_heads_weight_trains_chunked():
+    """Mamba2ForCausalLM (transformers 5.25) casts the hidden states to `lm_head.weight.dtype` before
+    its head: the stand-in that captures them shows the head's weight, and the loss is the full one."""
+
+    class Reading(transformers.LlamaForCausalLM):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            hidden = self.model(input_ids=input_ids, **kwargs).last_hidden_state
+            return CausalLMOutputWithPast(logits=self.lm_head(hidden.to(self.lm_head.weight.dtype)).float())
+
+    torch.manual_seed(0)
+    model = Reading(tiny_config("llama", vocab_size=1024))
+    batch = make_batch(False)
+    ref, ref_grads = loss_and_grads(model, CausalLMLoss(model, "full"), batch)
+    got, grads = loss_and_grads(model, make_loss(model, "chunked", chunk_tokens=5), batch)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-5)
+    assert grads.keys() == ref_grads.keys() and all(rel_err(g, ref_grads[n]) < 1e-5 for n, g in grads.items())
 
 
 def test_tied_head_gets_both_gradients():
