@@ -89,7 +89,7 @@ def test_family_is_exact_or_refused(family):
     assert any(k.startswith("grad:") for k in errors)
 
 
-def test_the_docs_count_the_families_checked_here():
+def test_the_docs_count_the_families_checked_here(monkeypatch):
     """docs/concepts/exactness.md says how many rows and families this file checks, and the README
     how many attention families: kept true as rows are added. exactness.md counts the lock's
     transformers (a row's verdict may change with the version: `mamba2`), checked on that one."""
@@ -97,8 +97,10 @@ def test_the_docs_count_the_families_checked_here():
     attention = {spec.module_name(key) for key, spec in FAMILIES.items()
                  if not spec.refused and spec.split_refused != HYBRID["split_refused"]}  # fmt: skip
     assert f"| attention, dense and MoE | {len(attention)} families: " in (root / "README.md").read_text()
-    lock = next(line.split("==")[1] for line in (root / "constraints.txt").read_text().splitlines()
-                if line.startswith("transformers=="))  # fmt: skip
+    monkeypatch.syspath_prepend(str(root / "docker"))
+    from check_image import pins  # the lock's pins, as the image build reads them
+
+    lock = pins()["transformers"]
     if transformers.__version__ != lock:
         pytest.skip(f"exactness.md counts the rows on the lock's transformers {lock}, not {transformers.__version__}")
     text = " ".join((root / "docs/concepts/exactness.md").read_text().split())
