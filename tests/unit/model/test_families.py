@@ -30,7 +30,7 @@ import pytest
 import torch
 import transformers
 from checkpoints import saved_config
-from exactness import packed_vs_alone, random_lora_b
+from exactness import AS_CLOSE, off_float64, packed_vs_alone, random_lora_b
 from families import FAMILIES, HYBRID
 from transformers import AutoModelForCausalLM
 
@@ -85,7 +85,15 @@ def test_family_is_exact_or_refused(family):
     ref.load_state_dict(model.state_dict())
     errors = packed_vs_alone(model, ref)
     worst = max(errors, key=errors.get)
-    assert errors[worst] < spec.tolerance, f"{family}: {worst} off by {errors[worst]:.2e} (all: {errors})"
+    if errors[worst] >= spec.tolerance and worst.startswith("grad:"):
+        # fp32 rounding alone can exceed the row's bound on another CPU's kernels (DiffLlama's
+        # lambdas: 1.7e-5 on an AVX-512 EPYC, under 1e-5 elsewhere): then the packed row must be
+        # as close to the examples' float64 value as they are alone in fp32 (exactness.AS_CLOSE)
+        packed, alone = off_float64(model, ref)
+        assert packed < AS_CLOSE * max(alone, spec.tolerance), f"{family}: {worst} off by {errors[worst]:.2e}, " \
+            f"{packed:.2e} off float64 where the examples alone are {alone:.2e} (all: {errors})"
+    else:
+        assert errors[worst] < spec.tolerance, f"{family}: {worst} off by {errors[worst]:.2e} (all: {errors})"
     assert any(k.startswith("grad:") for k in errors)
 
 

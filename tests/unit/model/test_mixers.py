@@ -118,14 +118,18 @@ def test_a_row_of_very_unequal_examples_packs_exactly_on_about_its_tokens(family
     padded batch would run as 31 x 200 = 6200 slots for its 425 tokens: the buckets run under
     1.5x the tokens through each mixer (the spare calls' one token each aside). From a saved
     folder, as users load theirs."""
-    from exactness import packed_vs_alone
+    from exactness import AS_CLOSE, off_float64, packed_vs_alone
 
     torch.manual_seed(0)
     model, ref = _from_folder(family)
     seen = _slots_seen(model)
     errors = packed_vs_alone(model, ref, lengths=UNEQUAL)
     worst = max(errors, key=errors.get)
-    assert errors[worst] < 2e-5, (worst, errors[worst])
+    if errors[worst] >= 2e-5 and worst.startswith("grad:"):  # fp32 rounding alone (test_families' row check)
+        packed, alone = off_float64(model, ref, lengths=UNEQUAL)
+        assert packed < AS_CLOSE * max(alone, 2e-5), (worst, errors[worst], packed, alone)
+    else:
+        assert errors[worst] < 2e-5, (worst, errors[worst])
     tokens, layers = sum(UNEQUAL[0]), len(mixers.find(decoder(model)))
     real = [n for n in seen if n > 1]
     assert sum(real) < 1.5 * tokens * layers, (sum(real), tokens, layers)
