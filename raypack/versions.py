@@ -27,7 +27,7 @@ SUPPORTED: dict[str, str] = {
 }
 """What a job's driver imports, as pyproject.toml's dependencies allow. DeepSpeed is checked by the
 workers that import it (a run on the torch engine needs none)."""
-OPTIONAL: dict[str, str] = {"deepspeed": ">=0.19.8,<0.20", "peft": ">=0.21,<0.22"}
+OPTIONAL: dict[str, str] = {"deepspeed": ">=0.19.8,<0.20", "peft": ">=0.21,<0.23"}
 """Checked where installed: a version outside the range is refused; a missing one is the run's
 own business (train.engine: torch needs no DeepSpeed; model.peft names peft where it is used)."""
 
