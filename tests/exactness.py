@@ -112,20 +112,15 @@ times the examples-alone fp32 run's distance from the float64 value (seen: 0.96 
 
 
 def off_float64(model, ref, lengths=LENGTHS, seed=0) -> tuple[float, float]:
-    """After packed_vs_alone(model, ref, lengths, seed): the largest gradient distance of the
-    packed run (model's) and of the examples alone in fp32 (ref's) from the examples alone in
-    float64, the value both round, each relative to the gradient's scale as packed_vs_alone
-    measures it. For a gradient fp32 computes ill-conditioned, whatever the packing."""
+    """After packed_vs_alone(model, ref, lengths, seed): the largest gradient error of the packed
+    run (model's) and of the examples alone in fp32 (ref's) against the examples alone in float64,
+    the value both round (dpo_check.grad_errors). For a gradient fp32 computes ill-conditioned,
+    whatever the packing."""
+    from dpo_check import grad_errors
+
     exact = float64_copy(ref)
     vocab = model.get_input_embeddings().num_embeddings
     _, examples = make_rows(lengths, seed, vocab=min(vocab, 1024))
     sum(summed_loss(exact(input_ids=ids[None]).logits, lab[None]) for ids, lab in examples).backward()
     exact_grads = {n: q.grad for n, q in exact.named_parameters() if q.grad is not None}
-    floor = 1e-3 * max(g.abs().max().item() for g in exact_grads.values())
-    off = {"packed": 0.0, "alone": 0.0}
-    for side, params in (("packed", model.named_parameters()), ("alone", ref.named_parameters())):
-        for name, p in params:
-            if name in exact_grads and p.grad is not None:
-                scale = max(exact_grads[name].abs().max().item(), floor)
-                off[side] = max(off[side], (p.grad.double() - exact_grads[name]).abs().max().item() / scale)
-    return off["packed"], off["alone"]
+    return max(grad_errors(model, exact_grads).values()), max(grad_errors(ref, exact_grads).values())

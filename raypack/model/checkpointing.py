@@ -174,11 +174,6 @@ def survey(model: nn.Module, batch: dict) -> Survey:
     return Survey(watch.hazard, frozenset(watch.products))
 
 
-def selective_hazard(model: nn.Module, batch: dict) -> str | None:
-    """Why `selective` would not be exact for `model`, or None (`survey`)."""
-    return survey(model, batch).hazard
-
-
 def check_selective(model: nn.Module, batch: dict, configured: str) -> tuple[str, str | None]:
     """At setup, with the model on its device: `selective` where it is exact. Where it is not, an
     UnsupportedModelError if it was configured, and full instead if `auto` chose it. Returns the

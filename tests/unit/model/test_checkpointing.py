@@ -35,7 +35,7 @@ def _checkpointed(model):
 
 PACKED = exact()
 WRITES_INTO_KEPT = {"gemma3n", "llama4"}
-"""Families (by model type) that add or multiply in place into a matmul's output (checkpointing.selective_hazard)."""
+"""Families (by model type) that add or multiply in place into a matmul's output (checkpointing.survey)."""
 
 
 def _probe(config) -> dict:
